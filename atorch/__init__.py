@@ -1,0 +1,7 @@
+"""atorch: a PyTorch auto-optimization strategy engine."""
+from atorch.auto.accelerate import auto_accelerate
+from atorch.auto.strategy import Strategy
+from atorch.distributed.init import init_distributed
+
+__version__ = "0.1.0"
+__all__ = ["auto_accelerate", "init_distributed", "Strategy", "__version__"]

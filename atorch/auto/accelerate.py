@@ -1,0 +1,182 @@
+"""auto_accelerate: the user-facing entry point (semi-automatic mode: ``load_strategy``)."""
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+from collections import namedtuple
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from atorch.auto import opt_lib
+from atorch.auto.dryrun import DryRunResult, dry_run
+from atorch.errors import DryRunError, InputError, RequirementError
+from atorch.auto.model_context import ModelContext
+from atorch.auto.opt_lib.compat import check_compatible
+from atorch.auto.strategy import Strategy, StrategyItem
+from atorch.distributed.init import init_distributed
+
+logger = logging.getLogger("atorch")
+
+AutoAccelerateResult = namedtuple(
+    "AutoAccelerateResult", ["model", "optim", "dataloader", "loss_func", "prepare_input", "lr_scheduler", "args"]
+)
+KARGS = ("verbose", "time_limit", "find_unused_parameters", "dryrun_steps")
+
+
+def auto_accelerate(
+    model: torch.nn.Module,
+    optim_func: Optional[Callable] = None,
+    dataset: Optional[torch.utils.data.Dataset] = None,
+    loss_func: Optional[Callable] = None,
+    prepare_input: Optional[Callable] = None,
+    model_input_format: Optional[str] = None,
+    optim_args: Optional[dict] = None,
+    optim_param_func: Optional[Callable] = None,
+    dataloader_args: Optional[dict] = None,
+    distributed_sampler_cls: Optional[type] = None,
+    excluded: Optional[list] = None,
+    included: Optional[list] = None,
+    load_strategy: Any = None,
+    lr_scheduler_cls: Optional[type] = None,
+    lr_scheduler_args: Optional[dict] = None,
+    finetune_strategy: bool = False,
+    save_strategy_to_file: Optional[str] = None,
+    ignore_dryrun_on_load_strategy: bool = True,
+    **kargs: Any,
+) -> tuple[bool, Optional[AutoAccelerateResult], Optional[Strategy]]:
+    """Apply (semi-automatic) or find (fully automatic) a strategy; see the README for the contract.
+
+    Returns ``(status, result, strategy)``; ``result`` holds the wrapped model, optimizer, dataloader,
+    loss_func, prepare_input, lr_scheduler and ``args`` (how to drive them). Bad inputs raise typed
+    errors (``atorch.errors``); a failed dry run returns ``(False, None, None)`` with the reason logged.
+    """
+    unknown = sorted(set(kargs) - set(KARGS))
+    if unknown:
+        raise InputError(f"unknown keyword argument(s) {unknown}; supported kargs: {list(KARGS)}")
+    if kargs.get("verbose"):
+        _enable_verbose_logging()
+    init_distributed()
+
+    def make_context(target: torch.nn.Module) -> ModelContext:
+        return ModelContext(
+            target, optim_func, dataset, loss_func, prepare_input, model_input_format, optim_args,
+            optim_param_func, dataloader_args, distributed_sampler_cls, lr_scheduler_cls, lr_scheduler_args,
+            find_unused_parameters=bool(kargs.get("find_unused_parameters", False)),
+        )
+
+    ctx = make_context(model)  # checks the inputs before anything else happens
+    if load_strategy is None:
+        raise NotImplementedError(
+            "fully automatic mode (load_strategy=None) is not available yet; pass load_strategy, "
+            "e.g. ['parallel_mode', ('amp_native', {'dtype': torch.bfloat16})]"
+        )
+    if finetune_strategy:
+        raise NotImplementedError("finetune_strategy=True needs the strategy search, which is not available yet")
+    strategy = resolve_strategy(Strategy.from_any(load_strategy), excluded=excluded)
+    _log(f"auto_accelerate strategy:\n{strategy}")
+
+    if not ignore_dryrun_on_load_strategy:
+        report = dry_run_strategy(lambda: make_context(copy.deepcopy(model)), strategy, kargs.get("dryrun_steps", 2))
+        _log(str(report))
+        if not report.ok:
+            raise DryRunError(f"the loaded strategy failed its dry run: {report.error}")
+        ctx.args.dryrun = report
+
+    apply_strategy(ctx, strategy)
+    if save_strategy_to_file:
+        _save(strategy, save_strategy_to_file)
+    result = AutoAccelerateResult(
+        ctx.model, ctx.optim, ctx.dataloader, ctx.loss_func, ctx.prepare_input, ctx.lr_scheduler, ctx.args
+    )
+    return True, result, strategy
+
+
+def resolve_strategy(strategy: Strategy, excluded: Optional[list] = None) -> Strategy:
+    """Validate names and configs for this process layout; returns the strategy that will run.
+
+    Distributed-only methods are dropped (logged) in a single process; under several ranks a missing
+    parallel_mode is added (data parallel over all ranks); parallel_mode is fitted to the world size.
+    """
+    distributed = dist.is_initialized()
+    world_size = dist.get_world_size() if distributed else 1
+    items: list[StrategyItem] = []
+    dropped = []
+    for item in strategy:
+        method = opt_lib.get_optimization(item.name)
+        if excluded and item.name in excluded:
+            raise InputError(f"method {item.name!r} is both in load_strategy and in excluded")
+        if method.distributed_only and not distributed:
+            dropped.append(item.name)
+            continue
+        reason = method.requirements()
+        if reason:
+            if getattr(method, "ignored_when_unavailable", False):
+                logger.warning("%s is ignored: %s", item.name, reason)
+                continue
+            raise RequirementError(f"{item.name} cannot run here: {reason}")
+        items.append(StrategyItem(item.name, method.normalize(item.config), item.tunable))
+    if dropped:
+        logger.warning("single process: dropping distributed-only method(s) %s", dropped)
+    if distributed and world_size > 1 and "parallel_mode" not in [i.name for i in items]:
+        logger.info("%d ranks and no parallel_mode in the strategy: adding data parallel over all ranks", world_size)
+        method = opt_lib.get_optimization("parallel_mode")
+        items.insert(0, StrategyItem("parallel_mode", method.normalize(None), True))
+    _log_parallel_adjustment(strategy, items, world_size)
+    check_compatible([(i.name, i.config) for i in items])
+    return Strategy(items)
+
+
+def apply_strategy(ctx: ModelContext, strategy: Strategy) -> ModelContext:
+    """Record every method's wrappers, then apply them in the canonical order."""
+    for item in strategy:
+        opt_lib.get_optimization(item.name).transform(ctx, item.config)
+    ctx.apply_wrappers()
+    return ctx
+
+
+def dry_run_strategy(make_context: Callable[[], ModelContext], strategy: Strategy, steps: int = 2) -> DryRunResult:
+    """Dry-run on a copy of the model so the user's model and optimizer state stay untouched."""
+    ctx = make_context()
+    try:
+        apply_strategy(ctx, strategy)
+        return dry_run(ctx, warmup_steps=1, timed_steps=steps)
+    finally:
+        del ctx
+        gc.collect()
+
+
+def _log_parallel_adjustment(original: Strategy, items: list[StrategyItem], world_size: int) -> None:
+    given = original.get("parallel_mode")
+    final = next((i.config for i in items if i.name == "parallel_mode"), None)
+    if given is not None and final is not None and _sizes(given) != _sizes(final):
+        logger.warning("parallel_mode %s adjusted to %s for world size %d", given, final, world_size)
+
+
+def _sizes(config: Any) -> Any:
+    try:
+        return [tuple(d) for d in config[0]]
+    except (TypeError, IndexError):
+        return config
+
+
+def _save(strategy: Strategy, path: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        strategy.save(path)
+        _log(f"strategy saved to {path}")
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _log(message: str) -> None:
+    logger.info(message)
+
+
+def _enable_verbose_logging() -> None:
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[atorch %(levelname)s] %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)

@@ -1,0 +1,89 @@
+"""A few real training steps of an applied strategy: step time and peak memory, agreed by all ranks."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from atorch.errors import InputError
+from atorch.auto.model_context import ModelContext, loss_value
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DryRunResult:
+    ok: bool
+    step_time_s: Optional[float] = None   # mean of the timed steps, max over ranks
+    peak_memory_bytes: Optional[int] = None  # max over ranks
+    error: Optional[str] = None
+
+    def __str__(self) -> str:
+        if not self.ok:
+            return f"dry run failed: {self.error}"
+        return f"dry run: {self.step_time_s * 1000:.1f} ms/step, peak memory {self.peak_memory_bytes / 2**20:.1f} MiB/rank"
+
+
+def train_step(ctx: ModelContext, batch) -> torch.Tensor:
+    """One step exactly as the seed's user loop drives the returned objects."""
+    data = ctx.prepare_input(batch)
+    output = ctx.call_model(ctx.model, data)
+    loss = loss_value(ctx.loss_func(data, output))
+    if ctx.args.use_optim_backward:
+        ctx.optim.backward(loss)
+    else:
+        loss.backward()
+    ctx.optim.step()
+    ctx.optim.zero_grad()
+    return loss.detach()
+
+
+def dry_run(ctx: ModelContext, warmup_steps: int = 1, timed_steps: int = 2) -> DryRunResult:
+    """Run warmup + timed steps on an applied context; failures on any rank fail every rank."""
+    if ctx.dataloader is None or ctx.optim is None:
+        raise InputError("a dry run needs dataset, loss_func and optim_func")
+    from atorch.utils.memory import PeakMemoryTracker
+
+    error: Optional[str] = None
+    elapsed, peak = 0.0, 0
+    try:
+        batches = iter(ctx.dataloader)
+        with PeakMemoryTracker(ctx.device, roots=[ctx.model, ctx.raw_optim]) as tracker:
+            for step in range(warmup_steps + timed_steps):
+                batch = next(batches)
+                _sync(ctx.device)
+                start = time.perf_counter()
+                train_step(ctx, batch)
+                _sync(ctx.device)
+                if step >= warmup_steps:
+                    elapsed += time.perf_counter() - start
+        peak = tracker.stats.peak_bytes
+    except StopIteration:
+        error = f"the dataset has fewer than {warmup_steps + timed_steps} batches for the dry run"
+    except Exception as exc:  # reported, and agreed across ranks below
+        error = f"{type(exc).__name__}: {exc}"
+        logger.exception("dry run failed on this rank")
+    return _agree(ctx, error, elapsed / max(timed_steps, 1), peak)
+
+
+def _agree(ctx: ModelContext, error: Optional[str], step_time: float, peak: int) -> DryRunResult:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        values = torch.tensor([float(error is not None), step_time, float(peak)], dtype=torch.float64)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        failed, step_time, peak = bool(values[0].item()), values[1].item(), int(values[2].item())
+        if failed and error is None:
+            error = "failed on another rank"
+    else:
+        failed = error is not None
+    if failed:
+        return DryRunResult(False, error=error)
+    return DryRunResult(True, step_time, peak)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

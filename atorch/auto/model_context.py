@@ -1,0 +1,282 @@
+"""ModelContext: what the user gave, the wrappers methods record, and the build of the results.
+
+Methods only *record* wrappers at named stages; ``apply_wrappers`` runs them in the one canonical
+order below, so that methods compose without knowing about each other.
+"""
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from atorch.errors import IncompatibleMethodsError, InputError
+from atorch.distributed import mesh
+
+logger = logging.getLogger(__name__)
+
+# The canonical wrapper order (one list, in one place).
+STAGES = (
+    "parallel_mode",    # build the device mesh
+    "module_replace",
+    "fp8",
+    "half",
+    "model_parallel",   # tensor / pipeline / mixed parallel
+    "checkpoint",
+    "data_parallel",    # fsdp / zero2 / DDP (the default data-parallel wrapper)
+    "compile",          # native_dynamo, after the parallel wrappers
+    "optimizer",        # build the optimizer (zero1 swaps its factory)
+    "amp",              # autocast + grad scaler
+    "dataloader",
+)
+
+MODEL_INPUT_FORMATS = (None, "unpack_sequence", "unpack_dict")
+Wrapper = Callable[["ModelContext"], None]
+
+
+@dataclass
+class TrainingArgs:
+    """``result.args``: how the user's loop must drive what auto_accelerate returns."""
+
+    use_optim_backward: bool = False
+    requires_set_gradient_accumulation_boundary: bool = False
+    model_input_format: Optional[str] = None
+    data_parallel_size: int = 1
+    per_rank_batch_size: Optional[int] = None
+    dryrun: Any = None  # DryRunResult when a dry run ran (step time, peak memory)
+    extras: dict = field(default_factory=dict)
+
+
+class ModelContext:
+    """Everything auto_accelerate works on, before and after the strategy is applied."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optim_func: Optional[Callable] = None,
+        dataset: Optional[Dataset] = None,
+        loss_func: Optional[Callable] = None,
+        prepare_input: Optional[Callable] = None,
+        model_input_format: Optional[str] = None,
+        optim_args: Optional[dict] = None,
+        optim_param_func: Optional[Callable] = None,
+        dataloader_args: Optional[dict] = None,
+        distributed_sampler_cls: Optional[type] = None,
+        lr_scheduler_cls: Optional[type] = None,
+        lr_scheduler_args: Optional[dict] = None,
+        find_unused_parameters: bool = False,
+        device: Optional[torch.device] = None,
+    ):
+        self.model = model
+        self.optim_func = optim_func
+        self.dataset = dataset
+        self.loss_func = loss_func
+        self.user_prepare_input = prepare_input
+        self.model_input_format = model_input_format
+        self.optim_args = dict(optim_args or {})
+        self.optim_param_func = optim_param_func
+        self.dataloader_args = dict(dataloader_args or {})
+        self.distributed_sampler_cls = distributed_sampler_cls
+        self.lr_scheduler_cls = lr_scheduler_cls
+        self.lr_scheduler_args = dict(lr_scheduler_args or {})
+        self.find_unused_parameters = find_unused_parameters
+        self.device = device or default_device()
+
+        # filled in by methods' transforms
+        self.wrappers: dict[str, list[tuple[str, Wrapper]]] = defaultdict(list)
+        self.data_parallel_wrapper: Optional[tuple[str, Wrapper]] = None
+        self.optimizer_factory: Optional[Callable[["ModelContext", Any], Any]] = None
+        self.input_dtype: Optional[torch.dtype] = None
+        self.args = TrainingArgs(model_input_format=model_input_format)
+
+        # results
+        self.optim: Any = None
+        self.raw_optim: Optional[torch.optim.Optimizer] = None
+        self.dataloader: Optional[DataLoader] = None
+        self.lr_scheduler: Any = None
+        self.check_inputs()
+
+    # --- input checks ------------------------------------------------------------------------
+    def check_inputs(self) -> None:
+        if not isinstance(self.model, torch.nn.Module):
+            raise InputError(f"model must be a torch.nn.Module, got {type(self.model).__name__}")
+        if self.model_input_format not in MODEL_INPUT_FORMATS:
+            raise InputError(
+                f"model_input_format={self.model_input_format!r} is not valid; choose one of {list(MODEL_INPUT_FORMATS)}"
+            )
+        if self.optim_func is not None and not callable(self.optim_func):
+            raise InputError("optim_func must be callable: an optimizer class or fn(parameters, **optim_args)")
+        if self.dataset is not None:
+            if not isinstance(self.dataset, (Dataset, IterableDataset)) and not (
+                hasattr(self.dataset, "__getitem__") and hasattr(self.dataset, "__len__")
+            ):
+                raise InputError(f"dataset must be a torch Dataset, got {type(self.dataset).__name__}")
+            if self.loss_func is None or not callable(self.loss_func):
+                raise InputError(
+                    "a dataset was given but loss_func is not callable: auto_accelerate needs "
+                    "loss_func(input, output) -> loss to run (and dry-run) training steps"
+                )
+        for name in ("prepare_input", "optim_param_func"):
+            value = self.user_prepare_input if name == "prepare_input" else self.optim_param_func
+            if value is not None and not callable(value):
+                raise InputError(f"{name} must be callable, got {type(value).__name__}")
+        if self.lr_scheduler_cls is not None and self.optim_func is None:
+            raise InputError("lr_scheduler_cls needs optim_func: a scheduler wraps the optimizer")
+        batch_size = self.dataloader_args.get("batch_size", 1)
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise InputError(f"dataloader_args['batch_size'] must be a positive int, got {batch_size!r}")
+
+    # --- recording ---------------------------------------------------------------------------
+    def add_wrapper(self, stage: str, method: str, wrapper: Wrapper) -> None:
+        if stage not in STAGES:
+            raise ValueError(f"unknown wrapper stage {stage!r}; stages: {STAGES}")
+        self.wrappers[stage].append((method, wrapper))
+
+    def set_data_parallel_wrapper(self, method: str, wrapper: Wrapper) -> None:
+        """Claim the data-parallel slot (fsdp, zero2, ...) instead of the default DDP."""
+        if self.data_parallel_wrapper is not None:
+            raise IncompatibleMethodsError(
+                f"{method} and {self.data_parallel_wrapper[0]} both want to wrap the model for data parallelism; keep one"
+            )
+        self.data_parallel_wrapper = (method, wrapper)
+
+    # --- applying ----------------------------------------------------------------------------
+    def apply_wrappers(self) -> None:
+        self.model.to(self.device)
+        for stage in STAGES:
+            for method, wrapper in self.wrappers.get(stage, []):
+                logger.debug("applying %s at stage %s", method, stage)
+                wrapper(self)
+            if stage == "data_parallel":
+                self._wrap_data_parallel()
+            elif stage == "optimizer":
+                self._build_optimizer()
+            elif stage == "dataloader":
+                self._build_dataloader()
+        self._build_lr_scheduler()
+
+    def _wrap_data_parallel(self) -> None:
+        if self.data_parallel_wrapper is not None:
+            self.data_parallel_wrapper[1](self)
+            return
+        group = mesh.parallel_group("data_parallel")
+        if group is None or dist.get_world_size(group) == 1:
+            return
+        if not any(p.requires_grad for p in self.model.parameters()):
+            return
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        self.model = torch.nn.parallel.DistributedDataParallel(
+            self.model,
+            device_ids=device_ids,
+            process_group=group,
+            find_unused_parameters=self.find_unused_parameters,
+        )
+
+    def optimizer_params(self) -> Any:
+        if self.optim_param_func is not None:
+            return self.optim_param_func(self.model)
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _build_optimizer(self) -> None:
+        if self.optim_func is None:
+            return
+        if self.optimizer_factory is not None:
+            self.raw_optim = self.optimizer_factory(self, self.optimizer_params())
+        else:
+            self.raw_optim = self.optim_func(self.optimizer_params(), **self.optim_args)
+        self.optim = self.raw_optim
+
+    def _build_lr_scheduler(self) -> None:
+        if self.lr_scheduler_cls is not None and self.raw_optim is not None:
+            self.lr_scheduler = self.lr_scheduler_cls(self.raw_optim, **self.lr_scheduler_args)
+
+    def _build_dataloader(self) -> None:
+        if self.dataset is None:
+            return
+        args = dict(self.dataloader_args)
+        global_batch = args.pop("batch_size", 1)
+        dp_size, dp_rank = mesh.data_parallel_size(), mesh.data_parallel_rank()
+        if global_batch % dp_size:
+            raise InputError(
+                f"dataloader_args['batch_size']={global_batch} is the GLOBAL batch and must divide evenly over "
+                f"the {dp_size} data-parallel ranks"
+            )
+        self.args.data_parallel_size = dp_size
+        self.args.per_rank_batch_size = global_batch // dp_size
+        if dp_size > 1 and not isinstance(self.dataset, IterableDataset):
+            if args.get("sampler") is not None or args.get("batch_sampler") is not None:
+                raise InputError(
+                    "dataloader_args 'sampler'/'batch_sampler' cannot shard data over data-parallel ranks; "
+                    "pass distributed_sampler_cls instead"
+                )
+            sampler_cls = self.distributed_sampler_cls or DistributedSampler
+            args["sampler"] = sampler_cls(
+                self.dataset,
+                num_replicas=dp_size,
+                rank=dp_rank,
+                shuffle=bool(args.pop("shuffle", False)),
+                drop_last=bool(args.get("drop_last", False)),
+            )
+        self.dataloader = DataLoader(self.dataset, batch_size=global_batch // dp_size, **args)
+
+    # --- running a step (used by dry runs; mirrors the user's loop) --------------------------
+    def prepare_input(self, data: Any, device: Optional[torch.device] = None) -> Any:
+        device = device or self.device
+        if self.user_prepare_input is not None:
+            data = self.user_prepare_input(data, device)
+        else:
+            data = move_to_device(data, device)
+        if self.input_dtype is not None:
+            data = cast_floating(data, self.input_dtype)
+        return data
+
+    def call_model(self, model: torch.nn.Module, data: Any) -> Any:
+        if self.model_input_format == "unpack_sequence":
+            return model(*data)
+        if self.model_input_format == "unpack_dict":
+            return model(**data)
+        return model(data)
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        import os
+
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def move_to_device(data: Any, device: torch.device) -> Any:
+    if isinstance(data, torch.Tensor):
+        return data.to(device, non_blocking=True)
+    if isinstance(data, dict):
+        return type(data)((k, move_to_device(v, device)) for k, v in data.items())
+    if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
+        return type(data)(move_to_device(v, device) for v in data)
+    return data
+
+
+def cast_floating(data: Any, dtype: torch.dtype) -> Any:
+    if isinstance(data, torch.Tensor):
+        return data.to(dtype) if data.is_floating_point() else data
+    if isinstance(data, dict):
+        return type(data)((k, cast_floating(v, dtype)) for k, v in data.items())
+    if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
+        return type(data)(cast_floating(v, dtype) for v in data)
+    return data
+
+
+def loss_value(output: Any) -> torch.Tensor:
+    """The seed's loss_func may return the loss or a list/tuple whose first item is the loss."""
+    loss = output[0] if isinstance(output, (list, tuple)) else output
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise InputError(
+            f"loss_func must return a scalar tensor (or a list/tuple starting with one), got {type(loss).__name__}"
+            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+        )
+    return loss

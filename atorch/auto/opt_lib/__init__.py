@@ -1,0 +1,53 @@
+"""Registry: the one place that lists the optimization methods.
+
+Built-in methods are registered below; users add their own with ``register_optimization``.
+"""
+from __future__ import annotations
+
+from typing import Type
+
+from atorch.errors import UnknownMethodError
+from atorch.auto.opt_lib.base import Optimization
+
+_REGISTRY: dict[str, Optimization] = {}
+
+
+def register_optimization(method: Optimization | Type[Optimization], *, replace: bool = False) -> Optimization:
+    """Register a method instance (or class, instantiated with no arguments). Returns the instance."""
+    instance = method() if isinstance(method, type) else method
+    if not isinstance(instance, Optimization) or not instance.name:
+        raise TypeError("register_optimization needs an Optimization subclass with a non-empty name")
+    if instance.name in _REGISTRY and not replace:
+        raise ValueError(f"optimization {instance.name!r} is already registered (pass replace=True)")
+    _REGISTRY[instance.name] = instance
+    return instance
+
+
+def unregister_optimization(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def get_optimization(name: str) -> Optimization:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UnknownMethodError(name, _REGISTRY) from None
+
+
+def registered_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def _register_builtins() -> None:
+    from atorch.auto.opt_lib.amp import AmpNativeOptimization
+    from atorch.auto.opt_lib.half import HalfOptimization
+    from atorch.auto.opt_lib.checkpoint import CheckpointOptimization
+    from atorch.auto.opt_lib.parallel_mode import ParallelModeOptimization
+
+    for cls in (ParallelModeOptimization, AmpNativeOptimization, HalfOptimization, CheckpointOptimization):
+        register_optimization(cls)
+
+
+_register_builtins()
+
+__all__ = ["Optimization", "register_optimization", "unregister_optimization", "get_optimization", "registered_names"]

@@ -1,0 +1,93 @@
+"""checkpoint: recompute the activations of chosen submodules in backward instead of storing them.
+
+Config: a tuple of module types and/or names (a class name such as "GPTBlock", or a qualified
+submodule name / glob such as "blocks.*.mlp"), or ``{"wrap_class": (...), "no_reentrant": bool}``.
+The forward of each matching module is patched on the instance, so state_dict keys do not change.
+"""
+from __future__ import annotations
+
+import fnmatch
+import functools
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from atorch.errors import MethodConfigError
+from atorch.auto.opt_lib.base import Optimization
+
+
+class CheckpointOptimization(Optimization):
+    name = "checkpoint"
+    is_tunable = True
+    default_config = None
+
+    def normalize(self, config: Any) -> dict:
+        if config is None:
+            raise MethodConfigError(
+                self.name, "needs the modules to checkpoint, e.g. ('GPTBlock',) or {'wrap_class': (MyBlock,)}"
+            )
+        no_reentrant = True
+        if isinstance(config, dict):
+            unknown = set(config) - {"wrap_class", "no_reentrant"}
+            if unknown:
+                raise MethodConfigError(self.name, f"unknown keys {sorted(unknown)}; valid keys: ['wrap_class', 'no_reentrant']")
+            if "wrap_class" not in config:
+                raise MethodConfigError(self.name, "dict config needs 'wrap_class'")
+            no_reentrant = config.get("no_reentrant", True)
+            if not isinstance(no_reentrant, bool):
+                raise MethodConfigError(self.name, f"no_reentrant must be a bool, got {no_reentrant!r}")
+            config = config["wrap_class"]
+        targets = tuple(config) if isinstance(config, (tuple, list, set)) else (config,)
+        if not targets:
+            raise MethodConfigError(self.name, "wrap_class is empty: name at least one module type or name")
+        for target in targets:
+            if not (isinstance(target, str) or (isinstance(target, type) and issubclass(target, torch.nn.Module))):
+                raise MethodConfigError(self.name, f"{target!r} is neither an nn.Module subclass nor a module name")
+        return {"wrap_class": targets, "no_reentrant": no_reentrant}
+
+    def transform(self, ctx, config: dict) -> None:
+        def wrap(ctx) -> None:
+            modules = matching_modules(ctx.model, config["wrap_class"])
+            if not modules:
+                present = sorted({type(m).__name__ for m in ctx.model.modules()})
+                raise MethodConfigError(
+                    self.name, f"no submodule matches {config['wrap_class']!r}; module types in the model: {present}"
+                )
+            for module in modules:
+                enable_checkpoint(module, use_reentrant=not config["no_reentrant"])
+
+        ctx.add_wrapper("checkpoint", self.name, wrap)
+
+
+def matching_modules(model: torch.nn.Module, targets: tuple) -> list[torch.nn.Module]:
+    """Submodules whose type, class name or qualified name (glob) is in ``targets``; outermost wins."""
+    types = tuple(t for t in targets if isinstance(t, type))
+    names = [t for t in targets if isinstance(t, str)]
+    chosen: list[tuple[str, torch.nn.Module]] = []
+    for qualname, module in model.named_modules():
+        if module is model:
+            continue
+        if any(qualname == p or qualname.startswith(p + ".") for p, _ in chosen):
+            continue  # already inside a checkpointed module
+        if isinstance(module, types) or type(module).__name__ in names or any(
+            fnmatch.fnmatchcase(qualname, pattern) for pattern in names
+        ):
+            chosen.append((qualname, module))
+    return [module for _, module in chosen]
+
+
+def enable_checkpoint(module: torch.nn.Module, use_reentrant: bool = False) -> None:
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def checkpointed_forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        if use_reentrant:  # the reentrant variant takes positional tensors only
+            if kwargs:
+                return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=True)
+            return checkpoint(forward, *args, use_reentrant=True)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed_forward

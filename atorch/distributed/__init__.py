@@ -1,0 +1,17 @@
+"""Process groups: ``parallel_group(name)`` and friends, all derived from one DeviceMesh."""
+from atorch.distributed.init import init_distributed
+from atorch.distributed.mesh import (
+    data_parallel_rank,
+    data_parallel_size,
+    device_mesh,
+    parallel_config,
+    parallel_group,
+    parallel_group_ranks,
+    parallel_group_size,
+    parallel_rank,
+)
+
+__all__ = [
+    "init_distributed", "parallel_group", "parallel_group_size", "parallel_rank", "parallel_group_ranks",
+    "data_parallel_size", "data_parallel_rank", "device_mesh", "parallel_config",
+]

@@ -1,0 +1,77 @@
+"""Typed errors: every bad input names the bad key or value and the valid choices."""
+from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
+
+class AtorchError(Exception):
+    """Base of every error atorch raises on purpose."""
+
+
+class StrategyError(AtorchError, ValueError):
+    """A strategy (or one of its items) is malformed."""
+
+
+class UnknownMethodError(StrategyError, KeyError):
+    """A strategy names a method the registry does not know."""
+
+    def __init__(self, name: str, valid: Iterable[str]):
+        valid = sorted(valid)
+        close = difflib.get_close_matches(str(name), valid, n=1, cutoff=0.5)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        self.name, self.valid, self.suggestion = name, valid, (close[0] if close else None)
+        super().__init__(f"unknown optimization method {name!r}.{hint} Valid methods: {', '.join(valid)}")
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the whole message
+        return self.args[0]
+
+
+class MethodConfigError(StrategyError):
+    """A method's config has a bad key, type or value."""
+
+    def __init__(self, method: str, message: str):
+        self.method = method
+        super().__init__(f"{method}: {message}")
+
+
+class IncompatibleMethodsError(StrategyError):
+    """Two methods (or configs) in one strategy cannot be combined."""
+
+
+class ParallelModeError(StrategyError):
+    """parallel_mode sizes do not fit the world size, or name an unknown dimension."""
+
+
+class StrategyFileError(StrategyError):
+    """A strategy file or blob cannot be read (unknown format, or unsafe pickle content)."""
+
+
+class UnsafeStrategyError(StrategyFileError):
+    """A pickled strategy would import or call something beyond plain strategy data."""
+
+
+class InputError(AtorchError, ValueError):
+    """auto_accelerate was given arguments that cannot run together."""
+
+
+class RequirementError(AtorchError, RuntimeError):
+    """A method's optional dependency or hardware is missing."""
+
+
+class DryRunError(AtorchError, RuntimeError):
+    """A dry run of a strategy failed on at least one rank."""
+
+
+def check_choice(method: str, key: str, value: object, choices: Iterable[object]) -> None:
+    """Raise MethodConfigError unless ``value`` is one of ``choices``."""
+    choices = list(choices)
+    if value not in choices:
+        raise MethodConfigError(method, f"{key}={value!r} is not valid; choose one of {choices}")
+
+
+__all__ = [
+    "AtorchError", "StrategyError", "UnknownMethodError", "MethodConfigError", "IncompatibleMethodsError",
+    "ParallelModeError", "StrategyFileError", "UnsafeStrategyError", "InputError", "RequirementError",
+    "DryRunError", "check_choice",
+]

@@ -1,0 +1,97 @@
+"""Run a function on N real processes (gloo over loopback) and collect every rank's return value.
+
+One shared launcher with a hard timeout: if any rank raises, or the run outlives ``timeout_s``, every
+rank is terminated and the caller gets an error naming the rank and its traceback, so a hang fails a
+test instead of CI.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+class DistributedRunError(RuntimeError):
+    """A rank raised, died, or the run timed out."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        from atorch.distributed.init import init_distributed
+
+        init_distributed(timeout_s=120)
+        value = fn(*args)
+        # plain pickle bytes: torch's queue would pass tensors as shared memory that dies with the rank
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:  # report every failure to the parent, which ends the other ranks
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.0) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` spawned ranks; returns the values ordered by rank.
+
+    ``fn`` must be importable (module level). Raises DistributedRunError on the first failure.
+    """
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    procs = [
+        context.Process(target=_worker, args=(rank, world_size, port, fn, args, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    values: dict[int, Any] = {}
+    try:
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while len(values) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DistributedRunError(f"timed out after {timeout_s:.0f}s; ranks done: {sorted(values)}")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in values]
+                if dead:
+                    raise DistributedRunError(f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
+                continue
+            if not ok:
+                raise DistributedRunError(f"rank {rank} failed:\n{value}")
+            values[rank] = pickle.loads(value)
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if len(values) == world_size else 0.1)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    return [values[rank] for rank in range(world_size)]

@@ -1,0 +1,97 @@
+"""The seed's training loop on the repo's GPT model, shared by parity tests, benchmarks and examples."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from atorch.auto.accelerate import auto_accelerate
+from atorch.distributed import mesh
+from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
+
+SMALL_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+
+def build_gpt(seed: int = 0, config: Optional[GPTConfig] = None) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(config or SMALL_GPT)
+
+
+def train_gpt(
+    load_strategy: Any,
+    steps: int = 5,
+    global_batch: int = 8,
+    seed: int = 0,
+    lr: float = 0.2,
+    config: Optional[GPTConfig] = None,
+    optim_func: Any = torch.optim.SGD,
+    optim_args: Optional[dict] = None,
+    **auto_kwargs: Any,
+) -> dict:
+    """Run ``steps`` steps of the seed's loop; returns the global mean loss per step, the full final
+    weights (fp32, unwrapped names) and the strategy that ran.
+
+    The default optimizer is SGD with momentum: Adam's update m/sqrt(v) turns gradients that are
+    mathematically zero (e.g. the key bias under softmax) into full-size steps of arbitrary sign, so a
+    rounding-level difference would look like a parity failure."""
+    config = config or SMALL_GPT
+    model = build_gpt(seed, config)
+    dataset = SyntheticTokenDataset(num_samples=global_batch * steps, seq_len=config.block_size, vocab_size=config.vocab_size)
+    status, result, strategy = auto_accelerate(
+        model, optim_func, dataset, gpt_loss, optim_args=optim_args or {"lr": lr, "momentum": 0.9},
+        dataloader_args={"batch_size": global_batch}, model_input_format="unpack_dict",
+        load_strategy=load_strategy, **auto_kwargs,
+    )
+    assert status, "auto_accelerate failed"
+    losses = []
+    for _, batch in zip(range(steps), result.dataloader):
+        batch = result.prepare_input(batch)
+        output = result.model(**batch)
+        loss = result.loss_func(batch, output)
+        if result.args.use_optim_backward:
+            result.optim.backward(loss)
+        else:
+            loss.backward()
+        result.optim.step()
+        result.optim.zero_grad()
+        losses.append(global_mean(loss.detach().float()))
+    return {"losses": losses, "weights": full_state_dict(result.model), "strategy": strategy, "result": result}
+
+
+def global_mean(value: torch.Tensor) -> float:
+    group = mesh.parallel_group("data_parallel")
+    if group is not None and dist.get_world_size(group) > 1:
+        value = value.clone()
+        dist.all_reduce(value, group=group)
+        value /= dist.get_world_size(group)
+    return float(value.item())
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded fp32 CPU copy of the weights, with wrapper prefixes removed."""
+    while isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        out[name.replace("_checkpoint_wrapped_module.", "")] = tensor.detach().float().cpu().clone()
+    return out
+
+
+def relative_difference(a: torch.Tensor | list, b: torch.Tensor | list) -> float:
+    """||a - b|| / ||b|| (the measure every parity tolerance in the tests refers to)."""
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def weight_difference(weights: dict, reference: dict) -> float:
+    """Relative difference of all weights taken together (||w - w_ref|| / ||w_ref|| over the
+    concatenation): per-tensor ratios explode on tensors whose reference is ~0, such as the key bias,
+    which gets no gradient under softmax."""
+    if weights.keys() != reference.keys():
+        raise AssertionError(f"weight names differ: {sorted(set(weights) ^ set(reference))}")
+    flat = torch.cat([weights[k].flatten() for k in sorted(reference)])
+    flat_reference = torch.cat([reference[k].flatten() for k in sorted(reference)])
+    return relative_difference(flat, flat_reference)
