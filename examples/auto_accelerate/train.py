@@ -1,0 +1,91 @@
+"""Train a small GPT with auto_accelerate in semi-automatic mode (a named strategy).
+
+Run with ``make demo`` (2 CPU processes under torchrun), or directly:
+    torchrun --standalone --nproc_per_node 2 examples/auto_accelerate/train.py --steps 30
+    python examples/auto_accelerate/train.py --strategy outputs/demo_strategy.json   # one process
+The training loop below is the seed contract's loop, unchanged for any strategy.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+
+import atorch
+from atorch.auto import auto_accelerate
+from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
+
+DEFAULT_STRATEGY = [
+    "parallel_mode",                                  # data parallel over all ranks (DDP)
+    ("amp_native", {"dtype": torch.bfloat16}),        # bf16 autocast
+    ("checkpoint", ("GPTBlock",)),                    # recompute each transformer block in backward
+]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch size (strong scaling)")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--strategy", default=None, help="a saved strategy file (.json or .pkl); default: bf16 DDP + checkpoint")
+    parser.add_argument("--save-strategy", default=None, help="where to save the strategy that ran")
+    parser.add_argument("--log-every", type=int, default=5)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    atorch.init_distributed()  # reads torchrun's env; a no-op in a plain process
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=128, block_size=64, n_layer=4, n_head=4, n_embd=64)
+    model = GPT(config)
+    dataset = SyntheticTokenDataset(num_samples=args.batch_size * args.steps, seq_len=config.block_size, vocab_size=config.vocab_size)
+
+    status, result, strategy = auto_accelerate(
+        model,
+        optim_func=torch.optim.AdamW,
+        dataset=dataset,
+        loss_func=gpt_loss,
+        optim_args={"lr": args.lr},
+        dataloader_args={"batch_size": args.batch_size},
+        model_input_format="unpack_dict",
+        load_strategy=args.strategy or DEFAULT_STRATEGY,
+        save_strategy_to_file=args.save_strategy,
+        ignore_dryrun_on_load_strategy=False,  # show the dry-run report (step time, peak memory)
+    )
+    if rank == 0:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        print(f"auto_accelerate status={status} on {world} process(es), device {next(result.model.parameters()).device}")
+        print(strategy)
+        print(result.args.dryrun)
+
+    model, optim, dataloader = result.model, result.optim, result.dataloader
+    device = next(model.parameters()).device
+    first = last = None
+    start = time.perf_counter()
+    for step, batch in enumerate(dataloader, start=1):
+        batch = result.prepare_input(batch, device)
+        output = model(**batch)
+        loss = result.loss_func(batch, output)
+        optim.backward(loss) if result.args.use_optim_backward else loss.backward()
+        optim.step()
+        optim.zero_grad()
+        value = loss.item()
+        first = value if first is None else first
+        last = value
+        if rank == 0 and (step % args.log_every == 0 or step == 1):
+            rate = step / (time.perf_counter() - start)
+            print(f"step {step:4d}/{len(dataloader)}  loss {value:.4f}  ({rate:.1f} steps/s)", flush=True)
+    if rank == 0:
+        print(f"loss fell from {first:.4f} to {last:.4f}" if last < first else f"loss did not fall: {first:.4f} -> {last:.4f}")
+        if args.save_strategy:
+            print(f"strategy saved to {args.save_strategy}; reuse it with --strategy {args.save_strategy}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Tests for atorch.utils.memory (CPU; one CUDA test skips without a GPU)."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from atorch.utils.memory import PeakMemoryTracker, measure_peak_memory, state_bytes
+
+MIB = 1 << 20
+F32 = 4
+
+
+def _mlp(d_in=256, d_hidden=1024):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(d_in, d_hidden), nn.ReLU(), nn.Linear(d_hidden, d_in))
+
+
+def _step(model, opt, x):
+    opt.zero_grad(set_to_none=False)
+    model(x).square().mean().backward()
+    opt.step()
+
+
+def test_known_allocation_and_free():
+    model = nn.Linear(64, 64)
+
+    def region():
+        t = torch.empty(MIB, dtype=torch.float32)  # exactly 4 MiB
+        t.fill_(1.0)
+        del t
+
+    _, s = measure_peak_memory(region, roots=[model])
+    print(f"\n4 MiB alloc: baseline={s.baseline_bytes} delta={s.delta_bytes} end={s.end_bytes}")
+    assert s.baseline_bytes == state_bytes(model)["total"] == (64 * 64 + 64) * F32
+    assert abs(s.delta_bytes - 4 * MIB) <= 0.05 * 4 * MIB
+    assert s.end_bytes == s.baseline_bytes
+
+
+def test_mlp_step_peak_covers_activations():
+    # B large, weights small: activations dominate. Hand count (float32):
+    #   h1 = x @ W1.T + b1 : B*H   relu(h1) : B*H   out : B*D
+    # h1 and relu(h1) coexist during the forward, and backward needs relu(h1)
+    # plus grads of the same size, so the step must need at least these bytes.
+    B, D, H = 4096, 256, 1024
+    expected = (B * H + B * H + B * D) * F32  # 36 MiB
+    model = _mlp(D, H)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(B, D)
+    _step(model, opt, x)  # warm-up: grads exist, so they are part of the baseline
+
+    with PeakMemoryTracker("cpu", roots=[model, opt]) as t:
+        _step(model, opt, x)
+    s = t.stats
+    _, fwd = measure_peak_memory(lambda: model(x).square().mean().item(), roots=[model, opt])
+    print(
+        f"\nMLP step: baseline={s.baseline_bytes / MIB:.2f}MiB peak={s.peak_bytes / MIB:.2f}MiB "
+        f"delta={s.delta_bytes / MIB:.2f}MiB expected>={expected / MIB:.2f}MiB "
+        f"(ratio {s.delta_bytes / expected:.2f}); forward-only delta={fwd.delta_bytes / MIB:.2f}MiB"
+    )
+    assert s.baseline_bytes == state_bytes(model, opt)["total"]
+    # tolerance: at least 0.9x the hand count, at most 3x (backward temporaries)
+    assert 0.9 * expected <= s.delta_bytes <= 3 * expected
+    assert s.end_bytes == s.baseline_bytes  # activations and temporaries all freed
+    assert fwd.delta_bytes < s.delta_bytes  # backward allocations are counted
+
+
+class _BigBackward(torch.autograd.Function):
+    """Identity whose backward materializes a 16 MiB temporary."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        tmp = g.new_ones(4 * MIB)  # 16 MiB, only alive during backward
+        return g * tmp[:1].sum()
+
+
+def test_backward_intermediates_are_counted():
+    w = nn.Parameter(torch.randn(1024))
+    _, fwd = measure_peak_memory(lambda: _BigBackward.apply(w).sum(), roots=[w])
+    _, full = measure_peak_memory(lambda: _BigBackward.apply(w).sum().backward(), roots=[w])
+    print(f"\nbackward temp: forward-only delta={fwd.delta_bytes} fwd+bwd delta={full.delta_bytes}")
+    assert full.delta_bytes >= fwd.delta_bytes + 16 * MIB
+
+
+def test_state_bytes_linear_adam_exact():
+    model = nn.Linear(256, 256)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(8, 256)).sum().backward()
+    opt.step()
+    p = (256 * 256 + 256) * F32
+    steps = 2 * F32  # one float32 scalar `step` tensor per parameter
+    got = state_bytes(model, opt)
+    print(f"\nstate_bytes Linear(256,256)+Adam: {got}")
+    assert got == {"params": p, "grads": p, "optim_state": 2 * p + steps, "total": 4 * p + steps}
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(1000, 256)
+        self.head = nn.Linear(256, 1000, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(self.emb(idx))
+
+
+def test_baseline_counts_shared_params_once():
+    model = _Tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.arange(16)).sum().backward()
+    w = 1000 * 256 * F32
+    # model, optimizer and an explicit duplicate all reach the same weight/grad storages
+    with PeakMemoryTracker("cpu", roots=[model, opt, model.head.weight]) as t:
+        pass
+    print(f"\ntied baseline={t.stats.baseline_bytes} state_bytes={state_bytes(model, opt)}")
+    assert t.stats.baseline_bytes == 2 * w  # one weight + one grad
+    assert state_bytes(model, opt) == {"params": w, "grads": w, "optim_state": 0, "total": 2 * w}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def gloo_group():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_ddp_gloo_and_dtensor(gloo_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model = nn.parallel.DistributedDataParallel(_mlp(64, 256))
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(512, 64)
+    _step(model, opt, x)
+    with PeakMemoryTracker("cpu", roots=[model, opt]) as t:
+        _step(model, opt, x)
+    print(f"\nDDP(gloo) step: {t.stats}")
+    assert t.stats.baseline_bytes == state_bytes(model, opt)["total"]
+    assert t.stats.delta_bytes >= 2 * 512 * 256 * F32  # hidden activations at least
+
+    mesh = init_device_mesh("cpu", (1,))
+    lin = nn.Linear(128, 128)
+    plain = state_bytes(lin)["params"]
+    lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Shard(0)]))
+    assert state_bytes(lin)["params"] == plain  # local shard == full tensor on 1 rank
+    with PeakMemoryTracker("cpu", roots=[lin]) as t:
+        y = lin.weight * 2  # DTensor op: counted through its local shard
+        del y
+    assert t.stats.baseline_bytes == plain
+    assert t.stats.delta_bytes == 128 * 128 * F32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+def test_cuda_allocator_peak():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    model = nn.Linear(256, 256, device=dev)
+
+    def region():
+        t = torch.empty(16 * MIB, dtype=torch.float32, device=dev)  # 64 MiB
+        del t
+
+    _, s = measure_peak_memory(region, device="cuda", roots=[model])
+    print(f"\nCUDA: {s}")
+    assert s.device == str(dev)
+    assert s.baseline_bytes >= state_bytes(model)["total"]
+    assert s.delta_bytes >= 64 * MIB
+    assert s.end_bytes == s.baseline_bytes

@@ -1,0 +1,145 @@
+"""Single-process behaviour of the spine and its methods beyond parity: skipping non-finite steps,
+checkpoint recomputation, user-registered methods, dry-run reports, results and saved strategies."""
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from atorch.auto import opt_lib
+from atorch.auto.accelerate import auto_accelerate
+from atorch.auto.opt_lib.base import Optimization
+from atorch.auto.strategy import Strategy
+from atorch.models import GPTBlock, SyntheticTokenDataset, gpt_loss
+from atorch.testing.training import SMALL_GPT, build_gpt, train_gpt
+
+
+def gpt_accelerate(strategy, **overrides):
+    kwargs = dict(
+        optim_func=torch.optim.SGD, dataset=SyntheticTokenDataset(32, 16, 64), loss_func=gpt_loss,
+        optim_args={"lr": 0.1}, dataloader_args={"batch_size": 4}, model_input_format="unpack_dict",
+        load_strategy=strategy,
+    )
+    kwargs.update(overrides)
+    model = build_gpt(0, SMALL_GPT)
+    status, result, final = auto_accelerate(model, **kwargs)
+    assert status
+    return model, result, final
+
+
+def one_step(result, poison_grad: bool = False):
+    batch = result.prepare_input(next(iter(result.dataloader)))
+    loss = result.loss_func(batch, result.model(**batch))
+    result.optim.backward(loss) if result.args.use_optim_backward else loss.backward()
+    if poison_grad:
+        next(result.model.parameters()).grad[0, 0] = float("inf")
+    result.optim.step()
+    result.optim.zero_grad()
+
+
+@pytest.mark.parametrize("config, skips", [
+    ({"dtype": torch.float16}, True),
+    ({"dtype": torch.bfloat16, "skip_if_nonfinite": True}, True),
+    ({"dtype": torch.bfloat16}, False),
+])
+def test_non_finite_gradients_skip_the_step(config, skips):
+    model, result, _ = gpt_accelerate([("amp_native", config)])
+    assert result.args.use_optim_backward
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    one_step(result, poison_grad=True)
+    unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert unchanged == skips and result.optim.last_step_skipped == skips
+    one_step(result)  # a finite step afterwards trains again
+    assert not result.optim.last_step_skipped
+    assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_fp16_amp_runs_forward_and_loss_in_half_precision():
+    _, result, _ = gpt_accelerate(["amp_native"])
+    batch = result.prepare_input(next(iter(result.dataloader)))
+    assert result.model(**batch).dtype == torch.float16
+    assert isinstance(result.optim.scaler, torch.amp.GradScaler)
+
+
+def test_half_casts_parameters_and_floating_inputs():
+    model = nn.Linear(4, 1)
+    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
+    status, result, _ = auto_accelerate(
+        model, torch.optim.SGD, data, lambda batch, out: nn.functional.mse_loss(out, batch[1]),
+        optim_args={"lr": 0.1}, dataloader_args={"batch_size": 4}, load_strategy=[("half", "bf16")],
+        prepare_input=lambda batch, device: batch, model_input_format=None,
+    )
+    batch = result.prepare_input(next(iter(result.dataloader)))
+    assert model.weight.dtype == torch.bfloat16 and batch[0].dtype == torch.bfloat16
+    assert result.model(batch[0]).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("config", [(GPTBlock,), ("blocks.*",), {"wrap_class": ("GPTBlock",), "no_reentrant": False}])
+def test_checkpoint_recomputes_the_chosen_blocks(config):
+    model, result, _ = gpt_accelerate([("checkpoint", config)])
+    calls = []
+    model.blocks[0].attn.register_forward_hook(lambda *args: calls.append(1))
+    one_step(result)
+    assert len(calls) == 2  # forward once, recomputed once in backward
+    assert list(model.state_dict()) == list(build_gpt(0, SMALL_GPT).state_dict())  # keys unchanged
+
+
+def test_user_registered_method_is_applied():
+    class ScaleLoss(Optimization):
+        name = "scale_loss_for_test"
+
+        def normalize(self, config):
+            return float(1.0 if config is None else config)
+
+        def transform(self, ctx, config):
+            def wrap(ctx):
+                inner = ctx.loss_func
+                ctx.loss_func = lambda batch, out: inner(batch, out) * config
+
+            ctx.add_wrapper("amp", self.name, wrap)
+
+    opt_lib.register_optimization(ScaleLoss)
+    try:
+        _, result, strategy = gpt_accelerate([("scale_loss_for_test", 0.0)])
+        batch = result.prepare_input(next(iter(result.dataloader)))
+        assert result.loss_func(batch, result.model(**batch)).item() == 0.0
+        assert strategy.names() == ["scale_loss_for_test"]
+    finally:
+        opt_lib.unregister_optimization("scale_loss_for_test")
+
+
+def test_distributed_only_methods_are_dropped_with_a_log_line(caplog):
+    with caplog.at_level(logging.WARNING, logger="atorch"):
+        _, _, strategy = gpt_accelerate(["parallel_mode", ("amp_native", "bf16")])
+    assert strategy.names() == ["amp_native"]
+    assert "dropping distributed-only method(s) ['parallel_mode']" in caplog.text
+
+
+def test_dry_run_reports_step_time_and_peak_memory():
+    model, result, _ = gpt_accelerate(["amp_native"], ignore_dryrun_on_load_strategy=False)
+    report = result.args.dryrun
+    assert report.ok and report.step_time_s > 0
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert report.peak_memory_bytes > param_bytes  # params + grads + activations at least
+    assert torch.equal(model.wte.weight, build_gpt(0, SMALL_GPT).wte.weight)  # the dry run used a copy
+
+
+def test_results_saved_strategy_scheduler_and_param_groups(tmp_path):
+    path = tmp_path / "strategy.json"
+    model, result, strategy = gpt_accelerate(
+        [("amp_native", "bf16")], save_strategy_to_file=str(path),
+        lr_scheduler_cls=torch.optim.lr_scheduler.StepLR, lr_scheduler_args={"step_size": 1, "gamma": 0.5},
+        optim_param_func=lambda m: [{"params": m.blocks.parameters()}, {"params": m.lm_head.parameters(), "lr": 0.01}],
+    )
+    assert Strategy.load(path) == strategy
+    assert result._fields == ("model", "optim", "dataloader", "loss_func", "prepare_input", "lr_scheduler", "args")
+    assert [g["lr"] for g in result.optim.param_groups] == [0.1, 0.01]
+    result.lr_scheduler.step()
+    assert [g["lr"] for g in result.optim.param_groups] == [0.05, 0.005]
+    assert result.args.requires_set_gradient_accumulation_boundary is False
+
+
+def test_unpack_sequence_and_falling_loss():
+    run = train_gpt([], steps=12, optim_func=torch.optim.AdamW, optim_args={"lr": 3e-3})
+    assert run["losses"][-1] < run["losses"][0] - 0.1
