@@ -12,6 +12,14 @@ BF16 = ("amp_native", {"dtype": torch.bfloat16})
 CKPT = ("checkpoint", ("GPTBlock",))
 
 
+def case_parts(case) -> tuple[list, dict]:
+    """A case is a strategy, or {"strategy": [...], **train_gpt keyword arguments}."""
+    if isinstance(case, dict):
+        case = dict(case)
+        return case.pop("strategy"), case
+    return case, {}
+
+
 def tolerance(strategy) -> float:
     names = [s if isinstance(s, str) else s[0] for s in strategy]
     return LOW_TOL if ("amp_native" in names or "half" in names) else FP32_TOL
@@ -21,9 +29,10 @@ def run_suite(cases: dict) -> dict:
     """On every rank: train each case; rank 0 keeps the weights. Errors are returned, not raised,
     so one bad case reports its message instead of ending the launch."""
     out = {}
-    for key, strategy in cases.items():
+    for key, case in cases.items():
+        strategy, kwargs = case_parts(case)
         try:
-            run = train_gpt(strategy)
+            run = train_gpt(strategy, **kwargs)
         except Exception as error:  # an expected-error case
             out[key] = {"error": f"{type(error).__name__}: {error}"}
             continue
@@ -32,6 +41,8 @@ def run_suite(cases: dict) -> dict:
             "losses": run["losses"],
             "weights": run["weights"] if keep_weights else None,
             "strategy": run["strategy"],
+            "grad_norms": run["grad_norms"],
+            "state_bytes": run["state_bytes"],
         }
     return out
 

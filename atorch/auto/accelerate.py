@@ -111,13 +111,14 @@ def resolve_strategy(strategy: Strategy, excluded: Optional[list] = None) -> Str
         if method.distributed_only and not distributed:
             dropped.append(item.name)
             continue
-        reason = method.requirements()
+        config = method.normalize(item.config)
+        reason = method.requirements(config)
         if reason:
             if getattr(method, "ignored_when_unavailable", False):
                 logger.warning("%s is ignored: %s", item.name, reason)
                 continue
             raise RequirementError(f"{item.name} cannot run here: {reason}")
-        items.append(StrategyItem(item.name, method.normalize(item.config), item.tunable))
+        items.append(StrategyItem(item.name, config, item.tunable))
     if dropped:
         logger.warning("single process: dropping distributed-only method(s) %s", dropped)
     if distributed and world_size > 1 and "parallel_mode" not in [i.name for i in items]:

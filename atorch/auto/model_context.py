@@ -17,6 +17,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from atorch.errors import IncompatibleMethodsError, InputError
 from atorch.distributed import mesh
+from atorch.auto.optimizer import AtorchOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,9 @@ class ModelContext:
         self.data_parallel_wrapper: Optional[tuple[str, Wrapper]] = None
         self.optimizer_factory: Optional[Callable[["ModelContext", Any], Any]] = None
         self.input_dtype: Optional[torch.dtype] = None
+        self.amp_dtype: Optional[torch.dtype] = None  # set by amp_native; sharding picks its policy from it
+        self.sync_toggles: list[Callable[[bool], None]] = []  # gradient sync on/off (accumulation)
+        self.grad_partition_group: Any = None  # set when ranks hold disjoint gradient shares
         self.args = TrainingArgs(model_input_format=model_input_format)
 
         # results
@@ -170,12 +174,20 @@ class ModelContext:
         if not any(p.requires_grad for p in self.model.parameters()):
             return
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        self.model = torch.nn.parallel.DistributedDataParallel(
+        ddp = torch.nn.parallel.DistributedDataParallel(
             self.model,
             device_ids=device_ids,
             process_group=group,
             find_unused_parameters=self.find_unused_parameters,
         )
+        self.model = ddp
+        # what DDP.no_sync() does, as a switch the optimizer can flip between micro-steps
+        self.add_sync_toggle(lambda on: setattr(ddp, "require_backward_grad_sync", on))
+
+    def add_sync_toggle(self, toggle: Callable[[bool], None]) -> None:
+        """Register how to stop/restart gradient communication for gradient accumulation."""
+        self.sync_toggles.append(toggle)
+        self.args.requires_set_gradient_accumulation_boundary = True
 
     def optimizer_params(self) -> Any:
         if self.optim_param_func is not None:
@@ -186,10 +198,15 @@ class ModelContext:
         if self.optim_func is None:
             return
         if self.optimizer_factory is not None:
-            self.raw_optim = self.optimizer_factory(self, self.optimizer_params())
+            built = self.optimizer_factory(self, self.optimizer_params())
         else:
-            self.raw_optim = self.optim_func(self.optimizer_params(), **self.optim_args)
-        self.optim = self.raw_optim
+            built = self.optim_func(self.optimizer_params(), **self.optim_args)
+        if isinstance(built, AtorchOptimizer):
+            self.optim = built
+            self.raw_optim = built.torch_optimizer
+        else:
+            self.raw_optim = built
+            self.optim = AtorchOptimizer(built, self.sync_toggles, self.grad_partition_group)
 
     def _build_lr_scheduler(self) -> None:
         if self.lr_scheduler_cls is not None and self.raw_optim is not None:

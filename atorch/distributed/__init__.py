@@ -1,6 +1,7 @@
 """Process groups: ``parallel_group(name)`` and friends, all derived from one DeviceMesh."""
 from atorch.distributed.init import init_distributed
 from atorch.distributed.mesh import (
+    data_parallel_mesh,
     data_parallel_rank,
     data_parallel_size,
     device_mesh,
@@ -13,5 +14,5 @@ from atorch.distributed.mesh import (
 
 __all__ = [
     "init_distributed", "parallel_group", "parallel_group_size", "parallel_rank", "parallel_group_ranks",
-    "data_parallel_size", "data_parallel_rank", "device_mesh", "parallel_config",
+    "data_parallel_size", "data_parallel_rank", "data_parallel_mesh", "device_mesh", "parallel_config",
 ]

@@ -190,6 +190,21 @@ def device_mesh() -> Optional[DeviceMesh]:
     return None if _STATE is None else _STATE.mesh
 
 
+def data_parallel_mesh() -> Optional[DeviceMesh]:
+    """The sub-mesh that splits the batch: ``data`` or ``zero`` alone (1-D), or both as a 2-D
+    ``(data, zero)`` mesh (replicate over data, shard over zero: hybrid sharding). None when the
+    strategy has no batch-splitting dimension or there is no mesh."""
+    if _STATE is None:
+        return None
+    names = _STATE.mesh.mesh_dim_names or ()
+    present = tuple(n for n in ("data", "zero") if n in names)
+    if not present:
+        return None
+    if len(names) == 1:
+        return _STATE.mesh
+    return _STATE.mesh[present if len(present) > 1 else present[0]]
+
+
 def parallel_group(name: str):
     """Process group of ``name`` ("data", "zero", "tensor", "pipeline", or "data_parallel" for the
     joint batch-splitting group); None in a single process or when the dimension is absent."""
@@ -228,5 +243,6 @@ __all__ = [
     "PARALLEL_DIMS", "ParallelConfig", "normalize_parallel_config", "group_ranks", "rank_grid",
     "create_parallel_group", "destroy_parallel_group", "parallel_group", "parallel_group_size",
     "parallel_rank", "parallel_group_ranks", "data_parallel_size", "data_parallel_rank", "device_mesh",
+    "data_parallel_mesh",
     "parallel_config", "parallel_state",
 ]

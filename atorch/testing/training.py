@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from atorch.auto.accelerate import auto_accelerate
 from atorch.distributed import mesh
+from atorch.utils.memory import training_state_bytes
 from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
 
 SMALL_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -27,6 +28,9 @@ def train_gpt(
     config: Optional[GPTConfig] = None,
     optim_func: Any = torch.optim.SGD,
     optim_args: Optional[dict] = None,
+    accumulation: int = 1,
+    max_grad_norm: Optional[float] = None,
+    measure_state: bool = False,
     **auto_kwargs: Any,
 ) -> dict:
     """Run ``steps`` steps of the seed's loop; returns the global mean loss per step, the full final
@@ -34,29 +38,51 @@ def train_gpt(
 
     The default optimizer is SGD with momentum: Adam's update m/sqrt(v) turns gradients that are
     mathematically zero (e.g. the key bias under softmax) into full-size steps of arbitrary sign, so a
-    rounding-level difference would look like a parity failure."""
+    rounding-level difference would look like a parity failure.
+
+    ``accumulation`` splits each global batch into that many micro-batches (the loss of each divided
+    by it, the optimizer told of the boundary as the seed says), which is the same update as one
+    step on the whole batch. ``max_grad_norm`` clips by the global norm before each step.
+    ``measure_state`` records this rank's parameter / gradient / optimizer-state bytes after the last
+    step, before its gradients are cleared."""
     config = config or SMALL_GPT
     model = build_gpt(seed, config)
     dataset = SyntheticTokenDataset(num_samples=global_batch * steps, seq_len=config.block_size, vocab_size=config.vocab_size)
+    if global_batch % accumulation:
+        raise ValueError(f"global_batch {global_batch} does not split into {accumulation} micro-batches")
     status, result, strategy = auto_accelerate(
         model, optim_func, dataset, gpt_loss, optim_args=optim_args or {"lr": lr, "momentum": 0.9},
-        dataloader_args={"batch_size": global_batch}, model_input_format="unpack_dict",
+        dataloader_args={"batch_size": global_batch // accumulation}, model_input_format="unpack_dict",
         load_strategy=load_strategy, **auto_kwargs,
     )
     assert status, "auto_accelerate failed"
-    losses = []
-    for _, batch in zip(range(steps), result.dataloader):
-        batch = result.prepare_input(batch)
-        output = result.model(**batch)
-        loss = result.loss_func(batch, output)
-        if result.args.use_optim_backward:
-            result.optim.backward(loss)
-        else:
-            loss.backward()
+    losses, norms = [], []
+    batches = iter(result.dataloader)
+    for _ in range(steps):
+        step_loss = 0.0
+        for micro in range(accumulation):
+            if result.args.requires_set_gradient_accumulation_boundary:
+                result.optim.set_gradient_accumulation_boundary(micro == accumulation - 1)
+            batch = result.prepare_input(next(batches))
+            output = result.model(**batch)
+            loss = result.loss_func(batch, output) / accumulation
+            if result.args.use_optim_backward:
+                result.optim.backward(loss)
+            else:
+                loss.backward()
+            step_loss += global_mean(loss.detach().float())
+        if max_grad_norm is not None:
+            norm = result.optim.clip_grad_norm_(max_grad_norm)
+            norms.append(None if norm is None else float(norm))
         result.optim.step()
+        if measure_state:
+            state = training_state_bytes(result)
         result.optim.zero_grad()
-        losses.append(global_mean(loss.detach().float()))
-    return {"losses": losses, "weights": full_state_dict(result.model), "strategy": strategy, "result": result}
+        losses.append(step_loss)
+    return {
+        "losses": losses, "grad_norms": norms, "weights": full_state_dict(result.model),
+        "strategy": strategy, "result": result, "state_bytes": state if measure_state else None,
+    }
 
 
 def global_mean(value: torch.Tensor) -> float:
@@ -70,7 +96,7 @@ def global_mean(value: torch.Tensor) -> float:
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded fp32 CPU copy of the weights, with wrapper prefixes removed."""
-    while isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    while isinstance(getattr(model, "module", None), torch.nn.Module):  # DDP, DeepSpeed engine, ...
         model = model.module
     out = {}
     for name, tensor in model.state_dict().items():

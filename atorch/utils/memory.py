@@ -279,3 +279,15 @@ def measure_peak_memory(
         result = fn()
     assert tracker.stats is not None
     return result, tracker.stats
+
+
+def training_state_bytes(result: Any) -> dict[str, int]:
+    """``state_bytes`` of what auto_accelerate returned (model and the optimizer that holds state).
+
+    ZeroRedundancyOptimizer keeps this rank's state in its local ``optim``; that is what counts.
+    """
+    optimizer = getattr(result.optim, "torch_optimizer", result.optim)
+    local = getattr(optimizer, "optim", None)
+    if isinstance(local, torch.optim.Optimizer):
+        optimizer = local
+    return state_bytes(result.model, optimizer)

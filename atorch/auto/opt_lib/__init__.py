@@ -42,9 +42,14 @@ def _register_builtins() -> None:
     from atorch.auto.opt_lib.amp import AmpNativeOptimization
     from atorch.auto.opt_lib.half import HalfOptimization
     from atorch.auto.opt_lib.checkpoint import CheckpointOptimization
+    from atorch.auto.opt_lib.fsdp import FSDPOptimization
     from atorch.auto.opt_lib.parallel_mode import ParallelModeOptimization
+    from atorch.auto.opt_lib.zero import Zero1Optimization, Zero2Optimization
 
-    for cls in (ParallelModeOptimization, AmpNativeOptimization, HalfOptimization, CheckpointOptimization):
+    for cls in (
+        ParallelModeOptimization, AmpNativeOptimization, HalfOptimization, CheckpointOptimization,
+        Zero1Optimization, Zero2Optimization, FSDPOptimization,
+    ):
         register_optimization(cls)
 
 

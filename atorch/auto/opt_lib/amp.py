@@ -14,6 +14,14 @@ import torch.distributed as dist
 
 from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
+from atorch.auto.optimizer import AtorchOptimizer
+
+try:  # the grad scaler's per-optimizer stage marker (stable since torch 1.x)
+    from torch.amp.grad_scaler import OptState
+
+    _UNSCALED = OptState.UNSCALED
+except ImportError:  # pragma: no cover
+    _UNSCALED = None
 
 DTYPE_NAMES = {
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
@@ -60,19 +68,20 @@ class AmpNativeOptimization(Optimization):
 
     def transform(self, ctx, config: dict) -> None:
         dtype = config["dtype"]
+        ctx.amp_dtype = dtype  # sharding wrappers read it to pick a mixed-precision policy
 
         def wrap(ctx) -> None:
             device_type = ctx.device.type
             patch_forward_autocast(ctx.model, device_type, dtype)
             if ctx.loss_func is not None:
                 ctx.loss_func = autocast_callable(ctx.loss_func, device_type, dtype)
-            if ctx.raw_optim is None:
+            if ctx.optim is None:
                 return
             scaler = None
             if dtype == torch.float16:
                 kwargs = {k: config[k] for k in SCALER_KEYS if k in config}
                 scaler = torch.amp.GradScaler(device_type, **kwargs)
-            ctx.optim = AmpOptimizer(ctx.raw_optim, scaler, check_nonfinite=bool(config.get("skip_if_nonfinite")))
+            ctx.optim = AmpOptimizer(ctx.optim, scaler, check_nonfinite=bool(config.get("skip_if_nonfinite")))
             ctx.args.use_optim_backward = True
 
         ctx.add_wrapper("amp", self.name, wrap)
@@ -92,44 +101,56 @@ def autocast_callable(fn, device_type: str, dtype: torch.dtype):
     return run
 
 
-class AmpOptimizer:
-    """Optimizer wrapper for mixed precision: ``backward`` scales the loss, ``step`` unscales,
-    skips non-finite steps and updates the scale. Everything else is the wrapped optimizer's."""
+class AmpOptimizer(AtorchOptimizer):
+    """Mixed precision on top of the strategy's optimizer: ``backward`` scales the loss, ``step``
+    unscales, skips non-finite steps (agreed over all ranks, so sharded gradients cannot make ranks
+    disagree) and updates the scale. ``clip_grad_norm_`` unscales before clipping."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scaler: Optional[torch.amp.GradScaler], check_nonfinite: bool):
-        self.optimizer = optimizer
+    def __init__(self, optimizer: AtorchOptimizer, scaler: Optional[torch.amp.GradScaler], check_nonfinite: bool):
+        super().__init__(optimizer)
         self.scaler = scaler
         self.check_nonfinite = check_nonfinite
         self.skipped_steps = 0
         self.last_step_skipped = False
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward(**kwargs)
+        super().backward(self.scaler.scale(loss) if self.scaler is not None else loss, **kwargs)
 
     def step(self, closure=None):
         if self.scaler is not None:
+            self.unscale_()
             scale_before = self.scaler.get_scale()
-            result = self.scaler.step(self.optimizer, closure) if closure else self.scaler.step(self.optimizer)
+            target = self.torch_optimizer
+            result = self.scaler.step(target, closure) if closure else self.scaler.step(target)
             self.scaler.update()
             self._record(self.scaler.get_scale() < scale_before)
             return result
-        if self.check_nonfinite and not grads_are_finite(self.optimizer):
+        if self.check_nonfinite and not grads_are_finite(self.torch_optimizer):
             self._record(True)
             return None
         self._record(False)
-        return self.optimizer.step(closure) if closure else self.optimizer.step()
+        return super().step(closure)
 
     def _record(self, skipped: bool) -> None:
         self.last_step_skipped = skipped
         self.skipped_steps += int(skipped)
 
     def unscale_(self) -> None:
-        """Unscale gradients in place before clipping (a no-op without a scaler)."""
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
+        """Unscale gradients in place (once per step; a no-op without a scaler) and make every rank
+        agree on whether any gradient is non-finite."""
+        if self.scaler is None:
+            return
+        target = self.torch_optimizer
+        state = self.scaler._per_optimizer_states[id(target)]
+        if state["stage"] is not _UNSCALED:
+            self.scaler.unscale_(target)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                for found_inf in state["found_inf_per_device"].values():
+                    dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        self.unscale_()
+        return super().clip_grad_norm_(max_norm, norm_type)
 
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict()}
@@ -141,17 +162,6 @@ class AmpOptimizer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["optimizer"], name)
 
 
 def grads_are_finite(optimizer: torch.optim.Optimizer) -> bool:

@@ -21,8 +21,9 @@ class Optimization:
     is_tunable: ClassVar[bool] = False  # whether finetune/search may change its config
     default_config: ClassVar[Any] = None
 
-    def requirements(self) -> Optional[str]:
-        """Why this method cannot run here (missing package or hardware), or None when it can."""
+    def requirements(self, config: Any = None) -> Optional[str]:
+        """Why this method (with this normalized config) cannot run here (missing package or
+        hardware), or None when it can."""
         return None
 
     def normalize(self, config: Any) -> Any:

@@ -1,0 +1,91 @@
+"""Gradient norms and clipping that stay correct when gradients are sharded.
+
+Under DDP and zero1 every rank holds full, identical gradients; under FSDP2 (fsdp, zero2) they are
+DTensor shards; under the non-FSDP zero2 path each rank keeps only the gradients of the parameters
+it owns. The global norm must count every element exactly once, so each case reduces differently.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def total_grad_norm(
+    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, partition_group: Optional[dist.ProcessGroup] = None
+) -> torch.Tensor:
+    """The p-norm of all gradients taken together, as a plain tensor equal on every rank.
+
+    DTensor gradients are reduced over their own mesh (one collective per layout). Plain gradients
+    are replicated on every rank, unless ``partition_group`` says each rank holds a disjoint part of
+    them (the non-FSDP zero2 path), in which case their contributions are summed over that group.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    by_layout: dict[tuple, list[DTensor]] = {}
+    plain: list[torch.Tensor] = []
+    for grad in grads:
+        if isinstance(grad, DTensor):
+            by_layout.setdefault((id(grad.device_mesh), grad.placements), []).append(grad)
+        else:
+            plain.append(grad)
+    parts: list[torch.Tensor] = []
+    for group_grads in by_layout.values():
+        norm = torch.nn.utils.get_total_norm(group_grads, norm_type, foreach=False)
+        parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if plain:
+        norm = torch.nn.utils.get_total_norm(plain, norm_type, foreach=False)
+        if partition_group is not None and dist.get_world_size(partition_group) > 1:
+            norm = _combine_across(norm, norm_type, partition_group)
+        parts.append(norm)
+    if not parts:
+        return torch.zeros(())
+    device = parts[0].device
+    stacked = torch.stack([p.to(device, torch.float32) for p in parts])
+    if math.isinf(norm_type):
+        return stacked.max()
+    return stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+
+
+def _combine_across(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
+    value = norm.detach().to(torch.float32).clone()
+    if math.isinf(norm_type):
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return value
+    value = value.pow(norm_type)
+    dist.all_reduce(value, group=group)
+    return value.pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def scale_grads_to_norm(parameters: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Multiply every gradient by min(1, max_norm / total_norm), as torch.nn.utils.clip_grad_norm_."""
+    factor = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in parameters:
+        if p.grad is not None:
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            local.mul_(factor.to(local.device, local.dtype))
+
+
+def clip_grad_norm_(target, max_norm: float, norm_type: float = 2.0) -> Optional[torch.Tensor]:
+    """Clip gradients by their global norm under any atorch method; returns the norm before clipping.
+
+    ``target`` is what auto_accelerate returned: the optimizer (preferred: under fp16 amp it unscales
+    first, and under DeepSpeed the clip is applied inside ``step``) or the model.
+    """
+    if hasattr(target, "clip_grad_norm_") and not isinstance(target, torch.nn.Module):
+        return target.clip_grad_norm_(max_norm, norm_type)
+    if isinstance(target, torch.nn.Module):
+        if hasattr(target, "atorch_clip_grad_norm_"):
+            return target.atorch_clip_grad_norm_(max_norm, norm_type)
+        params = [p for p in target.parameters() if p.grad is not None]
+    elif isinstance(target, torch.optim.Optimizer):
+        params = [p for group in target.param_groups for p in group["params"] if p.grad is not None]
+    else:
+        params = [p for p in target if p.grad is not None]
+    norm = total_grad_norm(params, norm_type)
+    scale_grads_to_norm(params, max_norm, norm)
+    return norm

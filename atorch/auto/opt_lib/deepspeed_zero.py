@@ -1,0 +1,114 @@
+"""DeepSpeed ZeRO as a backend of zero1 / zero2 (``{"use_ds_zero": True}``); optional.
+
+DeepSpeed owns both the model (its engine) and the optimizer, so this backend claims the
+data-parallel slot (no DDP) and builds the engine where the optimizer is built. What the user's loop
+gets back is the engine as the model and an optimizer whose ``backward`` / ``step`` /
+``set_gradient_accumulation_boundary`` drive the engine; ``result.args.use_optim_backward`` says so.
+Clipping is DeepSpeed's own (inside ``step``, by the global norm of the partitioned gradients).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from atorch.errors import MethodConfigError, RequirementError
+from atorch.auto.optimizer import AtorchOptimizer
+from atorch.distributed import mesh
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def deepspeed_unavailable_reason() -> Optional[str]:
+    """None when DeepSpeed imports and has an accelerator for this machine; else why not."""
+    try:
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+        import deepspeed  # noqa: F401
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().device_name()
+    except Exception as error:  # ImportError, or an accelerator that cannot start here
+        return f"DeepSpeed is not usable here ({type(error).__name__}: {error}); install it with pip install 'atorch[deepspeed]'"
+    return None
+
+
+def use_deepspeed_zero(ctx, method: str, stage: int) -> None:
+    """Record the DeepSpeed engine build for ZeRO ``stage`` on the context."""
+    reason = deepspeed_unavailable_reason()
+    if reason:
+        raise RequirementError(f"{method} with use_ds_zero: {reason}")
+    if ctx.optim_func is None:
+        raise MethodConfigError(method, "use_ds_zero needs optim_func: DeepSpeed wraps the optimizer")
+    ctx.set_data_parallel_wrapper(method, lambda ctx: None)  # the engine is the data-parallel wrapper
+    ctx.optimizer_factory = lambda ctx, params: _build_engine(ctx, params, method, stage)
+    ctx.args.use_optim_backward = True
+    ctx.args.requires_set_gradient_accumulation_boundary = True
+
+
+def _build_engine(ctx, params: Any, method: str, stage: int) -> "DeepSpeedOptimizer":
+    import deepspeed
+
+    dp_size = mesh.data_parallel_size()
+    if dist.is_initialized() and dp_size != dist.get_world_size():
+        raise MethodConfigError(method, f"use_ds_zero supports pure data parallelism (data size {dp_size} != world size {dist.get_world_size()})")
+    if ctx.amp_dtype == torch.float16:
+        raise MethodConfigError(method, "use_ds_zero with amp_native fp16 is not supported (DeepSpeed keeps its own loss scale); use bf16")
+    global_batch = ctx.dataloader_args.get("batch_size", 1)
+    config = {
+        "train_micro_batch_size_per_gpu": max(1, global_batch // dp_size),
+        "gradient_accumulation_steps": 1,  # the loop marks boundaries itself
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,  # any torch optimizer: ZeRO shards its state generically
+        "gradient_clipping": 0.0,
+        "steps_per_print": 2**31 - 1,
+    }
+    optimizer = ctx.optim_func(params, **ctx.optim_args)
+    engine, _, _, _ = deepspeed.initialize(model=ctx.model, optimizer=optimizer, config=config, dist_init_required=False)
+    ctx.model = engine
+    logger.info("%s: DeepSpeed ZeRO-%d engine over %d ranks", method, stage, dp_size)
+    return DeepSpeedOptimizer(engine, optimizer)
+
+
+class DeepSpeedOptimizer(AtorchOptimizer):
+    """The seed loop's optimizer calls, mapped onto a DeepSpeed engine."""
+
+    def __init__(self, engine: Any, torch_optimizer: torch.optim.Optimizer):
+        super().__init__(torch_optimizer)
+        self.engine = engine
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.engine.backward(loss, **kwargs)
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise NotImplementedError("DeepSpeed's step takes no closure")
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.engine.step()
+        self.is_gradient_accumulation_boundary = True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self.is_gradient_accumulation_boundary = bool(is_boundary)
+        self.engine.set_gradient_accumulation_boundary(bool(is_boundary))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Optional[torch.Tensor]:
+        """DeepSpeed clips inside ``step`` by the global norm of its partitioned gradients: this sets
+        the threshold for the coming step and returns the norm of the previous one (or None)."""
+        if float(norm_type) != 2.0:
+            raise MethodConfigError("use_ds_zero", f"DeepSpeed clips by the 2-norm only, got norm_type={norm_type}")
+        self.engine.optimizer.clip_grad = float(max_norm)
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else torch.as_tensor(norm)
+
+    def state_dict(self) -> dict:
+        return self.engine.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.engine.optimizer.load_state_dict(state)

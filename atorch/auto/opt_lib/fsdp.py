@@ -1,0 +1,232 @@
+"""fsdp: ZeRO-3 on FSDP2 (``fully_shard``): parameters, gradients and optimizer state sharded.
+
+The seed's configuration is FSDP1's keyword set plus atorch's own keys. Under FSDP2 they map as
+follows (the README repeats this table):
+
+- ``atorch_wrap_cls``: module types / class names / qualified-name globs, each match gets its own
+  ``fully_shard`` (its parameters are gathered just for its forward and backward); the root is
+  always sharded last.
+- ``atorch_size_based_min_num_params``: instead of classes, shard every submodule whose not yet
+  sharded parameters reach this count (children first).
+- ``atorch_ignored_cls``: their parameters are not sharded; they stay replicated and their
+  gradients are averaged over the data-parallel group by a hook, so they still train correctly.
+- ``wrap_trainable_outmost``: submodules that hold trainable parameters are not sharded on their
+  own, so every trainable parameter lands in the outermost (root) group (LoRA-style fine-tuning).
+- ``sync_module_states``: parameters and buffers are broadcast from the first data-parallel rank
+  before sharding.
+- ``forward_prefetch``: each wrapped block prefetches the next block's all-gather in forward.
+- ``limit_all_gathers``, ``use_orig_params``, ``backward_prefetch``: accepted; FSDP2 always keeps
+  the original parameters (parameter groups work), frees all-gather memory eagerly and prefetches
+  in backward, so these are no-ops.
+- ``cpu_offload``: parameters, gradients and optimizer state live on CPU (``CPUOffloadPolicy``);
+  the optimizer step runs there. On a CPU-only machine everything is already there.
+- ``sharding_strategy``: "FULL_SHARD" (default) or "SHARD_GRAD_OP" (zero2 semantics).
+- ``reshard_after_forward``: FSDP2's own switch (True for ZeRO-3, False for ZeRO-2).
+
+With ``amp_native`` the parameters are all-gathered in the amp dtype (``MixedPrecisionPolicy``,
+gradients reduced in fp32) instead of being cast a second time by autocast; with ``half`` the model
+is already in low precision and is sharded as it is.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from atorch.errors import MethodConfigError
+from atorch.auto.opt_lib.base import Optimization
+from atorch.auto.opt_lib.checkpoint import matching_modules
+from atorch.distributed import mesh
+
+logger = logging.getLogger(__name__)
+
+ATORCH_KEYS = ("atorch_wrap_cls", "atorch_size_based_min_num_params", "atorch_ignored_cls", "wrap_trainable_outmost")
+MAPPED_KEYS = ("sync_module_states", "forward_prefetch", "cpu_offload", "sharding_strategy", "reshard_after_forward")
+NO_OP_KEYS = ("limit_all_gathers", "use_orig_params", "backward_prefetch", "fsdp_wrap_params_outmost")
+VALID_KEYS = ATORCH_KEYS + MAPPED_KEYS + NO_OP_KEYS
+SHARDING_STRATEGIES = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+
+
+def normalize_fsdp_config(method: str, config: Any) -> dict:
+    """Check an fsdp/zero2 config dict; returns a copy with class lists as tuples."""
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise MethodConfigError(method, f"config must be a dict of FSDP options, got {config!r}")
+    unknown = sorted(set(config) - set(VALID_KEYS))
+    if unknown:
+        raise MethodConfigError(method, f"unknown key(s) {unknown}; valid keys: {list(VALID_KEYS)}")
+    out = dict(config)
+    for key in ("atorch_wrap_cls", "atorch_ignored_cls"):
+        if key in out:
+            out[key] = _module_targets(method, key, out[key])
+    if "atorch_wrap_cls" in out and "atorch_size_based_min_num_params" in out:
+        raise MethodConfigError(method, "use either atorch_wrap_cls or atorch_size_based_min_num_params, not both")
+    min_params = out.get("atorch_size_based_min_num_params")
+    if min_params is not None and (not isinstance(min_params, int) or isinstance(min_params, bool) or min_params < 1):
+        raise MethodConfigError(method, f"atorch_size_based_min_num_params must be a positive int, got {min_params!r}")
+    strategy = out.get("sharding_strategy")
+    if strategy is not None:
+        name = getattr(strategy, "name", strategy)
+        if name not in SHARDING_STRATEGIES:
+            raise MethodConfigError(method, f"sharding_strategy {strategy!r} is not supported; choose one of {list(SHARDING_STRATEGIES)}")
+        out["sharding_strategy"] = name
+    for key in ("sync_module_states", "forward_prefetch", "cpu_offload", "wrap_trainable_outmost", "reshard_after_forward"):
+        if key in out and not isinstance(out[key], bool):
+            raise MethodConfigError(method, f"{key} must be a bool, got {out[key]!r}")
+    return out
+
+
+def _module_targets(method: str, key: str, value: Any) -> tuple:
+    targets = tuple(value) if isinstance(value, (tuple, list, set)) else (value,)
+    for target in targets:
+        if not (isinstance(target, str) or (isinstance(target, type) and issubclass(target, torch.nn.Module))):
+            raise MethodConfigError(method, f"{key}: {target!r} is neither an nn.Module subclass nor a module name")
+    return targets
+
+
+class FSDPOptimization(Optimization):
+    name = "fsdp"
+    distributed_only = True
+    is_tunable = True
+    default_config = None
+
+    def normalize(self, config: Any) -> dict:
+        return normalize_fsdp_config(self.name, config)
+
+    def candidates(self, ctx) -> list[Any]:
+        return [{}]
+
+    def transform(self, ctx, config: dict) -> None:
+        reshard = config.get("reshard_after_forward", SHARDING_STRATEGIES[config.get("sharding_strategy", "FULL_SHARD")])
+        ctx.set_data_parallel_wrapper(self.name, lambda ctx: shard_model(ctx, config, reshard_after_forward=reshard))
+
+
+def shard_model(ctx, config: dict, reshard_after_forward: bool) -> None:
+    """Apply fully_shard to the chosen submodules and the root over the data-parallel mesh."""
+    dp_mesh = mesh.data_parallel_mesh()
+    if dp_mesh is None or dp_mesh.size() == 1:
+        logger.info("fsdp: data-parallel size is 1, nothing to shard")
+        return
+    model = ctx.model
+    if config.get("sync_module_states"):
+        _broadcast_module_states(model)
+    ignored = _ignored_params(model, config)
+    kwargs: dict[str, Any] = {
+        "mesh": dp_mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": _mixed_precision(ctx),
+        "offload_policy": _offload_policy(config),
+    }
+    if ignored:
+        kwargs["ignored_params"] = ignored
+    blocks = _blocks_to_shard(model, config)
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    if config.get("forward_prefetch") and len(blocks) > 1:
+        for current, following in zip(blocks, blocks[1:]):
+            current.set_modules_to_forward_prefetch([following])
+    if ignored:
+        _average_ignored_gradients(ctx, ignored)
+    ctx.add_sync_toggle(functools.partial(_set_gradient_sync, model, reshard_after_forward))
+    logger.info("fsdp: sharded %d block(s) + root over %s ranks (reshard_after_forward=%s)",
+                len(blocks), dp_mesh.size(), reshard_after_forward)
+
+
+def _set_gradient_sync(model, reshard_after_forward: bool, enabled: bool) -> None:
+    """Inside an accumulation window gradients are not reduce-scattered; under zero2 semantics the
+    parameters also stay gathered between micro-steps, so a window costs one all-gather."""
+    model.set_requires_gradient_sync(enabled, recurse=True)
+    if not reshard_after_forward:
+        model.set_reshard_after_backward(enabled, recurse=True)
+
+
+def _blocks_to_shard(model: torch.nn.Module, config: dict) -> list[torch.nn.Module]:
+    if "atorch_wrap_cls" in config:
+        blocks = matching_modules(model, config["atorch_wrap_cls"])
+        if not blocks:
+            present = sorted({type(m).__name__ for m in model.modules()})
+            raise MethodConfigError("fsdp", f"atorch_wrap_cls {config['atorch_wrap_cls']!r} matches no submodule; module types: {present}")
+    elif "atorch_size_based_min_num_params" in config:
+        blocks = _size_based_blocks(model, config["atorch_size_based_min_num_params"])
+    else:
+        blocks = []
+    if config.get("wrap_trainable_outmost"):
+        blocks = [b for b in blocks if not any(p.requires_grad for p in b.parameters())]
+    ignored_types = config.get("atorch_ignored_cls")
+    if ignored_types:
+        ignored_modules = set(matching_modules(model, ignored_types))
+        blocks = [b for b in blocks if b not in ignored_modules]
+    return blocks
+
+
+def _size_based_blocks(model: torch.nn.Module, min_num_params: int) -> list[torch.nn.Module]:
+    """Children first: a module is sharded when its parameters not already sharded below reach the size."""
+    chosen: list[torch.nn.Module] = []
+    claimed: set[int] = set()
+
+    def visit(module: torch.nn.Module) -> None:
+        for child in module.children():
+            visit(child)
+        if module is model:
+            return
+        free = [p for p in module.parameters() if id(p) not in claimed]
+        if sum(p.numel() for p in free) >= min_num_params:
+            chosen.append(module)
+            claimed.update(id(p) for p in free)
+
+    visit(model)
+    return chosen
+
+
+def _ignored_params(model: torch.nn.Module, config: dict) -> set[torch.nn.Parameter]:
+    targets = config.get("atorch_ignored_cls")
+    if not targets:
+        return set()
+    modules = matching_modules(model, targets)
+    if not modules:
+        raise MethodConfigError("fsdp", f"atorch_ignored_cls {targets!r} matches no submodule")
+    return {p for module in modules for p in module.parameters()}
+
+
+def _mixed_precision(ctx) -> MixedPrecisionPolicy:
+    if ctx.amp_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=ctx.amp_dtype, reduce_dtype=torch.float32)
+
+
+def _offload_policy(config: dict) -> OffloadPolicy:
+    if not config.get("cpu_offload"):
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+
+
+@torch.no_grad()
+def _broadcast_module_states(model: torch.nn.Module) -> None:
+    group = mesh.parallel_group("data_parallel")
+    source = dist.get_global_rank(group, 0)
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        dist.broadcast(tensor.data, src=source, group=group)
+
+
+def _average_ignored_gradients(ctx, ignored: set[torch.nn.Parameter]) -> None:
+    """Ignored parameters are replicated: average their gradients like DDP would (unless a
+    micro-step of gradient accumulation turned communication off)."""
+    group = mesh.parallel_group("data_parallel")
+    size = dist.get_world_size(group)
+    state = {"sync": True}
+    ctx.add_sync_toggle(lambda on: state.__setitem__("sync", on))
+
+    def average(param: torch.nn.Parameter) -> None:
+        if state["sync"] and param.grad is not None:
+            dist.all_reduce(param.grad, group=group)
+            param.grad.div_(size)
+
+    for param in ignored:  # hooks fire in backward order, the same on every rank
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(average)

@@ -1,0 +1,189 @@
+"""zero1 and zero2: ZeRO stages 1 and 2 over the data-parallel group.
+
+zero1 shards the optimizer state. Default: PyTorch's ``ZeroRedundancyOptimizer`` under DDP (the
+seed names fairscale's OSS; fairscale is unmaintained and this is its PyTorch successor).
+``{"use_ds_zero": True}`` uses DeepSpeed ZeRO-1.
+
+zero2 also shards the gradients. Default: FSDP2 ``fully_shard`` with ``reshard_after_forward=False``
+(parameters stay gathered between forward and backward, as FSDP1's SHARD_GRAD_OP), so every fsdp key
+applies. ``{"not_use_fsdp": True}``: fairscale-ShardedDDP-style, no DDP; each gradient is reduced to
+the rank that owns its parameter in the ZeroRedundancyOptimizer partition and freed elsewhere.
+``{"use_ds_zero": True}``: DeepSpeed ZeRO-2.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from atorch.errors import MethodConfigError
+from atorch.auto.gradients import total_grad_norm
+from atorch.auto.opt_lib.base import Optimization
+from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason, use_deepspeed_zero
+from atorch.auto.opt_lib.fsdp import VALID_KEYS as FSDP_KEYS, normalize_fsdp_config, shard_model
+from atorch.distributed import mesh
+
+logger = logging.getLogger(__name__)
+
+
+def _flag(method: str, config: dict, key: str) -> bool:
+    value = config.get(key, False)
+    if not isinstance(value, bool):
+        raise MethodConfigError(method, f"{key} must be a bool, got {value!r}")
+    return value
+
+
+class Zero1Optimization(Optimization):
+    name = "zero1"
+    distributed_only = True
+    is_tunable = True
+    default_config = None
+
+    def normalize(self, config: Any) -> dict:
+        config = {} if config is None else config
+        if not isinstance(config, dict):
+            raise MethodConfigError(self.name, f"config must be a dict such as {{'use_ds_zero': True}}, got {config!r}")
+        unknown = sorted(set(config) - {"use_ds_zero"})
+        if unknown:
+            raise MethodConfigError(self.name, f"unknown key(s) {unknown}; valid keys: ['use_ds_zero']")
+        return {"use_ds_zero": _flag(self.name, config, "use_ds_zero")}
+
+    def requirements(self, config: Any = None) -> Optional[str]:
+        return deepspeed_unavailable_reason() if config and config.get("use_ds_zero") else None
+
+    def candidates(self, ctx) -> list[Any]:
+        return [{"use_ds_zero": False}]
+
+    def transform(self, ctx, config: dict) -> None:
+        if config["use_ds_zero"]:
+            use_deepspeed_zero(ctx, self.name, stage=1)
+            return
+        ctx.optimizer_factory = _zero_redundancy_optimizer
+
+
+def _zero_redundancy_optimizer(ctx, params: Any) -> ZeroRedundancyOptimizer:
+    group = mesh.parallel_group("data_parallel")
+    return ZeroRedundancyOptimizer(params, optimizer_class=ctx.optim_func, process_group=group, **ctx.optim_args)
+
+
+class Zero2Optimization(Optimization):
+    name = "zero2"
+    distributed_only = True
+    is_tunable = True
+    default_config = None
+
+    def normalize(self, config: Any) -> dict:
+        config = {} if config is None else config
+        if not isinstance(config, dict):
+            raise MethodConfigError(self.name, f"config must be a dict (fsdp keys, not_use_fsdp or use_ds_zero), got {config!r}")
+        own = {"use_ds_zero", "not_use_fsdp"}
+        unknown = sorted(set(config) - own - set(FSDP_KEYS))
+        if unknown:
+            raise MethodConfigError(self.name, f"unknown key(s) {unknown}; valid keys: {sorted(own) + list(FSDP_KEYS)}")
+        use_ds, not_fsdp = _flag(self.name, config, "use_ds_zero"), _flag(self.name, config, "not_use_fsdp")
+        if use_ds and not_fsdp:
+            raise MethodConfigError(self.name, "use_ds_zero and not_use_fsdp each pick an implementation; set one")
+        fsdp_part = {k: v for k, v in config.items() if k not in own}
+        if fsdp_part and (use_ds or not_fsdp):
+            raise MethodConfigError(self.name, f"fsdp keys {sorted(fsdp_part)} apply only to the default FSDP implementation")
+        if fsdp_part.get("reshard_after_forward") or fsdp_part.get("sharding_strategy") == "FULL_SHARD":
+            raise MethodConfigError(self.name, "zero2 keeps parameters gathered after forward; use the fsdp method for ZeRO-3")
+        out = normalize_fsdp_config(self.name, fsdp_part)
+        out.update(use_ds_zero=use_ds, not_use_fsdp=not_fsdp)
+        return out
+
+    def requirements(self, config: Any = None) -> Optional[str]:
+        return deepspeed_unavailable_reason() if config and config.get("use_ds_zero") else None
+
+    def candidates(self, ctx) -> list[Any]:
+        return [{"use_ds_zero": False, "not_use_fsdp": False}]
+
+    def transform(self, ctx, config: dict) -> None:
+        if config["use_ds_zero"]:
+            use_deepspeed_zero(ctx, self.name, stage=2)
+        elif config["not_use_fsdp"]:
+            _use_sharded_gradients(ctx, self.name)
+        else:
+            fsdp_config = {k: v for k, v in config.items() if k not in ("use_ds_zero", "not_use_fsdp")}
+            ctx.set_data_parallel_wrapper(self.name, lambda ctx: shard_model(ctx, fsdp_config, reshard_after_forward=False))
+
+
+def _use_sharded_gradients(ctx, method: str) -> None:
+    state: dict[str, Any] = {}
+
+    def wrap(ctx) -> None:
+        group = mesh.parallel_group("data_parallel")
+        if group is None or dist.get_world_size(group) == 1:
+            return
+        state["wrapper"] = ShardedGradientDataParallel(ctx.model, group)
+        ctx.model = state["wrapper"]
+        ctx.grad_partition_group = group
+        ctx.add_sync_toggle(state["wrapper"].set_gradient_sync)
+
+    def build_optimizer(ctx, params: Any) -> ZeroRedundancyOptimizer:
+        optimizer = _zero_redundancy_optimizer(ctx, params)
+        if "wrapper" in state:
+            state["wrapper"].set_owners(optimizer._param_to_rank)
+        return optimizer
+
+    ctx.set_data_parallel_wrapper(method, wrap)
+    ctx.optimizer_factory = build_optimizer
+
+
+class ShardedGradientDataParallel(torch.nn.Module):
+    """ZeRO-2 without FSDP: as each gradient is ready, it is averaged onto the rank that owns the
+    parameter's optimizer state and freed on the others, so a rank keeps only its own share of the
+    gradients. The optimizer (ZeroRedundancyOptimizer) steps the owned share and broadcasts it."""
+
+    def __init__(self, module: torch.nn.Module, group: dist.ProcessGroup):
+        super().__init__()
+        self.module = module
+        self.group = group
+        self.group_size = dist.get_world_size(group)
+        self.group_rank = dist.get_rank(group)
+        self.sync = True
+        self._owner: Optional[dict[torch.Tensor, int]] = None
+        self._broadcast_states()
+        for param in module.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._reduce_to_owner)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def set_owners(self, param_to_rank: dict[torch.Tensor, int]) -> None:
+        self._owner = dict(param_to_rank)
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        self.sync = enabled
+
+    @torch.no_grad()
+    def _broadcast_states(self) -> None:
+        source = dist.get_global_rank(self.group, 0)
+        for tensor in list(self.module.parameters()) + list(self.module.buffers()):
+            dist.broadcast(tensor.data, src=source, group=self.group)
+
+    @torch.no_grad()
+    def _reduce_to_owner(self, param: torch.nn.Parameter) -> None:
+        if not self.sync or param.grad is None:
+            return
+        if self._owner is None:
+            raise RuntimeError("ShardedGradientDataParallel needs the optimizer's partition (set_owners) before backward")
+        owner = self._owner[param]
+        param.grad.div_(self.group_size)
+        dist.reduce(param.grad, dst=dist.get_global_rank(self.group, owner), group=self.group)
+        if owner != self.group_rank:
+            param.grad = None
+
+    def atorch_clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        from atorch.auto.gradients import scale_grads_to_norm
+
+        params = list(self.module.parameters())
+        norm = total_grad_norm(params, norm_type, partition_group=self.group)
+        scale_grads_to_norm(params, max_norm, norm)
+        return norm
+
+

@@ -1,0 +1,102 @@
+"""The optimizer auto_accelerate returns: the user's optimizer plus what the strategy needs.
+
+One small wrapper gives every strategy the same surface for the seed's training loop:
+``backward(loss)``, ``step()``, ``zero_grad()``, ``set_gradient_accumulation_boundary(flag)`` and
+``clip_grad_norm_(max_norm)``. Methods that change how these work (amp's grad scaler, DeepSpeed's
+engine) subclass or wrap it; everything else is delegated to the wrapped optimizer, so
+``param_groups``, ``state`` and ``state_dict`` behave as the user's own.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from atorch.auto.gradients import scale_grads_to_norm, total_grad_norm
+
+SyncToggle = Callable[[bool], None]
+
+
+class AtorchOptimizer:
+    """Wraps a torch optimizer (or another AtorchOptimizer).
+
+    ``sync_toggles`` are callables the data-parallel wrapper registered: called with False they stop
+    gradient communication (micro-steps inside an accumulation window), with True they restore it.
+    ``grad_partition_group``, when set, says each rank of that group holds a disjoint share of the
+    gradients (the non-FSDP zero2 path), which the global gradient norm must sum over.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        sync_toggles: Optional[list[SyncToggle]] = None,
+        grad_partition_group: Any = None,
+    ):
+        self.optimizer = optimizer
+        self.sync_toggles = list(sync_toggles or [])
+        self.grad_partition_group = grad_partition_group
+        self.is_gradient_accumulation_boundary = True
+
+    # --- the seed's loop -----------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        inner = self.optimizer
+        if isinstance(inner, AtorchOptimizer):
+            inner.backward(loss, **kwargs)
+        else:
+            loss.backward(**kwargs)
+
+    def step(self, closure: Optional[Callable] = None) -> Any:
+        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Call with False before the backward of every micro-step but the last of an accumulation
+        window and with True before the last: gradients are then communicated once per window."""
+        self.is_gradient_accumulation_boundary = bool(is_boundary)
+        if isinstance(self.optimizer, AtorchOptimizer):
+            self.optimizer.set_gradient_accumulation_boundary(is_boundary)
+        for toggle in self.sync_toggles:
+            toggle(bool(is_boundary))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global norm over every shard and rank; returns the norm before clipping."""
+        if isinstance(self.optimizer, AtorchOptimizer):
+            return self.optimizer.clip_grad_norm_(max_norm, norm_type)
+        params = [p for group in self.param_groups for p in group["params"]]
+        norm = total_grad_norm(params, norm_type, self.grad_partition_group)
+        scale_grads_to_norm(params, max_norm, norm)
+        return norm
+
+    # --- delegation ----------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def torch_optimizer(self) -> Any:
+        """The innermost optimizer (what an lr scheduler or a GradScaler acts on)."""
+        inner = self.optimizer
+        while isinstance(inner, AtorchOptimizer):
+            inner = inner.optimizer
+        return inner
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def add_param_group(self, group: dict) -> None:
+        self.optimizer.add_param_group(group)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["optimizer"], name)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.optimizer!r})"

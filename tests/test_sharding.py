@@ -1,0 +1,209 @@
+"""zero1, zero2 and fsdp on real gloo ranks (2 and 4) against the single-process fp32 reference with
+the same seed and global batch: each alone, with bf16 amp, with checkpoint, with gradient
+accumulation 4 and with clipping (fp32: relative difference < 1e-5 in losses and all final weights;
+bf16/fp16: < 2e-2). The same launch measures per-rank parameter / gradient / optimizer-state bytes
+against DDP and checks that accumulation micro-steps send no gradient collectives. DeepSpeed's
+ZeRO-1/2 run on CPU ranks here through its CPU accelerator; those cases skip when it is absent."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason
+from atorch.testing import run_distributed
+from atorch.testing.training import train_gpt
+from tests.parity import BF16, CKPT, assert_matches, case_parts, run_suite
+
+pytestmark = pytest.mark.multirank
+
+HAS_DEEPSPEED = deepspeed_unavailable_reason() is None
+CLIP = 0.5  # below the reference's gradient norms (0.56 .. 1.15), so clipping changes every step
+ACC_BATCH = 16  # accumulation 4 on 4 ranks needs micro-batches of at least 4 samples
+WRAP = {"atorch_wrap_cls": ("GPTBlock",)}
+METHODS = {
+    "zero1": "zero1",
+    "zero2": "zero2",
+    "zero2_nofsdp": ("zero2", {"not_use_fsdp": True}),
+    "fsdp": ("fsdp", WRAP),
+}
+ADAMW = {"optim_func": torch.optim.AdamW, "optim_args": {"lr": 1e-3}, "steps": 1, "measure_state": True}
+
+
+def parity_cases() -> dict:
+    cases: dict = {}
+    for name, method in METHODS.items():
+        base = ["parallel_mode", method]
+        cases[name] = base
+        cases[f"{name}_bf16"] = base + [BF16]
+        cases[f"{name}_ckpt"] = base + [CKPT]
+        cases[f"{name}_acc4"] = {"strategy": base, "accumulation": 4, "global_batch": ACC_BATCH}
+        cases[f"{name}_clip"] = {"strategy": base, "max_grad_norm": CLIP}
+    return cases
+
+
+FSDP_OPTIONS = {
+    "fsdp_fp16": ["parallel_mode", ("fsdp", WRAP), "amp_native"],
+    "fsdp_half_bf16": ["parallel_mode", ("half", "bf16"), "fsdp"],
+    "fsdp_cpu_offload": ["parallel_mode", ("fsdp", dict(WRAP, cpu_offload=True))],
+    "fsdp_size_based_prefetch_sync": ["parallel_mode", ("fsdp", {
+        "atorch_size_based_min_num_params": 4000, "forward_prefetch": True, "sync_module_states": True,
+        "limit_all_gathers": True, "use_orig_params": True})],
+    "fsdp_ignored_cls": ["parallel_mode", ("fsdp", dict(WRAP, atorch_ignored_cls=("LayerNorm",)))],
+    "fsdp_ignored_cls_acc4": {"strategy": ["parallel_mode", ("fsdp", dict(WRAP, atorch_ignored_cls=("LayerNorm",)))],
+                              "accumulation": 4, "global_batch": ACC_BATCH},
+    "zero2_nofsdp_fp16_clip": {"strategy": ["parallel_mode", ("zero2", {"not_use_fsdp": True}), "amp_native"],
+                               "max_grad_norm": CLIP},
+}
+DEEPSPEED_CASES = {
+    "ds_zero1": ["parallel_mode", ("zero1", {"use_ds_zero": True})],
+    "ds_zero1_bf16": ["parallel_mode", ("zero1", {"use_ds_zero": True}), BF16],
+    "ds_zero2_acc4_clip": {"strategy": ["parallel_mode", ("zero2", {"use_ds_zero": True})], "accumulation": 4,
+                           "global_batch": ACC_BATCH, "max_grad_norm": CLIP},
+}
+MEMORY_CASES = {
+    f"memory_{name}": {"strategy": ["parallel_mode"] + ([method] if method else []), **ADAMW}
+    for name, method in {"ddp": None, **METHODS}.items()
+}
+# which of parameters / gradients / optimizer state each method shards
+SHARDS = {"zero1": ("optim_state",), "zero2": ("grads", "optim_state"), "zero2_nofsdp": ("grads", "optim_state"),
+          "fsdp": ("params", "grads", "optim_state")}
+GRADIENT_COLLECTIVES = ("allreduce", "all_reduce", "reduce_scatter", "gloo:reduce", "c10d::reduce_")
+
+
+def _reference_key(case) -> tuple:
+    _, kwargs = case_parts(case)
+    return kwargs.get("global_batch", 8), kwargs.get("max_grad_norm")
+
+
+_REFERENCES: dict = {}
+
+
+def reference_for(case) -> dict:
+    key = _reference_key(case)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train_gpt([], global_batch=key[0], max_grad_norm=key[1])
+    return _REFERENCES[key]
+
+
+def micro_step_collectives(strategy) -> dict:
+    """Collectives seen in the backward of a non-boundary micro-step and of the boundary one."""
+    run = train_gpt(strategy, steps=1)
+    result = run["result"]
+    batch = result.prepare_input(next(iter(result.dataloader)))
+    seen = {}
+    for boundary in (False, False, True):
+        result.optim.set_gradient_accumulation_boundary(boundary)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            loss = result.loss_func(batch, result.model(**batch))
+            result.optim.backward(loss)
+        names = sorted({e.name for e in prof.events() if e.name.startswith(("gloo:", "c10d::"))})
+        seen.setdefault("boundary" if boundary else "micro", []).append(names)
+    result.optim.zero_grad()
+    return seen
+
+
+def without_deepspeed() -> str:
+    """zero1 with use_ds_zero when DeepSpeed cannot be imported: the error users get."""
+    sys.modules["deepspeed"] = None  # makes `import deepspeed` raise ImportError in this process
+    deepspeed_unavailable_reason.cache_clear()
+    try:
+        train_gpt(["parallel_mode", ("zero1", {"use_ds_zero": True})], steps=1)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def launch(cases: dict, comm_strategies: dict) -> dict:
+    out = run_suite(cases)
+    out["collectives"] = {key: micro_step_collectives(s) for key, s in comm_strategies.items()}
+    out["without_deepspeed"] = without_deepspeed()
+    return out
+
+
+def _check(results: list, cases: dict, world: int) -> None:
+    for key, case in cases.items():
+        if key.startswith("memory_"):
+            continue
+        strategy, _ = case_parts(case)
+        for rank, per_rank in enumerate(results):
+            assert_matches(per_rank[key], reference_for(case), strategy, f"world {world}, rank {rank}, {key}")
+
+
+def _check_memory(results: list, world: int) -> None:
+    for rank, per_rank in enumerate(results):
+        ddp = per_rank["memory_ddp"]["state_bytes"]
+        for name, kinds in SHARDS.items():
+            held = per_rank[f"memory_{name}"]["state_bytes"]
+            for kind in kinds:
+                ratio = held[kind] / ddp[kind]
+                assert ratio <= 1.1 / world, f"rank {rank} {name}: {kind} {held[kind]} B is {ratio:.3f} of DDP's (limit {1.1 / world:.3f})"
+
+
+def _check_collectives(results: list) -> None:
+    for per_rank in results:
+        for key, seen in per_rank["collectives"].items():
+            for names in seen["micro"]:
+                grads = [n for n in names if any(c in n for c in GRADIENT_COLLECTIVES)]
+                assert not grads, f"{key}: gradient collectives {grads} inside an accumulation window"
+            if key == "zero2":  # parameters stay gathered between micro-steps: only the first gathers
+                assert seen["micro"][1] == [], f"zero2: second micro-step communicates {seen['micro'][1]}"
+            assert any(any(c in n for c in GRADIENT_COLLECTIVES) for n in seen["boundary"][0]), f"{key}: boundary did not reduce"
+
+
+def _cases(world: int) -> dict:
+    cases = {**parity_cases(), **MEMORY_CASES}
+    if world == 2:
+        cases.update(FSDP_OPTIONS)
+        if HAS_DEEPSPEED:
+            cases.update(DEEPSPEED_CASES)
+    return cases
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharding_methods_match_reference_and_shard_state(world):
+    cases = _cases(world)
+    comm = {name: ["parallel_mode", method] for name, method in METHODS.items()} if world == 2 else {}
+    results = run_distributed(launch, world, cases, comm, timeout_s=900)
+    _check(results, cases, world)
+    _check_memory(results, world)
+    _check_collectives(results)
+    for per_rank in results:
+        error = per_rank["without_deepspeed"]
+        assert error.startswith("RequirementError") and "DeepSpeed" in error and "zero1" in error, error
+        assert per_rank["fsdp"]["strategy"].get("fsdp") == WRAP
+
+
+def test_clipping_changes_the_reference():
+    """The clip cases would pass without clipping only if clipping did nothing: it must not."""
+    clipped, plain = reference_for({"strategy": [], "max_grad_norm": CLIP}), reference_for([])
+    assert all(norm > CLIP for norm in clipped["grad_norms"]), clipped["grad_norms"]
+    assert clipped["losses"][-1] != pytest.approx(plain["losses"][-1], rel=1e-4)
+
+
+@pytest.mark.skipif(HAS_DEEPSPEED, reason="DeepSpeed is installed; its cases run in the sharding launch")
+def test_deepspeed_absent_is_reported():
+    assert "DeepSpeed" in (deepspeed_unavailable_reason() or "")
+
+
+@pytest.mark.parametrize("name, config, words", [
+    ("fsdp", {"atorch_wrap_cls": ("GPTBlock",), "shard_everything": True}, ["shard_everything", "atorch_wrap_cls"]),
+    ("fsdp", {"atorch_wrap_cls": ("GPTBlock",), "atorch_size_based_min_num_params": 10}, ["either"]),
+    ("fsdp", {"sharding_strategy": "HYBRID_SHARD"}, ["HYBRID_SHARD", "FULL_SHARD"]),
+    ("fsdp", {"cpu_offload": "yes"}, ["cpu_offload", "bool"]),
+    ("zero1", {"use_ds": True}, ["use_ds", "use_ds_zero"]),
+    ("zero1", "deepspeed", ["dict"]),
+    ("zero2", {"use_ds_zero": True, "not_use_fsdp": True}, ["one"]),
+    ("zero2", {"not_use_fsdp": True, "atorch_wrap_cls": ("GPTBlock",)}, ["FSDP"]),
+    ("zero2", {"reshard_after_forward": True}, ["ZeRO-3"]),
+])
+def test_bad_sharding_configs_name_the_problem(name, config, words):
+    from atorch.auto import opt_lib
+    from atorch.errors import MethodConfigError
+
+    with pytest.raises(MethodConfigError) as info:
+        opt_lib.get_optimization(name).normalize(config)
+    for word in words:
+        assert word in str(info.value), str(info.value)
