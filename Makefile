@@ -22,6 +22,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/memory.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -54,6 +54,9 @@ FSDP_OPTIONS = {
     "fsdp_ignored_cls": ["parallel_mode", ("fsdp", dict(WRAP, atorch_ignored_cls=("LayerNorm",)))],
     "fsdp_ignored_cls_acc4": {"strategy": ["parallel_mode", ("fsdp", dict(WRAP, atorch_ignored_cls=("LayerNorm",)))],
                               "accumulation": 4, "global_batch": ACC_BATCH},
+    "fsdp_clip_via_model": {"strategy": ["parallel_mode", ("fsdp", WRAP)], "max_grad_norm": CLIP, "clip_via": "model"},
+    "zero2_nofsdp_clip_via_model": {"strategy": ["parallel_mode", ("zero2", {"not_use_fsdp": True})],
+                                    "max_grad_norm": CLIP, "clip_via": "model"},
     "zero2_nofsdp_fp16_clip": {"strategy": ["parallel_mode", ("zero2", {"not_use_fsdp": True}), "amp_native"],
                                "max_grad_norm": CLIP},
 }
@@ -207,3 +210,33 @@ def test_bad_sharding_configs_name_the_problem(name, config, words):
         opt_lib.get_optimization(name).normalize(config)
     for word in words:
         assert word in str(info.value), str(info.value)
+
+
+def offload_on_gpu() -> dict:
+    """One fsdp + cpu_offload step on CUDA: where the parameters and optimizer state live."""
+    from torch.distributed.tensor import DTensor
+
+    run = train_gpt(["parallel_mode", ("fsdp", dict(WRAP, cpu_offload=True))], steps=2,
+                    optim_func=torch.optim.AdamW, optim_args={"lr": 1e-3})
+    result = run["result"]
+    params = [p.to_local() if isinstance(p, DTensor) else p for p in result.model.parameters()]
+    states = [v for s in result.optim.torch_optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+    return {"param_devices": sorted({p.device.type for p in params}),
+            "state_devices": sorted({(v.to_local() if isinstance(v, DTensor) else v).device.type for v in states}),
+            "losses": run["losses"]}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+def test_fsdp_cpu_offload_keeps_state_on_cpu_on_a_gpu():
+    got = run_distributed(offload_on_gpu, 1)[0]
+    assert got["param_devices"] == ["cpu"] and got["state_devices"] == ["cpu"], got
+    assert all(torch.isfinite(torch.tensor(got["losses"]))), got["losses"]
+
+
+def test_fsdp_cpu_offload_on_one_rank_trains_like_the_reference():
+    """Offloading alone (one rank, nothing to shard across) still applies and trains correctly."""
+    got = run_distributed(offload_on_gpu, 1)[0]
+    reference = train_gpt([], steps=2, optim_func=torch.optim.AdamW, optim_args={"lr": 1e-3})
+    assert got["param_devices"] == ["cpu"] and got["state_devices"] == ["cpu"], got
+    assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5)

@@ -31,6 +31,7 @@ def train_gpt(
     accumulation: int = 1,
     max_grad_norm: Optional[float] = None,
     measure_state: bool = False,
+    clip_via: str = "optimizer",
     **auto_kwargs: Any,
 ) -> dict:
     """Run ``steps`` steps of the seed's loop; returns the global mean loss per step, the full final
@@ -72,7 +73,12 @@ def train_gpt(
                 loss.backward()
             step_loss += global_mean(loss.detach().float())
         if max_grad_norm is not None:
-            norm = result.optim.clip_grad_norm_(max_grad_norm)
+            if clip_via == "model":  # atorch.clip_grad_norm_ on the returned model
+                from atorch.auto.gradients import clip_grad_norm_
+
+                norm = clip_grad_norm_(result.model, max_grad_norm)
+            else:
+                norm = result.optim.clip_grad_norm_(max_grad_norm)
             norms.append(None if norm is None else float(norm))
         result.optim.step()
         if measure_state:

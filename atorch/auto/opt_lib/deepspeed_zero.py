@@ -59,10 +59,12 @@ def _build_engine(ctx, params: Any, method: str, stage: int) -> "DeepSpeedOptimi
     if ctx.amp_dtype == torch.float16:
         raise MethodConfigError(method, "use_ds_zero with amp_native fp16 is not supported (DeepSpeed keeps its own loss scale); use bf16")
     global_batch = ctx.dataloader_args.get("batch_size", 1)
+    bucket = int(min(5e8, max(1e6, sum(p.numel() for p in ctx.model.parameters()))))
     config = {
         "train_micro_batch_size_per_gpu": max(1, global_batch // dp_size),
         "gradient_accumulation_steps": 1,  # the loop marks boundaries itself
-        "zero_optimization": {"stage": stage},
+        # DeepSpeed's default buckets hold 5e8 elements (2 GB in fp32) whatever the model size
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
         "zero_allow_untested_optimizer": True,  # any torch optimizer: ZeRO shards its state generically
         "gradient_clipping": 0.0,
         "steps_per_print": 2**31 - 1,

@@ -109,8 +109,8 @@ class FSDPOptimization(Optimization):
 def shard_model(ctx, config: dict, reshard_after_forward: bool) -> None:
     """Apply fully_shard to the chosen submodules and the root over the data-parallel mesh."""
     dp_mesh = mesh.data_parallel_mesh()
-    if dp_mesh is None or dp_mesh.size() == 1:
-        logger.info("fsdp: data-parallel size is 1, nothing to shard")
+    if dp_mesh is None or (dp_mesh.size() == 1 and not config.get("cpu_offload")):
+        logger.info("fsdp: data-parallel size is 1, nothing to shard")  # (offloading alone still applies)
         return
     model = ctx.model
     if config.get("sync_module_states"):
