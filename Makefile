@@ -23,6 +23,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/compute.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

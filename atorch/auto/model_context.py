@@ -94,6 +94,7 @@ class ModelContext:
         self.optimizer_factory: Optional[Callable[["ModelContext", Any], Any]] = None
         self.input_dtype: Optional[torch.dtype] = None
         self.amp_dtype: Optional[torch.dtype] = None  # set by amp_native; sharding picks its policy from it
+        self.half_dtype: Optional[torch.dtype] = None  # set by half
         self.sync_toggles: list[Callable[[bool], None]] = []  # gradient sync on/off (accumulation)
         self.grad_partition_group: Any = None  # set when ranks hold disjoint gradient shares
         self.args = TrainingArgs(model_input_format=model_input_format)

@@ -44,9 +44,12 @@ class CausalSelfAttention(nn.Module):
             return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        y = self.attend(q, k, v, dropout=self.dropout if self.training else 0.0)
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
+        """Causal attention core on (B, H, S, D) tensors (module_replace swaps in atorch's dispatch)."""
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
 
 
 class MLP(nn.Module):

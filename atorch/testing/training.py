@@ -102,13 +102,17 @@ def global_mean(value: torch.Tensor) -> float:
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded fp32 CPU copy of the weights, with wrapper prefixes removed."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module):  # DDP, DeepSpeed engine, ...
-        model = model.module
+    while True:  # DDP, DeepSpeed engine, torch.compile ...
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            break
+        model = inner
     out = {}
     for name, tensor in model.state_dict().items():
         if hasattr(tensor, "full_tensor"):
             tensor = tensor.full_tensor()
-        out[name.replace("_checkpoint_wrapped_module.", "")] = tensor.detach().float().cpu().clone()
+        name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")  # checkpoint, torch.compile
+        out[name] = tensor.detach().float().cpu().clone()
     return out
 
 

@@ -42,13 +42,17 @@ def _register_builtins() -> None:
     from atorch.auto.opt_lib.amp import AmpNativeOptimization
     from atorch.auto.opt_lib.half import HalfOptimization
     from atorch.auto.opt_lib.checkpoint import CheckpointOptimization
+    from atorch.auto.opt_lib.fp8 import FP8Optimization
     from atorch.auto.opt_lib.fsdp import FSDPOptimization
+    from atorch.auto.opt_lib.module_replace import ModuleReplaceOptimization
+    from atorch.auto.opt_lib.native_dynamo import NativeDynamoOptimization
     from atorch.auto.opt_lib.parallel_mode import ParallelModeOptimization
     from atorch.auto.opt_lib.zero import Zero1Optimization, Zero2Optimization
 
     for cls in (
         ParallelModeOptimization, AmpNativeOptimization, HalfOptimization, CheckpointOptimization,
-        Zero1Optimization, Zero2Optimization, FSDPOptimization,
+        Zero1Optimization, Zero2Optimization, FSDPOptimization, ModuleReplaceOptimization, FP8Optimization,
+        NativeDynamoOptimization,
     ):
         register_optimization(cls)
 

@@ -23,6 +23,7 @@ class HalfOptimization(Optimization):
 
     def transform(self, ctx, config: str) -> None:
         dtype = parse_dtype(self.name, config)
+        ctx.half_dtype = dtype  # module_replace checks its pairs' dtypes against it
 
         def cast(ctx) -> None:
             ctx.model.to(dtype)

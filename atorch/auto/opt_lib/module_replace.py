@@ -1,0 +1,229 @@
+"""module_replace: swap known modules for optimized implementations, keeping weights and keys.
+
+Built-in pairs:
+
+- ``hf_attention``: HF transformers attention (``BertSelfAttention`` — the core of ``BertAttention``
+  —, ``GPT2Attention``, ``CLIPAttention``, ``LlamaAttention``): the module keeps its projections and
+  is given atorch's attention function (``atorch.kernels.hf_attention_forward``: flash-attn when
+  installed and supported, else SDPA) through transformers' own ``AttentionInterface``.
+- ``repo_attention``: the repo GPT's ``CausalSelfAttention`` → the same dispatch.
+- ``fused_layernorm``: ``nn.LayerNorm`` → ``atorch.kernels.FusedLayerNorm`` where a faster kernel
+  exists (flash-attn's Triton LayerNorm on CUDA); elsewhere PyTorch's LayerNorm is already one
+  kernel and the pair is skipped with a logged line.
+
+Users add pairs with ``register_replace_pair(name, supported_dtypes, pair_cls)`` as the seed shows;
+``pair_cls = (original, optimized)`` where ``original`` is a module class or class name and the
+optimized module is made by, in order: ``optimized.from_original(module)`` if defined; a class swap
+when ``optimized`` subclasses the original (same parameters, same keys); else ``optimized(module)``.
+A pair applies only when the training dtype (fp32, or the amp / half dtype) is in its
+``supported_dtypes``. Config: None (every registered pair) or a list of pair names.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from atorch.errors import MethodConfigError
+from atorch.auto.opt_lib.base import Optimization
+from atorch.kernels.attention import attention, hf_attention_forward
+from atorch.kernels.norm import FusedLayerNorm, fused_layer_norm_available
+from atorch.models.gpt import CausalSelfAttention
+
+logger = logging.getLogger(__name__)
+
+ALL_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+HF_ATTENTION_CLASSES = ("BertSelfAttention", "GPT2Attention", "CLIPAttention", "LlamaAttention")
+ATORCH_ATTENTION = "atorch"
+
+
+@dataclass
+class ReplacePair:
+    """One replacement: which modules it matches, how it builds the optimized one, which dtypes it
+    supports and, optionally, why it cannot run on a device (None when it can)."""
+
+    name: str
+    supported_dtypes: frozenset
+    matches: Callable[[nn.Module], bool]
+    build: Callable[[nn.Module], nn.Module]
+    unavailable: Callable[[torch.device], Optional[str]] = field(default=lambda device: None)
+
+
+_PAIRS: dict[str, ReplacePair] = {}
+
+
+def register_replace_pair(
+    name: str,
+    supported_dtypes: Any = ALL_DTYPES,
+    pair_cls: Optional[tuple] = None,
+    *,
+    matches: Optional[Callable[[nn.Module], bool]] = None,
+    build: Optional[Callable[[nn.Module], nn.Module]] = None,
+    unavailable: Optional[Callable[[torch.device], Optional[str]]] = None,
+    replace: bool = False,
+) -> ReplacePair:
+    """Register a replacement (the seed's form: ``pair_cls=(original, optimized)``)."""
+    if name in _PAIRS and not replace:
+        raise ValueError(f"replace pair {name!r} is already registered (pass replace=True)")
+    dtypes = frozenset(supported_dtypes)
+    if not dtypes or not dtypes <= ALL_DTYPES:
+        raise ValueError(f"supported_dtypes must be a non-empty subset of {sorted(map(str, ALL_DTYPES))}, got {supported_dtypes!r}")
+    if pair_cls is not None:
+        original, optimized = pair_cls
+        matches = matches or _class_matcher(original)
+        build = build or functools.partial(_build_from_class, optimized)
+    if matches is None or build is None:
+        raise ValueError("register_replace_pair needs pair_cls=(original, optimized) or both matches= and build=")
+    pair = ReplacePair(name, dtypes, matches, build, unavailable or (lambda device: None))
+    _PAIRS[name] = pair
+    return pair
+
+
+def registered_pairs() -> list[str]:
+    return list(_PAIRS)
+
+
+def _class_matcher(original: Union[type, str]) -> Callable[[nn.Module], bool]:
+    if isinstance(original, str):
+        return lambda module: type(module).__name__ == original
+    return lambda module: type(module) is original
+
+
+def _build_from_class(optimized: type, module: nn.Module) -> nn.Module:
+    if hasattr(optimized, "from_original"):
+        return optimized.from_original(module)
+    if issubclass(optimized, type(module)):
+        module.__class__ = optimized  # same object, same parameters and state-dict keys
+        return module
+    return optimized(module)
+
+
+# --- built-in pairs ------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _register_hf_attention_function() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATORCH_ATTENTION, hf_attention_forward)
+
+
+@functools.lru_cache(maxsize=None)
+def _atorch_subclass(cls: type) -> type:
+    return type(f"Atorch{cls.__name__}", (cls,), {"__module__": cls.__module__, "atorch_replaced": True})
+
+
+def _is_hf_attention(module: nn.Module) -> bool:
+    return (
+        type(module).__name__ in HF_ATTENTION_CLASSES
+        and not getattr(module, "atorch_replaced", False)
+        and hasattr(getattr(module, "config", None), "_attn_implementation")
+    )
+
+
+def _replace_hf_attention(module: nn.Module) -> nn.Module:
+    _register_hf_attention_function()
+    config = copy.copy(module.config)  # per-module copy: the model's masks still follow its own setting
+    config._attn_implementation = ATORCH_ATTENTION
+    module.config = config
+    module.__class__ = _atorch_subclass(type(module))
+    return module
+
+
+class AtorchCausalSelfAttention(CausalSelfAttention):
+    """The repo GPT's attention with atorch's dispatch (flash-attn when supported, else SDPA)."""
+
+    atorch_replaced = True
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
+        return attention(q, k, v, dropout_p=dropout, is_causal=True)
+
+
+def _is_repo_attention(module: nn.Module) -> bool:
+    return type(module) is CausalSelfAttention
+
+
+def _replace_repo_attention(module: nn.Module) -> nn.Module:
+    module.__class__ = AtorchCausalSelfAttention
+    return module
+
+
+def _layernorm_unavailable(device: torch.device) -> Optional[str]:
+    if fused_layer_norm_available(device):
+        return None
+    return f"no faster LayerNorm kernel than PyTorch's on {device.type} (needs CUDA and flash-attn's Triton LayerNorm)"
+
+
+def _register_builtins() -> None:
+    register_replace_pair("hf_attention", ALL_DTYPES, matches=_is_hf_attention, build=_replace_hf_attention)
+    register_replace_pair("repo_attention", ALL_DTYPES, matches=_is_repo_attention, build=_replace_repo_attention)
+    register_replace_pair(
+        "fused_layernorm", ALL_DTYPES, (nn.LayerNorm, FusedLayerNorm), unavailable=_layernorm_unavailable
+    )
+
+
+_register_builtins()
+
+
+# --- the method ----------------------------------------------------------------------------------
+class ModuleReplaceOptimization(Optimization):
+    name = "module_replace"
+    is_tunable = False
+    default_config = None
+
+    def normalize(self, config: Any) -> Optional[tuple]:
+        if config is None:
+            return None
+        names = (config,) if isinstance(config, str) else config
+        if not isinstance(names, (list, tuple)):
+            raise MethodConfigError(self.name, f"config must be None or a list of replace-pair names, got {config!r}")
+        unknown = [n for n in names if n not in _PAIRS]
+        if unknown:
+            raise MethodConfigError(self.name, f"unknown replace pair(s) {unknown}; registered: {registered_pairs()}")
+        return tuple(names)
+
+    def transform(self, ctx, config: Optional[tuple]) -> None:
+        def wrap(ctx) -> None:
+            ctx.model = replace_modules(ctx.model, config, training_dtype(ctx), ctx.device)
+
+        ctx.add_wrapper("module_replace", self.name, wrap)
+
+
+def training_dtype(ctx) -> torch.dtype:
+    return ctx.amp_dtype or getattr(ctx, "half_dtype", None) or torch.float32
+
+
+def replace_modules(model: nn.Module, names: Optional[tuple], dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Apply the chosen pairs to every matching submodule; returns the (possibly new) root."""
+    counts: dict[str, int] = {}
+    for pair in (_PAIRS[n] for n in (names or registered_pairs())):
+        if dtype not in pair.supported_dtypes:
+            logger.info("module_replace: %s skipped, %s is not among its dtypes", pair.name, dtype)
+            continue
+        reason = pair.unavailable(torch.device(device))
+        if reason:
+            logger.info("module_replace: %s skipped: %s", pair.name, reason)
+            continue
+        model, counts[pair.name] = _apply_pair(model, pair)
+    logger.info("module_replace: replaced %s", {k: v for k, v in counts.items() if v} or "nothing")
+    return model
+
+
+def _apply_pair(model: nn.Module, pair: ReplacePair) -> tuple[nn.Module, int]:
+    replaced = 0
+    for qualname, module in list(model.named_modules()):
+        if not pair.matches(module):
+            continue
+        new = pair.build(module)
+        replaced += 1
+        if new is module:
+            continue
+        if not qualname:
+            model = new
+            continue
+        parent_name, _, child = qualname.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    return model, replaced
