@@ -23,7 +23,8 @@ logger = logging.getLogger("atorch")
 AutoAccelerateResult = namedtuple(
     "AutoAccelerateResult", ["model", "optim", "dataloader", "loss_func", "prepare_input", "lr_scheduler", "args"]
 )
-KARGS = ("verbose", "time_limit", "find_unused_parameters", "dryrun_steps")
+KARGS = ("verbose", "time_limit", "find_unused_parameters", "dryrun_steps", "memory_limit", "search_topk",
+         "report_dir", "use_profile_cache", "search_exhaustive")
 
 
 def auto_accelerate(
@@ -60,30 +61,34 @@ def auto_accelerate(
         _enable_verbose_logging()
     init_distributed()
 
-    def make_context(target: torch.nn.Module) -> ModelContext:
+    def make_context(target: torch.nn.Module, local: bool = False, batch_size: Optional[int] = None) -> ModelContext:
+        loader_args = dict(dataloader_args or {})
+        if batch_size is not None:
+            loader_args["batch_size"] = batch_size
         return ModelContext(
             target, optim_func, dataset, loss_func, prepare_input, model_input_format, optim_args,
-            optim_param_func, dataloader_args, distributed_sampler_cls, lr_scheduler_cls, lr_scheduler_args,
-            find_unused_parameters=bool(kargs.get("find_unused_parameters", False)),
+            optim_param_func, loader_args, distributed_sampler_cls, lr_scheduler_cls, lr_scheduler_args,
+            find_unused_parameters=bool(kargs.get("find_unused_parameters", False)), local=local,
         )
 
     ctx = make_context(model)  # checks the inputs before anything else happens
-    if load_strategy is None:
-        raise NotImplementedError(
-            "fully automatic mode (load_strategy=None) is not available yet; pass load_strategy, "
-            "e.g. ['parallel_mode', ('amp_native', {'dtype': torch.bfloat16})]"
-        )
-    if finetune_strategy:
-        raise NotImplementedError("finetune_strategy=True needs the strategy search, which is not available yet")
-    strategy = resolve_strategy(Strategy.from_any(load_strategy), excluded=excluded)
-    _log(f"auto_accelerate strategy:\n{strategy}")
-
-    if not ignore_dryrun_on_load_strategy:
-        report = dry_run_strategy(lambda: make_context(copy.deepcopy(model)), strategy, kargs.get("dryrun_steps", 2))
-        _log(str(report))
-        if not report.ok:
-            raise DryRunError(f"the loaded strategy failed its dry run: {report.error}")
-        ctx.args.dryrun = report
+    if load_strategy is None or finetune_strategy:
+        found = _search(model, make_context, load_strategy, finetune_strategy, excluded, included, kargs)
+        if found.strategy is None:
+            logger.error("auto_accelerate: no candidate strategy trained within the limits:\n%s", found.table)
+            return False, None, None
+        strategy = resolve_strategy(found.strategy, excluded=None)
+        ctx.args.dryrun = found.dryrun
+        ctx.args.extras["search"] = found
+    else:
+        strategy = resolve_strategy(Strategy.from_any(load_strategy), excluded=excluded)
+        _log(f"auto_accelerate strategy:\n{strategy}")
+        if not ignore_dryrun_on_load_strategy:
+            report = dry_run_strategy(lambda: make_context(copy.deepcopy(model)), strategy, kargs.get("dryrun_steps", 2))
+            _log(str(report))
+            if not report.ok:
+                raise DryRunError(f"the loaded strategy failed its dry run: {report.error}")
+            ctx.args.dryrun = report
 
     apply_strategy(ctx, strategy)
     if save_strategy_to_file:
@@ -92,6 +97,45 @@ def auto_accelerate(
         ctx.model, ctx.optim, ctx.dataloader, ctx.loss_func, ctx.prepare_input, ctx.lr_scheduler, ctx.args
     )
     return True, result, strategy
+
+
+def _search(model, make_context, load_strategy, finetune_strategy, excluded, included, kargs):
+    """Fully automatic mode; with finetune_strategy, the search is limited to the loaded strategy's
+    non-tunable items (kept in every candidate) plus the searched dimensions for the tunable ones."""
+    from atorch.auto.search.cost import parse_memory_limit
+    from atorch.auto.search.planner import SearchOptions, search
+
+    forced: list = list(included or [])
+    excluded_names = set(excluded or [])
+    if finetune_strategy and load_strategy is not None:
+        loaded = Strategy.from_any(load_strategy)
+        for item in loaded:
+            if item.name == "parallel_mode":
+                continue
+            if not item.tunable:
+                forced.append((item.name, item.config))
+            elif item.name not in forced:
+                forced.append(item.name)
+    for item in forced:
+        name = item if isinstance(item, str) else item[0]
+        opt_lib.get_optimization(name)  # unknown names raise with the nearest valid one
+        if name in excluded_names:
+            raise InputError(f"method {name!r} is both included and excluded")
+    for name in excluded_names:
+        opt_lib.get_optimization(name)
+    options = SearchOptions(
+        time_limit=kargs.get("time_limit"),
+        memory_limit=parse_memory_limit(kargs.get("memory_limit")),
+        topk=int(kargs.get("search_topk", 4)),
+        dryrun_steps=int(kargs.get("dryrun_steps", 2)),
+        report_dir=kargs.get("report_dir", "atorch_search_report"),
+        verbose=bool(kargs.get("verbose")),
+        excluded=frozenset(excluded_names),
+        included=tuple(forced),
+        use_cache=bool(kargs.get("use_profile_cache", True)),
+        exhaustive=bool(kargs.get("search_exhaustive", False)),
+    )
+    return search(model, make_context, options)
 
 
 def resolve_strategy(strategy: Strategy, excluded: Optional[list] = None) -> Strategy:

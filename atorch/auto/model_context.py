@@ -72,6 +72,7 @@ class ModelContext:
         lr_scheduler_args: Optional[dict] = None,
         find_unused_parameters: bool = False,
         device: Optional[torch.device] = None,
+        local: bool = False,
     ):
         self.model = model
         self.optim_func = optim_func
@@ -87,6 +88,9 @@ class ModelContext:
         self.lr_scheduler_args = dict(lr_scheduler_args or {})
         self.find_unused_parameters = find_unused_parameters
         self.device = device or default_device()
+        # local: this process alone (the search's single-rank profile); no data-parallel wrapper,
+        # and dataloader_args['batch_size'] is this rank's batch
+        self.local = local
 
         # filled in by methods' transforms
         self.wrappers: dict[str, list[tuple[str, Wrapper]]] = defaultdict(list)
@@ -166,6 +170,8 @@ class ModelContext:
         self._build_lr_scheduler()
 
     def _wrap_data_parallel(self) -> None:
+        if self.local:
+            return
         if self.data_parallel_wrapper is not None:
             self.data_parallel_wrapper[1](self)
             return
@@ -218,7 +224,7 @@ class ModelContext:
             return
         args = dict(self.dataloader_args)
         global_batch = args.pop("batch_size", 1)
-        dp_size, dp_rank = mesh.data_parallel_size(), mesh.data_parallel_rank()
+        dp_size, dp_rank = (1, 0) if self.local else (mesh.data_parallel_size(), mesh.data_parallel_rank())
         if global_batch % dp_size:
             raise InputError(
                 f"dataloader_args['batch_size']={global_batch} is the GLOBAL batch and must divide evenly over "

@@ -1,0 +1,232 @@
+"""Measured single-rank profiles and the cost model built on them.
+
+The search does not guess activation memory or compute time from first principles: it measures
+one rank training alone (no communication) for each precision / checkpoint setting it needs, at the
+per-rank batch and at half of it, and models each candidate from that:
+
+    memory(candidate) = peak_alone(precision, checkpoint, batch)
+                        - what the sharding removes from the rank   (params / grads / optimizer state)
+                        + what the sharding adds while it works     (gathered units, comm buffers)
+    time(candidate)   = step_time_alone + communication bytes / measured bandwidth
+
+Parameters, gradients and optimizer state are measured too (``state_bytes`` after a step), so the
+optimizer's state coefficient (AutoDist's ``opt_resident_coef``) is observed, not assumed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from atorch.auto.search.analyser import ModelProfile
+from atorch.auto.search.candidates import Candidate
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class VariantProfile:
+    """One rank training alone under one precision / checkpoint setting."""
+
+    precision: str
+    checkpoint: bool
+    batch: int
+    peak_bytes: int = 0          # at ``batch``
+    peak_bytes_half: int = 0     # at ``batch // 2`` (0 when batch is 1)
+    step_time_s: float = 0.0
+    params: int = 0
+    grads: int = 0
+    optim_state: int = 0
+    error: Optional[str] = None
+
+    @property
+    def activation_bytes_per_sample(self) -> float:
+        if not self.peak_bytes_half:
+            return 0.0
+        return (self.peak_bytes - self.peak_bytes_half) / (self.batch - self.batch // 2)
+
+
+@dataclass
+class HardwareProfile:
+    device: str
+    memory_limit: int
+    bandwidth_bytes_per_s: float  # all-reduce algorithm bandwidth over the data-parallel ranks
+    latency_s: float = 0.0        # one small all-reduce
+
+
+@dataclass
+class Estimate:
+    memory_bytes: int
+    step_time_s: float
+    detail: str = ""
+
+
+def estimate(candidate: Candidate, variant: VariantProfile, world: int, profile: ModelProfile,
+             hardware: HardwareProfile) -> Estimate:
+    """Per-rank peak memory and step time of ``candidate`` from the single-rank measurements.
+
+    With P, G, O the parameter, gradient and optimizer-state bytes measured alone and
+    ``act = peak_alone - (P + G + O)`` (activations, temporaries, autocast's weight copies):
+
+    - ddp:   peak_alone + G                 (DDP's gradient buckets)
+    - zero1: peak_alone + G - (1 - 1/N) O   (DDP buckets; optimizer state sharded)
+    - zero2: P/N + P_c + G_c + G/N + O/N + act'   (parameters stay gathered in the compute dtype
+             through forward and backward; unsharded gradients until they are reduce-scattered)
+    - fsdp:  P/N + 3 U_c + G/N + O/N + act'       (a gathered unit, the prefetched next one and the
+             unit's unsharded gradients)
+
+    ``_c`` is in the compute dtype (half of fp32 under amp: FSDP's mixed-precision policy gathers in
+    it), U the largest sharding unit, and act' = act less autocast's weight copies, which FSDP's
+    policy makes unnecessary (they exist only without checkpointing).
+    """
+    n = max(world, 1)
+    P, G, O = variant.params, variant.grads, variant.optim_state
+    amp = candidate.precision.startswith("amp")
+    compute = 0.5 if amp else 1.0
+    act = variant.peak_bytes - (P + G + O)
+    unit = _largest_unit_bytes(profile, P)
+    memory, comm, collectives = float(variant.peak_bytes), 0.0, 0
+    units = sum(list(profile.repeated_blocks.values())[:1]) + 1
+    if n > 1:
+        shed = 1.0 - 1.0 / n
+        if candidate.sharding == "ddp":
+            memory, comm, collectives = variant.peak_bytes + G, 2 * shed * G, 1
+        elif candidate.sharding == "zero1":
+            memory, comm, collectives = variant.peak_bytes + G - shed * O, 2 * shed * G + shed * P, 2
+        else:
+            act_sharded = act - (0.5 * P if amp and not candidate.checkpoint else 0.0)
+            if candidate.sharding == "zero2":
+                memory = P / n + compute * (P + G) + (G + O) / n + act_sharded
+                comm, collectives = shed * (G + P), 2 * units
+            else:  # fsdp
+                memory = P / n + 3 * compute * unit + (G + O) / n + act_sharded
+                comm, collectives = shed * (G + 2 * P), 3 * units
+    time_s = (variant.step_time_s + comm / max(hardware.bandwidth_bytes_per_s, 1.0)
+              + collectives * hardware.latency_s)
+    detail = f"alone {variant.peak_bytes / 2**20:.1f} MiB, P/G/O {P / 2**20:.1f}/{G / 2**20:.1f}/{O / 2**20:.1f} MiB"
+    return Estimate(int(memory), time_s, detail)
+
+
+def _largest_unit_bytes(profile: ModelProfile, params_bytes: int) -> float:
+    """Bytes of the largest FSDP unit (a repeated block, or the root's remainder), in the measured
+    parameter dtype."""
+    if not profile.block_param_bytes:
+        return float(params_bytes)
+    scale = params_bytes / max(profile.param_bytes, 1)
+    name, count = next(iter(profile.repeated_blocks.items()))
+    block = profile.block_param_bytes[name]
+    root = profile.param_bytes - block * count  # embeddings, head, final norm
+    return max(block, root) * scale
+
+
+# --- measuring -----------------------------------------------------------------------------------
+def measure_variant(run: Callable[[int], tuple], precision: str, checkpoint: bool, batch: int) -> VariantProfile:
+    """``run(batch) -> (DryRunResult, state_bytes)`` trains alone; measured at batch and batch // 2."""
+    variant = VariantProfile(precision, checkpoint, batch)
+    result, state = run(batch)
+    if not result.ok:
+        variant.error = result.error
+        return variant
+    variant.peak_bytes, variant.step_time_s = result.peak_memory_bytes, result.step_time_s
+    variant.params, variant.grads, variant.optim_state = state["params"], state["grads"], state["optim_state"]
+    if batch >= 2:
+        half, _ = run(batch // 2)
+        if half.ok:
+            variant.peak_bytes_half = half.peak_memory_bytes
+    return variant
+
+
+def measure_hardware(device: torch.device, memory_limit: Optional[int], group=None) -> HardwareProfile:
+    limit = memory_limit if memory_limit is not None else default_memory_limit(device)
+    bandwidth, latency = float("inf"), 0.0
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        latency = _timed_all_reduce(torch.zeros(1, device=device), group, repeats=10)
+        buffer = torch.zeros(2**21, device=device)  # 8 MiB
+        dist.all_reduce(buffer, group=group)  # warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(3):
+            dist.all_reduce(buffer, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        bandwidth = 3 * buffer.numel() * buffer.element_size() / (time.perf_counter() - start)
+        agreed = torch.tensor([bandwidth, -latency], dtype=torch.float64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+        bandwidth, latency = float(agreed[0].item()), -float(agreed[1].item())
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return HardwareProfile(name, int(limit), bandwidth, latency)
+
+
+def _timed_all_reduce(buffer: torch.Tensor, group, repeats: int) -> float:
+    dist.all_reduce(buffer, group=group)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dist.all_reduce(buffer, group=group)
+    if buffer.is_cuda:
+        torch.cuda.synchronize(buffer.device)
+    return (time.perf_counter() - start) / repeats
+
+
+def default_memory_limit(device: torch.device) -> int:
+    """A rank's share of the device: the GPU's memory, or the available RAM over the local ranks."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        available = 8 * 2**30
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+    return int(available // max(local_ranks, 1))
+
+
+def parse_memory_limit(value) -> Optional[int]:
+    """Bytes from an int, or a string such as '6GiB', '512MiB', '2GB'."""
+    from atorch.errors import InputError
+
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    if isinstance(value, str):
+        units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+        text = value.strip().upper().replace(" ", "")
+        for unit, factor in units.items():
+            if text.endswith(unit):
+                try:
+                    return int(float(text[: -len(unit)]) * factor)
+                except ValueError:
+                    break
+    raise InputError(f"memory_limit={value!r} is not valid: give bytes (int) or a string like '6GiB' / '512MiB'")
+
+
+# --- the on-disk cache ---------------------------------------------------------------------------
+def cache_dir() -> Path:
+    return Path(os.environ.get("ATORCH_CACHE_DIR", Path.home() / ".cache" / "atorch")) / "profiles"
+
+
+def load_cached(key: str) -> Optional[VariantProfile]:
+    path = cache_dir() / f"{key}.json"
+    if not path.exists():
+        return None
+    try:
+        return VariantProfile(**json.loads(path.read_text()))
+    except (ValueError, TypeError):
+        return None
+
+
+def store_cached(key: str, variant: VariantProfile) -> None:
+    if variant.error:
+        return
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        (cache_dir() / f"{key}.json").write_text(json.dumps(asdict(variant)))
+    except OSError as error:  # a read-only home is not a reason to fail the search
+        logger.info("profile cache not written: %s", error)

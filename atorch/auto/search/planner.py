@@ -1,0 +1,308 @@
+"""The fully automatic search: analyse → candidates → measure alone → estimate → prune → dry-run
+the most promising within the time limit → pick the fastest measured strategy that fits.
+
+Every rank runs the same loop on the same numbers (measurements are agreed with all-reduces and
+time-limit decisions are broadcast from rank 0), so every rank ends with the same strategy. A
+candidate that fails on any rank — while being applied or while training — is marked failed on
+every rank and the loop goes on.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from atorch.auto.dryrun import DryRunResult, dry_run
+from atorch.auto.search.analyser import ModelProfile, analyse_model
+from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates
+from atorch.auto.search.cost import (
+    HardwareProfile, VariantProfile, estimate, load_cached, measure_hardware, measure_variant, store_cached,
+)
+from atorch.auto.search.report import Row, format_table, write_report
+from atorch.auto.strategy import Strategy
+
+logger = logging.getLogger("atorch")
+
+ContextFactory = Callable[..., Any]  # (model, local=False, batch_size=None) -> ModelContext
+
+
+@dataclass
+class SearchOptions:
+    time_limit: Optional[float] = None   # seconds for the whole search
+    memory_limit: Optional[int] = None   # bytes per rank
+    topk: int = 4                        # candidates dry-run at least (more if these fail)
+    exhaustive: bool = False             # dry-run every candidate predicted to fit (benchmarks)
+    refine: bool = True                  # then try the winner with each compute method
+    dryrun_steps: int = 2
+    report_dir: Optional[str] = "atorch_search_report"
+    verbose: bool = False
+    excluded: frozenset = frozenset()
+    included: tuple = ()
+    use_cache: bool = True
+
+
+@dataclass
+class SearchResult:
+    strategy: Optional[Strategy]
+    candidate: Optional[Candidate]
+    rows: list[Row]
+    profile: ModelProfile
+    hardware: HardwareProfile
+    dryrun: Optional[DryRunResult] = None
+    report_files: list = field(default_factory=list)
+    table: str = ""
+
+
+def search(model: torch.nn.Module, make_context: ContextFactory, options: SearchOptions) -> SearchResult:
+    started = time.perf_counter()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    probe = make_context(model, local=True)
+    per_rank_batch = probe.dataloader_args.get("batch_size", 1) // world
+    device = probe.device
+    profile = _analyse(model, probe, per_rank_batch)
+    space = SearchSpace(world, device, profile, frozenset(options.excluded), tuple(options.included))
+    candidates, skipped = enumerate_candidates(space)
+    _say(options, f"search: {len(candidates)} candidate strategies for {world} rank(s); "
+                  f"model {profile.param_count / 1e6:.2f} M parameters, repeated block {profile.main_block}")
+    hardware = measure_hardware(device, options.memory_limit)
+    variants = _measure_variants(model, make_context, candidates, per_rank_batch, profile, hardware, options)
+    rows, order = _estimate_all(candidates, variants, world, profile, hardware)
+    chosen, dryrun = _dry_run_best(model, make_context, candidates, rows, order, hardware, options, started, world)
+    if chosen is not None and options.refine:
+        chosen, dryrun = _refine(model, make_context, space, candidates, rows, chosen, dryrun, variants, hardware,
+                                 options, started, world)
+    table = format_table(rows, hardware.memory_limit)
+    _say(options, "search report:\n" + table)
+    files = []
+    if options.report_dir and (not dist.is_initialized() or dist.get_rank() == 0):
+        files = write_report(rows, hardware.memory_limit, options.report_dir)
+    strategy = Strategy(candidates[chosen].strategy(world)) if chosen is not None else None
+    return SearchResult(strategy, candidates[chosen] if chosen is not None else None, rows, profile, hardware,
+                        dryrun, files, table)
+
+
+def _analyse(model, probe, per_rank_batch: int) -> ModelProfile:
+    sample = None
+    if probe.dataset is not None:
+        loader = torch.utils.data.DataLoader(probe.dataset, batch_size=max(per_rank_batch, 1))
+        sample = next(iter(loader), None)
+
+    def run_model(call, batch):
+        from atorch.auto.model_context import loss_value
+
+        return loss_value(probe.loss_func(batch, _call(probe, call, batch)))
+
+    return analyse_model(model, sample, run_model if probe.loss_func is not None else None)
+
+
+def _call(probe, call, data):
+    if probe.model_input_format == "unpack_sequence":
+        return call(*data)
+    if probe.model_input_format == "unpack_dict":
+        return call(**data)
+    return call(data)
+
+
+# --- measuring alone -------------------------------------------------------------------------------
+def _measure_variants(model, make_context, candidates, batch, profile, hardware, options) -> dict:
+    variants: dict[tuple, VariantProfile] = {}
+    for precision, checkpoint in sorted({(c.precision, c.checkpoint) for c in candidates}):
+        key = f"{profile.signature}-{hardware.device}-{_world()}-{batch}-{precision}-{int(checkpoint)}-{torch.__version__}"
+        key = key.replace(" ", "_").replace("/", "_")
+        cached = load_cached(key) if options.use_cache else None
+        if _all_ranks(cached is not None):
+            variants[(precision, checkpoint)] = cached
+            continue
+        candidate = next(c for c in candidates if (c.precision, c.checkpoint) == (precision, checkpoint))
+        items = [i for i in candidate.strategy(1) if (i if isinstance(i, str) else i[0]) in ("amp_native", "half", "checkpoint")]
+        _say(options, f"search: measuring one rank alone with {items or 'fp32'} at batch {batch}")
+
+        def run(b: int, items=items):
+            return _run_alone(model, make_context, items, b, options.dryrun_steps)
+
+        variant = measure_variant(run, precision, checkpoint, batch)
+        variants[(precision, checkpoint)] = variant
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            store_cached(key, variant)
+    return variants
+
+
+def _run_alone(model, make_context, items, batch: int, steps: int):
+    from atorch.auto.accelerate import apply_strategy
+    from atorch.utils.memory import state_bytes
+
+    ctx = make_context(copy.deepcopy(model), local=True, batch_size=batch)
+    try:
+        error = None
+        try:
+            apply_strategy(ctx, _normalized(items))
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        if not _all_ranks(error is None):
+            return DryRunResult(False, error=error or "failed on another rank"), None
+        result = dry_run(ctx, warmup_steps=1, timed_steps=max(steps - 1, 1))
+        state = None
+        if result.ok:  # the steps cleared the gradients: count them as the trainable bytes they fill
+            state = state_bytes(ctx.model, ctx.raw_optim)
+            state["grads"] = sum(p.numel() * p.element_size() for p in ctx.model.parameters() if p.requires_grad)
+        return result, _agree_state(state)
+    finally:
+        del ctx
+        gc.collect()
+
+
+def _normalized(items: list) -> Strategy:
+    from atorch.auto import opt_lib
+
+    out = []
+    for item in items:
+        name, config = (item, None) if isinstance(item, str) else item
+        out.append((name, opt_lib.get_optimization(name).normalize(config)))
+    return Strategy(out)
+
+
+def _agree_state(state: Optional[dict]) -> Optional[dict]:
+    if state is None or not dist.is_initialized():
+        return state
+    keys = ["params", "grads", "optim_state"]
+    values = torch.tensor([float(state[k]) for k in keys], dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return {k: int(v) for k, v in zip(keys, values.tolist())}
+
+
+# --- estimating and dry-running ----------------------------------------------------------------------
+def _estimate_all(candidates, variants, world, profile, hardware) -> tuple[list[Row], list[int]]:
+    rows = []
+    for candidate in candidates:
+        variant = variants[(candidate.precision, candidate.checkpoint)]
+        if variant.error:
+            rows.append(Row(candidate.label, 0, float("inf"), "failed", reason=f"alone: {variant.error}"))
+            continue
+        guess = estimate(candidate, variant, world, profile, hardware)
+        row = Row(candidate.label, guess.memory_bytes, guess.step_time_s)
+        if guess.memory_bytes > hardware.memory_limit:
+            row.status = "predicted over limit"
+        rows.append(row)
+    fitting = [i for i, r in enumerate(rows) if r.status == "not tried"]
+    # fastest first; among equals, the strategy with fewer methods
+    order = sorted(fitting, key=lambda i: (round(rows[i].predicted_time_s, 4), len(rows[i].label.split("+"))))
+    return rows, order
+
+
+def _dry_run_best(model, make_context, candidates, rows, order, hardware, options, started, world):
+    tried, best, best_result = 0, None, None
+    for position, index in enumerate(order):
+        row = rows[index]
+        out_of_time = options.time_limit is not None and time.perf_counter() - started > options.time_limit
+        if _broadcast_flag(out_of_time):
+            row.status = "skipped: time limit"
+            continue
+        successes = sum(r.status == "ok" for r in rows)
+        if tried >= options.topk and successes and not options.exhaustive:
+            row.status = "not tried"
+            row.reason = "below the top-k by prediction"
+            continue
+        tried += 1
+        result = _dry_run_candidate(model, make_context, candidates[index], world, options.dryrun_steps)
+        _record(row, result, hardware)
+        _say(options, f"search [{position + 1}/{len(order)}] {row.label}: {row.status}"
+                      + (f", {row.measured_time_s * 1000:.1f} ms/step, {row.measured_memory / 2**20:.1f} MiB "
+                         f"(predicted {row.predicted_memory / 2**20:.1f} MiB)" if row.status == "ok" else f" ({row.reason})"))
+        if row.status == "ok" and (best is None or row.measured_time_s < rows[best].measured_time_s):
+            best, best_result = index, result
+    if best is not None:
+        rows[best].chosen = True
+    return best, best_result
+
+
+def _refine(model, make_context, space, candidates, rows, chosen, dryrun, variants, hardware, options, started, world):
+    """Try the winner with each compute method; keep one only when it measures faster."""
+    from atorch.auto.search.candidates import refinements
+
+    for candidate in refinements(space, candidates[chosen]):
+        if _broadcast_flag(options.time_limit is not None and time.perf_counter() - started > options.time_limit):
+            break
+        variant = variants[(candidate.precision, candidate.checkpoint)]
+        guess = estimate(candidate, variant, world, space.profile, hardware)
+        row = Row(candidate.label, guess.memory_bytes, guess.step_time_s)
+        rows.append(row)
+        candidates.append(candidate)
+        result = _dry_run_candidate(model, make_context, candidate, world, options.dryrun_steps)
+        _record(row, result, hardware)
+        _say(options, f"search refine {row.label}: {row.status}"
+                      + (f", {row.measured_time_s * 1000:.1f} ms/step" if row.status == "ok" else f" ({row.reason})"))
+        if row.status == "ok" and row.measured_time_s < rows[chosen].measured_time_s:
+            rows[chosen].chosen = False
+            row.chosen = True
+            chosen, dryrun = len(candidates) - 1, result
+    return chosen, dryrun
+
+
+def _record(row: Row, result: DryRunResult, hardware: HardwareProfile) -> None:
+    if not result.ok:
+        row.status, row.reason = "failed", result.error or ""
+        return
+    row.measured_memory, row.measured_time_s = result.peak_memory_bytes, result.step_time_s
+    if result.peak_memory_bytes > hardware.memory_limit:
+        row.status = "over memory limit"
+    else:
+        row.status = "ok"
+
+
+def _dry_run_candidate(model, make_context, candidate: Candidate, world: int, steps: int) -> DryRunResult:
+    from atorch.auto.accelerate import apply_strategy, resolve_strategy
+
+    ctx, error = None, None
+    try:
+        ctx = make_context(copy.deepcopy(model))
+        apply_strategy(ctx, resolve_strategy(Strategy(candidate.strategy(world))))
+    except Exception as exc:  # agreed below: no rank goes on to train alone
+        error = f"{type(exc).__name__}: {exc}"
+        logger.info("search: %s failed to apply on this rank: %s", candidate.label, error)
+    try:
+        if not _all_ranks(error is None):
+            return DryRunResult(False, error=error or "failed on another rank")
+        return dry_run(ctx, warmup_steps=1, timed_steps=steps)
+    finally:
+        del ctx
+        gc.collect()
+
+
+# --- agreement helpers ---------------------------------------------------------------------------------
+def _comm_device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_ranks(flag: bool) -> bool:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([0.0 if flag else 1.0], device=_comm_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item() == 0.0
+
+
+def _broadcast_flag(flag: bool) -> bool:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=_comm_device())
+    dist.broadcast(value, src=0)
+    return bool(value.item())
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _say(options: SearchOptions, message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if options.verbose:
+            print(message, flush=True)
+        logger.info(message)

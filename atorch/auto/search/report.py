@@ -1,0 +1,87 @@
+"""The search report: one row per candidate, as a table (text and CSV) and a time-vs-memory plot."""
+from __future__ import annotations
+
+import csv
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+MIB = 2**20
+
+
+@dataclass
+class Row:
+    label: str
+    predicted_memory: int
+    predicted_time_s: float
+    status: str = "not tried"        # ok / failed / over memory limit / predicted over limit / skipped: time limit
+    measured_memory: Optional[int] = None
+    measured_time_s: Optional[float] = None
+    reason: str = ""
+    chosen: bool = False
+
+    @property
+    def memory_error(self) -> Optional[float]:
+        if not self.measured_memory:
+            return None
+        return (self.predicted_memory - self.measured_memory) / self.measured_memory
+
+
+def format_table(rows: list[Row], memory_limit: int) -> str:
+    header = (f"{'':2}{'candidate':<40}{'pred MiB':>10}{'meas MiB':>10}{'err':>7}{'pred ms':>10}{'meas ms':>10}  status")
+    lines = [f"memory limit per rank: {memory_limit / MIB:.1f} MiB", header, "-" * (len(header) + 20)]
+    for row in rows:
+        measured_mem = f"{row.measured_memory / MIB:>10.1f}" if row.measured_memory else f"{'':>10}"
+        error = f"{row.memory_error * 100:>6.1f}%" if row.memory_error is not None else f"{'':>7}"
+        measured_time = f"{row.measured_time_s * 1000:>10.1f}" if row.measured_time_s else f"{'':>10}"
+        status = row.status + (f" ({row.reason})" if row.reason else "")
+        lines.append(f"{'*' if row.chosen else ' ':2}{row.label:<40}{row.predicted_memory / MIB:>10.1f}{measured_mem}"
+                     f"{error}{row.predicted_time_s * 1000:>10.1f}{measured_time}  {status}")
+    return "\n".join(lines)
+
+
+def write_report(rows: list[Row], memory_limit: int, directory: str) -> list[Path]:
+    """search_report.txt, search_report.csv and, with matplotlib, search_report.png."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "search_report.txt", out / "search_report.csv"]
+    written[0].write_text(format_table(rows, memory_limit) + "\n")
+    with written[1].open("w", newline="") as handle:
+        fields = list(asdict(rows[0])) + ["memory_error"]
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**asdict(row), "memory_error": row.memory_error})
+    plot = _plot(rows, memory_limit, out / "search_report.png")
+    if plot:
+        written.append(plot)
+    return written
+
+
+def _plot(rows: list[Row], memory_limit: int, path: Path) -> Optional[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.info("matplotlib is not installed: no plot in the search report")
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for row in rows:
+        mem = (row.measured_memory or row.predicted_memory) / MIB
+        t = (row.measured_time_s or row.predicted_time_s) * 1000
+        marker = "*" if row.chosen else ("o" if row.measured_time_s else "x")
+        ax.scatter(mem, t, marker=marker, s=120 if row.chosen else 30)
+        ax.annotate(row.label, (mem, t), fontsize=6)
+    ax.axvline(memory_limit / MIB, linestyle="--", color="grey")
+    ax.set_xlabel("peak memory per rank (MiB): measured (o) or predicted (x)")
+    ax.set_ylabel("step time (ms)")
+    ax.set_title("atorch strategy search")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,145 @@
+"""Fully automatic mode on 2 gloo ranks: the search returns a strategy every rank agrees on, honours
+excluded / included / finetune_strategy and a memory limit, survives a candidate that fails on one
+rank only, and its memory model predicts every dry-run candidate's measured per-rank peak within 15%.
+bf16 is excluded in most cases only to keep the suite fast (bf16 matmuls are emulated on CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from atorch.auto.accelerate import auto_accelerate
+from atorch.models import GPTConfig, SyntheticTokenDataset, gpt_loss
+from atorch.testing import run_distributed
+from atorch.testing.training import build_gpt
+
+pytestmark = pytest.mark.multirank
+
+CONFIG = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=128)
+MEMORY_TOLERANCE = 0.15
+
+
+def _search(report_dir: str, **kargs):
+    dataset = SyntheticTokenDataset(64, CONFIG.block_size, CONFIG.vocab_size)
+    status, result, strategy = auto_accelerate(
+        build_gpt(0, CONFIG), torch.optim.AdamW, dataset, gpt_loss, optim_args={"lr": 1e-3},
+        dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", report_dir=report_dir,
+        use_profile_cache=False, **kargs,
+    )
+    found = result.args.extras["search"] if status else None
+    rows = [dict(vars(r), memory_error=r.memory_error) for r in found.rows] if found else []
+    return {"status": status, "strategy": strategy, "rows": rows, "table": found.table if found else "",
+            "limit": found.hardware.memory_limit if found else None}
+
+
+def _explode_zero2_on_rank_1():
+    from atorch.auto.opt_lib.zero import Zero2Optimization
+
+    original = Zero2Optimization.transform
+
+    def transform(self, ctx, config):
+        if dist.get_rank() == 1:
+            raise RuntimeError("zero2 made to fail on rank 1")
+        return original(self, ctx, config)
+
+    Zero2Optimization.transform = transform
+    return original
+
+
+def launch(report_dir: str) -> dict:
+    out = {}
+    out["time_limited"] = _search(f"{report_dir}/time", time_limit=30, excluded=["amp_native"])
+    out["excluded"] = _search(f"{report_dir}/excluded", excluded=["amp_native", "fsdp", "zero2", "checkpoint"])
+    out["included"] = _search(f"{report_dir}/included", included=["fsdp"], excluded=["amp_native"])
+    original = _explode_zero2_on_rank_1()
+    try:
+        out["one_rank_fails"] = _search(f"{report_dir}/fails", excluded=["amp_native"], search_exhaustive=True)
+    finally:
+        from atorch.auto.opt_lib.zero import Zero2Optimization
+
+        Zero2Optimization.transform = original
+    ddp_peak = next(r["measured_memory"] for r in out["one_rank_fails"]["rows"] if r["label"] == "ddp+fp32")
+    fsdp_peak = next(r["measured_memory"] for r in out["one_rank_fails"]["rows"] if r["label"] == "fsdp+fp32+ckpt")
+    limit = int((ddp_peak + fsdp_peak) / 2)
+    out["memory_limited"] = _search(f"{report_dir}/memory", memory_limit=limit, excluded=["amp_native"])
+    out["memory_limited"]["asked_limit"] = limit
+    out["memory_limited"]["ddp_peak"] = ddp_peak
+    out["finetune"] = _search(f"{report_dir}/finetune", load_strategy=[("amp_native", {"dtype": torch.bfloat16}), "zero1"],
+                              finetune_strategy=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    return run_distributed(launch, 2, str(tmp_path_factory.mktemp("search")), timeout_s=900)
+
+
+def _names(strategy) -> list[str]:
+    return strategy.names()
+
+
+def test_every_rank_ends_with_the_same_strategy(searched):
+    for case in searched[0]:
+        assert searched[0][case]["status"], f"{case}: {searched[0][case]['table']}"
+        assert searched[0][case]["strategy"] == searched[1][case]["strategy"], case
+        assert any(r["chosen"] for r in searched[0][case]["rows"]), case
+
+
+def test_excluded_and_included_are_honoured(searched):
+    rank0 = searched[0]
+    for row in rank0["excluded"]["rows"]:
+        assert not {"fsdp", "zero2", "ckpt", "amp_bf16"} & set(row["label"].split("+")), row["label"]
+    assert not {"fsdp", "zero2", "checkpoint", "amp_native"} & set(_names(rank0["excluded"]["strategy"]))
+    assert all(r["label"].startswith("fsdp+") for r in rank0["included"]["rows"]), [r["label"] for r in rank0["included"]["rows"]]
+    assert "fsdp" in _names(rank0["included"]["strategy"])
+
+
+def test_a_candidate_failing_on_one_rank_is_marked_failed_everywhere(searched):
+    for rank, per_rank in enumerate(searched):
+        rows = {r["label"]: r for r in per_rank["one_rank_fails"]["rows"]}
+        for label in ("zero2+fp32", "zero2+fp32+ckpt"):
+            assert rows[label]["status"] == "failed", (rank, rows[label])
+        assert rows["zero2+fp32"]["reason"] in ("failed on another rank", "RuntimeError: zero2 made to fail on rank 1")
+        assert sum(r["status"] == "ok" for r in rows.values()) >= 6
+
+
+def test_memory_limit_that_ddp_exceeds_is_respected(searched):
+    case = searched[0]["memory_limited"]
+    assert case["limit"] == case["asked_limit"] < case["ddp_peak"]
+    chosen = next(r for r in case["rows"] if r["chosen"])
+    assert chosen["measured_memory"] <= case["limit"], case["table"]
+    ddp = next(r for r in case["rows"] if r["label"] == "ddp+fp32")
+    assert ddp["status"] in ("predicted over limit", "over memory limit"), case["table"]
+
+
+def test_finetune_keeps_the_loaded_methods(searched):
+    case = searched[0]["finetune"]
+    assert {"amp_native", "zero1"} <= set(_names(case["strategy"])), case["table"]
+    assert all("zero1" in r["label"] and "amp_bf16" in r["label"] for r in case["rows"]), case["table"]
+
+
+def test_memory_model_predicts_every_dry_run_within_tolerance(searched):
+    checked = 0
+    for case, result in searched[0].items():
+        for row in result["rows"]:
+            if row["measured_memory"]:
+                checked += 1
+                assert abs(row["memory_error"]) < MEMORY_TOLERANCE, f"{case}: {row['label']}\n{result['table']}"
+    assert checked >= 15
+
+
+def test_search_in_one_process(tmp_path):
+    got = _search(str(tmp_path), excluded=["amp_native"], time_limit=60)
+    assert got["status"] and (tmp_path / "search_report.txt").exists() and (tmp_path / "search_report.csv").exists()
+    assert {r["label"] for r in got["rows"]} >= {"ddp+fp32", "ddp+fp32+ckpt"}
+
+
+def test_search_input_errors():
+    from atorch.errors import InputError, UnknownMethodError
+
+    with pytest.raises(UnknownMethodError, match="fsdp"):
+        auto_accelerate(build_gpt(), torch.optim.SGD, SyntheticTokenDataset(8, 16, 64), gpt_loss,
+                        optim_args={"lr": 0.1}, included=["fdsp"])
+    with pytest.raises(InputError, match="memory_limit"):
+        auto_accelerate(build_gpt(), torch.optim.SGD, SyntheticTokenDataset(8, 16, 64), gpt_loss,
+                        optim_args={"lr": 0.1}, model_input_format="unpack_dict", memory_limit="lots")
