@@ -20,8 +20,8 @@ def total_grad_norm(
     """The p-norm of all gradients taken together, as a plain tensor equal on every rank.
 
     DTensor gradients are reduced over their own mesh (one collective per layout). Plain gradients
-    are replicated on every rank, unless ``partition_group`` says each rank holds a disjoint part of
-    them (the non-FSDP zero2 path), in which case their contributions are summed over that group.
+    are replicated on every rank. ``partition_group`` says each rank of it holds a disjoint part of
+    the gradients (the non-FSDP zero2 path, pipeline stages): the parts are summed over it.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
@@ -37,17 +37,13 @@ def total_grad_norm(
         norm = torch.nn.utils.get_total_norm(group_grads, norm_type, foreach=False)
         parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if plain:
-        norm = torch.nn.utils.get_total_norm(plain, norm_type, foreach=False)
-        if partition_group is not None and dist.get_world_size(partition_group) > 1:
-            norm = _combine_across(norm, norm_type, partition_group)
-        parts.append(norm)
-    if not parts:
-        return torch.zeros(())
-    device = parts[0].device
-    stacked = torch.stack([p.to(device, torch.float32) for p in parts])
-    if math.isinf(norm_type):
-        return stacked.max()
-    return stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+        parts.append(torch.nn.utils.get_total_norm(plain, norm_type, foreach=False))
+    device = parts[0].device if parts else torch.device("cpu")
+    stacked = torch.stack([p.to(device, torch.float32) for p in parts]) if parts else torch.zeros(1, device=device)
+    local = stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+    if partition_group is not None and dist.get_world_size(partition_group) > 1:
+        local = _combine_across(local, norm_type, partition_group)
+    return local
 
 
 def _combine_across(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -27,7 +28,8 @@ STAGES = (
     "module_replace",
     "fp8",
     "half",
-    "model_parallel",   # tensor / pipeline / mixed parallel
+    "pipeline",         # cut into pipeline stages (before tensor parallel splits the stage's layers)
+    "model_parallel",   # tensor / mixed parallel
     "checkpoint",
     "data_parallel",    # fsdp / zero2 / DDP (the default data-parallel wrapper)
     "compile",          # native_dynamo, after the parallel wrappers
@@ -101,6 +103,8 @@ class ModelContext:
         self.half_dtype: Optional[torch.dtype] = None  # set by half
         self.sync_toggles: list[Callable[[bool], None]] = []  # gradient sync on/off (accumulation)
         self.grad_partition_group: Any = None  # set when ranks hold disjoint gradient shares
+        self.model_parallel = False  # set by tensor / pipeline parallel
+        self.backward_in_forward = False  # pipeline schedules run backward inside model(...)
         self.args = TrainingArgs(model_input_format=model_input_format)
 
         # results
@@ -180,6 +184,9 @@ class ModelContext:
             return
         if not any(p.requires_grad for p in self.model.parameters()):
             return
+        if self.model_parallel or any(isinstance(p, DTensor) for p in self.model.parameters()):
+            self._average_gradients_over(group)  # DDP does not take DTensor (model-parallel) parameters
+            return
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = torch.nn.parallel.DistributedDataParallel(
             self.model,
@@ -190,6 +197,28 @@ class ModelContext:
         self.model = ddp
         # what DDP.no_sync() does, as a switch the optimizer can flip between micro-steps
         self.add_sync_toggle(lambda on: setattr(ddp, "require_backward_grad_sync", on))
+
+    def _average_gradients_over(self, group) -> None:
+        """Data parallelism for model-parallel parameters: each local shard's gradient is averaged
+        over the data group as soon as it is ready (hooks fire in the same order on every rank)."""
+        size = dist.get_world_size(group)
+        state = {"sync": True}
+        self.add_sync_toggle(lambda on: state.__setitem__("sync", on))
+        source = dist.get_global_rank(group, 0)
+        for param in self.model.parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            with torch.no_grad():
+                dist.broadcast(local, src=source, group=group)
+            if not param.requires_grad:
+                continue
+
+            def average(p: torch.Tensor) -> None:
+                if state["sync"] and p.grad is not None:
+                    grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    dist.all_reduce(grad, group=group)
+                    grad.div_(size)
+
+            param.register_post_accumulate_grad_hook(average)
 
     def add_sync_toggle(self, toggle: Callable[[bool], None]) -> None:
         """Register how to stop/restart gradient communication for gradient accumulation."""
@@ -213,7 +242,8 @@ class ModelContext:
             self.raw_optim = built.torch_optimizer
         else:
             self.raw_optim = built
-            self.optim = AtorchOptimizer(built, self.sync_toggles, self.grad_partition_group)
+            self.optim = AtorchOptimizer(built, self.sync_toggles, self.grad_partition_group,
+                                         backward_in_forward=self.backward_in_forward)
 
     def _build_lr_scheduler(self) -> None:
         if self.lr_scheduler_cls is not None and self.raw_optim is not None:

@@ -31,8 +31,10 @@ class AtorchOptimizer:
         optimizer: Any,
         sync_toggles: Optional[list[SyncToggle]] = None,
         grad_partition_group: Any = None,
+        backward_in_forward: bool = False,
     ):
         self.optimizer = optimizer
+        self.backward_in_forward = backward_in_forward  # pipeline schedules already ran backward
         self.sync_toggles = list(sync_toggles or [])
         self.grad_partition_group = grad_partition_group
         self.is_gradient_accumulation_boundary = True
@@ -40,6 +42,8 @@ class AtorchOptimizer:
     # --- the seed's loop -----------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         inner = self.optimizer
+        if self.backward_in_forward:
+            return
         if isinstance(inner, AtorchOptimizer):
             inner.backward(loss, **kwargs)
         else:

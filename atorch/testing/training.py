@@ -32,6 +32,7 @@ def train_gpt(
     max_grad_norm: Optional[float] = None,
     measure_state: bool = False,
     clip_via: str = "optimizer",
+    hf_model: Optional[str] = None,
     **auto_kwargs: Any,
 ) -> dict:
     """Run ``steps`` steps of the seed's loop; returns the global mean loss per step, the full final
@@ -47,12 +48,19 @@ def train_gpt(
     ``measure_state`` records this rank's parameter / gradient / optimizer-state bytes after the last
     step, before its gradients are cleared."""
     config = config or SMALL_GPT
-    model = build_gpt(seed, config)
+    loss_func = gpt_loss
+    if hf_model is not None:
+        from atorch.testing.hf_models import HF_BUILDERS, hf_loss
+
+        torch.manual_seed(seed)
+        model, loss_func = HF_BUILDERS[hf_model](), hf_loss
+    else:
+        model = build_gpt(seed, config)
     dataset = SyntheticTokenDataset(num_samples=global_batch * steps, seq_len=config.block_size, vocab_size=config.vocab_size)
     if global_batch % accumulation:
         raise ValueError(f"global_batch {global_batch} does not split into {accumulation} micro-batches")
     status, result, strategy = auto_accelerate(
-        model, optim_func, dataset, gpt_loss, optim_args=optim_args or {"lr": lr, "momentum": 0.9},
+        model, optim_func, dataset, loss_func, optim_args=optim_args or {"lr": lr, "momentum": 0.9},
         dataloader_args={"batch_size": global_batch // accumulation}, model_input_format="unpack_dict",
         load_strategy=load_strategy, **auto_kwargs,
     )
@@ -101,7 +109,10 @@ def global_mean(value: torch.Tensor) -> float:
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded fp32 CPU copy of the weights, with wrapper prefixes removed."""
+    """Unsharded fp32 CPU copy of the weights, with wrapper prefixes removed (collective for
+    pipeline-parallel models, which gather their stages)."""
+    if hasattr(model, "full_state_dict"):
+        return model.full_state_dict()
     while True:  # DDP, DeepSpeed engine, torch.compile ...
         inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
         if not isinstance(inner, torch.nn.Module):

@@ -47,12 +47,17 @@ def _register_builtins() -> None:
     from atorch.auto.opt_lib.module_replace import ModuleReplaceOptimization
     from atorch.auto.opt_lib.native_dynamo import NativeDynamoOptimization
     from atorch.auto.opt_lib.parallel_mode import ParallelModeOptimization
+    from atorch.auto.opt_lib.mixed_parallel import MixedParallelOptimization
+    from atorch.auto.opt_lib.pipeline_parallel import PipelineParallelOptimization
+    from atorch.auto.opt_lib.sequence_parallel import SequenceParallelOptimization
+    from atorch.auto.opt_lib.tensor_parallel import TensorParallelOptimization
     from atorch.auto.opt_lib.zero import Zero1Optimization, Zero2Optimization
 
     for cls in (
         ParallelModeOptimization, AmpNativeOptimization, HalfOptimization, CheckpointOptimization,
         Zero1Optimization, Zero2Optimization, FSDPOptimization, ModuleReplaceOptimization, FP8Optimization,
-        NativeDynamoOptimization,
+        NativeDynamoOptimization, TensorParallelOptimization, SequenceParallelOptimization,
+        PipelineParallelOptimization, MixedParallelOptimization,
     ):
         register_optimization(cls)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import logging
 from typing import Any
 
 import torch
@@ -15,6 +16,8 @@ from torch.utils.checkpoint import checkpoint
 
 from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointOptimization(Optimization):
@@ -54,10 +57,22 @@ class CheckpointOptimization(Optimization):
                 raise MethodConfigError(
                     self.name, f"no submodule matches {config['wrap_class']!r}; module types in the model: {present}"
                 )
+            _disable_kv_cache(ctx.model)
             for module in modules:
                 enable_checkpoint(module, use_reentrant=not config["no_reentrant"])
 
         ctx.add_wrapper("checkpoint", self.name, wrap)
+
+
+def _disable_kv_cache(model: torch.nn.Module) -> None:
+    """HF models append to a key/value cache in forward; recomputation would append twice, so (as HF's
+    own gradient checkpointing does) training under checkpoint runs with ``use_cache=False``."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False):
+            config.use_cache = False
+            logger.info("checkpoint: set %s.config.use_cache=False (a cache is incompatible with recomputation)",
+                        type(module).__name__)
 
 
 def matching_modules(model: torch.nn.Module, targets: tuple) -> list[torch.nn.Module]:

@@ -15,6 +15,12 @@ EXCLUSIVE_SETS: tuple[tuple[frozenset, str], ...] = (
 )
 
 
+# A method that only works together with another one.
+REQUIRES: dict[str, tuple[str, ...]] = {
+    "sequence_parallel": ("tensor_parallel", "mixed_parallel"),
+}
+
+
 def precision_of(name: str, config: Any) -> torch.dtype | None:
     """The low-precision dtype a method asks for, if any (configs are normalized)."""
     if name == "amp_native":
@@ -34,6 +40,9 @@ def check_compatible(items: Sequence[tuple[str, Any]]) -> None:
         clash = [n for n in names if n in members]
         if len(clash) > 1:
             raise IncompatibleMethodsError(f"{' and '.join(clash)} cannot be combined: {why}")
+    for name, needs in REQUIRES.items():
+        if name in names and not any(n in names for n in needs):
+            raise IncompatibleMethodsError(f"{name} needs one of {list(needs)} in the strategy")
     dtypes = {name: precision_of(name, config) for name, config in items}
     chosen = {name: dtype for name, dtype in dtypes.items() if dtype is not None}
     if len(set(chosen.values())) > 1:

@@ -1,0 +1,299 @@
+"""pipeline_parallel: the model cut into stages automatically, trained with a pipeline schedule.
+
+The cut: the model's repeated blocks (transformer layers) are assigned to ``pipeline``-size
+contiguous stages so that the largest stage cost is as small as possible (``balance_stages``); the
+cost of a block is its matmul parameter count (FLOPs per token are proportional to it), the layers
+before the first block ride with the first stage and those after the last block (final norm, LM head)
+with the last. ``pivots`` (AutoDist's ``pipeline_pivots``) names the first module of every stage but
+the first instead. The model is split by ``torch.distributed.pipelining.pipeline`` (traced with one
+micro-batch of real data), so the user's model is not rewritten.
+
+Schedules: ``"1F1B"`` (default; EPL's PreferBackward), ``"GPipe"`` (EPL's PreferForward),
+``"Interleaved1F1B"`` (``stages_per_rank`` >= 2, needs that many blocks per rank). ``num_micro_batch``
+as in EPL (default: the pipeline size × 2, at most the per-rank batch).
+
+The seed's loop runs unchanged: ``model(**batch)`` runs the whole schedule (forward, loss on the last
+stage, backward) and returns a ``PipelineOutput``; ``loss_func(batch, output)`` returns the step's mean
+loss (the same on every stage); ``optim.backward(loss)`` has nothing left to do
+(``result.args.use_optim_backward`` is True); ``optim.step()`` updates this stage's parameters.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from atorch.errors import MethodConfigError
+from atorch.auto.opt_lib.base import Optimization
+from atorch.distributed import mesh
+
+logger = logging.getLogger(__name__)
+
+SCHEDULES = {"1F1B": "Schedule1F1B", "PreferBackward": "Schedule1F1B", "GPipe": "ScheduleGPipe",
+             "PreferForward": "ScheduleGPipe", "Interleaved1F1B": "ScheduleInterleaved1F1B"}
+KEYS = ("num_micro_batch", "schedule", "pivots", "stages_per_rank")
+
+
+# --- the cut -------------------------------------------------------------------------------------
+def module_cost(module: nn.Module) -> int:
+    """Matmul parameters: FLOPs per token are proportional to them (embedding lookups are free)."""
+    return sum(m.weight.numel() for m in module.modules()
+               if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D") and getattr(m, "weight", None) is not None)
+
+
+def balance_stages(costs: list[float], num_stages: int) -> list[int]:
+    """Start index of each stage over items with ``costs``: contiguous, non-empty, minimising the
+    largest stage cost (exact dynamic programme; the lists are short)."""
+    n = len(costs)
+    if num_stages > n:
+        raise MethodConfigError("pipeline_parallel", f"{n} blocks cannot fill {num_stages} pipeline stages")
+    prefix = [0.0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for end in range(s, n + 1):
+            for start in range(s - 1, end):
+                value = max(best[s - 1][start], prefix[end] - prefix[start])
+                if value < best[s][end]:
+                    best[s][end], cut[s][end] = value, start
+    starts, end = [], n
+    for s in range(num_stages, 0, -1):
+        starts.append(cut[s][end])
+        end = cut[s][end]
+    return starts[::-1]
+
+
+@dataclass
+class StageSplit:
+    block_names: list[str]
+    starts: list[int]     # block index where each stage begins
+    costs: list[float]    # per stage
+
+    @property
+    def split_points(self) -> list[str]:
+        return [self.block_names[i] for i in self.starts[1:]]
+
+    @property
+    def imbalance(self) -> float:
+        return max(self.costs) / (sum(self.costs) / len(self.costs))
+
+
+def plan_stages(model: nn.Module, num_stages: int) -> StageSplit:
+    from atorch.auto.search.analyser import repeated_blocks
+
+    blocks_found, _ = repeated_blocks(model)
+    if not blocks_found:
+        raise MethodConfigError("pipeline_parallel", "found no repeated block (transformer layer) to cut the model at; pass pivots")
+    block_type = next(iter(blocks_found))
+    blocks = [(n, m) for n, m in model.named_modules() if type(m).__name__ == block_type]
+    costs = [float(module_cost(m)) for _, m in blocks]
+    head = float(module_cost(model) - sum(costs))  # embeddings are free; the LM head is not
+    costs_with_ends = list(costs)
+    costs_with_ends[-1] += head  # the head runs on the last stage
+    starts = balance_stages(costs_with_ends, num_stages)
+    stage_costs = [sum(costs_with_ends[a:b]) for a, b in zip(starts, starts[1:] + [len(costs)])]
+    return StageSplit([n for n, _ in blocks], starts, stage_costs)
+
+
+# --- the runtime ---------------------------------------------------------------------------------
+@dataclass
+class PipelineOutput:
+    """What ``model(**batch)`` returns under pipeline parallelism: the step already ran."""
+
+    loss: torch.Tensor
+    outputs: Any = None
+
+
+class PipelineModule(nn.Module):
+    """This rank's stage(s) and the schedule that drives them; ``parameters()`` are the stage's."""
+
+    def __init__(self, stages: list, schedule, loss_func, input_format: Optional[str], group, is_last: bool):
+        super().__init__()
+        self.stage_modules = nn.ModuleList(stage.submod for stage in stages)
+        self.stages = stages
+        self.schedule = schedule
+        self.user_loss = loss_func
+        self.input_format = input_format
+        self.group = group
+        self.is_last = is_last
+        self._batch: Any = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
+        batch = kwargs if self.input_format == "unpack_dict" else (args if self.input_format == "unpack_sequence" else args[0])
+        self._batch = batch
+        size = _batch_size(batch)
+        index = torch.arange(size, device=_first_tensor(batch).device)
+        losses: list = []
+        if self.is_first:
+            call_args, call_kwargs = _model_inputs(batch, self.input_format)
+            # the traced first stage takes the inputs it uses, positionally (tracing drops unused ones;
+            # keyword inputs would also be offered to this rank's later stages)
+            call_args = call_args + tuple(call_kwargs[k] for k in self._first_stage_inputs() if k in call_kwargs)
+            self.schedule.step(*call_args, target=index if self.is_last else None, losses=losses)
+        else:
+            self.schedule.step(target=index if self.is_last else None, losses=losses)
+        loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros((), device=index.device)
+        dist.broadcast(loss, src=dist.get_global_rank(self.group, dist.get_world_size(self.group) - 1), group=self.group)
+        return PipelineOutput(loss)
+
+    def _first_stage_inputs(self) -> list[str]:
+        import inspect
+
+        return list(inspect.signature(self.stage_modules[0].forward).parameters)
+
+    @property
+    def is_first(self) -> bool:
+        return dist.get_rank(self.group) == 0
+
+    def micro_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
+        from atorch.auto.model_context import loss_value
+
+        return loss_value(self.user_loss(_select(self._batch, index), output))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every stage's weights, gathered on every rank of the pipeline (names as in the user's model)."""
+        from atorch.testing.training import full_state_dict
+
+        mine = {}
+        for module in self.stage_modules:
+            mine.update(full_state_dict(module))
+        gathered: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, mine, group=self.group)
+        out = {}
+        for part in gathered:
+            out.update(part)
+        return out
+
+
+def pipeline_loss(batch: Any, output: Any) -> torch.Tensor:
+    """The loss_func returned under pipeline parallelism: the schedule computed it already."""
+    if isinstance(output, PipelineOutput):
+        return output.loss
+    raise TypeError("under pipeline_parallel, loss_func expects the PipelineOutput that model(...) returned")
+
+
+def _model_inputs(batch: Any, input_format: Optional[str]) -> tuple[tuple, dict]:
+    if input_format == "unpack_dict":
+        return (), dict(batch)
+    if input_format == "unpack_sequence":
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+def _first_tensor(data: Any) -> torch.Tensor:
+    if isinstance(data, torch.Tensor):
+        return data
+    values = data.values() if isinstance(data, dict) else data
+    return next(_first_tensor(v) for v in values if isinstance(v, (torch.Tensor, dict, list, tuple)))
+
+
+def _batch_size(data: Any) -> int:
+    return _first_tensor(data).shape[0]
+
+
+def _select(data: Any, index: torch.Tensor) -> Any:
+    if isinstance(data, torch.Tensor):
+        return data.index_select(0, index.to(data.device))
+    if isinstance(data, dict):
+        return type(data)((k, _select(v, index)) for k, v in data.items())
+    if isinstance(data, (list, tuple)):
+        return type(data)(_select(v, index) for v in data)
+    return data
+
+
+# --- the method ----------------------------------------------------------------------------------
+class PipelineParallelOptimization(Optimization):
+    name = "pipeline_parallel"
+    distributed_only = True
+    is_tunable = True
+    default_config = None
+
+    def normalize(self, config: Any) -> dict:
+        return normalize_pipeline_config(self.name, config)
+
+    def transform(self, ctx, config: dict) -> None:
+        ctx.add_wrapper("pipeline", self.name, lambda ctx: apply_pipeline(ctx, config))
+
+
+def normalize_pipeline_config(method: str, config: Any) -> dict:
+    config = {} if config is None else config
+    if not isinstance(config, dict):
+        raise MethodConfigError(method, f"config must be a dict with keys {list(KEYS)}, got {config!r}")
+    unknown = sorted(set(config) - set(KEYS))
+    if unknown:
+        raise MethodConfigError(method, f"unknown key(s) {unknown}; valid keys: {list(KEYS)}")
+    out = {"schedule": config.get("schedule", "1F1B"), "num_micro_batch": config.get("num_micro_batch"),
+           "pivots": tuple(config.get("pivots") or ()), "stages_per_rank": config.get("stages_per_rank")}
+    if out["schedule"] not in SCHEDULES:
+        raise MethodConfigError(method, f"schedule {out['schedule']!r} is not valid; choose one of {list(SCHEDULES)}")
+    micro = out["num_micro_batch"]
+    if micro is not None and (not isinstance(micro, int) or isinstance(micro, bool) or micro < 1):
+        raise MethodConfigError(method, f"num_micro_batch must be a positive int, got {micro!r}")
+    interleaved = SCHEDULES[out["schedule"]] == "ScheduleInterleaved1F1B"
+    per_rank = out["stages_per_rank"] or (2 if interleaved else 1)
+    if per_rank < 2 and interleaved or per_rank > 1 and not interleaved:
+        raise MethodConfigError(method, "stages_per_rank above 1 goes with schedule 'Interleaved1F1B' (and only with it)")
+    out["stages_per_rank"] = per_rank
+    return out
+
+
+def apply_pipeline(ctx, config: dict) -> None:
+    from torch.distributed.pipelining import SplitPoint, pipeline, schedules
+
+    pp = mesh.parallel_group_size("pipeline")
+    if pp <= 1:
+        logger.warning("pipeline_parallel: parallel_mode has no pipeline dimension above 1; nothing split")
+        return
+    if ctx.amp_dtype == torch.float16:
+        raise MethodConfigError("pipeline_parallel", "fp16 amp's loss scaling inside the schedule is not supported; use bf16")
+    group = mesh.parallel_group("pipeline")
+    num_stages = pp * config["stages_per_rank"]
+    if config["pivots"]:
+        if len(config["pivots"]) != num_stages - 1:
+            raise MethodConfigError("pipeline_parallel", f"{len(config['pivots'])} pivots make {len(config['pivots']) + 1} "
+                                    f"stages; {num_stages} are needed")
+        split_points = list(config["pivots"])
+    else:
+        split = plan_stages(ctx.model, num_stages)
+        split_points = split.split_points
+        logger.info("pipeline_parallel: stages start at %s (cost imbalance max/mean %.2f)", split_points, split.imbalance)
+    per_rank_batch = ctx.dataloader_args.get("batch_size", 1) // max(mesh.data_parallel_size(), 1)
+    micro = config["num_micro_batch"] or min(2 * pp, per_rank_batch)
+    if per_rank_batch % micro:
+        raise MethodConfigError("pipeline_parallel", f"the per-rank batch {per_rank_batch} does not split into {micro} micro-batches")
+    example = _example_microbatch(ctx, per_rank_batch // micro)
+    args, kwargs = _model_inputs(example, ctx.model_input_format)
+    pipe = pipeline(ctx.model, mb_args=args, mb_kwargs=kwargs, split_spec={p: SplitPoint.BEGINNING for p in split_points})
+    rank = dist.get_rank(group)
+    indices = [rank + pp * v for v in range(config["stages_per_rank"])]
+    stages = [pipe.build_stage(i, ctx.device, group) for i in indices]
+    holder: dict = {}
+    loss_fn = lambda output, index: holder["module"].micro_loss(output, index)  # noqa: E731
+    schedule_cls = getattr(schedules, SCHEDULES[config["schedule"]])
+    is_last = (num_stages - 1) in indices
+    schedule = schedule_cls(stages if len(stages) > 1 else stages[0], micro, loss_fn=loss_fn)
+    module = PipelineModule(stages, schedule, ctx.loss_func, ctx.model_input_format, group, is_last)
+    holder["module"] = module
+    ctx.model = module
+    ctx.loss_func = pipeline_loss
+    ctx.model_parallel = True
+    ctx.backward_in_forward = True
+    ctx.grad_partition_group = group
+    ctx.args.use_optim_backward = True
+    ctx.args.extras["pipeline"] = {"stages": num_stages, "stage_indices": indices, "num_micro_batch": micro,
+                                  "schedule": config["schedule"], "split_points": split_points}
+
+
+def _example_microbatch(ctx, size: int) -> Any:
+    if ctx.dataset is None:
+        raise MethodConfigError("pipeline_parallel", "needs the dataset: the model is split by tracing one micro-batch")
+    loader = torch.utils.data.DataLoader(ctx.dataset, batch_size=size)
+    return ctx.prepare_input(next(iter(loader)))

@@ -1,0 +1,288 @@
+"""tensor_parallel: Megatron-style splitting found automatically, applied with DTensor.
+
+The plan is found on the unchanged model (``find_tp_plan``): in every attention block the q/k/v
+projections (separate, or fused like GPT-2's ``c_attn``) are split column-wise and the output
+projection row-wise, so each rank holds a share of the heads; in every MLP the up/gate projections
+are split column-wise and the down projection row-wise. One all-reduce per block half in forward
+(and one in backward) restores full activations. Embeddings, norms and the LM head stay replicated
+(logged). ``parallelize_module`` applies the plan on the ``tensor`` dimension of the mesh;
+GPT-2's ``Conv1D`` (a Linear with its weight transposed) gets the same styles with the dims swapped.
+Under pipeline parallelism each stage is split the same way.
+
+Config: None (detect), or ``{"plan": {"<module-name glob>": "colwise" | "rowwise", ...}}`` which
+replaces detection. A head count not divisible by the tensor size is a MethodConfigError naming the
+module and the sizes.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from atorch.errors import MethodConfigError
+from atorch.auto.opt_lib.base import Optimization
+from atorch.distributed import mesh
+
+logger = logging.getLogger(__name__)
+
+QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"), ("q_lin", "k_lin", "v_lin"))
+FUSED_QKV_NAMES = ("c_attn", "qkv", "qkv_proj", "Wqkv", "query_key_value")
+OUT_NAMES = ("o_proj", "out_proj", "c_proj", "o", "out_lin", "dense")
+MLP_PAIRS = ((("gate_proj", "up_proj"), "down_proj"), (("up_proj",), "down_proj"), (("fc1",), "fc2"),
+             (("c_fc",), "c_proj"), (("w1", "w3"), "w2"), (("lin1",), "lin2"))
+HEAD_ATTRS = ("head_dim", "attention_head_size", "head_size")
+STYLES = ("colwise", "rowwise")
+
+
+@dataclass
+class TPPlan:
+    styles: dict[str, str] = field(default_factory=dict)        # module name -> colwise / rowwise
+    fused_qkv: dict[str, str] = field(default_factory=dict)     # fused projection -> its attention module
+    replicated: list[str] = field(default_factory=list)         # parameter-holding leaves left whole
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _out_features(module: nn.Module) -> int:
+    return module.weight.shape[0] if isinstance(module, nn.Linear) else module.weight.shape[1]
+
+
+# --- finding the plan ------------------------------------------------------------------------------
+def find_tp_plan(model: nn.Module, tp: int) -> TPPlan:
+    """Detect attention and MLP projections; check that heads divide by ``tp``."""
+    plan = TPPlan()
+    for name, module in model.named_modules():
+        children = {n: c for n, c in module.named_children() if _is_linear(c)}
+        prefix = f"{name}." if name else ""
+        qkv = next((t for t in QKV_NAMES if all(n in children for n in t)), None)
+        fused = next((n for n in FUSED_QKV_NAMES if n in children), None)
+        if qkv or fused:
+            _check_heads(name, module, [children[n] for n in (qkv or (fused,))], tp, fused=bool(fused) and not qkv)
+            for n in qkv or (fused,):
+                plan.styles[prefix + n] = "colwise"
+            if fused and not qkv:
+                plan.fused_qkv[prefix + fused] = name
+            out = next((n for n in OUT_NAMES if n in children and n not in (qkv or ())), None)
+            if out:
+                plan.styles[prefix + out] = "rowwise"
+            continue
+        for ups, down in MLP_PAIRS:
+            if all(n in children for n in ups) and down in children and prefix + down not in plan.styles:
+                for n in ups:
+                    plan.styles[prefix + n] = "colwise"
+                plan.styles[prefix + down] = "rowwise"
+                break
+    _bert_style_outputs(model, plan)
+    for name, module in model.named_modules():
+        leaf = not list(module.children())
+        if leaf and any(True for _ in module.parameters(recurse=False)) and name not in plan.styles:
+            plan.replicated.append(name)
+    return plan
+
+
+def _bert_style_outputs(model: nn.Module, plan: TPPlan) -> None:
+    """BERT keeps the output projections in sibling modules: BertSelfOutput.dense after the self
+    attention, and BertIntermediate.dense (column) / BertOutput.dense (row) for the MLP."""
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        children = dict(module.named_children())
+        output = children.get("output")
+        if output is None or not _is_linear(getattr(output, "dense", nn.Identity())):
+            continue
+        if "self" in children and any(k.startswith(prefix + "self.") for k in plan.styles):
+            plan.styles[prefix + "output.dense"] = "rowwise"
+        intermediate = children.get("intermediate")
+        if intermediate is not None and _is_linear(getattr(intermediate, "dense", nn.Identity())):
+            plan.styles[prefix + "intermediate.dense"] = "colwise"
+            plan.styles[prefix + "output.dense"] = "rowwise"
+
+
+def _check_heads(name: str, module: nn.Module, projections: list, tp: int, fused: bool) -> None:
+    head_dim = next((getattr(module, a) for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)), None)
+    if head_dim is None:
+        return
+    for projection in projections:
+        width = _out_features(projection) // (3 if fused else 1)
+        heads = width // head_dim
+        if heads % tp:
+            raise MethodConfigError(
+                "tensor_parallel",
+                f"{name or type(module).__name__} has {heads} heads of size {head_dim} ({width} features), "
+                f"which do not divide over tensor size {tp}",
+            )
+
+
+def plan_from_patterns(model: nn.Module, patterns: dict) -> TPPlan:
+    plan = TPPlan()
+    for name, module in model.named_modules():
+        for pattern, style in patterns.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                if not _is_linear(module):
+                    raise MethodConfigError("tensor_parallel", f"plan pattern {pattern!r} matches {name}, which is not a Linear")
+                plan.styles[name] = style
+                break
+    if not plan.styles:
+        raise MethodConfigError("tensor_parallel", f"plan patterns {list(patterns)} match no module")
+    return plan
+
+
+# --- styles for GPT-2's Conv1D (weight stored [in, out]) -----------------------------------------
+class ConvColwise(ColwiseParallel):
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if type(module).__name__ != "Conv1D":
+            return super()._apply(module, device_mesh)
+        return _distribute(self, module, device_mesh, weight=Shard(1), bias=Shard(0))
+
+
+class ConvRowwise(RowwiseParallel):
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if type(module).__name__ != "Conv1D":
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
+        return _distribute(self, module, device_mesh, weight=Shard(0), bias=Replicate())
+
+
+def _distribute(style, module, device_mesh, weight, bias):
+    def partition(name, mod, mesh_):
+        for pname, placement in (("weight", weight), ("bias", bias)):
+            param = getattr(mod, pname, None)
+            if param is not None and not isinstance(param, DTensor):
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh_, [placement]),
+                                                          requires_grad=param.requires_grad))
+
+    return distribute_module(
+        module, device_mesh, partition,
+        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
+    )
+
+
+# --- fused q|k|v -------------------------------------------------------------------------------------
+def _interleave_fused_qkv(model: nn.Module, fused_name: str, attention_name: str, tp: int) -> None:
+    """Reorder the fused [q | k | v] output columns so rank r's contiguous share is [q_r | k_r | v_r],
+    tell the attention its local split size, and restore the original layout in state_dict."""
+    proj = model.get_submodule(fused_name)
+    attention = model.get_submodule(attention_name) if attention_name else model
+    out_dim = 1 if type(proj).__name__ == "Conv1D" else 0
+    order = _interleaved_order(_out_features(proj), tp)
+    with torch.no_grad():
+        proj.weight.copy_(proj.weight.index_select(out_dim, order))
+        if proj.bias is not None:
+            proj.bias.copy_(proj.bias.index_select(0, order))
+    if hasattr(attention, "split_size"):
+        attention.split_size //= tp
+    inverse = torch.argsort(order)
+
+    def restore(module, state, prefix, local_metadata):
+        for key, dim in (("weight", out_dim), ("bias", 0)):
+            value = state.get(prefix + key)
+            if value is not None:
+                value = value.full_tensor() if isinstance(value, DTensor) else value
+                state[prefix + key] = value.index_select(dim, inverse.to(value.device))
+        return state
+
+    proj._register_state_dict_hook(restore)
+
+
+def _interleaved_order(width: int, tp: int) -> torch.Tensor:
+    third, share = width // 3, width // 3 // tp
+    return torch.tensor([part * third + rank * share + i for rank in range(tp) for part in range(3) for i in range(share)])
+
+
+# --- sequence parallel -------------------------------------------------------------------------------
+def sequence_parallel_styles(model: nn.Module, plan: TPPlan) -> dict:
+    """Between the split projections the residual stream is sharded on the sequence dimension:
+    norms run on a sequence shard (SequenceParallel), each attention / MLP gathers its input
+    (all-gather) and its row-wise output is reduce-scattered back to a shard. The first repeated
+    block shards its input and the last gathers its output, so the model around them is unchanged."""
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, SequenceParallel
+
+    from atorch.auto.search.analyser import repeated_blocks
+
+    blocks_found, _ = repeated_blocks(model)
+    if not blocks_found:
+        raise MethodConfigError("sequence_parallel", "found no repeated block (transformer layer) to run sequence-parallel")
+    block_type = next(iter(blocks_found))
+    blocks = [(n, m) for n, m in model.named_modules() if type(m).__name__ == block_type]
+    if len(blocks) < 2:
+        raise MethodConfigError("sequence_parallel", "needs at least two repeated blocks")
+    styles: dict = {}
+    for block_name, block in blocks:
+        for child_name, child in block.named_children():
+            full = f"{block_name}.{child_name}"
+            if type(child).__name__.endswith(("LayerNorm", "RMSNorm")):
+                styles[full] = SequenceParallel()
+            elif any(k.startswith(full + ".") for k in plan.styles):
+                styles[full] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            elif list(child.parameters()):
+                raise MethodConfigError("sequence_parallel", f"{full} ({type(child).__name__}) is neither a norm nor split by "
+                                        "tensor_parallel; sequence sharding around it is not supported")
+    styles[blocks[0][0]] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                              use_local_output=True)
+    styles[blocks[-1][0]] = PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),),
+                                                use_local_output=True)
+    return styles
+
+
+# --- the method ----------------------------------------------------------------------------------------
+class TensorParallelOptimization(Optimization):
+    name = "tensor_parallel"
+    distributed_only = True
+    is_tunable = False
+    default_config = None
+
+    def normalize(self, config: Any) -> Optional[dict]:
+        if config is None:
+            return None
+        if not isinstance(config, dict) or set(config) - {"plan"}:
+            raise MethodConfigError(self.name, f"config must be None or {{'plan': {{pattern: 'colwise'|'rowwise'}}}}, got {config!r}")
+        plan = config.get("plan") or {}
+        bad = {k: v for k, v in plan.items() if v not in STYLES}
+        if bad:
+            raise MethodConfigError(self.name, f"plan styles {bad} are not valid; choose one of {list(STYLES)}")
+        return {"plan": dict(plan)}
+
+    def transform(self, ctx, config: Optional[dict]) -> None:
+        ctx.add_wrapper("model_parallel", self.name, lambda ctx: apply_tensor_parallel(ctx, config))
+
+
+def apply_tensor_parallel(ctx, config: Optional[dict]) -> Optional[TPPlan]:
+    device_mesh = mesh.device_mesh()
+    tp = mesh.parallel_group_size("tensor")
+    if device_mesh is None or tp <= 1:
+        logger.warning("tensor_parallel: parallel_mode has no tensor dimension above 1; nothing split")
+        return None
+    tp_mesh = device_mesh["tensor"] if len(device_mesh.mesh_dim_names) > 1 else device_mesh
+    targets = list(getattr(ctx.model, "stage_modules", None) or [ctx.model])  # pipeline stages, or the model
+    plan = None
+    for target in targets:
+        plan = _parallelize(target, config, tp, tp_mesh, getattr(ctx, "sequence_parallel", False))
+    ctx.model_parallel = True
+    return plan
+
+
+def _parallelize(model: nn.Module, config: Optional[dict], tp: int, tp_mesh, sequence: bool) -> TPPlan:
+    plan = plan_from_patterns(model, config["plan"]) if config else find_tp_plan(model, tp)
+    if not plan.styles:
+        logger.warning("tensor_parallel: no attention or MLP projection found; the model stays replicated")
+        return plan
+    for fused, attention in plan.fused_qkv.items():
+        _interleave_fused_qkv(model, fused, attention, tp)
+    row_output = Shard(1) if sequence else Replicate()
+    styles = {name: (ConvColwise() if style == "colwise" else ConvRowwise(output_layouts=row_output))
+              for name, style in plan.styles.items()}
+    if sequence:
+        styles.update(sequence_parallel_styles(model, plan))
+    parallelize_module(model, tp_mesh, styles)
+    logger.info("tensor_parallel: split %d projections over %d ranks; replicated: %s", len(plan.styles), tp,
+                ", ".join(plan.replicated) or "nothing")
+    return plan

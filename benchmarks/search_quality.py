@@ -1,0 +1,123 @@
+"""How good and how cheap is the automatic search? On 2 CPU ranks, for two models, in one run:
+
+1. the full search (``auto_accelerate(load_strategy=None)``), timed;
+2. an exhaustive dry-run of every valid candidate (the search's base candidates, each also with
+   module_replace), timed, with more timed steps per candidate.
+
+Prints (a) the chosen strategy's throughput over the exhaustive best (both as measured by the
+exhaustive pass; goal >= 0.95) and (b) the search's wall time over the exhaustive wall time
+(goal <= 0.25). native_dynamo is left out of both (each compile costs ~20 s on this CPU).
+
+    .venv/bin/python benchmarks/search_quality.py [--steps 4]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+
+from atorch.auto.accelerate import auto_accelerate
+from atorch.models import GPTConfig, SyntheticTokenDataset, gpt_loss
+from atorch.testing import run_distributed
+from atorch.testing.training import build_gpt
+
+EXCLUDED = ["native_dynamo"]
+GLOBAL_BATCH = 8
+
+
+def repo_gpt():
+    return build_gpt(0, GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=128))
+
+
+def hf_gpt2():
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=512, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel._from_config(config)
+
+
+def hf_loss(batch, output):
+    return output.loss
+
+
+MODELS = {"repo GPT 4x128": (repo_gpt, gpt_loss), "HF GPT-2 4x128": (hf_gpt2, hf_loss)}
+
+
+def _arguments(name: str) -> dict:
+    build, loss = MODELS[name]
+    return dict(model=build(), optim_func=torch.optim.AdamW, dataset=SyntheticTokenDataset(64, 64, 512),
+                loss_func=loss, optim_args={"lr": 1e-3}, dataloader_args={"batch_size": GLOBAL_BATCH},
+                model_input_format="unpack_dict")
+
+
+def run_search(name: str) -> tuple[str, float, str]:
+    dist.barrier()
+    start = time.perf_counter()
+    status, result, strategy = auto_accelerate(**_arguments(name), excluded=EXCLUDED, use_profile_cache=False,
+                                               report_dir=None)
+    elapsed = time.perf_counter() - start
+    chosen = next(r.label for r in result.args.extras["search"].rows if r.chosen)
+    return chosen, elapsed, result.args.extras["search"].table
+
+
+def run_exhaustive(name: str, steps: int) -> tuple[dict, float]:
+    from atorch.auto.search.analyser import analyse_model
+    from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates
+    from atorch.auto.search.planner import _dry_run_candidate
+    from atorch.auto.model_context import ModelContext
+
+    dist.barrier()
+    start = time.perf_counter()
+    arguments = _arguments(name)
+    model = arguments.pop("model")
+    space = SearchSpace(dist.get_world_size(), torch.device("cpu"), analyse_model(model), frozenset(EXCLUDED))
+    base, _ = enumerate_candidates(space)
+    every = base + [Candidate(c.sharding, c.precision, c.checkpoint, ("module_replace",), c.forced, c.block) for c in base]
+
+    def make_context(target, local=False, batch_size=None):
+        return ModelContext(target, **{k: v for k, v in arguments.items()}, local=local)
+
+    times = {}
+    for candidate in every:
+        result = _dry_run_candidate(model, make_context, candidate, dist.get_world_size(), steps)
+        times[candidate.label] = result.step_time_s if result.ok else None
+    return times, time.perf_counter() - start
+
+
+def measure(steps: int) -> dict:
+    out = {}
+    for name in MODELS:
+        chosen, search_s, table = run_search(name)
+        times, exhaustive_s = run_exhaustive(name, steps)
+        out[name] = {"chosen": chosen, "search_s": search_s, "table": table, "times": times,
+                     "exhaustive_s": exhaustive_s}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per candidate in the exhaustive pass")
+    args = parser.parse_args()
+    results = run_distributed(measure, 2, args.steps, timeout_s=3000)[0]
+    print(f"{'model':<18}{'chosen':<28}{'best (exhaustive)':<28}{'thr. ratio':>11}{'search s':>10}{'exh. s':>9}{'time ratio':>11}")
+    for name, r in results.items():
+        measured = {k: v for k, v in r["times"].items() if v}
+        best = min(measured, key=measured.get)
+        ratio = measured[best] / measured[r["chosen"]] if r["chosen"] in measured else float("nan")
+        print(f"{name:<18}{r['chosen']:<28}{best:<28}{ratio:>11.3f}{r['search_s']:>10.1f}{r['exhaustive_s']:>9.1f}"
+              f"{r['search_s'] / r['exhaustive_s']:>11.3f}")
+    print("throughput ratio = exhaustive best step time / chosen step time (goal >= 0.95); "
+          "time ratio = search wall time / exhaustive wall time (goal <= 0.25)")
+    for name, r in results.items():
+        print(f"\n{name}: exhaustive step times (ms)")
+        for label, t in sorted(r["times"].items(), key=lambda kv: kv[1] or float("inf")):
+            print(f"  {label:<40}{t * 1000 if t else float('nan'):>9.1f}")
+        print(f"\n{name}: the search's report\n{r['table']}")
+
+
+if __name__ == "__main__":
+    main()
