@@ -287,7 +287,7 @@ def training_state_bytes(result: Any) -> dict[str, int]:
     ZeroRedundancyOptimizer keeps this rank's state in its local ``optim``; that is what counts.
     """
     optimizer = getattr(result.optim, "torch_optimizer", result.optim)
-    local = getattr(optimizer, "optim", None)
+    local = getattr(optimizer, "optim", None) or getattr(optimizer, "inner", None)
     if isinstance(local, torch.optim.Optimizer):
         optimizer = local
     return state_bytes(result.model, optimizer)

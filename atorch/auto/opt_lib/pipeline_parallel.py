@@ -5,8 +5,17 @@ contiguous stages so that the largest stage cost is as small as possible (``bala
 cost of a block is its matmul parameter count (FLOPs per token are proportional to it), the layers
 before the first block ride with the first stage and those after the last block (final norm, LM head)
 with the last. ``pivots`` (AutoDist's ``pipeline_pivots``) names the first module of every stage but
-the first instead. The model is split by ``torch.distributed.pipelining.pipeline`` (traced with one
-micro-batch of real data), so the user's model is not rewritten.
+the first instead.
+
+How a stage runs the user's unchanged model: each stage keeps the model's structure but only its own
+blocks' parameters (plus the embeddings on the first stage and the final layers on the last). It
+runs the model's own ``forward`` on the batch: earlier blocks are pass-throughs, the first owned
+block takes the activation received from the previous stage in place of its input (a forward
+pre-hook), and after the last owned block the stage returns that block's output (a forward hook
+ends the forward early). Masks, positions and other inputs every block needs are recomputed from
+the batch on every stage, so any model built as embeddings → repeated blocks → head works, and the
+owned blocks are real modules that tensor_parallel and checkpoint apply to as usual. Stages
+communicate through ``torch.distributed.pipelining.PipelineStage``.
 
 Schedules: ``"1F1B"`` (default; EPL's PreferBackward), ``"GPipe"`` (EPL's PreferForward),
 ``"Interleaved1F1B"`` (``stages_per_rank`` >= 2, needs that many blocks per rank). ``num_micro_batch``
@@ -19,6 +28,7 @@ loss (the same on every stage); ``optim.backward(loss)`` has nothing left to do
 """
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -115,10 +125,9 @@ class PipelineOutput:
 class PipelineModule(nn.Module):
     """This rank's stage(s) and the schedule that drives them; ``parameters()`` are the stage's."""
 
-    def __init__(self, stages: list, schedule, loss_func, input_format: Optional[str], group, is_last: bool):
+    def __init__(self, stage_modules: list, schedule, loss_func, input_format: Optional[str], group, is_last: bool):
         super().__init__()
-        self.stage_modules = nn.ModuleList(stage.submod for stage in stages)
-        self.stages = stages
+        self.stage_modules = nn.ModuleList(stage_modules)
         self.schedule = schedule
         self.user_loss = loss_func
         self.input_format = input_format
@@ -132,22 +141,12 @@ class PipelineModule(nn.Module):
         size = _batch_size(batch)
         index = torch.arange(size, device=_first_tensor(batch).device)
         losses: list = []
-        if self.is_first:
-            call_args, call_kwargs = _model_inputs(batch, self.input_format)
-            # the traced first stage takes the inputs it uses, positionally (tracing drops unused ones;
-            # keyword inputs would also be offered to this rank's later stages)
-            call_args = call_args + tuple(call_kwargs[k] for k in self._first_stage_inputs() if k in call_kwargs)
-            self.schedule.step(*call_args, target=index if self.is_last else None, losses=losses)
-        else:
-            self.schedule.step(target=index if self.is_last else None, losses=losses)
+        inputs = dict(batch) if self.input_format == "unpack_dict" else {"input": batch}
+        # every stage gets the batch (its blocks may need masks or positions made from it)
+        self.schedule.step(target=index if self.is_last else None, losses=losses, **inputs)
         loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros((), device=index.device)
         dist.broadcast(loss, src=dist.get_global_rank(self.group, dist.get_world_size(self.group) - 1), group=self.group)
         return PipelineOutput(loss)
-
-    def _first_stage_inputs(self) -> list[str]:
-        import inspect
-
-        return list(inspect.signature(self.stage_modules[0].forward).parameters)
 
     @property
     def is_first(self) -> bool:
@@ -164,7 +163,7 @@ class PipelineModule(nn.Module):
 
         mine = {}
         for module in self.stage_modules:
-            mine.update(full_state_dict(module))
+            mine.update({k.removeprefix("model."): v for k, v in full_state_dict(module).items()})
         gathered: list = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(gathered, mine, group=self.group)
         out = {}
@@ -246,7 +245,7 @@ def normalize_pipeline_config(method: str, config: Any) -> dict:
 
 
 def apply_pipeline(ctx, config: dict) -> None:
-    from torch.distributed.pipelining import SplitPoint, pipeline, schedules
+    from torch.distributed.pipelining import PipelineStage, schedules
 
     pp = mesh.parallel_group_size("pipeline")
     if pp <= 1:
@@ -254,33 +253,33 @@ def apply_pipeline(ctx, config: dict) -> None:
         return
     if ctx.amp_dtype == torch.float16:
         raise MethodConfigError("pipeline_parallel", "fp16 amp's loss scaling inside the schedule is not supported; use bf16")
+    if ctx.model_input_format not in ("unpack_dict", None):
+        raise MethodConfigError("pipeline_parallel", "needs model_input_format 'unpack_dict' or None (a single input)")
     group = mesh.parallel_group("pipeline")
     num_stages = pp * config["stages_per_rank"]
+    blocks = _blocks(ctx.model)
     if config["pivots"]:
-        if len(config["pivots"]) != num_stages - 1:
-            raise MethodConfigError("pipeline_parallel", f"{len(config['pivots'])} pivots make {len(config['pivots']) + 1} "
-                                    f"stages; {num_stages} are needed")
-        split_points = list(config["pivots"])
+        starts = _starts_from_pivots(blocks, config["pivots"], num_stages)
     else:
         split = plan_stages(ctx.model, num_stages)
-        split_points = split.split_points
-        logger.info("pipeline_parallel: stages start at %s (cost imbalance max/mean %.2f)", split_points, split.imbalance)
+        starts = split.starts
+        logger.info("pipeline_parallel: stages start at %s (cost imbalance max/mean %.2f)", split.split_points, split.imbalance)
     per_rank_batch = ctx.dataloader_args.get("batch_size", 1) // max(mesh.data_parallel_size(), 1)
     micro = config["num_micro_batch"] or min(2 * pp, per_rank_batch)
     if per_rank_batch % micro:
         raise MethodConfigError("pipeline_parallel", f"the per-rank batch {per_rank_batch} does not split into {micro} micro-batches")
-    example = _example_microbatch(ctx, per_rank_batch // micro)
-    args, kwargs = _model_inputs(example, ctx.model_input_format)
-    pipe = pipeline(ctx.model, mb_args=args, mb_kwargs=kwargs, split_spec={p: SplitPoint.BEGINNING for p in split_points})
     rank = dist.get_rank(group)
     indices = [rank + pp * v for v in range(config["stages_per_rank"])]
-    stages = [pipe.build_stage(i, ctx.device, group) for i in indices]
+    bounds = list(zip(starts, starts[1:] + [len(blocks)]))
+    _check_no_shared_weights(ctx.model, blocks, num_stages)
+    modules = [StageModule(ctx.model if i == indices[-1] else copy.deepcopy(ctx.model), range(*bounds[i]),
+                           i == 0, i == num_stages - 1, ctx.model_input_format) for i in indices]
+    stages = [PipelineStage(m, i, num_stages, ctx.device, group=group) for m, i in zip(modules, indices)]
     holder: dict = {}
     loss_fn = lambda output, index: holder["module"].micro_loss(output, index)  # noqa: E731
     schedule_cls = getattr(schedules, SCHEDULES[config["schedule"]])
-    is_last = (num_stages - 1) in indices
     schedule = schedule_cls(stages if len(stages) > 1 else stages[0], micro, loss_fn=loss_fn)
-    module = PipelineModule(stages, schedule, ctx.loss_func, ctx.model_input_format, group, is_last)
+    module = PipelineModule(modules, schedule, ctx.loss_func, ctx.model_input_format, group, (num_stages - 1) in indices)
     holder["module"] = module
     ctx.model = module
     ctx.loss_func = pipeline_loss
@@ -289,11 +288,121 @@ def apply_pipeline(ctx, config: dict) -> None:
     ctx.grad_partition_group = group
     ctx.args.use_optim_backward = True
     ctx.args.extras["pipeline"] = {"stages": num_stages, "stage_indices": indices, "num_micro_batch": micro,
-                                  "schedule": config["schedule"], "split_points": split_points}
+                                  "schedule": config["schedule"], "blocks_per_stage": [b - a for a, b in bounds]}
 
 
-def _example_microbatch(ctx, size: int) -> Any:
-    if ctx.dataset is None:
-        raise MethodConfigError("pipeline_parallel", "needs the dataset: the model is split by tracing one micro-batch")
-    loader = torch.utils.data.DataLoader(ctx.dataset, batch_size=size)
-    return ctx.prepare_input(next(iter(loader)))
+def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    from atorch.auto.search.analyser import repeated_blocks
+
+    found, _ = repeated_blocks(model)
+    if not found:
+        raise MethodConfigError("pipeline_parallel", "found no repeated block (transformer layer) to cut the model at")
+    block_type = next(iter(found))
+    return [(n, m) for n, m in model.named_modules() if type(m).__name__ == block_type]
+
+
+def _starts_from_pivots(blocks: list, pivots: tuple, num_stages: int) -> list[int]:
+    names = [n for n, _ in blocks]
+    if len(pivots) != num_stages - 1:
+        raise MethodConfigError("pipeline_parallel", f"{len(pivots)} pivots make {len(pivots) + 1} stages; {num_stages} are needed")
+    unknown = [p for p in pivots if p not in names]
+    if unknown:
+        raise MethodConfigError("pipeline_parallel", f"pivots {unknown} are not blocks; blocks: {names}")
+    starts = [0] + [names.index(p) for p in pivots]
+    if starts != sorted(set(starts)):
+        raise MethodConfigError("pipeline_parallel", f"pivots {list(pivots)} must be distinct, in model order, after the first block")
+    return starts
+
+
+def _check_no_shared_weights(model: nn.Module, blocks: list, num_stages: int) -> None:
+    block_params = {id(p) for _, b in blocks for p in b.parameters()}
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            if id(param) not in block_params:
+                owners.setdefault(id(param), []).append(f"{name}.{pname}")
+    shared = [names for names in owners.values() if len(names) > 1]
+    if shared and num_stages > 1:
+        raise MethodConfigError("pipeline_parallel", f"weights shared between the first and the last stage {shared} "
+                                "(e.g. tied input/output embeddings) are not supported; untie them")
+
+
+class _StageExit(Exception):
+    def __init__(self, output: Any):
+        super().__init__("stage output")
+        self.output = output
+
+
+class _PassThrough(nn.Module):
+    """Stands in for a block another stage owns: returns the hidden state it was given."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values())))
+
+
+class _ZeroEmbedding(nn.Module):
+    """Stands in for an embedding on later stages: the right shape, no parameters (the first owned
+    block's input is replaced by the received activation anyway)."""
+
+    def __init__(self, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.dim, self.dtype = dim, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of the user's model (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, owned: range, is_first: bool, is_last: bool, input_format: Optional[str]):
+        super().__init__()
+        blocks = _blocks(model)
+        self.model = model
+        self.input_format = input_format
+        self._incoming: Optional[torch.Tensor] = None
+        block_ids = set()
+        for index, (name, block) in enumerate(blocks):
+            block_ids.update(id(m) for m in block.modules())
+            if index not in owned:
+                _replace(model, name, _PassThrough())
+        for name, module in list(model.named_modules()):
+            if id(module) in block_ids or not name or list(module.children()):
+                continue
+            if not any(True for _ in module.parameters(recurse=False)):
+                continue
+            if isinstance(module, nn.Embedding):
+                if not is_first:
+                    _replace(model, name, _ZeroEmbedding(module.embedding_dim, module.weight.dtype))
+            elif not is_last:
+                _replace(model, name, nn.Identity())  # final norm / head: never reached on this stage
+        first, last = blocks[owned.start][1], blocks[owned.stop - 1][1]
+        if not is_first:
+            first.register_forward_pre_hook(self._take_incoming, with_kwargs=True)
+        if not is_last:
+            last.register_forward_hook(self._leave)
+
+    def _take_incoming(self, module, args, kwargs):
+        if args:
+            return (self._incoming,) + tuple(args[1:]), kwargs
+        return args, dict(kwargs, hidden_states=self._incoming)
+
+    @staticmethod
+    def _leave(module, args, output):
+        raise _StageExit(output[0] if isinstance(output, (tuple, list)) else output)
+
+    def forward(self, *received: torch.Tensor, **inputs: Any) -> Any:
+        self._incoming = received[0] if received else None
+        try:
+            if self.input_format == "unpack_dict":
+                return self.model(**inputs)
+            return self.model(inputs["input"])
+        except _StageExit as exit_:
+            return exit_.output
+        finally:
+            self._incoming = None
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from atorch.errors import MethodConfigError
 from atorch.auto.gradients import total_grad_norm
@@ -64,9 +65,63 @@ class Zero1Optimization(Optimization):
         ctx.optimizer_factory = _zero_redundancy_optimizer
 
 
-def _zero_redundancy_optimizer(ctx, params: Any) -> ZeroRedundancyOptimizer:
+def _zero_redundancy_optimizer(ctx, params: Any):
     group = mesh.parallel_group("data_parallel")
+    params = list(params)
+    flat = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
+    if any(isinstance(p, DTensor) for p in flat):  # tensor-parallel parameters: ZeRO cannot broadcast DTensors
+        return ShardedStateOptimizer(params, ctx.optim_func, group, **ctx.optim_args)
     return ZeroRedundancyOptimizer(params, optimizer_class=ctx.optim_func, process_group=group, **ctx.optim_args)
+
+
+class ShardedStateOptimizer(torch.optim.Optimizer):
+    """ZeRO-1 for model-parallel (DTensor) parameters: each parameter's optimizer state lives on one
+    rank of the data group (greedy balance by local size); that rank steps it and broadcasts this
+    rank's local shard to the others. ``param_groups`` are the full groups, so schedulers and
+    clipping see every parameter; hyper-parameters are copied to the owned groups before each step."""
+
+    def __init__(self, params: list, optimizer_class: Any, group: Any, **defaults: Any):
+        groups = [dict(g) if isinstance(g, dict) else {"params": [g]} for g in params] if params else []
+        if groups and not isinstance(params[0], dict):
+            groups = [{"params": [g["params"][0] for g in groups]}]
+        super().__init__(groups, defaults)
+        self.group = group
+        size, me = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
+        loads = [0] * size
+        self.owner: dict[int, int] = {}
+        for param in sorted((p for g in self.param_groups for p in g["params"]), key=lambda p: -_local(p).numel()):
+            rank = loads.index(min(loads))
+            self.owner[id(param)] = rank
+            loads[rank] += _local(param).numel()
+        self.owned = [[p for p in g["params"] if self.owner[id(p)] == me] for g in self.param_groups]
+        inner_groups = [dict(g, params=owned) for g, owned in zip(self.param_groups, self.owned) if owned]
+        self.inner = optimizer_class(inner_groups, **defaults) if inner_groups else None
+        self._inner_index = [i for i, owned in enumerate(self.owned) if owned]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        if self.inner is not None:
+            for inner_group, index in zip(self.inner.param_groups, self._inner_index):
+                inner_group.update({k: v for k, v in self.param_groups[index].items() if k != "params"})
+            self.inner.step()
+        for group in self.param_groups:
+            for param in group["params"]:
+                source = dist.get_global_rank(self.group, self.owner[id(param)]) if self.group is not None else 0
+                if self.group is not None and dist.get_world_size(self.group) > 1:
+                    dist.broadcast(_local(param), src=source, group=self.group)
+        return loss
+
+    def state_dict(self) -> dict:
+        return {"inner": self.inner.state_dict() if self.inner is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.inner is not None and state.get("inner") is not None:
+            self.inner.load_state_dict(state["inner"])
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 class Zero2Optimization(Optimization):

@@ -1,0 +1,163 @@
+"""tensor_parallel, sequence_parallel, pipeline_parallel and mixed_parallel on real gloo ranks against
+the single-process fp32 reference with the same seed and global batch (losses over 5 steps and all
+final weights: relative difference < 1e-4). Every case trains through ``train_gpt``, which is the
+seed document's training loop, unchanged (``optim.backward`` when ``args.use_optim_backward``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from atorch.auto.opt_lib.pipeline_parallel import balance_stages, plan_stages
+from atorch.models import GPT, GPTConfig
+from atorch.testing import run_distributed
+from atorch.testing.training import relative_difference, train_gpt, weight_difference
+from tests.parity import case_parts, run_suite
+
+pytestmark = pytest.mark.multirank
+pytest.importorskip("transformers", reason="transformers is a test extra")
+
+TOL = 1e-4
+TP2 = ("parallel_mode", ([("tensor", 2)], None))
+PP2 = ("parallel_mode", ([("pipeline", 2)], None))
+MIXED = ("parallel_mode", ([("tensor", 2), ("pipeline", 2)], None))
+FOUR_BLOCKS = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
+
+CASES_2 = {
+    "tp": [TP2, "tensor_parallel"],
+    "tp_explicit_plan": [TP2, ("tensor_parallel", {"plan": {"blocks.*.mlp.up_proj": "colwise", "blocks.*.mlp.down_proj": "rowwise"}})],
+    "tp_hf_gpt2": {"strategy": [TP2, "tensor_parallel"], "hf_model": "gpt2"},
+    "tp_hf_llama": {"strategy": [TP2, "tensor_parallel"], "hf_model": "llama"},
+    "tp_hf_bert": {"strategy": [TP2, "tensor_parallel"], "hf_model": "bert"},
+    "tp_sp": [TP2, "tensor_parallel", "sequence_parallel"],
+    "tp_clip": {"strategy": [TP2, "tensor_parallel"], "max_grad_norm": 0.5},
+    "pp_gpipe": [PP2, ("pipeline_parallel", {"schedule": "GPipe", "num_micro_batch": 4})],
+    "pp_1f1b": [PP2, ("pipeline_parallel", {"num_micro_batch": 4})],
+    "pp_1f1b_checkpoint_clip": {"strategy": [PP2, ("pipeline_parallel", {"num_micro_batch": 4}), ("checkpoint", ("GPTBlock",))],
+                                "max_grad_norm": 0.5},
+    "pp_interleaved": {"strategy": [PP2, ("pipeline_parallel", {"schedule": "Interleaved1F1B", "num_micro_batch": 4})],
+                       "config": FOUR_BLOCKS},
+    "pp_pivots": {"strategy": [PP2, ("pipeline_parallel", {"pivots": ["blocks.3"], "num_micro_batch": 2})], "config": FOUR_BLOCKS},
+}
+CASES_4 = {
+    "mixed_2x2": [MIXED, ("mixed_parallel", {"pipeline": {"num_micro_batch": 4}})],
+    "mixed_2x2_zero1": [MIXED, ("mixed_parallel", {"pipeline": {"num_micro_batch": 4}}), "zero1"],
+    "tp2_data2_zero1": [("parallel_mode", ([("tensor", 2), ("data", 2)], None)), "tensor_parallel", "zero1"],
+    "pp2_data2_gpipe": [("parallel_mode", ([("pipeline", 2), ("data", 2)], None)), ("pipeline_parallel", {"schedule": "GPipe"})],
+}
+
+_REFERENCES: dict = {}
+
+
+def reference_for(case) -> dict:
+    _, kwargs = case_parts(case)
+    key = (kwargs.get("hf_model"), kwargs.get("max_grad_norm"), id(kwargs.get("config")) if kwargs.get("config") else None)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train_gpt([], **{k: v for k, v in kwargs.items() if k in ("hf_model", "max_grad_norm", "config")})
+    return _REFERENCES[key]
+
+
+def _check(results: list, cases: dict) -> None:
+    for key, case in cases.items():
+        reference = reference_for(case)
+        for rank, per_rank in enumerate(results):
+            run = per_rank[key]
+            assert "error" not in run, f"rank {rank} {key}: {run.get('error')}"
+            loss_diff = relative_difference(run["losses"], reference["losses"])
+            assert loss_diff < TOL, f"rank {rank} {key}: losses differ by {loss_diff:.2e}"
+            if run["weights"] is not None:  # gathered on rank 0
+                weight_diff = weight_difference(run["weights"], reference["weights"])
+                assert weight_diff < TOL, f"rank {rank} {key}: weights differ by {weight_diff:.2e}"
+
+
+def inspect_parallel_layouts() -> dict:
+    """Facts the parity numbers cannot show: what was split, and what activations look like."""
+    out = {}
+    llama = train_gpt([TP2, "tensor_parallel"], hf_model="llama", steps=1)["result"].model
+    split = {}
+    for name, module in llama.named_modules():
+        if type(module).__name__ in ("LlamaAttention", "LlamaMLP"):
+            for child_name, child in module.named_children():
+                if isinstance(child, torch.nn.Linear):
+                    local = child.weight.to_local() if isinstance(child.weight, DTensor) else child.weight
+                    split[f"{name}.{child_name}"] = (local.numel(), child.weight.numel())
+    out["llama_split"] = split
+    gpt = train_gpt([TP2, "tensor_parallel", "sequence_parallel"], steps=1)["result"]
+    seen = {}
+
+    def record(module, args) -> None:
+        seen["ln_1"] = args[0].to_local().shape if isinstance(args[0], DTensor) else args[0].shape
+
+    gpt.model.blocks[0].ln_1.register_forward_pre_hook(record)
+    batch = gpt.prepare_input(next(iter(gpt.dataloader)))
+    gpt.model(**batch)
+    out["sp_norm_input"] = tuple(seen["ln_1"])
+    out["full_seq"] = tuple(batch["input_ids"].shape)
+    pp = train_gpt([PP2, ("pipeline_parallel", {"num_micro_batch": 4})], steps=1)["result"]
+    out["pp_params"] = sorted(n.removeprefix("model.") for n, _ in pp.model.stage_modules[0].named_parameters())
+    out["pp_extras"] = pp.args.extras["pipeline"]
+    try:
+        train_gpt([TP2, "tensor_parallel"], config=GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=3, n_embd=48))
+        out["bad_heads"] = "no error"
+    except Exception as error:
+        out["bad_heads"] = f"{type(error).__name__}: {error}"
+    return out
+
+
+def launch_2(cases: dict) -> dict:
+    return {"suite": run_suite(cases), "layouts": inspect_parallel_layouts()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_distributed(launch_2, 2, CASES_2, timeout_s=900)
+
+
+def test_two_rank_methods_match_reference(two_ranks):
+    _check([r["suite"] for r in two_ranks], CASES_2)
+
+
+def test_four_rank_mixed_layouts_match_reference():
+    _check(run_distributed(run_suite, 4, CASES_4, timeout_s=900), CASES_4)
+
+
+def test_llama_plan_splits_every_projection_in_half(two_ranks):
+    split = two_ranks[0]["layouts"]["llama_split"]
+    names = {n.rsplit(".", 1)[1] for n in split}
+    assert names == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}, names
+    assert len(split) == 2 * 7
+    for name, (local, full) in split.items():
+        assert local * 2 == full, (name, local, full)
+
+
+def test_sequence_parallel_shards_the_norm_inputs(two_ranks):
+    layouts = two_ranks[0]["layouts"]
+    batch, seq = layouts["full_seq"]
+    assert layouts["sp_norm_input"] == (batch, seq // 2, 32)
+
+
+def test_pipeline_stage_holds_only_its_blocks(two_ranks):
+    layouts = two_ranks[0]["layouts"]
+    assert any(n.startswith("blocks.0.") for n in layouts["pp_params"])
+    assert not any(n.startswith(("blocks.1.", "lm_head", "ln_f")) for n in layouts["pp_params"]), layouts["pp_params"]
+    assert layouts["pp_extras"]["num_micro_batch"] == 4 and layouts["pp_extras"]["stages"] == 2
+
+
+def test_head_count_not_divisible_is_a_clear_error(two_ranks):
+    error = two_ranks[0]["layouts"]["bad_heads"]
+    assert error.startswith("MethodConfigError") and "blocks.0.attn" in error and "3 heads" in error and "tensor size 2" in error
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_pipeline_split_is_balanced(stages):
+    split = plan_stages(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=8, n_head=2, n_embd=32)), stages)
+    assert len(split.starts) == stages and split.imbalance < 1.25, (split.starts, split.costs)
+
+
+def test_balance_stages_minimises_the_largest_stage():
+    assert balance_stages([1, 1, 1, 1, 4], 2) == [0, 4]
+    costs = [3, 1, 1, 1, 1, 1]
+    starts = balance_stages(costs, 3)
+    stage_costs = [sum(costs[a:b]) for a, b in zip(starts, starts[1:] + [len(costs)])]
+    assert starts[0] == 0 and max(stage_costs) == 3, starts
