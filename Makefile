@@ -24,6 +24,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/compute.py
+	$(PY) benchmarks/model_parallel.py
+	$(PY) benchmarks/search_quality.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -105,8 +105,35 @@ def inspect_parallel_layouts() -> dict:
     return out
 
 
+DS_3D = [PP2, ("ds_3d_parallel", {"num_micro_batch": 4})]
+
+
+def deepspeed_pipeline() -> dict:
+    """DeepSpeed's pipeline engine on an nn.Sequential model, then the error users get without DeepSpeed."""
+    import sys
+
+    from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason
+    from atorch.testing.sequential import train_sequential
+
+    out = {}
+    if deepspeed_unavailable_reason() is None:
+        out["run"] = train_sequential(DS_3D)
+        try:
+            train_gpt([PP2, "ds_3d_parallel"], steps=1)
+        except Exception as error:
+            out["not_sequential"] = f"{type(error).__name__}: {error}"
+    sys.modules["deepspeed"] = None
+    deepspeed_unavailable_reason.cache_clear()
+    try:
+        train_sequential(DS_3D, steps=1)
+        out["absent"] = "no error"
+    except Exception as error:
+        out["absent"] = f"{type(error).__name__}: {error}"
+    return out
+
+
 def launch_2(cases: dict) -> dict:
-    return {"suite": run_suite(cases), "layouts": inspect_parallel_layouts()}
+    return {"suite": run_suite(cases), "layouts": inspect_parallel_layouts(), "deepspeed": deepspeed_pipeline()}
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +188,18 @@ def test_balance_stages_minimises_the_largest_stage():
     starts = balance_stages(costs, 3)
     stage_costs = [sum(costs[a:b]) for a, b in zip(starts, starts[1:] + [len(costs)])]
     assert starts[0] == 0 and max(stage_costs) == 3, starts
+
+
+def test_ds_3d_parallel_pipeline_matches_reference_or_reports_deepspeed_missing(two_ranks):
+    from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason
+    from atorch.testing.sequential import train_sequential
+
+    for rank, per_rank in enumerate(two_ranks):
+        got = per_rank["deepspeed"]
+        assert got["absent"].startswith("RequirementError") and "DeepSpeed" in got["absent"], got["absent"]
+        if deepspeed_unavailable_reason() is not None:
+            continue
+        reference = train_sequential([])
+        assert relative_difference(got["run"]["losses"], reference["losses"]) < TOL, (rank, got["run"]["losses"])
+        assert weight_difference(got["run"]["weights"], reference["weights"]) < TOL
+        assert "nn.Sequential" in got["not_sequential"], got["not_sequential"]

@@ -42,6 +42,7 @@ def _register_builtins() -> None:
     from atorch.auto.opt_lib.amp import AmpNativeOptimization
     from atorch.auto.opt_lib.half import HalfOptimization
     from atorch.auto.opt_lib.checkpoint import CheckpointOptimization
+    from atorch.auto.opt_lib.ds_3d_parallel import DS3DParallelOptimization
     from atorch.auto.opt_lib.fp8 import FP8Optimization
     from atorch.auto.opt_lib.fsdp import FSDPOptimization
     from atorch.auto.opt_lib.module_replace import ModuleReplaceOptimization
@@ -57,7 +58,7 @@ def _register_builtins() -> None:
         ParallelModeOptimization, AmpNativeOptimization, HalfOptimization, CheckpointOptimization,
         Zero1Optimization, Zero2Optimization, FSDPOptimization, ModuleReplaceOptimization, FP8Optimization,
         NativeDynamoOptimization, TensorParallelOptimization, SequenceParallelOptimization,
-        PipelineParallelOptimization, MixedParallelOptimization,
+        PipelineParallelOptimization, MixedParallelOptimization, DS3DParallelOptimization,
     ):
         register_optimization(cls)
 
