@@ -127,7 +127,7 @@ def _search(model, make_context, load_strategy, finetune_strategy, excluded, inc
         time_limit=kargs.get("time_limit"),
         memory_limit=parse_memory_limit(kargs.get("memory_limit")),
         topk=int(kargs.get("search_topk", 4)),
-        dryrun_steps=int(kargs.get("dryrun_steps", 2)),
+        dryrun_steps=int(kargs.get("dryrun_steps", 3)),
         report_dir=kargs.get("report_dir", "atorch_search_report"),
         verbose=bool(kargs.get("verbose")),
         excluded=frozenset(excluded_names),

@@ -72,7 +72,8 @@ def dry_run(ctx: ModelContext, warmup_steps: int = 1, timed_steps: int = 2) -> D
 
 def _agree(ctx: ModelContext, error: Optional[str], step_time: float, peak: int) -> DryRunResult:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        values = torch.tensor([float(error is not None), step_time, float(peak)], dtype=torch.float64)
+        device = ctx.device if dist.get_backend() == "nccl" else torch.device("cpu")  # nccl reduces CUDA tensors only
+        values = torch.tensor([float(error is not None), step_time, float(peak)], dtype=torch.float64, device=device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
         failed, step_time, peak = bool(values[0].item()), values[1].item(), int(values[2].item())
         if failed and error is None:

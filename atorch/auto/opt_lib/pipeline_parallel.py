@@ -179,14 +179,6 @@ def pipeline_loss(batch: Any, output: Any) -> torch.Tensor:
     raise TypeError("under pipeline_parallel, loss_func expects the PipelineOutput that model(...) returned")
 
 
-def _model_inputs(batch: Any, input_format: Optional[str]) -> tuple[tuple, dict]:
-    if input_format == "unpack_dict":
-        return (), dict(batch)
-    if input_format == "unpack_sequence":
-        return tuple(batch), {}
-    return (batch,), {}
-
-
 def _first_tensor(data: Any) -> torch.Tensor:
     if isinstance(data, torch.Tensor):
         return data

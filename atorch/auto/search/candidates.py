@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -194,11 +194,3 @@ def _forced_items(included: tuple) -> list:
         opt_lib.get_optimization(name)  # unknown names raise with the nearest valid one
         out.append((name, config))
     return out
-
-
-def describe(candidates: list[Candidate]) -> list[str]:
-    return [c.label for c in candidates]
-
-
-def as_strategy_items(candidate: Candidate, world_size: int) -> list[Any]:
-    return candidate.strategy(world_size)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import csv
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +22,7 @@ class Row:
     measured_time_s: Optional[float] = None
     reason: str = ""
     chosen: bool = False
+    samples: list = field(default_factory=list)  # every measured step time (confirmation rounds add more)
 
     @property
     def memory_error(self) -> Optional[float]:
