@@ -124,6 +124,8 @@ def test_module_replace_on_hf_attention_matches_original(name, with_mask):
     with mock.patch.object(attention_kernels, "attention", wraps=attention_kernels.attention) as spy:
         got_out, got_grads = _forward_backward(replaced, ids, mask)
     assert spy.call_count == 2, "atorch's attention dispatch was not used"
+    if not with_mask:  # no mask is materialised for plain causal / full attention: flash kernels can run
+        assert all(call.args[3] is None for call in spy.call_args_list), [type(c.args[3]) for c in spy.call_args_list]
     torch.testing.assert_close(got_out, want_out, rtol=TOL, atol=TOL)
     assert got_grads.keys() == want_grads.keys()
     for key in want_grads:

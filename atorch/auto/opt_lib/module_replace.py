@@ -105,10 +105,18 @@ def _build_from_class(optimized: type, module: nn.Module) -> nn.Module:
 
 # --- built-in pairs ------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def _register_hf_attention_function() -> None:
+def _register_hf_attention_function() -> bool:
+    """Register atorch's attention with transformers; returns whether its masks can be registered too
+    (SDPA-style: None for plain causal or full attention, so flash kernels can run; boolean otherwise)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATORCH_ATTENTION, hf_attention_forward)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:  # older transformers: models keep building masks for their own setting
+        return False
+    AttentionMaskInterface.register(ATORCH_ATTENTION, sdpa_mask)
+    return True
 
 
 @functools.lru_cache(maxsize=None)
@@ -126,11 +134,32 @@ def _is_hf_attention(module: nn.Module) -> bool:
 
 def _replace_hf_attention(module: nn.Module) -> nn.Module:
     _register_hf_attention_function()
-    config = copy.copy(module.config)  # per-module copy: the model's masks still follow its own setting
+    config = copy.copy(module.config)  # per-module copy: the model's setting changes only if all are replaced
     config._attn_implementation = ATORCH_ATTENTION
     module.config = config
     module.__class__ = _atorch_subclass(type(module))
     return module
+
+
+def _use_atorch_masks(model: nn.Module) -> None:
+    """Let HF models whose attention modules are all replaced build masks for atorch's attention.
+
+    A model set to "eager" builds a 4D float causal mask even with no padding, and a kernel given an
+    explicit mask cannot use flash attention. When every attention module under a HF model is
+    replaced, its config switches to atorch's mask builder (SDPA's: no mask for plain causal or full
+    attention, a boolean one with padding), so the flash path opens. A model with some attention
+    left unreplaced keeps its own setting.
+    """
+    if not _register_hf_attention_function():
+        return
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if not hasattr(module, "set_attn_implementation") or not hasattr(config, "_attn_implementation"):
+            continue
+        attention_modules = [m for m in module.modules() if type(m).__name__ in HF_ATTENTION_CLASSES
+                             or getattr(m, "atorch_replaced", False)]
+        if attention_modules and all(getattr(m, "atorch_replaced", False) for m in attention_modules):
+            config._attn_implementation = ATORCH_ATTENTION
 
 
 class AtorchCausalSelfAttention(CausalSelfAttention):
@@ -208,6 +237,8 @@ def replace_modules(model: nn.Module, names: Optional[tuple], dtype: torch.dtype
             logger.info("module_replace: %s skipped: %s", pair.name, reason)
             continue
         model, counts[pair.name] = _apply_pair(model, pair)
+    if counts.get("hf_attention"):
+        _use_atorch_masks(model)
     logger.info("module_replace: replaced %s", {k: v for k, v in counts.items() if v} or "nothing")
     return model
 
