@@ -1,8 +1,8 @@
 """How good and how cheap is the automatic search? On 2 CPU ranks, for two models, in one run:
 
 1. the full search (``auto_accelerate(load_strategy=None)``), timed;
-2. an exhaustive dry-run of every valid candidate (the search's base candidates, each also with
-   module_replace), timed, with more timed steps per candidate.
+2. an exhaustive dry-run of every valid candidate (the search's base candidates, tensor / pipeline
+   layouts included, each also with module_replace), timed, with more timed steps per candidate.
 
 Prints (a) the chosen strategy's throughput over the exhaustive best (goal >= 0.95): the exhaustive
 pass picks the best, then the chosen and the best are re-measured side by side in alternating
@@ -66,26 +66,42 @@ def run_search(name: str) -> tuple[str, float, str]:
     return chosen, elapsed, result.args.extras["search"].table
 
 
-def run_exhaustive(name: str, steps: int) -> tuple[dict, float]:
-    from atorch.auto.search.analyser import analyse_model
-    from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates
-    from atorch.auto.search.planner import _dry_run_candidate
-    from atorch.auto.model_context import ModelContext
+def _every_candidate(name: str) -> tuple[list, dict, "torch.nn.Module"]:
+    """The search's base candidates (its own analysis, layouts included), each also with module_replace."""
+    import dataclasses
 
-    dist.barrier()
-    start = time.perf_counter()
+    from atorch.auto.search.analyser import analyse_model
+    from atorch.auto.search.candidates import SearchSpace, enumerate_candidates
+    from atorch.auto.search.layouts import layout_facts
+
     arguments = _arguments(name)
     model = arguments.pop("model")
-    space = SearchSpace(dist.get_world_size(), torch.device("cpu"), analyse_model(model), frozenset(EXCLUDED))
+    world = dist.get_world_size()
+    profile = analyse_model(model)
+    profile.layouts = layout_facts(model, world)
+    space = SearchSpace(world, torch.device("cpu"), profile, frozenset(EXCLUDED), per_rank_batch=GLOBAL_BATCH // world)
     base, _ = enumerate_candidates(space)
-    every = base + [Candidate(c.sharding, c.precision, c.checkpoint, ("module_replace",), c.forced, c.block) for c in base]
+    every = base + [dataclasses.replace(c, compute=("module_replace",)) for c in base]
+    return every, arguments, model
+
+
+def _dry_run(model, arguments: dict, candidate, steps: int):
+    from atorch.auto.model_context import ModelContext
+    from atorch.auto.search.planner import _dry_run_candidate
 
     def make_context(target, local=False, batch_size=None):
-        return ModelContext(target, **{k: v for k, v in arguments.items()}, local=local)
+        return ModelContext(target, **arguments, local=local)
 
+    return _dry_run_candidate(model, make_context, candidate, dist.get_world_size(), steps)
+
+
+def run_exhaustive(name: str, steps: int) -> tuple[dict, float]:
+    dist.barrier()
+    start = time.perf_counter()
+    every, arguments, model = _every_candidate(name)
     times = {}
     for candidate in every:
-        result = _dry_run_candidate(model, make_context, candidate, dist.get_world_size(), steps)
+        result = _dry_run(model, arguments, candidate, steps)
         times[candidate.label] = result.step_time_s if result.ok else None
     return times, time.perf_counter() - start
 
@@ -94,25 +110,12 @@ def side_by_side(name: str, labels: list[str], steps: int, rounds: int = 3) -> d
     """Median step time of each label, measured in alternating rounds."""
     import statistics
 
-    from atorch.auto.search.analyser import analyse_model
-    from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates
-    from atorch.auto.search.planner import _dry_run_candidate
-    from atorch.auto.model_context import ModelContext
-
-    arguments = _arguments(name)
-    model = arguments.pop("model")
-    space = SearchSpace(dist.get_world_size(), torch.device("cpu"), analyse_model(model), frozenset(EXCLUDED))
-    base, _ = enumerate_candidates(space)
-    every = base + [Candidate(c.sharding, c.precision, c.checkpoint, ("module_replace",), c.forced, c.block) for c in base]
+    every, arguments, model = _every_candidate(name)
     chosen = {c.label: c for c in every if c.label in labels}
-
-    def make_context(target, local=False, batch_size=None):
-        return ModelContext(target, **arguments, local=local)
-
     times: dict = {label: [] for label in labels}
     for r in range(rounds):
         for label in (labels if r % 2 == 0 else labels[::-1]):
-            result = _dry_run_candidate(model, make_context, chosen[label], dist.get_world_size(), steps)
+            result = _dry_run(model, arguments, chosen[label], steps)
             times[label].append(result.step_time_s if result.ok else float("inf"))
     return {label: statistics.median(values) for label, values in times.items()}
 

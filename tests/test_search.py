@@ -64,6 +64,7 @@ def launch(report_dir: str) -> dict:
     out["memory_limited"] = _search(f"{report_dir}/memory", memory_limit=limit, excluded=["amp_native"])
     out["memory_limited"]["asked_limit"] = limit
     out["memory_limited"]["ddp_peak"] = ddp_peak
+    out["tensor_layout"] = _search(f"{report_dir}/tensor", included=["tensor_parallel"], excluded=["amp_native"])
     out["finetune"] = _search(f"{report_dir}/finetune", load_strategy=[("amp_native", {"dtype": torch.bfloat16}), "zero1"],
                               finetune_strategy=True)
     return out
@@ -143,3 +144,37 @@ def test_search_input_errors():
     with pytest.raises(InputError, match="memory_limit"):
         auto_accelerate(build_gpt(), torch.optim.SGD, SyntheticTokenDataset(8, 16, 64), gpt_loss,
                         optim_args={"lr": 0.1}, model_input_format="unpack_dict", memory_limit="lots")
+
+
+def test_included_layout_method_searches_only_that_layout(searched):
+    case = searched[0]["tensor_layout"]
+    assert case["rows"] and all(r["label"].endswith("+tp2") for r in case["rows"]), case["table"]
+    assert "tensor_parallel" in _names(case["strategy"]), case["table"]
+    mode = next(config for name, config, _ in case["strategy"] if name == "parallel_mode")
+    assert dict(mode[0])["tensor"] == 2, mode
+
+
+def test_layout_candidates_follow_the_model_and_the_rules():
+    """Without ranks: which tensor / pipeline layouts the search proposes on 4 ranks, and why not the others."""
+    from atorch.auto.search.analyser import analyse_model
+    from atorch.auto.search.candidates import SearchSpace, enumerate_candidates
+    from atorch.auto.search.layouts import layout_facts
+
+    model = build_gpt(0, GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32))
+    profile = analyse_model(model)
+    profile.layouts = layout_facts(model, 4)
+    assert "heads" in profile.layouts.unsupported["tp4"] and "tp2" not in profile.layouts.unsupported
+    space = SearchSpace(4, torch.device("cpu"), profile, frozenset({"amp_native"}), per_rank_batch=2)
+    candidates, skipped = enumerate_candidates(space)
+    layouts = {(c.tensor, c.pipeline) for c in candidates}
+    assert layouts == {(1, 1), (2, 1), (1, 2), (1, 4), (2, 2)}, layouts
+    assert all(c.sharding in ("ddp", "zero1") for c in candidates if c.tensor * c.pipeline > 1)
+    assert "zero1 needs a data dimension" in skipped["zero1+fp32+tp2+pp2"]
+    assert "not searched with tensor / pipeline layouts" in skipped["fsdp+fp32+tp2"]
+    mixed = next(c for c in candidates if (c.tensor, c.pipeline) == (2, 2))
+    assert mixed.strategy(4)[0] == ("parallel_mode", ([("tensor", 2), ("pipeline", 2), ("data", 1)], None))
+    assert "mixed_parallel" in [i if isinstance(i, str) else i[0] for i in mixed.strategy(4)]
+    # a model with tied input / output embeddings cannot be cut into pipeline stages
+    tied = build_gpt(0, GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32, tie_weights=True))
+    facts = layout_facts(tied, 2)
+    assert "tied" in facts.unsupported["pp2"] and "tp2" not in facts.unsupported

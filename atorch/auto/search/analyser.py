@@ -33,6 +33,8 @@ class ModelProfile:
     module_counts: dict[str, int]             # attention / linear / norm / embedding
     flops_per_sample: Optional[float] = None  # forward + backward
     signature: str = ""                       # structure hash: the profile cache key
+    tokens_per_sample: int = 1                # elements of the first input per sample (sequence length)
+    layouts: Any = None                       # LayoutFacts: tensor / pipeline sizes the model supports
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -146,6 +148,14 @@ def _to_meta(data: Any) -> Any:
     if isinstance(data, (list, tuple)):
         return type(data)(_to_meta(v) for v in data)
     return data
+
+
+def first_tensor(data: Any) -> Optional[torch.Tensor]:
+    """The first tensor in a (nested) batch, or None."""
+    if isinstance(data, torch.Tensor):
+        return data
+    values = data.values() if isinstance(data, dict) else data if isinstance(data, (list, tuple)) else ()
+    return next((t for t in map(first_tensor, values) if t is not None), None)
 
 
 def _batch_size(data: Any) -> int:

@@ -1,12 +1,14 @@
 """The candidate strategies for this world size, model and machine, and the rules that prune them.
 
-A candidate is a point in four dimensions: sharding (ddp / zero1 / zero2 / fsdp), precision
-(fp32 / amp bf16 / amp fp16 / half), activation checkpointing (off / on the main repeated block)
-and compute methods (module_replace, native_dynamo). Every rule that removes a point lives in
-``RULES`` below, with the reason the report shows.
+A candidate is a point in five dimensions: the parallel layout (tensor and pipeline sizes, the rest
+data parallel), sharding over the data dimension (ddp / zero1 / zero2 / fsdp), precision (fp32 /
+amp bf16 / amp fp16 / half), activation checkpointing (off / on the main repeated block) and compute
+methods (module_replace, native_dynamo). Every rule that removes a point lives in ``RULES`` below,
+with the reason the report shows.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from atorch.auto import opt_lib
 from atorch.auto.opt_lib.compat import check_compatible
 from atorch.errors import AtorchError, InputError
 from atorch.auto.search.analyser import ModelProfile
+from atorch.auto.search.layouts import layouts_for, micro_batches
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +30,8 @@ COMPUTE_METHODS = ("module_replace", "native_dynamo")
 PRECISION_METHODS = {"amp_bf16": ("amp_native", {"dtype": torch.bfloat16}),
                      "amp_fp16": ("amp_native", {"dtype": torch.float16}),
                      "half_bf16": ("half", "bf16")}
-SEARCHED = {"zero1", "zero2", "fsdp", "amp_native", "half", "checkpoint", *COMPUTE_METHODS}
+LAYOUT_METHODS = ("tensor_parallel", "pipeline_parallel", "mixed_parallel")
+SEARCHED = {"zero1", "zero2", "fsdp", "amp_native", "half", "checkpoint", *COMPUTE_METHODS, *LAYOUT_METHODS}
 
 
 @dataclass(frozen=True)
@@ -38,15 +42,41 @@ class Candidate:
     compute: tuple[str, ...] = ()
     forced: tuple = ()  # (name, config) items the user forced with ``included``
     block: Optional[str] = field(default=None, compare=False)
+    tensor: int = 1    # tensor-parallel size
+    pipeline: int = 1  # pipeline-parallel size
 
     @property
     def label(self) -> str:
         parts = [self.sharding, self.precision] + (["ckpt"] if self.checkpoint else []) + list(self.compute)
+        parts += [f"tp{self.tensor}"] * (self.tensor > 1) + [f"pp{self.pipeline}"] * (self.pipeline > 1)
         parts += [name for name, _ in self.forced]
         return "+".join(parts)
 
+    @property
+    def layout_method(self) -> Optional[str]:
+        if self.tensor > 1 and self.pipeline > 1:
+            return "mixed_parallel"
+        if self.tensor > 1:
+            return "tensor_parallel"
+        return "pipeline_parallel" if self.pipeline > 1 else None
+
+    def data_size(self, world_size: int) -> int:
+        return world_size // (self.tensor * self.pipeline)
+
+    def methods(self) -> set[str]:
+        """The method names this candidate uses (for excluded / included)."""
+        used = {self.sharding, *self.compute} | ({"checkpoint"} if self.checkpoint else set())
+        if self.precision != "fp32":
+            used.add(PRECISION_METHODS[self.precision][0])
+        if self.layout_method:
+            used.add(self.layout_method)
+        return used
+
     def strategy(self, world_size: int) -> list:
-        items: list = ["parallel_mode"] if world_size > 1 else []
+        items: list = []
+        if world_size > 1:
+            dims = [(n, s) for n, s in (("tensor", self.tensor), ("pipeline", self.pipeline)) if s > 1]
+            items.append(("parallel_mode", (dims + [("data", self.data_size(world_size))], None)) if dims else "parallel_mode")
         if self.precision in PRECISION_METHODS:
             items.append(PRECISION_METHODS[self.precision])
         if self.checkpoint:
@@ -55,6 +85,8 @@ class Candidate:
             items.append(("fsdp", {"atorch_wrap_cls": (self.block,)} if self.block else {}))
         elif self.sharding in ("zero1", "zero2"):
             items.append(self.sharding)
+        if self.layout_method:
+            items.append(self.layout_method)
         items.extend(self.compute)
         items.extend(self.forced)
         return items
@@ -67,6 +99,7 @@ class SearchSpace:
     profile: ModelProfile
     excluded: frozenset = frozenset()
     included: tuple = ()  # names or (name, config)
+    per_rank_batch: int = 1  # under pure data parallelism
 
 
 def _method_unavailable(name: str) -> Optional[str]:
@@ -97,20 +130,35 @@ def _rule_single_process(c: Candidate, space: SearchSpace) -> Optional[str]:
 
 
 def _rule_excluded(c: Candidate, space: SearchSpace) -> Optional[str]:
-    used = {c.sharding} | set(c.compute) | ({"checkpoint"} if c.checkpoint else set())
-    if c.precision != "fp32":
-        used.add(PRECISION_METHODS[c.precision][0])
-    hit = sorted(used & space.excluded)
+    hit = sorted(c.methods() & space.excluded)
     return f"excluded: {hit}" if hit else None
 
 
 def _rule_included(c: Candidate, space: SearchSpace) -> Optional[str]:
     names = {n if isinstance(n, str) else n[0] for n in space.included}
-    present = {c.sharding, *c.compute} | ({"checkpoint"} if c.checkpoint else set())
-    if c.precision != "fp32":
-        present.add(PRECISION_METHODS[c.precision][0])
-    missing = sorted((names & SEARCHED) - present)
+    missing = sorted((names & SEARCHED) - c.methods())
     return f"lacks included {missing}" if missing else None
+
+
+def _rule_layout(c: Candidate, space: SearchSpace) -> Optional[str]:
+    """Tensor / pipeline layouts the model and batch support, with the sharding that composes."""
+    if c.tensor * c.pipeline == 1:
+        return None
+    facts = space.profile.layouts
+    reason = facts.reason(c.tensor, c.pipeline) if facts else "the model's layouts were not analysed"
+    if reason:
+        return reason
+    if c.sharding not in ("ddp", "zero1"):
+        return f"{c.sharding} is not searched with tensor / pipeline layouts (zero1 composes on the data dimension)"
+    if c.sharding == "zero1" and c.data_size(space.world_size) == 1:
+        return "zero1 needs a data dimension above 1"
+    if c.pipeline > 1:
+        if c.precision == "amp_fp16":
+            return "pipeline schedules do not run fp16 loss scaling"
+        batch = space.per_rank_batch * c.tensor * c.pipeline
+        if batch % micro_batches(c.pipeline, batch):
+            return f"the per-data-rank batch {batch} does not split into {micro_batches(c.pipeline, batch)} micro-batches"
+    return None
 
 
 def _rule_checkpoint_needs_block(c: Candidate, space: SearchSpace) -> Optional[str]:
@@ -134,7 +182,7 @@ def _rule_compatible(c: Candidate, space: SearchSpace) -> Optional[str]:
 
 
 RULES: tuple[Rule, ...] = (_rule_single_process, _rule_excluded, _rule_included, _rule_checkpoint_needs_block,
-                           _rule_compatible)
+                           _rule_layout, _rule_compatible)
 
 
 def enumerate_candidates(space: SearchSpace) -> tuple[list[Candidate], dict[str, str]]:
@@ -152,8 +200,9 @@ def enumerate_candidates(space: SearchSpace) -> tuple[list[Candidate], dict[str,
     # refinements of the winner (their effect is not predictable from the single-rank profile)
     forced_compute = tuple(m for m in compute if m in included_names)
     candidates = []
-    for sharding, precision, ckpt in itertools.product(shardings, precision_names, (False, True)):
-        candidate = Candidate(sharding, precision, ckpt, forced_compute, forced, block)
+    layouts = layouts_for(space.world_size) if space.world_size > 1 else [(1, 1)]
+    for (tensor, pipeline), sharding, precision, ckpt in itertools.product(layouts, shardings, precision_names, (False, True)):
+        candidate = Candidate(sharding, precision, ckpt, forced_compute, forced, block, tensor, pipeline)
         reason = next((why for rule in RULES if (why := rule(candidate, space))), None)
         if reason:
             skipped[candidate.label] = reason
@@ -170,8 +219,7 @@ def refinements(space: SearchSpace, winner: Candidate) -> list[Candidate]:
     for method in COMPUTE_METHODS:
         if method in winner.compute or method in space.excluded or _method_unavailable(method):
             continue
-        candidate = Candidate(winner.sharding, winner.precision, winner.checkpoint, winner.compute + (method,),
-                              winner.forced, winner.block)
+        candidate = dataclasses.replace(winner, compute=winner.compute + (method,))
         if not any(rule(candidate, space) for rule in RULES):
             out.append(candidate)
     return out

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from atorch.auto.search.analyser import ModelProfile
 from atorch.auto.search.candidates import Candidate
+from atorch.auto.search.layouts import estimate_layout_memory, estimate_layout_time
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,8 @@ def estimate(candidate: Candidate, variant: VariantProfile, world: int, profile:
     it), U the largest sharding unit, and act' = act less autocast's weight copies, which FSDP's
     policy makes unnecessary (they exist only without checkpointing).
     """
+    if candidate.tensor * candidate.pipeline > 1:
+        return _estimate_layout(candidate, variant, world, profile, hardware)
     n = max(world, 1)
     P, G, O = variant.params, variant.grads, variant.optim_state
     amp = candidate.precision.startswith("amp")
@@ -111,6 +114,24 @@ def estimate(candidate: Candidate, variant: VariantProfile, world: int, profile:
     time_s = (variant.step_time_s + comm / max(hardware.bandwidth_bytes_per_s, 1.0)
               + collectives * hardware.latency_s)
     detail = f"alone {variant.peak_bytes / 2**20:.1f} MiB, P/G/O {P / 2**20:.1f}/{G / 2**20:.1f}/{O / 2**20:.1f} MiB"
+    return Estimate(int(memory), time_s, detail)
+
+
+def _estimate_layout(candidate: Candidate, variant: VariantProfile, world: int, profile: ModelProfile,
+                     hardware: HardwareProfile) -> Estimate:
+    """Tensor / pipeline layouts: the rank's share of the model, modelled in ``layouts.py``."""
+    facts, t, p = profile.layouts, candidate.tensor, candidate.pipeline
+    data = candidate.data_size(world)
+    state = variant.params + variant.grads + variant.optim_state
+    batch = variant.batch * t * p  # per data rank
+    memory = estimate_layout_memory(state, variant.peak_bytes - state, variant.activation_bytes_per_sample,
+                                    variant.batch, variant.grads, variant.optim_state, facts, t, p, data,
+                                    candidate.sharding)
+    dtype_bytes = 2 if candidate.precision != "fp32" else 4
+    time_s = estimate_layout_time(variant.step_time_s, variant.grads, facts, t, p, data, batch,
+                                  profile.tokens_per_sample, dtype_bytes, hardware.bandwidth_bytes_per_s,
+                                  hardware.latency_s)
+    detail = f"rank holds {facts.state_share[(t, p)]:.0%} of the model; data size {data}"
     return Estimate(int(memory), time_s, detail)
 
 

@@ -65,8 +65,8 @@ def search(model: torch.nn.Module, make_context: ContextFactory, options: Search
     probe = make_context(model, local=True)
     per_rank_batch = probe.dataloader_args.get("batch_size", 1) // world
     device = probe.device
-    profile = _analyse(model, probe, per_rank_batch)
-    space = SearchSpace(world, device, profile, frozenset(options.excluded), tuple(options.included))
+    profile = _analyse(model, probe, per_rank_batch, world)
+    space = SearchSpace(world, device, profile, frozenset(options.excluded), tuple(options.included), per_rank_batch)
     candidates, skipped = enumerate_candidates(space)
     _say(options, f"search: {len(candidates)} candidate strategies for {world} rank(s); "
                   f"model {profile.param_count / 1e6:.2f} M parameters, repeated block {profile.main_block}")
@@ -87,7 +87,10 @@ def search(model: torch.nn.Module, make_context: ContextFactory, options: Search
                         dryrun, files, table)
 
 
-def _analyse(model, probe, per_rank_batch: int) -> ModelProfile:
+def _analyse(model, probe, per_rank_batch: int, world: int) -> ModelProfile:
+    from atorch.auto.search.analyser import first_tensor
+    from atorch.auto.search.layouts import layout_facts
+
     sample = None
     if probe.dataset is not None:
         loader = torch.utils.data.DataLoader(probe.dataset, batch_size=max(per_rank_batch, 1))
@@ -98,7 +101,13 @@ def _analyse(model, probe, per_rank_batch: int) -> ModelProfile:
 
         return loss_value(probe.loss_func(batch, probe.call_model(call, batch)))
 
-    return analyse_model(model, sample, run_model if probe.loss_func is not None else None)
+    profile = analyse_model(model, sample, run_model if probe.loss_func is not None else None)
+    first = first_tensor(sample)
+    if first is not None and first.dim() > 1:
+        profile.tokens_per_sample = first[0].numel()
+    if world > 1:
+        profile.layouts = layout_facts(model, world)
+    return profile
 
 
 # --- measuring alone -------------------------------------------------------------------------------

@@ -1,0 +1,189 @@
+"""Model-parallel layouts in the search: which tensor / pipeline sizes a model supports, and what a
+rank holds and does under each.
+
+The facts come from the same planners the methods use (``find_tp_plan``, ``plan_stages``), run on
+the model without changing it, so the search never proposes a layout the method would refuse.
+The memory and time of a layout are modelled from one rank's measurement alone (``cost.py``):
+
+- parameters, gradients and optimizer state scale by the rank's exact share of the parameter bytes
+  (its pipeline stage's modules, with the tensor-split projections divided by the tensor size);
+- activations: the part made inside split projections divides by the tensor size, the residual
+  stream and the loss do not; a pipeline stage keeps its own blocks' activations for the
+  micro-batches in flight (1F1B: at most the number of stages on the first stage, plus one being
+  received or recomputed). The two constants below were calibrated by measurement;
+- time: compute scales like the parameters it touches, a pipeline pays its bubble
+  ``(M + p - 1) / M``, tensor parallelism pays four activation all-reduces per block per step,
+  and the data dimension all-reduces the rank's gradients as DDP does.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+from torch import nn
+
+from atorch.errors import AtorchError
+
+logger = logging.getLogger(__name__)
+
+# Calibrated on the repo GPT (4 blocks x 128, vocab 512, 2 gloo ranks; see tests/test_search.py): the
+# residual stream, norms, logits and the loss are not split, and the step's peak falls where they
+# dominate, so tensor parallelism cuts the peak's activations far less than 1/t.
+REPLICATED_ACTIVATION_SHARE = 0.85
+# A pipeline stage holds the micro-batches in flight plus one being received / recomputed.
+EXTRA_MICRO_BATCHES_IN_FLIGHT = 1
+
+
+def divisors_above_one(n: int) -> list[int]:
+    return [d for d in range(2, n + 1) if n % d == 0]
+
+
+def layouts_for(world: int) -> list[tuple[int, int]]:
+    """Every (tensor, pipeline) size pair whose product divides the world size, (1, 1) first."""
+    sizes = [1] + divisors_above_one(world)
+    return [(t, p) for t in sizes for p in sizes if world % (t * p) == 0]
+
+
+@dataclass
+class LayoutFacts:
+    """What the search needs to know about tensor / pipeline layouts of one model."""
+
+    param_bytes: int = 0
+    hidden_size: int = 0
+    blocks: int = 0
+    unsupported: dict[str, str] = field(default_factory=dict)          # "tp2" / "pp4" -> why not
+    state_share: dict[tuple[int, int], float] = field(default_factory=dict)  # (t, p) -> largest rank's share
+    split_share: float = 0.0                                            # parameter share tensor parallelism splits
+    stage_block_share: dict[int, float] = field(default_factory=dict)   # p -> largest stage's share of the blocks
+
+    def reason(self, tensor: int, pipeline: int) -> Optional[str]:
+        return self.unsupported.get(f"tp{tensor}") or self.unsupported.get(f"pp{pipeline}")
+
+
+def layout_facts(model: nn.Module, world: int) -> LayoutFacts:
+    """Run the tensor and pipeline planners for every size that divides ``world``."""
+    from atorch.auto.opt_lib.pipeline_parallel import _check_no_shared_weights, plan_stages
+    from atorch.auto.opt_lib.tensor_parallel import find_tp_plan
+    from atorch.auto.search.analyser import repeated_blocks
+
+    facts = LayoutFacts(param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    facts.hidden_size = max((m.embedding_dim for m in embeddings), default=0)
+    facts.blocks = next(iter(repeated_blocks(model)[0].values()), 0)
+    sizes = divisors_above_one(world)
+    split_bytes: dict[str, int] = {}
+    for t in sizes:
+        try:
+            plan = find_tp_plan(model, t)
+        except AtorchError as error:
+            facts.unsupported[f"tp{t}"] = str(error)
+            continue
+        if not plan.styles:
+            facts.unsupported[f"tp{t}"] = "no attention or MLP projection to split"
+            continue
+        split_bytes = {name: _bytes(model.get_submodule(name)) for name in plan.styles}
+    facts.split_share = sum(split_bytes.values()) / max(facts.param_bytes, 1)
+    stages: dict[int, list[tuple[int, int]]] = {}
+    for p in sizes:
+        try:
+            split = plan_stages(model, p)
+            blocks = _block_modules(model, split.block_names)
+            _check_no_shared_weights(model, blocks, p)
+        except AtorchError as error:
+            facts.unsupported[f"pp{p}"] = str(error)
+            continue
+        if len(blocks) < p:
+            facts.unsupported[f"pp{p}"] = f"{len(blocks)} blocks cannot fill {p} stages"
+            continue
+        bounds = list(zip(split.starts, split.starts[1:] + [len(blocks)]))
+        stages[p] = [_stage_bytes(model, blocks, range(a, b), i == 0, i == p - 1, split_bytes) for i, (a, b) in enumerate(bounds)]
+        facts.stage_block_share[p] = max(b - a for a, b in bounds) / len(blocks)
+    stages[1] = [(facts.param_bytes, sum(split_bytes.values()))]
+    for t, p in layouts_for(world):
+        if facts.reason(t, p) or p not in stages:
+            continue
+        facts.state_share[(t, p)] = max(total - split * (1 - 1 / t) for total, split in stages[p]) / max(facts.param_bytes, 1)
+    return facts
+
+
+def _bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _block_modules(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Module]]:
+    return [(name, model.get_submodule(name)) for name in names]
+
+
+def _stage_bytes(model: nn.Module, blocks: list, owned: range, first: bool, last: bool,
+                 split_bytes: dict[str, int]) -> tuple[int, int]:
+    """(parameter bytes, tensor-split bytes) a stage holds: its blocks, the embeddings on the first
+    stage and the other non-block leaves (final norm, head) on the last, as ``StageModule`` keeps."""
+    block_names = [blocks[i][0] for i in owned]
+    total = sum(_bytes(blocks[i][1]) for i in owned)
+    split = sum(b for name, b in split_bytes.items() if any(name.startswith(f"{blk}.") for blk in block_names))
+    in_blocks = {id(p) for _, block in blocks for p in block.parameters()}
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) not in in_blocks]
+        if not own:
+            continue
+        if (isinstance(module, nn.Embedding) and first) or (not isinstance(module, nn.Embedding) and last):
+            total += sum(p.numel() * p.element_size() for p in own)
+    return total, split
+
+
+def micro_batches(pipeline: int, per_data_rank_batch: int) -> int:
+    """The pipeline method's default micro-batch count."""
+    return min(2 * pipeline, per_data_rank_batch)
+
+
+def estimate_layout_memory(state: float, activations: float, per_sample: float, alone_batch: int, grads: float,
+                           optim_state: float, facts: LayoutFacts, tensor: int, pipeline: int, data: int,
+                           sharding: str) -> float:
+    """Per-rank peak of a tensor / pipeline layout from one rank's alone measurement (see the module doc).
+
+    ``activations`` is what the alone run held beyond ``state`` (parameters + gradients + optimizer
+    state) at ``alone_batch``, the per-rank batch of pure data parallelism; ``per_sample`` is its
+    measured growth per sample (0 when unknown: then it is taken as proportional). A data rank of
+    the layout sees ``tensor * pipeline`` times that batch; the part that does not grow with the
+    batch (optimizer temporaries) follows the rank's share of the model.
+    """
+    share = facts.state_share[(tensor, pipeline)]
+    per_data_rank_batch = alone_batch * tensor * pipeline
+    per_sample = per_sample if 0 < per_sample * alone_batch <= activations else activations / max(alone_batch, 1)
+    fixed = activations - per_sample * alone_batch
+    act = per_sample * per_data_rank_batch
+    act *= REPLICATED_ACTIVATION_SHARE + (1 - REPLICATED_ACTIVATION_SHARE) / tensor
+    if pipeline > 1:
+        micro = micro_batches(pipeline, per_data_rank_batch)
+        act *= facts.stage_block_share[pipeline] * min(min(pipeline, micro) + EXTRA_MICRO_BATCHES_IN_FLIGHT, micro) / micro
+    memory = (state + fixed) * share + act
+    if data > 1:
+        memory += grads * share  # the data group's gradient all-reduce buffers
+        if sharding == "zero1":
+            memory -= (1 - 1 / data) * optim_state * share
+    return memory
+
+
+def estimate_layout_time(alone_s: float, grads: float, facts: LayoutFacts, tensor: int, pipeline: int, data: int,
+                         per_data_rank_batch: int, tokens_per_sample: int, dtype_bytes: int,
+                         bandwidth: float, latency: float) -> float:
+    """Step time of a tensor / pipeline layout (see the module doc). ``alone_s`` was measured at the
+    pure-data-parallel per-rank batch; the layout's data rank sees ``tensor * pipeline`` times more."""
+    share = facts.state_share[(tensor, pipeline)]
+    compute = alone_s * tensor * pipeline * share
+    comm, collectives = 0.0, 0
+    activation_bytes = per_data_rank_batch * tokens_per_sample * facts.hidden_size * dtype_bytes
+    if pipeline > 1:
+        micro = micro_batches(pipeline, per_data_rank_batch)
+        compute *= (micro + pipeline - 1) / micro
+        comm += 2 * activation_bytes  # send forward, receive gradients back, per stage boundary
+        collectives += 2 * micro
+    if tensor > 1:
+        blocks_here = max(facts.blocks, 1) * (facts.stage_block_share.get(pipeline, 1.0) if pipeline > 1 else 1.0)
+        comm += 4 * blocks_here * 2 * (1 - 1 / tensor) * activation_bytes
+        collectives += int(4 * blocks_here)
+    if data > 1:
+        comm += 2 * (1 - 1 / data) * grads * share
+        collectives += 1
+    return compute + comm / max(bandwidth, 1.0) + collectives * latency
