@@ -83,6 +83,14 @@ def inspect_parallel_layouts() -> dict:
                     local = child.weight.to_local() if isinstance(child.weight, DTensor) else child.weight
                     split[f"{name}.{child_name}"] = (local.numel(), child.weight.numel())
     out["llama_split"] = split
+    vocab = {}
+    for hf_model, embedding, head in (("llama", "model.embed_tokens", "lm_head"), ("gpt2", "transformer.wte", "lm_head")):
+        model = train_gpt([TP2, "tensor_parallel"], hf_model=hf_model, steps=1)["result"].model
+        emb, lm = model.get_submodule(embedding).weight, model.get_submodule(head).weight
+        vocab[hf_model] = {"placements": [str(w.placements) if isinstance(w, DTensor) else "whole" for w in (emb, lm)],
+                           "local_rows": [w.to_local().shape[0] for w in (emb, lm)], "rows": emb.shape[0],
+                           "tied": emb is lm}
+    out["vocab"] = vocab
     gpt = train_gpt([TP2, "tensor_parallel", "sequence_parallel"], steps=1)["result"]
     seen = {}
 
@@ -156,6 +164,16 @@ def test_llama_plan_splits_every_projection_in_half(two_ranks):
     assert len(split) == 2 * 7
     for name, (local, full) in split.items():
         assert local * 2 == full, (name, local, full)
+
+
+def test_embedding_and_lm_head_are_split_on_the_vocabulary(two_ranks):
+    """Llama (untied) and GPT-2 (tied input / output embeddings): both sides hold half the vocabulary
+    rows, and GPT-2's tie survives (the parity cases show the numerics)."""
+    vocab = two_ranks[0]["layouts"]["vocab"]
+    for name, facts in vocab.items():
+        assert facts["placements"] == ["(Shard(dim=0),)"] * 2, (name, facts)
+        assert facts["local_rows"] == [facts["rows"] // 2] * 2, (name, facts)
+    assert vocab["gpt2"]["tied"] and not vocab["llama"]["tied"]
 
 
 def test_sequence_parallel_shards_the_norm_inputs(two_ranks):

@@ -4,8 +4,11 @@ The plan is found on the unchanged model (``find_tp_plan``): in every attention 
 projections (separate, or fused like GPT-2's ``c_attn``) are split column-wise and the output
 projection row-wise, so each rank holds a share of the heads; in every MLP the up/gate projections
 are split column-wise and the down projection row-wise. One all-reduce per block half in forward
-(and one in backward) restores full activations. Embeddings, norms and the LM head stay replicated
-(logged). ``parallelize_module`` applies the plan on the ``tensor`` dimension of the mesh;
+(and one in backward) restores full activations. The token embedding is split on the vocabulary
+(each rank looks up its rows, one all-reduce) and so is the LM head (column-wise, its logits
+all-gathered, so any loss_func sees the full logits); weights tied between them stay tied. Norms,
+position embeddings and anything else stay replicated (logged). ``parallelize_module`` applies the
+plan on the ``tensor`` dimension of the mesh;
 GPT-2's ``Conv1D`` (a Linear with its weight transposed) gets the same styles with the dims swapped.
 Under pipeline parallelism each stage is split the same way.
 
@@ -46,6 +49,8 @@ class TPPlan:
     styles: dict[str, str] = field(default_factory=dict)        # module name -> colwise / rowwise
     fused_qkv: dict[str, str] = field(default_factory=dict)     # fused projection -> its attention module
     replicated: list[str] = field(default_factory=list)         # parameter-holding leaves left whole
+    vocab: dict[str, str] = field(default_factory=dict)         # module name -> "embedding" / "head" (vocab split)
+    tied_head: Optional[tuple[str, str]] = None                 # (head, embedding) sharing one weight
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -82,11 +87,49 @@ def find_tp_plan(model: nn.Module, tp: int) -> TPPlan:
                 plan.styles[prefix + down] = "rowwise"
                 break
     _bert_style_outputs(model, plan)
+    if plan.styles:
+        _find_vocab_parallel(model, tp, plan)
     for name, module in model.named_modules():
         leaf = not list(module.children())
-        if leaf and any(True for _ in module.parameters(recurse=False)) and name not in plan.styles:
+        if leaf and any(True for _ in module.parameters(recurse=False)) and name not in plan.styles and name not in plan.vocab:
             plan.replicated.append(name)
     return plan
+
+
+def _find_vocab_parallel(model: nn.Module, tp: int, plan: TPPlan) -> None:
+    """The token embedding (the largest nn.Embedding) and the LM head (a Linear projecting to that
+    vocabulary) are split on the vocabulary when it divides by ``tp``. A head whose parameters are
+    shared with anything but that embedding stays replicated."""
+    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        return
+    embedding_name, embedding = max(embeddings, key=lambda item: item[1].num_embeddings)
+    vocab = embedding.num_embeddings
+    if vocab % tp:
+        logger.info("tensor_parallel: vocabulary %d does not divide by %d; %s and the LM head stay replicated", vocab, tp,
+                    embedding_name)
+        return
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(name)
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or module.out_features != vocab or name in plan.styles:
+            continue
+        shared = {o for p in module.parameters(recurse=False) for o in owners[id(p)]} - {name, embedding_name}
+        if shared:
+            logger.info("tensor_parallel: LM head %s shares parameters with %s; it stays replicated", name, sorted(shared))
+            continue
+        plan.vocab[name] = "head"
+        if module.weight is embedding.weight:
+            plan.tied_head = (name, embedding_name)
+    others = set(owners[id(embedding.weight)]) - {embedding_name} - set(plan.vocab)
+    if others:  # tied to a module that stays whole: splitting either side would untie them
+        logger.info("tensor_parallel: %s shares its weight with %s; both stay replicated", embedding_name, sorted(others))
+        plan.vocab = {n: r for n, r in plan.vocab.items() if model.get_submodule(n).weight is not embedding.weight}
+        plan.tied_head = None
+        return
+    plan.vocab[embedding_name] = "embedding"
 
 
 def _bert_style_outputs(model: nn.Module, plan: TPPlan) -> None:
@@ -282,7 +325,12 @@ def _parallelize(model: nn.Module, config: Optional[dict], tp: int, tp_mesh, seq
               for name, style in plan.styles.items()}
     if sequence:
         styles.update(sequence_parallel_styles(model, plan))
+    styles.update({name: RowwiseParallel(input_layouts=Replicate()) if role == "embedding"
+                   else ColwiseParallel(output_layouts=Replicate()) for name, role in plan.vocab.items()})
     parallelize_module(model, tp_mesh, styles)
-    logger.info("tensor_parallel: split %d projections over %d ranks; replicated: %s", len(plan.styles), tp,
-                ", ".join(plan.replicated) or "nothing")
+    if plan.tied_head:  # both sides are sharded Shard(0) on the vocabulary: tie the DTensor again
+        head, embedding = (model.get_submodule(n) for n in plan.tied_head)
+        head.weight = embedding.weight
+    logger.info("tensor_parallel: split %d projections and %s on the vocabulary over %d ranks; replicated: %s",
+                len(plan.styles), list(plan.vocab) or "nothing", tp, ", ".join(plan.replicated) or "nothing")
     return plan

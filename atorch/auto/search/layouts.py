@@ -72,7 +72,7 @@ def layout_facts(model: nn.Module, world: int) -> LayoutFacts:
     facts.hidden_size = max((m.embedding_dim for m in embeddings), default=0)
     facts.blocks = next(iter(repeated_blocks(model)[0].values()), 0)
     sizes = divisors_above_one(world)
-    split_bytes: dict[str, int] = {}
+    split_ids: set[int] = set()  # parameters tensor parallelism splits (projections, vocabulary)
     for t in sizes:
         try:
             plan = find_tp_plan(model, t)
@@ -82,8 +82,8 @@ def layout_facts(model: nn.Module, world: int) -> LayoutFacts:
         if not plan.styles:
             facts.unsupported[f"tp{t}"] = "no attention or MLP projection to split"
             continue
-        split_bytes = {name: _bytes(model.get_submodule(name)) for name in plan.styles}
-    facts.split_share = sum(split_bytes.values()) / max(facts.param_bytes, 1)
+        split_ids = {id(p) for name in (*plan.styles, *plan.vocab) for p in model.get_submodule(name).parameters()}
+    facts.split_share = sum(_bytes_of(p) for p in model.parameters() if id(p) in split_ids) / max(facts.param_bytes, 1)
     stages: dict[int, list[tuple[int, int]]] = {}
     for p in sizes:
         try:
@@ -97,9 +97,9 @@ def layout_facts(model: nn.Module, world: int) -> LayoutFacts:
             facts.unsupported[f"pp{p}"] = f"{len(blocks)} blocks cannot fill {p} stages"
             continue
         bounds = list(zip(split.starts, split.starts[1:] + [len(blocks)]))
-        stages[p] = [_stage_bytes(model, blocks, range(a, b), i == 0, i == p - 1, split_bytes) for i, (a, b) in enumerate(bounds)]
+        stages[p] = [_stage_bytes(model, blocks, range(a, b), i == 0, i == p - 1, split_ids) for i, (a, b) in enumerate(bounds)]
         facts.stage_block_share[p] = max(b - a for a, b in bounds) / len(blocks)
-    stages[1] = [(facts.param_bytes, sum(split_bytes.values()))]
+    stages[1] = [(facts.param_bytes, facts.split_share * facts.param_bytes)]
     for t, p in layouts_for(world):
         if facts.reason(t, p) or p not in stages:
             continue
@@ -107,8 +107,8 @@ def layout_facts(model: nn.Module, world: int) -> LayoutFacts:
     return facts
 
 
-def _bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+def _bytes_of(param) -> int:
+    return param.numel() * param.element_size()
 
 
 def _block_modules(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Module]]:
@@ -116,20 +116,16 @@ def _block_modules(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Mod
 
 
 def _stage_bytes(model: nn.Module, blocks: list, owned: range, first: bool, last: bool,
-                 split_bytes: dict[str, int]) -> tuple[int, int]:
+                 split_ids: set[int]) -> tuple[int, int]:
     """(parameter bytes, tensor-split bytes) a stage holds: its blocks, the embeddings on the first
     stage and the other non-block leaves (final norm, head) on the last, as ``StageModule`` keeps."""
-    block_names = [blocks[i][0] for i in owned]
-    total = sum(_bytes(blocks[i][1]) for i in owned)
-    split = sum(b for name, b in split_bytes.items() if any(name.startswith(f"{blk}.") for blk in block_names))
+    held = {id(p): p for i in owned for p in blocks[i][1].parameters()}
     in_blocks = {id(p) for _, block in blocks for p in block.parameters()}
     for module in model.modules():
-        own = [p for p in module.parameters(recurse=False) if id(p) not in in_blocks]
-        if not own:
-            continue
         if (isinstance(module, nn.Embedding) and first) or (not isinstance(module, nn.Embedding) and last):
-            total += sum(p.numel() * p.element_size() for p in own)
-    return total, split
+            held.update((id(p), p) for p in module.parameters(recurse=False) if id(p) not in in_blocks)
+    total = sum(_bytes_of(p) for p in held.values())
+    return total, sum(_bytes_of(p) for key, p in held.items() if key in split_ids)
 
 
 def micro_batches(pipeline: int, per_data_rank_batch: int) -> int:
