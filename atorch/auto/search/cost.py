@@ -2,7 +2,7 @@
 
 The search does not guess activation memory or compute time from first principles: it measures
 one rank training alone (no communication) for each precision / checkpoint setting it needs, at the
-per-rank batch and at half of it, and models each candidate from that:
+per-rank batch, and models each candidate from that:
 
     memory(candidate) = peak_alone(precision, checkpoint, batch)
                         - what the sharding removes from the rank   (params / grads / optimizer state)
@@ -40,18 +40,11 @@ class VariantProfile:
     checkpoint: bool
     batch: int
     peak_bytes: int = 0          # at ``batch``
-    peak_bytes_half: int = 0     # at ``batch // 2`` (0 when batch is 1)
     step_time_s: float = 0.0
     params: int = 0
     grads: int = 0
     optim_state: int = 0
     error: Optional[str] = None
-
-    @property
-    def activation_bytes_per_sample(self) -> float:
-        if not self.peak_bytes_half:
-            return 0.0
-        return (self.peak_bytes - self.peak_bytes_half) / (self.batch - self.batch // 2)
 
 
 @dataclass
@@ -124,9 +117,8 @@ def _estimate_layout(candidate: Candidate, variant: VariantProfile, world: int, 
     data = candidate.data_size(world)
     state = variant.params + variant.grads + variant.optim_state
     batch = variant.batch * t * p  # per data rank
-    memory = estimate_layout_memory(state, variant.peak_bytes - state, variant.activation_bytes_per_sample,
-                                    variant.batch, variant.grads, variant.optim_state, facts, t, p, data,
-                                    candidate.sharding)
+    memory = estimate_layout_memory(state, variant.peak_bytes - state, variant.grads, variant.optim_state, facts,
+                                    t, p, data, candidate.sharding, batch)
     dtype_bytes = 2 if candidate.precision != "fp32" else 4
     time_s = estimate_layout_time(variant.step_time_s, variant.grads, facts, t, p, data, batch,
                                   profile.tokens_per_sample, dtype_bytes, hardware.bandwidth_bytes_per_s,
@@ -149,7 +141,7 @@ def _largest_unit_bytes(profile: ModelProfile, params_bytes: int) -> float:
 
 # --- measuring -----------------------------------------------------------------------------------
 def measure_variant(run: Callable[[int], tuple], precision: str, checkpoint: bool, batch: int) -> VariantProfile:
-    """``run(batch) -> (DryRunResult, state_bytes)`` trains alone; measured at batch and batch // 2."""
+    """``run(batch) -> (DryRunResult, state_bytes)`` trains alone at the per-rank batch."""
     variant = VariantProfile(precision, checkpoint, batch)
     result, state = run(batch)
     if not result.ok:
@@ -157,10 +149,6 @@ def measure_variant(run: Callable[[int], tuple], precision: str, checkpoint: boo
         return variant
     variant.peak_bytes, variant.step_time_s = result.peak_memory_bytes, result.step_time_s
     variant.params, variant.grads, variant.optim_state = state["params"], state["grads"], state["optim_state"]
-    if batch >= 2:
-        half, _ = run(batch // 2)
-        if half.ok:
-            variant.peak_bytes_half = half.peak_memory_bytes
     return variant
 
 

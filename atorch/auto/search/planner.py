@@ -224,11 +224,12 @@ def _dry_run_best(model, make_context, candidates, rows, order, hardware, option
 
 
 CLOSE_CALL = 0.15  # finalists measured within this fraction of each other are measured again
+CONFIRM_ROUNDS = 2  # alternating re-measurements of close finalists (3 samples each: a real median)
 
 
 def _confirm_finalists(model, make_context, candidates, rows, options, started, world, indices=None) -> int:
     """Single dry runs on a busy machine differ by 10-20% from noise alone: when the two fastest are
-    that close, measure both again in alternating order and compare medians."""
+    that close, measure both again ``CONFIRM_ROUNDS`` times in alternating order and compare medians."""
     import statistics
 
     ok = sorted((i for i in (indices if indices is not None else range(len(rows))) if rows[i].status == "ok"),
@@ -238,7 +239,8 @@ def _confirm_finalists(model, make_context, candidates, rows, options, started, 
     first, second = ok[0], ok[1]
     if rows[second].measured_time_s > rows[first].measured_time_s * (1 + CLOSE_CALL):
         return first
-    for index in (second, first):
+    rounds = [(second, first) if r % 2 == 0 else (first, second) for r in range(CONFIRM_ROUNDS)]
+    for index in (i for pair in rounds for i in pair):
         if _broadcast_flag(options.time_limit is not None and time.perf_counter() - started > options.time_limit):
             break
         result = _dry_run_candidate(model, make_context, candidates[index], world, options.dryrun_steps)
