@@ -57,10 +57,25 @@ class SearchResult:
     dryrun: Optional[DryRunResult] = None
     report_files: list = field(default_factory=list)
     table: str = ""
+    phase_seconds: dict = field(default_factory=dict)  # where the search's time went
+
+
+class _Phases:
+    """Wall time per search phase, so a user (and the benchmark) can see where the time goes."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self._last = now
 
 
 def search(model: torch.nn.Module, make_context: ContextFactory, options: SearchOptions) -> SearchResult:
     started = time.perf_counter()
+    phases = _Phases()
     world = dist.get_world_size() if dist.is_initialized() else 1
     probe = make_context(model, local=True)
     per_rank_batch = probe.dataloader_args.get("batch_size", 1) // world
@@ -71,20 +86,25 @@ def search(model: torch.nn.Module, make_context: ContextFactory, options: Search
     _say(options, f"search: {len(candidates)} candidate strategies for {world} rank(s); "
                   f"model {profile.param_count / 1e6:.2f} M parameters, repeated block {profile.main_block}")
     hardware = measure_hardware(device, options.memory_limit)
+    phases.mark("analyse")
     variants = _measure_variants(model, make_context, candidates, per_rank_batch, profile, hardware, options)
+    phases.mark("measure alone")
     rows, order = _estimate_all(candidates, variants, world, profile, hardware)
     chosen, dryrun = _dry_run_best(model, make_context, candidates, rows, order, hardware, options, started, world)
+    phases.mark("dry-run")
     if chosen is not None and options.refine:
         chosen, dryrun = _refine(model, make_context, space, candidates, rows, chosen, dryrun, variants, hardware,
                                  options, started, world)
+    phases.mark("refine")
     table = format_table(rows, hardware.memory_limit)
+    table += "\nsearch time: " + ", ".join(f"{name} {s:.1f} s" for name, s in phases.seconds.items())
     _say(options, "search report:\n" + table)
     files = []
     if options.report_dir and (not dist.is_initialized() or dist.get_rank() == 0):
         files = write_report(rows, hardware.memory_limit, options.report_dir)
     strategy = Strategy(candidates[chosen].strategy(world)) if chosen is not None else None
     return SearchResult(strategy, candidates[chosen] if chosen is not None else None, rows, profile, hardware,
-                        dryrun, files, table)
+                        dryrun, files, table, phases.seconds)
 
 
 def _analyse(model, probe, per_rank_batch: int, world: int) -> ModelProfile:
