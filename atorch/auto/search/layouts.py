@@ -63,16 +63,29 @@ class LayoutFacts:
 
 def layout_facts(model: nn.Module, world: int) -> LayoutFacts:
     """Run the tensor and pipeline planners for every size that divides ``world``."""
-    from atorch.auto.opt_lib.pipeline_parallel import _check_no_shared_weights, plan_stages
-    from atorch.auto.opt_lib.tensor_parallel import find_tp_plan
     from atorch.auto.search.analyser import repeated_blocks
 
-    facts = LayoutFacts(param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
+    facts = LayoutFacts(param_bytes=sum(_bytes_of(p) for p in model.parameters()))
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     facts.hidden_size = max((m.embedding_dim for m in embeddings), default=0)
     facts.blocks = next(iter(repeated_blocks(model)[0].values()), 0)
     sizes = divisors_above_one(world)
-    split_ids: set[int] = set()  # parameters tensor parallelism splits (projections, vocabulary)
+    split_ids = _tensor_facts(model, sizes, facts)
+    stages = _pipeline_facts(model, sizes, split_ids, facts)
+    stages[1] = [(facts.param_bytes, facts.split_share * facts.param_bytes)]
+    for t, p in layouts_for(world):
+        if facts.reason(t, p) or p not in stages:
+            continue
+        facts.state_share[(t, p)] = max(total - split * (1 - 1 / t) for total, split in stages[p]) / max(facts.param_bytes, 1)
+    return facts
+
+
+def _tensor_facts(model: nn.Module, sizes: list[int], facts: LayoutFacts) -> set[int]:
+    """Record which tensor sizes the plan supports; returns the ids of the parameters it splits
+    (projections and vocabulary) at the largest supported size."""
+    from atorch.auto.opt_lib.tensor_parallel import find_tp_plan
+
+    split_ids: set[int] = set()
     for t in sizes:
         try:
             plan = find_tp_plan(model, t)
@@ -84,11 +97,20 @@ def layout_facts(model: nn.Module, world: int) -> LayoutFacts:
             continue
         split_ids = {id(p) for name in (*plan.styles, *plan.vocab) for p in model.get_submodule(name).parameters()}
     facts.split_share = sum(_bytes_of(p) for p in model.parameters() if id(p) in split_ids) / max(facts.param_bytes, 1)
+    return split_ids
+
+
+def _pipeline_facts(model: nn.Module, sizes: list[int], split_ids: set[int],
+                    facts: LayoutFacts) -> dict[int, list[tuple[int, int]]]:
+    """Record which pipeline sizes the stage planner supports; returns per size the (parameter
+    bytes, tensor-split bytes) of each stage."""
+    from atorch.auto.opt_lib.pipeline_parallel import _check_no_shared_weights, plan_stages
+
     stages: dict[int, list[tuple[int, int]]] = {}
     for p in sizes:
         try:
             split = plan_stages(model, p)
-            blocks = _block_modules(model, split.block_names)
+            blocks = [(name, model.get_submodule(name)) for name in split.block_names]
             _check_no_shared_weights(model, blocks, p)
         except AtorchError as error:
             facts.unsupported[f"pp{p}"] = str(error)
@@ -97,22 +119,14 @@ def layout_facts(model: nn.Module, world: int) -> LayoutFacts:
             facts.unsupported[f"pp{p}"] = f"{len(blocks)} blocks cannot fill {p} stages"
             continue
         bounds = list(zip(split.starts, split.starts[1:] + [len(blocks)]))
-        stages[p] = [_stage_bytes(model, blocks, range(a, b), i == 0, i == p - 1, split_ids) for i, (a, b) in enumerate(bounds)]
+        stages[p] = [_stage_bytes(model, blocks, range(a, b), i == 0, i == p - 1, split_ids)
+                     for i, (a, b) in enumerate(bounds)]
         facts.stage_block_share[p] = max(b - a for a, b in bounds) / len(blocks)
-    stages[1] = [(facts.param_bytes, facts.split_share * facts.param_bytes)]
-    for t, p in layouts_for(world):
-        if facts.reason(t, p) or p not in stages:
-            continue
-        facts.state_share[(t, p)] = max(total - split * (1 - 1 / t) for total, split in stages[p]) / max(facts.param_bytes, 1)
-    return facts
+    return stages
 
 
 def _bytes_of(param) -> int:
     return param.numel() * param.element_size()
-
-
-def _block_modules(model: nn.Module, names: list[str]) -> list[tuple[str, nn.Module]]:
-    return [(name, model.get_submodule(name)) for name in names]
 
 
 def _stage_bytes(model: nn.Module, blocks: list, owned: range, first: bool, last: bool,
