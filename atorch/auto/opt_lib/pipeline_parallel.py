@@ -263,7 +263,7 @@ def apply_pipeline(ctx, config: dict) -> None:
     rank = dist.get_rank(group)
     indices = [rank + pp * v for v in range(config["stages_per_rank"])]
     bounds = list(zip(starts, starts[1:] + [len(blocks)]))
-    _check_no_shared_weights(ctx.model, blocks, num_stages)
+    check_no_shared_weights(ctx.model, blocks, num_stages)
     modules = [StageModule(ctx.model if i == indices[-1] else copy.deepcopy(ctx.model), range(*bounds[i]),
                            i == 0, i == num_stages - 1, ctx.model_input_format) for i in indices]
     stages = [PipelineStage(m, i, num_stages, ctx.device, group=group) for m, i in zip(modules, indices)]
@@ -306,7 +306,9 @@ def _starts_from_pivots(blocks: list, pivots: tuple, num_stages: int) -> list[in
     return starts
 
 
-def _check_no_shared_weights(model: nn.Module, blocks: list, num_stages: int) -> None:
+def check_no_shared_weights(model: nn.Module, blocks: list, num_stages: int) -> None:
+    """Refuse weights shared outside the blocks (tied embeddings): stages would each hold a copy
+    and train them apart. Also used by the search to leave such layouts out."""
     block_params = {id(p) for _, b in blocks for p in b.parameters()}
     owners: dict[int, list[str]] = {}
     for name, module in model.named_modules():

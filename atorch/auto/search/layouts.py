@@ -104,14 +104,14 @@ def _pipeline_facts(model: nn.Module, sizes: list[int], split_ids: set[int],
                     facts: LayoutFacts) -> dict[int, list[tuple[int, int]]]:
     """Record which pipeline sizes the stage planner supports; returns per size the (parameter
     bytes, tensor-split bytes) of each stage."""
-    from atorch.auto.opt_lib.pipeline_parallel import _check_no_shared_weights, plan_stages
+    from atorch.auto.opt_lib.pipeline_parallel import check_no_shared_weights, plan_stages
 
     stages: dict[int, list[tuple[int, int]]] = {}
     for p in sizes:
         try:
             split = plan_stages(model, p)
             blocks = [(name, model.get_submodule(name)) for name in split.block_names]
-            _check_no_shared_weights(model, blocks, p)
+            check_no_shared_weights(model, blocks, p)
         except AtorchError as error:
             facts.unsupported[f"pp{p}"] = str(error)
             continue
