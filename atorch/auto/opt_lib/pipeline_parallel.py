@@ -180,10 +180,12 @@ def pipeline_loss(batch: Any, output: Any) -> torch.Tensor:
 
 
 def _first_tensor(data: Any) -> torch.Tensor:
-    if isinstance(data, torch.Tensor):
-        return data
-    values = data.values() if isinstance(data, dict) else data
-    return next(_first_tensor(v) for v in values if isinstance(v, (torch.Tensor, dict, list, tuple)))
+    from atorch.auto.search.analyser import first_tensor  # lazily: the search package imports the methods
+
+    tensor = first_tensor(data)
+    if tensor is None:
+        raise MethodConfigError("pipeline_parallel", f"the batch holds no tensor to split into micro-batches: {type(data)}")
+    return tensor
 
 
 def _batch_size(data: Any) -> int:
