@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import gc
 import logging
 from collections import namedtuple
 from typing import Any, Callable, Optional
@@ -11,12 +10,13 @@ import torch
 import torch.distributed as dist
 
 from atorch.auto import opt_lib
-from atorch.auto.dryrun import DryRunResult, dry_run
-from atorch.errors import DryRunError, InputError, RequirementError
+from atorch.auto.apply import apply_strategy, dry_run_strategy, resolve_strategy
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib.compat import check_compatible
-from atorch.auto.strategy import Strategy, StrategyItem
+from atorch.auto.search.cost import parse_memory_limit
+from atorch.auto.search.planner import SearchOptions, search
+from atorch.auto.strategy import Strategy
 from atorch.distributed.init import init_distributed
+from atorch.errors import DryRunError, InputError
 
 logger = logging.getLogger("atorch")
 
@@ -102,9 +102,6 @@ def auto_accelerate(
 def _search(model, make_context, load_strategy, finetune_strategy, excluded, included, kargs):
     """Fully automatic mode; with finetune_strategy, the search is limited to the loaded strategy's
     non-tunable items (kept in every candidate) plus the searched dimensions for the tunable ones."""
-    from atorch.auto.search.cost import parse_memory_limit
-    from atorch.auto.search.planner import SearchOptions, search
-
     forced: list = list(included or [])
     excluded_names = set(excluded or [])
     if finetune_strategy and load_strategy is not None:
@@ -136,75 +133,6 @@ def _search(model, make_context, load_strategy, finetune_strategy, excluded, inc
         exhaustive=bool(kargs.get("search_exhaustive", False)),
     )
     return search(model, make_context, options)
-
-
-def resolve_strategy(strategy: Strategy, excluded: Optional[list] = None) -> Strategy:
-    """Validate names and configs for this process layout; returns the strategy that will run.
-
-    Distributed-only methods are dropped (logged) in a single process; under several ranks a missing
-    parallel_mode is added (data parallel over all ranks); parallel_mode is fitted to the world size.
-    """
-    distributed = dist.is_initialized()
-    world_size = dist.get_world_size() if distributed else 1
-    items: list[StrategyItem] = []
-    dropped = []
-    for item in strategy:
-        method = opt_lib.get_optimization(item.name)
-        if excluded and item.name in excluded:
-            raise InputError(f"method {item.name!r} is both in load_strategy and in excluded")
-        if method.distributed_only and not distributed:
-            dropped.append(item.name)
-            continue
-        config = method.normalize(item.config)
-        reason = method.requirements(config)
-        if reason:
-            if getattr(method, "ignored_when_unavailable", False):
-                logger.warning("%s is ignored: %s", item.name, reason)
-                continue
-            raise RequirementError(f"{item.name} cannot run here: {reason}")
-        items.append(StrategyItem(item.name, config, item.tunable))
-    if dropped:
-        logger.warning("single process: dropping distributed-only method(s) %s", dropped)
-    if distributed and world_size > 1 and "parallel_mode" not in [i.name for i in items]:
-        logger.info("%d ranks and no parallel_mode in the strategy: adding data parallel over all ranks", world_size)
-        method = opt_lib.get_optimization("parallel_mode")
-        items.insert(0, StrategyItem("parallel_mode", method.normalize(None), True))
-    _log_parallel_adjustment(strategy, items, world_size)
-    check_compatible([(i.name, i.config) for i in items])
-    return Strategy(items)
-
-
-def apply_strategy(ctx: ModelContext, strategy: Strategy) -> ModelContext:
-    """Record every method's wrappers, then apply them in the canonical order."""
-    for item in strategy:
-        opt_lib.get_optimization(item.name).transform(ctx, item.config)
-    ctx.apply_wrappers()
-    return ctx
-
-
-def dry_run_strategy(make_context: Callable[[], ModelContext], strategy: Strategy, steps: int = 2) -> DryRunResult:
-    """Dry-run on a copy of the model so the user's model and optimizer state stay untouched."""
-    ctx = make_context()
-    try:
-        apply_strategy(ctx, strategy)
-        return dry_run(ctx, warmup_steps=1, timed_steps=steps)
-    finally:
-        del ctx
-        gc.collect()
-
-
-def _log_parallel_adjustment(original: Strategy, items: list[StrategyItem], world_size: int) -> None:
-    given = original.get("parallel_mode")
-    final = next((i.config for i in items if i.name == "parallel_mode"), None)
-    if given is not None and final is not None and _sizes(given) != _sizes(final):
-        logger.warning("parallel_mode %s adjusted to %s for world size %d", given, final, world_size)
-
-
-def _sizes(config: Any) -> Any:
-    try:
-        return [tuple(d) for d in config[0]]
-    except (TypeError, IndexError):
-        return config
 
 
 def _save(strategy: Strategy, path: str) -> None:

@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from atorch.errors import InputError
-from atorch.auto.model_context import ModelContext, loss_value
+from atorch.auto.model_context import ModelContext
+from atorch.distributed.agreement import max_over_ranks
+from atorch.utils.batch import loss_value
+from atorch.utils.memory import PeakMemoryTracker
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +48,6 @@ def dry_run(ctx: ModelContext, warmup_steps: int = 1, timed_steps: int = 2) -> D
     """Run warmup + timed steps on an applied context; failures on any rank fail every rank."""
     if ctx.dataloader is None or ctx.optim is None:
         raise InputError("a dry run needs dataset, loss_func and optim_func")
-    from atorch.utils.memory import PeakMemoryTracker
-
     error: Optional[str] = None
     elapsed, peak = 0.0, 0
     try:
@@ -71,15 +71,10 @@ def dry_run(ctx: ModelContext, warmup_steps: int = 1, timed_steps: int = 2) -> D
 
 
 def _agree(ctx: ModelContext, error: Optional[str], step_time: float, peak: int) -> DryRunResult:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        device = ctx.device if dist.get_backend() == "nccl" else torch.device("cpu")  # nccl reduces CUDA tensors only
-        values = torch.tensor([float(error is not None), step_time, float(peak)], dtype=torch.float64, device=device)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        failed, step_time, peak = bool(values[0].item()), values[1].item(), int(values[2].item())
-        if failed and error is None:
-            error = "failed on another rank"
-    else:
-        failed = error is not None
+    failed, step_time, peak = max_over_ranks([float(error is not None), step_time, float(peak)])
+    failed, peak = bool(failed), int(peak)
+    if failed and error is None:
+        error = "failed on another rank"
     if failed:
         return DryRunResult(False, error=error)
     return DryRunResult(True, step_time, peak)

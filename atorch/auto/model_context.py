@@ -6,19 +6,20 @@ order below, so that methods compose without knowing about each other.
 from __future__ import annotations
 
 import logging
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from atorch.errors import IncompatibleMethodsError, InputError
 from atorch.distributed import mesh
 from atorch.auto.optimizer import AtorchOptimizer
+from atorch.utils.batch import cast_floating, move_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -174,51 +175,8 @@ class ModelContext:
         self._build_lr_scheduler()
 
     def _wrap_data_parallel(self) -> None:
-        if self.local:
-            return
-        if self.data_parallel_wrapper is not None:
+        if not self.local and self.data_parallel_wrapper is not None:
             self.data_parallel_wrapper[1](self)
-            return
-        group = mesh.parallel_group("data_parallel")
-        if group is None or dist.get_world_size(group) == 1:
-            return
-        if not any(p.requires_grad for p in self.model.parameters()):
-            return
-        if self.model_parallel or any(isinstance(p, DTensor) for p in self.model.parameters()):
-            self._average_gradients_over(group)  # DDP does not take DTensor (model-parallel) parameters
-            return
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = torch.nn.parallel.DistributedDataParallel(
-            self.model,
-            device_ids=device_ids,
-            process_group=group,
-            find_unused_parameters=self.find_unused_parameters,
-        )
-        self.model = ddp
-        # what DDP.no_sync() does, as a switch the optimizer can flip between micro-steps
-        self.add_sync_toggle(lambda on: setattr(ddp, "require_backward_grad_sync", on))
-
-    def _average_gradients_over(self, group) -> None:
-        """Data parallelism for model-parallel parameters: each local shard's gradient is averaged
-        over the data group as soon as it is ready (hooks fire in the same order on every rank)."""
-        size = dist.get_world_size(group)
-        state = {"sync": True}
-        self.add_sync_toggle(lambda on: state.__setitem__("sync", on))
-        source = dist.get_global_rank(group, 0)
-        for param in self.model.parameters():
-            local = param.to_local() if isinstance(param, DTensor) else param
-            with torch.no_grad():
-                dist.broadcast(local, src=source, group=group)
-            if not param.requires_grad:
-                continue
-
-            def average(p: torch.Tensor) -> None:
-                if state["sync"] and p.grad is not None:
-                    grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                    dist.all_reduce(grad, group=group)
-                    grad.div_(size)
-
-            param.register_post_accumulate_grad_hook(average)
 
     def add_sync_toggle(self, toggle: Callable[[bool], None]) -> None:
         """Register how to stop/restart gradient communication for gradient accumulation."""
@@ -299,38 +257,5 @@ class ModelContext:
 
 def default_device() -> torch.device:
     if torch.cuda.is_available():
-        import os
-
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
-
-
-def move_to_device(data: Any, device: torch.device) -> Any:
-    if isinstance(data, torch.Tensor):
-        return data.to(device, non_blocking=True)
-    if isinstance(data, dict):
-        return type(data)((k, move_to_device(v, device)) for k, v in data.items())
-    if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
-        return type(data)(move_to_device(v, device) for v in data)
-    return data
-
-
-def cast_floating(data: Any, dtype: torch.dtype) -> Any:
-    if isinstance(data, torch.Tensor):
-        return data.to(dtype) if data.is_floating_point() else data
-    if isinstance(data, dict):
-        return type(data)((k, cast_floating(v, dtype)) for k, v in data.items())
-    if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
-        return type(data)(cast_floating(v, dtype) for v in data)
-    return data
-
-
-def loss_value(output: Any) -> torch.Tensor:
-    """The seed's loss_func may return the loss or a list/tuple whose first item is the loss."""
-    loss = output[0] if isinstance(output, (list, tuple)) else output
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise InputError(
-            f"loss_func must return a scalar tensor (or a list/tuple starting with one), got {type(loss).__name__}"
-            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
-        )
-    return loss

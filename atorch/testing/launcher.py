@@ -13,7 +13,13 @@ import socket
 import traceback
 from typing import Any, Callable
 
+import time
+
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from atorch.distributed.init import init_distributed
 
 
 class DistributedRunError(RuntimeError):
@@ -32,11 +38,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
     )
     try:
-        import torch
-
         torch.set_num_threads(1)
-        from atorch.distributed.init import init_distributed
-
         init_distributed(timeout_s=120)
         value = fn(*args)
         # plain pickle bytes: torch's queue would pass tensors as shared memory that dies with the rank
@@ -45,8 +47,6 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
         results.put((rank, False, traceback.format_exc()))
     finally:
         try:
-            import torch.distributed as dist
-
             if dist.is_initialized():
                 dist.destroy_process_group()
         except Exception:
@@ -69,8 +69,6 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
         proc.start()
     values: dict[int, Any] = {}
     try:
-        import time
-
         deadline = time.monotonic() + timeout_s
         while len(values) < world_size:
             remaining = deadline - time.monotonic()

@@ -4,6 +4,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from atorch.auto.accelerate import auto_accelerate
+from atorch.testing.training import global_mean
+from atorch.utils.modules import full_state_dict
+
 
 class TakeInput(nn.Module):
     """First layer: the batch is (input, target); the model consumes the input."""
@@ -35,9 +39,6 @@ def pair_loss(batch, output) -> torch.Tensor:
 
 
 def train_sequential(strategy, steps: int = 5, global_batch: int = 8) -> dict:
-    from atorch.auto.accelerate import auto_accelerate
-    from atorch.testing.training import full_state_dict, global_mean
-
     status, result, _ = auto_accelerate(tiny_sequential(), torch.optim.SGD, PairDataset(global_batch * steps), pair_loss,
                                         optim_args={"lr": 0.1, "momentum": 0.9},
                                         dataloader_args={"batch_size": global_batch}, load_strategy=strategy)

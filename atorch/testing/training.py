@@ -7,8 +7,11 @@ import torch
 import torch.distributed as dist
 
 from atorch.auto.accelerate import auto_accelerate
+from atorch.auto.gradients import clip_grad_norm_
+from atorch.testing.hf_models import HF_BUILDERS, hf_loss
 from atorch.distributed import mesh
 from atorch.utils.memory import training_state_bytes
+from atorch.utils.modules import full_state_dict
 from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
 
 SMALL_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -50,8 +53,6 @@ def train_gpt(
     config = config or SMALL_GPT
     loss_func = gpt_loss
     if hf_model is not None:
-        from atorch.testing.hf_models import HF_BUILDERS, hf_loss
-
         torch.manual_seed(seed)
         model, loss_func = HF_BUILDERS[hf_model](), hf_loss
     else:
@@ -82,8 +83,6 @@ def train_gpt(
             step_loss += global_mean(loss.detach().float())
         if max_grad_norm is not None:
             if clip_via == "model":  # atorch.clip_grad_norm_ on the returned model
-                from atorch.auto.gradients import clip_grad_norm_
-
                 norm = clip_grad_norm_(result.model, max_grad_norm)
             else:
                 norm = result.optim.clip_grad_norm_(max_grad_norm)
@@ -106,25 +105,6 @@ def global_mean(value: torch.Tensor) -> float:
         dist.all_reduce(value, group=group)
         value /= dist.get_world_size(group)
     return float(value.item())
-
-
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded fp32 CPU copy of the weights, with wrapper prefixes removed (collective for
-    pipeline-parallel models, which gather their stages)."""
-    if hasattr(model, "full_state_dict"):
-        return model.full_state_dict()
-    while True:  # DDP, DeepSpeed engine, torch.compile ...
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            break
-        model = inner
-    out = {}
-    for name, tensor in model.state_dict().items():
-        if hasattr(tensor, "full_tensor"):
-            tensor = tensor.full_tensor()
-        name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")  # checkpoint, torch.compile
-        out[name] = tensor.detach().float().cpu().clone()
-    return out
 
 
 def relative_difference(a: torch.Tensor | list, b: torch.Tensor | list) -> float:

@@ -8,6 +8,20 @@ from typing import Type
 
 from atorch.errors import UnknownMethodError
 from atorch.auto.opt_lib.base import Optimization
+from atorch.auto.opt_lib.amp import AmpNativeOptimization
+from atorch.auto.opt_lib.checkpoint import CheckpointOptimization
+from atorch.auto.opt_lib.ds_3d_parallel import DS3DParallelOptimization
+from atorch.auto.opt_lib.fp8 import FP8Optimization
+from atorch.auto.opt_lib.fsdp import FSDPOptimization
+from atorch.auto.opt_lib.half import HalfOptimization
+from atorch.auto.opt_lib.mixed_parallel import MixedParallelOptimization
+from atorch.auto.opt_lib.module_replace import ModuleReplaceOptimization
+from atorch.auto.opt_lib.native_dynamo import NativeDynamoOptimization
+from atorch.auto.opt_lib.parallel_mode import ParallelModeOptimization
+from atorch.auto.opt_lib.pipeline_parallel import PipelineParallelOptimization
+from atorch.auto.opt_lib.sequence_parallel import SequenceParallelOptimization
+from atorch.auto.opt_lib.tensor_parallel import TensorParallelOptimization
+from atorch.auto.opt_lib.zero import Zero1Optimization, Zero2Optimization
 
 _REGISTRY: dict[str, Optimization] = {}
 
@@ -38,31 +52,14 @@ def registered_names() -> list[str]:
     return list(_REGISTRY)
 
 
-def _register_builtins() -> None:
-    from atorch.auto.opt_lib.amp import AmpNativeOptimization
-    from atorch.auto.opt_lib.half import HalfOptimization
-    from atorch.auto.opt_lib.checkpoint import CheckpointOptimization
-    from atorch.auto.opt_lib.ds_3d_parallel import DS3DParallelOptimization
-    from atorch.auto.opt_lib.fp8 import FP8Optimization
-    from atorch.auto.opt_lib.fsdp import FSDPOptimization
-    from atorch.auto.opt_lib.module_replace import ModuleReplaceOptimization
-    from atorch.auto.opt_lib.native_dynamo import NativeDynamoOptimization
-    from atorch.auto.opt_lib.parallel_mode import ParallelModeOptimization
-    from atorch.auto.opt_lib.mixed_parallel import MixedParallelOptimization
-    from atorch.auto.opt_lib.pipeline_parallel import PipelineParallelOptimization
-    from atorch.auto.opt_lib.sequence_parallel import SequenceParallelOptimization
-    from atorch.auto.opt_lib.tensor_parallel import TensorParallelOptimization
-    from atorch.auto.opt_lib.zero import Zero1Optimization, Zero2Optimization
-
-    for cls in (
-        ParallelModeOptimization, AmpNativeOptimization, HalfOptimization, CheckpointOptimization,
-        Zero1Optimization, Zero2Optimization, FSDPOptimization, ModuleReplaceOptimization, FP8Optimization,
-        NativeDynamoOptimization, TensorParallelOptimization, SequenceParallelOptimization,
-        PipelineParallelOptimization, MixedParallelOptimization, DS3DParallelOptimization,
-    ):
-        register_optimization(cls)
-
-
-_register_builtins()
+BUILTIN_METHODS = (
+    ParallelModeOptimization, AmpNativeOptimization, HalfOptimization, CheckpointOptimization,
+    Zero1Optimization, Zero2Optimization, FSDPOptimization, ModuleReplaceOptimization, FP8Optimization,
+    NativeDynamoOptimization, TensorParallelOptimization, SequenceParallelOptimization,
+    PipelineParallelOptimization, MixedParallelOptimization, DS3DParallelOptimization,
+)
+for _method in BUILTIN_METHODS:
+    register_optimization(_method)
+del _method
 
 __all__ = ["Optimization", "register_optimization", "unregister_optimization", "get_optimization", "registered_names"]

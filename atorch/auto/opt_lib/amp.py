@@ -12,16 +12,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from torch.amp.grad_scaler import OptState
+
 from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.optimizer import AtorchOptimizer
 
-try:  # the grad scaler's per-optimizer stage marker (stable since torch 1.x)
-    from torch.amp.grad_scaler import OptState
-
-    _UNSCALED = OptState.UNSCALED
-except ImportError:  # pragma: no cover
-    _UNSCALED = None
+_UNSCALED = OptState.UNSCALED  # the grad scaler's per-optimizer stage marker
 
 DTYPE_NAMES = {
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,

@@ -1,10 +1,9 @@
 """The one small interface every optimization method implements."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
-if TYPE_CHECKING:
-    from atorch.auto.model_context import ModelContext
+from atorch.auto.model_context import ModelContext
 
 
 class Optimization:
@@ -18,6 +17,7 @@ class Optimization:
 
     name: ClassVar[str] = ""
     distributed_only: ClassVar[bool] = False  # dropped (with a log line) in a single process
+    ignored_when_unavailable: ClassVar[bool] = False  # missing requirements: warn and skip instead of raising
     is_tunable: ClassVar[bool] = False  # whether finetune/search may change its config
     default_config: ClassVar[Any] = None
 

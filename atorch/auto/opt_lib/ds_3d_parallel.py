@@ -21,9 +21,10 @@ from torch import nn
 from atorch.errors import MethodConfigError, RequirementError
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason
-from atorch.auto.opt_lib.pipeline_parallel import PipelineOutput, _batch_size, _select, pipeline_loss
+from atorch.auto.opt_lib.pipeline_parallel import PipelineOutput, pipeline_loss
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.distributed import mesh
+from atorch.utils.batch import batch_size_of, loss_value, select_rows
 
 logger = logging.getLogger(__name__)
 KEYS = ("num_micro_batch", "partition_method")
@@ -104,16 +105,14 @@ class DeepSpeedPipeline(nn.Module):
 
     def forward(self, batch: Any) -> PipelineOutput:
         self._batch = batch
-        size = _batch_size(batch)
+        size = batch_size_of(batch)
         index = torch.arange(size, device=next(self.engine.parameters()).device)
-        chunks = [(_select(batch, part), part) for part in index.chunk(self.micro)]
+        chunks = [(select_rows(batch, part), part) for part in index.chunk(self.micro)]
         loss = self.engine.train_batch(data_iter=iter(chunks))
         return PipelineOutput(loss.detach().float() if torch.is_tensor(loss) else torch.tensor(float(loss)))
 
     def micro_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
-        from atorch.auto.model_context import loss_value
-
-        return loss_value(self.user_loss(_select(self._batch, index), output))
+        return loss_value(self.user_loss(select_rows(self._batch, index), output))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's layers, keyed as in the user's nn.Sequential, gathered over the pipeline."""

@@ -36,10 +36,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import PipelineStage, schedules
 
 from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
 from atorch.distributed import mesh
+from atorch.utils.batch import first_tensor, loss_value, select_rows
+from atorch.utils.modules import full_state_dict, repeated_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +100,6 @@ class StageSplit:
 
 
 def plan_stages(model: nn.Module, num_stages: int) -> StageSplit:
-    from atorch.auto.search.analyser import repeated_blocks
-
     blocks_found, _ = repeated_blocks(model)
     if not blocks_found:
         raise MethodConfigError("pipeline_parallel", "found no repeated block (transformer layer) to cut the model at; pass pivots")
@@ -138,8 +139,8 @@ class PipelineModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
         batch = kwargs if self.input_format == "unpack_dict" else (args if self.input_format == "unpack_sequence" else args[0])
         self._batch = batch
-        size = _batch_size(batch)
-        index = torch.arange(size, device=_first_tensor(batch).device)
+        first = _first_tensor(batch)
+        index = torch.arange(first.shape[0], device=first.device)
         losses: list = []
         inputs = dict(batch) if self.input_format == "unpack_dict" else {"input": batch}
         # every stage gets the batch (its blocks may need masks or positions made from it)
@@ -153,14 +154,10 @@ class PipelineModule(nn.Module):
         return dist.get_rank(self.group) == 0
 
     def micro_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
-        from atorch.auto.model_context import loss_value
-
-        return loss_value(self.user_loss(_select(self._batch, index), output))
+        return loss_value(self.user_loss(select_rows(self._batch, index), output))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's weights, gathered on every rank of the pipeline (names as in the user's model)."""
-        from atorch.testing.training import full_state_dict
-
         mine = {}
         for module in self.stage_modules:
             mine.update({k.removeprefix("model."): v for k, v in full_state_dict(module).items()})
@@ -180,26 +177,10 @@ def pipeline_loss(batch: Any, output: Any) -> torch.Tensor:
 
 
 def _first_tensor(data: Any) -> torch.Tensor:
-    from atorch.auto.search.analyser import first_tensor  # lazily: the search package imports the methods
-
     tensor = first_tensor(data)
     if tensor is None:
         raise MethodConfigError("pipeline_parallel", f"the batch holds no tensor to split into micro-batches: {type(data)}")
     return tensor
-
-
-def _batch_size(data: Any) -> int:
-    return _first_tensor(data).shape[0]
-
-
-def _select(data: Any, index: torch.Tensor) -> Any:
-    if isinstance(data, torch.Tensor):
-        return data.index_select(0, index.to(data.device))
-    if isinstance(data, dict):
-        return type(data)((k, _select(v, index)) for k, v in data.items())
-    if isinstance(data, (list, tuple)):
-        return type(data)(_select(v, index) for v in data)
-    return data
 
 
 # --- the method ----------------------------------------------------------------------------------
@@ -239,8 +220,6 @@ def normalize_pipeline_config(method: str, config: Any) -> dict:
 
 
 def apply_pipeline(ctx, config: dict) -> None:
-    from torch.distributed.pipelining import PipelineStage, schedules
-
     pp = mesh.parallel_group_size("pipeline")
     if pp <= 1:
         logger.warning("pipeline_parallel: parallel_mode has no pipeline dimension above 1; nothing split")
@@ -286,8 +265,6 @@ def apply_pipeline(ctx, config: dict) -> None:
 
 
 def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from atorch.auto.search.analyser import repeated_blocks
-
     found, _ = repeated_blocks(model)
     if not found:
         raise MethodConfigError("pipeline_parallel", "found no repeated block (transformer layer) to cut the model at")

@@ -27,11 +27,14 @@ from typing import Any, Optional
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel, parallelize_module,
+)
 
 from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
 from atorch.distributed import mesh
+from atorch.utils.modules import repeated_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -247,9 +250,6 @@ def sequence_parallel_styles(model: nn.Module, plan: TPPlan) -> dict:
     norms run on a sequence shard (SequenceParallel), each attention / MLP gathers its input
     (all-gather) and its row-wise output is reduce-scattered back to a shard. The first repeated
     block shards its input and the last gathers its output, so the model around them is unchanged."""
-    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, SequenceParallel
-
-    from atorch.auto.search.analyser import repeated_blocks
 
     blocks_found, _ = repeated_blocks(model)
     if not blocks_found:

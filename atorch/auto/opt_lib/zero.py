@@ -21,7 +21,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from atorch.errors import MethodConfigError
-from atorch.auto.gradients import total_grad_norm
+from atorch.auto.gradients import scale_grads_to_norm, total_grad_norm
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason, use_deepspeed_zero
 from atorch.auto.opt_lib.fsdp import VALID_KEYS as FSDP_KEYS, normalize_fsdp_config, shard_model
@@ -234,8 +234,6 @@ class ShardedGradientDataParallel(torch.nn.Module):
             param.grad = None
 
     def atorch_clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        from atorch.auto.gradients import scale_grads_to_norm
-
         params = list(self.module.parameters())
         norm = total_grad_norm(params, norm_type, partition_group=self.group)
         scale_grads_to_norm(params, max_norm, norm)

@@ -15,6 +15,11 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch.func import functional_call
+from torch.utils.flop_counter import FlopCounterMode
+
+from atorch.utils.batch import batch_size_of, to_meta
+from atorch.utils.modules import repeated_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -74,26 +79,6 @@ def analyse_model(model: nn.Module, sample_batch: Any = None, run_model: Optiona
     return profile
 
 
-def repeated_blocks(model: nn.Module) -> tuple[dict[str, int], dict[str, int]]:
-    """Module classes that occur several times with parameters, outermost (largest) first: the
-    transformer layers in a transformer."""
-    counts: Counter = Counter()
-    sizes: dict[str, int] = {}
-    for module in model.modules():
-        if module is model or isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
-            continue
-        size = sum(p.numel() * p.element_size() for p in module.parameters())
-        children = list(module.children())
-        if size == 0 or not children:  # leaves (Linear, LayerNorm) are not blocks
-            continue
-        name = type(module).__name__
-        counts[name] += 1
-        sizes[name] = size
-    repeated = {n: c for n, c in counts.items() if c > 1}
-    order = sorted(repeated, key=lambda n: -sizes[n])
-    return {n: repeated[n] for n in order}, {n: sizes[n] for n in order}
-
-
 def module_counts(model: nn.Module) -> dict[str, int]:
     out = Counter()
     for module in model.modules():
@@ -119,15 +104,12 @@ def model_signature(model: nn.Module) -> str:
 
 def count_flops(model: nn.Module, sample_batch: Any, run_model: Callable) -> float:
     """Forward + backward FLOPs for one sample of ``sample_batch`` on meta tensors."""
-    from torch.func import functional_call
-    from torch.utils.flop_counter import FlopCounterMode
-
     meta_state = {
         name: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
         for name, t in list(model.named_parameters()) + list(model.named_buffers())
     }
-    batch = _to_meta(sample_batch)
-    batch_size = _batch_size(sample_batch)
+    batch = to_meta(sample_batch)
+    batch_size = batch_size_of(sample_batch)
 
     class Bound(nn.Module):  # the user's run_model, with the model's tensors swapped for meta ones
         def forward(self, data):
@@ -138,31 +120,3 @@ def count_flops(model: nn.Module, sample_batch: Any, run_model: Callable) -> flo
         loss = Bound()(batch)
         loss.backward()
     return counter.get_total_flops() / max(batch_size, 1)
-
-
-def _to_meta(data: Any) -> Any:
-    if isinstance(data, torch.Tensor):
-        return torch.empty_like(data, device="meta")
-    if isinstance(data, dict):
-        return type(data)((k, _to_meta(v)) for k, v in data.items())
-    if isinstance(data, (list, tuple)):
-        return type(data)(_to_meta(v) for v in data)
-    return data
-
-
-def first_tensor(data: Any) -> Optional[torch.Tensor]:
-    """The first tensor in a (nested) batch, or None."""
-    if isinstance(data, torch.Tensor):
-        return data
-    values = data.values() if isinstance(data, dict) else data if isinstance(data, (list, tuple)) else ()
-    return next((t for t in map(first_tensor, values) if t is not None), None)
-
-
-def _batch_size(data: Any) -> int:
-    if isinstance(data, torch.Tensor):
-        return data.shape[0] if data.dim() else 1
-    if isinstance(data, dict):
-        return _batch_size(next(iter(data.values())))
-    if isinstance(data, (list, tuple)) and data:
-        return _batch_size(data[0])
-    return 1

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from atorch.auto.search.analyser import ModelProfile
+from atorch.errors import InputError
 from atorch.auto.search.candidates import Candidate
 from atorch.auto.search.layouts import estimate_layout_memory, estimate_layout_time
 
@@ -198,8 +199,6 @@ def default_memory_limit(device: torch.device) -> int:
 
 def parse_memory_limit(value) -> Optional[int]:
     """Bytes from an int, or a string such as '6GiB', '512MiB', '2GB'."""
-    from atorch.errors import InputError
-
     if value is None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:

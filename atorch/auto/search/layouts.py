@@ -23,7 +23,10 @@ from typing import Optional
 
 from torch import nn
 
+from atorch.auto.opt_lib.pipeline_parallel import check_no_shared_weights, plan_stages
+from atorch.auto.opt_lib.tensor_parallel import find_tp_plan
 from atorch.errors import AtorchError
+from atorch.utils.modules import repeated_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +66,6 @@ class LayoutFacts:
 
 def layout_facts(model: nn.Module, world: int) -> LayoutFacts:
     """Run the tensor and pipeline planners for every size that divides ``world``."""
-    from atorch.auto.search.analyser import repeated_blocks
-
     facts = LayoutFacts(param_bytes=sum(_bytes_of(p) for p in model.parameters()))
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     facts.hidden_size = max((m.embedding_dim for m in embeddings), default=0)
@@ -83,8 +84,6 @@ def layout_facts(model: nn.Module, world: int) -> LayoutFacts:
 def _tensor_facts(model: nn.Module, sizes: list[int], facts: LayoutFacts) -> set[int]:
     """Record which tensor sizes the plan supports; returns the ids of the parameters it splits
     (projections and vocabulary) at the largest supported size."""
-    from atorch.auto.opt_lib.tensor_parallel import find_tp_plan
-
     split_ids: set[int] = set()
     for t in sizes:
         try:
@@ -104,8 +103,6 @@ def _pipeline_facts(model: nn.Module, sizes: list[int], split_ids: set[int],
                     facts: LayoutFacts) -> dict[int, list[tuple[int, int]]]:
     """Record which pipeline sizes the stage planner supports; returns per size the (parameter
     bytes, tensor-split bytes) of each stage."""
-    from atorch.auto.opt_lib.pipeline_parallel import check_no_shared_weights, plan_stages
-
     stages: dict[int, list[tuple[int, int]]] = {}
     for p in sizes:
         try:

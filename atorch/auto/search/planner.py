@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -18,14 +19,20 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from atorch.auto import opt_lib
+from atorch.auto.apply import apply_strategy, resolve_strategy
 from atorch.auto.dryrun import DryRunResult, dry_run
 from atorch.auto.search.analyser import ModelProfile, analyse_model
-from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates
+from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates, refinements
 from atorch.auto.search.cost import (
     HardwareProfile, VariantProfile, estimate, load_cached, measure_hardware, measure_variant, store_cached,
 )
 from atorch.auto.search.report import Row, format_table, write_report
+from atorch.auto.search.layouts import layout_facts
 from atorch.auto.strategy import Strategy
+from atorch.distributed.agreement import all_ranks_true, broadcast_flag, is_main_rank, max_over_ranks, world_size
+from atorch.utils.batch import first_tensor, loss_value
+from atorch.utils.memory import state_bytes
 
 logger = logging.getLogger("atorch")
 
@@ -76,7 +83,7 @@ class _Phases:
 def search(model: torch.nn.Module, make_context: ContextFactory, options: SearchOptions) -> SearchResult:
     started = time.perf_counter()
     phases = _Phases()
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = world_size()
     probe = make_context(model, local=True)
     per_rank_batch = probe.dataloader_args.get("batch_size", 1) // world
     device = probe.device
@@ -100,7 +107,7 @@ def search(model: torch.nn.Module, make_context: ContextFactory, options: Search
     table += "\nsearch time: " + ", ".join(f"{name} {s:.1f} s" for name, s in phases.seconds.items())
     _say(options, "search report:\n" + table)
     files = []
-    if options.report_dir and (not dist.is_initialized() or dist.get_rank() == 0):
+    if options.report_dir and is_main_rank():
         files = write_report(rows, hardware.memory_limit, options.report_dir)
     strategy = Strategy(candidates[chosen].strategy(world)) if chosen is not None else None
     return SearchResult(strategy, candidates[chosen] if chosen is not None else None, rows, profile, hardware,
@@ -108,8 +115,6 @@ def search(model: torch.nn.Module, make_context: ContextFactory, options: Search
 
 
 def _analyse(model, probe, per_rank_batch: int, world: int) -> ModelProfile:
-    from atorch.auto.search.analyser import first_tensor
-    from atorch.auto.search.layouts import layout_facts
 
     sample = None
     if probe.dataset is not None:
@@ -117,8 +122,6 @@ def _analyse(model, probe, per_rank_batch: int, world: int) -> ModelProfile:
         sample = next(iter(loader), None)
 
     def run_model(call, batch):
-        from atorch.auto.model_context import loss_value
-
         return loss_value(probe.loss_func(batch, probe.call_model(call, batch)))
 
     profile = analyse_model(model, sample, run_model if probe.loss_func is not None else None)
@@ -134,10 +137,10 @@ def _analyse(model, probe, per_rank_batch: int, world: int) -> ModelProfile:
 def _measure_variants(model, make_context, candidates, batch, profile, hardware, options) -> dict:
     variants: dict[tuple, VariantProfile] = {}
     for precision, checkpoint in sorted({(c.precision, c.checkpoint) for c in candidates}):
-        key = f"{profile.signature}-{hardware.device}-{_world()}-{batch}-{precision}-{int(checkpoint)}-{torch.__version__}"
+        key = f"{profile.signature}-{hardware.device}-{world_size()}-{batch}-{precision}-{int(checkpoint)}-{torch.__version__}"
         key = key.replace(" ", "_").replace("/", "_")
         cached = load_cached(key) if options.use_cache else None
-        if _all_ranks(cached is not None):
+        if all_ranks_true(cached is not None):
             variants[(precision, checkpoint)] = cached
             continue
         candidate = next(c for c in candidates if (c.precision, c.checkpoint) == (precision, checkpoint))
@@ -149,14 +152,12 @@ def _measure_variants(model, make_context, candidates, batch, profile, hardware,
 
         variant = measure_variant(run, precision, checkpoint, batch)
         variants[(precision, checkpoint)] = variant
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if is_main_rank():
             store_cached(key, variant)
     return variants
 
 
 def _run_alone(model, make_context, items, batch: int, steps: int):
-    from atorch.auto.accelerate import apply_strategy
-    from atorch.utils.memory import state_bytes
 
     ctx = make_context(copy.deepcopy(model), local=True, batch_size=batch)
     try:
@@ -165,7 +166,7 @@ def _run_alone(model, make_context, items, batch: int, steps: int):
             apply_strategy(ctx, _normalized(items))
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-        if not _all_ranks(error is None):
+        if not all_ranks_true(error is None):
             return DryRunResult(False, error=error or "failed on another rank"), None
         result = dry_run(ctx, warmup_steps=1, timed_steps=max(steps - 1, 1))
         state = None
@@ -179,8 +180,6 @@ def _run_alone(model, make_context, items, batch: int, steps: int):
 
 
 def _normalized(items: list) -> Strategy:
-    from atorch.auto import opt_lib
-
     out = []
     for item in items:
         name, config = (item, None) if isinstance(item, str) else item
@@ -192,9 +191,7 @@ def _agree_state(state: Optional[dict]) -> Optional[dict]:
     if state is None or not dist.is_initialized():
         return state
     keys = ["params", "grads", "optim_state"]
-    values = torch.tensor([float(state[k]) for k in keys], dtype=torch.float64, device=_comm_device())
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return {k: int(v) for k, v in zip(keys, values.tolist())}
+    return {k: int(v) for k, v in zip(keys, max_over_ranks([state[k] for k in keys]))}
 
 
 # --- estimating and dry-running ----------------------------------------------------------------------
@@ -221,7 +218,7 @@ def _dry_run_best(model, make_context, candidates, rows, order, hardware, option
     for position, index in enumerate(order):
         row = rows[index]
         out_of_time = options.time_limit is not None and time.perf_counter() - started > options.time_limit
-        if _broadcast_flag(out_of_time):
+        if broadcast_flag(out_of_time):
             row.status = "skipped: time limit"
             continue
         successes = sum(r.status == "ok" for r in rows)
@@ -250,8 +247,6 @@ CONFIRM_ROUNDS = 2  # alternating re-measurements of close finalists (3 samples 
 def _confirm_finalists(model, make_context, candidates, rows, options, started, world, indices=None) -> int:
     """Single dry runs on a busy machine differ by 10-20% from noise alone: when the two fastest are
     that close, measure both again ``CONFIRM_ROUNDS`` times in alternating order and compare medians."""
-    import statistics
-
     ok = sorted((i for i in (indices if indices is not None else range(len(rows))) if rows[i].status == "ok"),
                 key=lambda i: rows[i].measured_time_s)
     if len(ok) < 2:
@@ -261,7 +256,7 @@ def _confirm_finalists(model, make_context, candidates, rows, options, started, 
         return first
     rounds = [(second, first) if r % 2 == 0 else (first, second) for r in range(CONFIRM_ROUNDS)]
     for index in (i for pair in rounds for i in pair):
-        if _broadcast_flag(options.time_limit is not None and time.perf_counter() - started > options.time_limit):
+        if broadcast_flag(options.time_limit is not None and time.perf_counter() - started > options.time_limit):
             break
         result = _dry_run_candidate(model, make_context, candidates[index], world, options.dryrun_steps)
         if result.ok:
@@ -272,10 +267,8 @@ def _confirm_finalists(model, make_context, candidates, rows, options, started, 
 
 def _refine(model, make_context, space, candidates, rows, chosen, dryrun, variants, hardware, options, started, world):
     """Try the winner with each compute method; keep one only when it measures faster."""
-    from atorch.auto.search.candidates import refinements
-
     for candidate in refinements(space, candidates[chosen]):
-        if _broadcast_flag(options.time_limit is not None and time.perf_counter() - started > options.time_limit):
+        if broadcast_flag(options.time_limit is not None and time.perf_counter() - started > options.time_limit):
             break
         variant = variants[(candidate.precision, candidate.checkpoint)]
         guess = estimate(candidate, variant, world, space.profile, hardware)
@@ -310,8 +303,6 @@ def _record(row: Row, result: DryRunResult, hardware: HardwareProfile) -> None:
 
 
 def _dry_run_candidate(model, make_context, candidate: Candidate, world: int, steps: int) -> DryRunResult:
-    from atorch.auto.accelerate import apply_strategy, resolve_strategy
-
     ctx, error = None, None
     try:
         ctx = make_context(copy.deepcopy(model))
@@ -320,7 +311,7 @@ def _dry_run_candidate(model, make_context, candidate: Candidate, world: int, st
         error = f"{type(exc).__name__}: {exc}"
         logger.info("search: %s failed to apply on this rank: %s", candidate.label, error)
     try:
-        if not _all_ranks(error is None):
+        if not all_ranks_true(error is None):
             return DryRunResult(False, error=error or "failed on another rank")
         return dry_run(ctx, warmup_steps=1, timed_steps=steps)
     finally:
@@ -328,35 +319,7 @@ def _dry_run_candidate(model, make_context, candidate: Candidate, world: int, st
         gc.collect()
 
 
-# --- agreement helpers ---------------------------------------------------------------------------------
-def _comm_device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _all_ranks(flag: bool) -> bool:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    value = torch.tensor([0.0 if flag else 1.0], device=_comm_device())
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return value.item() == 0.0
-
-
-def _broadcast_flag(flag: bool) -> bool:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    value = torch.tensor([1.0 if flag else 0.0], device=_comm_device())
-    dist.broadcast(value, src=0)
-    return bool(value.item())
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
+# --- progress ------------------------------------------------------------------------------------------
 def _say(options: SearchOptions, message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        if options.verbose:
-            print(message, flush=True)
+    if is_main_rank():
         logger.info(message)

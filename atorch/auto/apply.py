@@ -1,0 +1,94 @@
+"""From a strategy to a wrapped model: validate it for this process layout, apply it, dry-run it.
+
+Shared by both modes: semi-automatic mode applies the user's strategy, the search applies and
+dry-runs its candidates the same way, so a strategy behaves identically whichever mode chose it.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from atorch.auto import opt_lib
+from atorch.auto.dryrun import DryRunResult, dry_run
+from atorch.auto.model_context import ModelContext
+from atorch.auto.opt_lib import data_parallel
+from atorch.auto.opt_lib.compat import check_compatible
+from atorch.auto.strategy import Strategy, StrategyItem
+from atorch.distributed.agreement import world_size as current_world_size
+from atorch.errors import InputError, RequirementError
+
+logger = logging.getLogger("atorch")
+
+
+def resolve_strategy(strategy: Strategy, excluded: Optional[list] = None) -> Strategy:
+    """Validate names and configs for this process layout; returns the strategy that will run.
+
+    Distributed-only methods are dropped (logged) in a single process; under several ranks a missing parallel_mode is added
+    (data parallel over all ranks); parallel_mode is fitted to the world size.
+    """
+    world_size = current_world_size()
+    distributed = dist.is_initialized()
+    items: list[StrategyItem] = []
+    dropped = []
+    for item in strategy:
+        method = opt_lib.get_optimization(item.name)
+        if excluded and item.name in excluded:
+            raise InputError(f"method {item.name!r} is both in load_strategy and in excluded")
+        if method.distributed_only and not distributed:
+            dropped.append(item.name)
+            continue
+        config = method.normalize(item.config)
+        reason = method.requirements(config)
+        if reason:
+            if method.ignored_when_unavailable:
+                logger.warning("%s is ignored: %s", item.name, reason)
+                continue
+            raise RequirementError(f"{item.name} cannot run here: {reason}")
+        items.append(StrategyItem(item.name, config, item.tunable))
+    if dropped:
+        logger.warning("single process: dropping distributed-only method(s) %s", dropped)
+    if distributed and world_size > 1 and "parallel_mode" not in [i.name for i in items]:
+        logger.info("%d ranks and no parallel_mode in the strategy: adding data parallel over all ranks", world_size)
+        items.insert(0, StrategyItem("parallel_mode", opt_lib.get_optimization("parallel_mode").normalize(None), True))
+    _log_parallel_adjustment(strategy, items, world_size)
+    check_compatible([(i.name, i.config) for i in items])
+    return Strategy(items)
+
+
+def apply_strategy(ctx: ModelContext, strategy: Strategy) -> ModelContext:
+    """Record every method's wrappers (DDP when no method claims data parallelism), then apply
+    them in the canonical order of ``STAGES``."""
+    for item in strategy:
+        opt_lib.get_optimization(item.name).transform(ctx, item.config)
+    if ctx.data_parallel_wrapper is None:
+        ctx.set_data_parallel_wrapper(data_parallel.NAME, data_parallel.wrap_data_parallel)
+    ctx.apply_wrappers()
+    return ctx
+
+
+def dry_run_strategy(make_context: Callable[[], ModelContext], strategy: Strategy, steps: int) -> DryRunResult:
+    """Dry-run on a fresh context (a copy of the model) so the user's model and optimizer stay untouched."""
+    ctx = make_context()
+    try:
+        apply_strategy(ctx, strategy)
+        return dry_run(ctx, warmup_steps=1, timed_steps=steps)
+    finally:
+        del ctx
+        gc.collect()
+
+
+def _log_parallel_adjustment(original: Strategy, items: list[StrategyItem], world_size: int) -> None:
+    given = original.get("parallel_mode")
+    final = next((i.config for i in items if i.name == "parallel_mode"), None)
+    if given is not None and final is not None and _sizes(given) != _sizes(final):
+        logger.warning("parallel_mode %s adjusted to %s for world size %d", given, final, world_size)
+
+
+def _sizes(config: Any) -> Any:
+    try:
+        return [tuple(d) for d in config[0]]
+    except (TypeError, IndexError):
+        return config

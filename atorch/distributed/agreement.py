@@ -1,0 +1,54 @@
+"""Rank agreement: small collectives that make every rank take the same decision.
+
+A dry run or a search step that fails on one rank must fail on all of them, and a time-limit
+decision must not differ between ranks, or the next collective would hang. These helpers are the
+one place those decisions are reduced; in a single process they return their input.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def is_multi_rank() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def comm_device() -> torch.device:
+    """Where agreement tensors live: nccl reduces CUDA tensors only, gloo CPU ones."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def max_over_ranks(values: Sequence[float]) -> list[float]:
+    """Element-wise maximum of ``values`` over all ranks (float64, so byte counts stay exact)."""
+    if not is_multi_rank():
+        return [float(v) for v in values]
+    tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=comm_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def all_ranks_true(flag: bool) -> bool:
+    """True only when ``flag`` is True on every rank."""
+    return max_over_ranks([0.0 if flag else 1.0])[0] == 0.0
+
+
+def broadcast_flag(flag: bool) -> bool:
+    """Rank 0's ``flag`` on every rank (for decisions such as 'out of time' that must not differ)."""
+    if not is_multi_rank():
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=comm_device())
+    dist.broadcast(value, src=0)
+    return bool(value.item())

@@ -1,0 +1,50 @@
+"""Facts about a user's module tree that several layers need (methods, the search, tests)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+
+
+def repeated_blocks(model: nn.Module) -> tuple[dict[str, int], dict[str, int]]:
+    """Module classes that occur several times with parameters, outermost (largest) first: the
+    transformer layers in a transformer. Returns (class name -> count, class name -> bytes of one)."""
+    counts: Counter = Counter()
+    sizes: dict[str, int] = {}
+    for module in model.modules():
+        if module is model or isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            continue
+        size = sum(p.numel() * p.element_size() for p in module.parameters())
+        children = list(module.children())
+        if size == 0 or not children:  # leaves (Linear, LayerNorm) are not blocks
+            continue
+        name = type(module).__name__
+        counts[name] += 1
+        sizes[name] = size
+    repeated = {n: c for n, c in counts.items() if c > 1}
+    order = sorted(repeated, key=lambda n: -sizes[n])
+    return {n: repeated[n] for n in order}, {n: sizes[n] for n in order}
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP, a DeepSpeed engine or torch.compile's wrapper."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded fp32 CPU copy of the weights under the user's own parameter names (collective for
+    sharded and pipeline-parallel models: every rank must call it)."""
+    if hasattr(model, "full_state_dict"):
+        return model.full_state_dict()
+    out = {}
+    for name, tensor in unwrap_model(model).state_dict().items():
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")  # checkpoint, torch.compile
+        out[name] = tensor.detach().float().cpu().clone()
+    return out
