@@ -62,13 +62,13 @@ def auto_accelerate(
     init_distributed()
 
     def make_context(target: torch.nn.Module, local: bool = False, batch_size: Optional[int] = None) -> ModelContext:
-        loader_args = dict(dataloader_args or {})
-        if batch_size is not None:
-            loader_args["batch_size"] = batch_size
+        """A fresh context on ``target``; ``local=True`` measures this rank alone with a per-rank
+        batch of ``batch_size`` (the search's single-rank profiles)."""
         return ModelContext(
             target, optim_func, dataset, loss_func, prepare_input, model_input_format, optim_args,
-            optim_param_func, loader_args, distributed_sampler_cls, lr_scheduler_cls, lr_scheduler_args,
+            optim_param_func, dataloader_args, distributed_sampler_cls, lr_scheduler_cls, lr_scheduler_args,
             find_unused_parameters=bool(kargs.get("find_unused_parameters", False)), local=local,
+            per_rank_batch_size=batch_size,
         )
 
     ctx = make_context(model)  # checks the inputs before anything else happens

@@ -1,7 +1,10 @@
-"""ModelContext: what the user gave, the wrappers methods record, and the build of the results.
+"""ModelContext: what the user gave, the facts methods share, and the build of the results.
 
-Methods only *record* wrappers at named stages; ``apply_wrappers`` runs them in the one canonical
-order below, so that methods compose without knowing about each other.
+Methods never call each other. A method's ``transform`` (record time) writes facts and registers
+wrappers on the context; ``apply_wrappers`` (apply time) runs the wrappers in the one canonical
+order of ``STAGES``. Every fact one method leaves for another is a declared attribute of
+``ModelContext`` below, and ``STAGE_CONTRACT`` lists, per stage, what its wrappers read and write;
+``docs/architecture.md`` shows the same table.
 """
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import logging
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 # The canonical wrapper order (one list, in one place).
 STAGES = (
-    "parallel_mode",    # build the device mesh
+    "parallel_mode",    # build the device mesh; then the batch plan (data-parallel size, per-rank batch)
     "module_replace",
     "fp8",
     "half",
@@ -38,6 +41,54 @@ STAGES = (
     "amp",              # autocast + grad scaler
     "dataloader",
 )
+
+
+class StageContract(NamedTuple):
+    stage: str
+    methods: tuple[str, ...]
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+
+
+# What the wrappers of each stage read from and write to the context (apply time). Record-time
+# facts (written by ``transform`` before any stage runs) are listed under ``RECORD_TIME_FACTS``.
+STAGE_CONTRACT = (
+    StageContract("parallel_mode", ("parallel_mode",), ("device", "global_batch_size", "local"),
+                  ("data_parallel_size", "per_rank_batch_size")),
+    StageContract("module_replace", ("module_replace",), ("model", "device", "amp_dtype", "half_dtype"), ("model",)),
+    StageContract("fp8", ("fp8",), ("model",), ("model",)),
+    StageContract("half", ("half",), ("model",), ("model",)),
+    StageContract("pipeline", ("pipeline_parallel", "mixed_parallel"),
+                  ("model", "loss_func", "model_input_format", "amp_dtype", "per_rank_batch_size", "device"),
+                  ("model", "loss_func", "model_parallel", "backward_in_forward", "grad_partition_group", "args")),
+    StageContract("model_parallel", ("tensor_parallel", "mixed_parallel"), ("model", "sequence_parallel"),
+                  ("model", "model_parallel")),
+    StageContract("checkpoint", ("checkpoint",), ("model",), ("model",)),
+    StageContract("data_parallel", ("fsdp", "zero2", "zero1 (DeepSpeed)", "ds_3d_parallel", "ddp (default)"),
+                  ("model", "amp_dtype", "half_dtype", "model_parallel", "find_unused_parameters",
+                   "per_rank_batch_size", "data_parallel_wrapper", "local"),
+                  ("model", "sync_toggles", "grad_partition_group")),
+    StageContract("compile", ("native_dynamo",), ("model",), ("model",)),
+    StageContract("optimizer", ("context; zero1 / DeepSpeed through optimizer_factory",),
+                  ("model", "optim_func", "optim_args", "optim_param_func", "optimizer_factory", "sync_toggles",
+                   "grad_partition_group", "backward_in_forward"), ("optim", "raw_optim")),
+    StageContract("amp", ("amp_native",), ("model", "loss_func", "optim", "amp_dtype", "device"),
+                  ("model", "loss_func", "optim", "args")),
+    StageContract("dataloader", ("context",),
+                  ("dataset", "dataloader_args", "distributed_sampler_cls", "per_rank_batch_size",
+                   "data_parallel_size"), ("dataloader", "args")),
+)
+
+# Facts a method's transform writes at record time, so that wrappers of other stages can read them.
+RECORD_TIME_FACTS = {
+    "amp_dtype": "amp_native",
+    "half_dtype": "half",
+    "input_dtype": "half",
+    "sequence_parallel": "sequence_parallel",
+    "optimizer_factory": "zero1, zero2 (not_use_fsdp), DeepSpeed ZeRO, ds_3d_parallel",
+    "data_parallel_wrapper": "fsdp, zero2, DeepSpeed ZeRO, ds_3d_parallel (ddp when none claims it)",
+    "backward_in_forward": "ds_3d_parallel",
+}
 
 MODEL_INPUT_FORMATS = (None, "unpack_sequence", "unpack_dict")
 Wrapper = Callable[["ModelContext"], None]
@@ -57,7 +108,29 @@ class TrainingArgs:
 
 
 class ModelContext:
-    """Everything auto_accelerate works on, before and after the strategy is applied."""
+    """Everything auto_accelerate works on, before and after the strategy is applied.
+
+    Attributes, by who writes them:
+
+    Given by the user (read by methods, never replaced except ``model`` / ``loss_func``, which
+    wrappers wrap): ``model``, ``optim_func``, ``optim_args``, ``optim_param_func``, ``dataset``,
+    ``dataloader_args``, ``distributed_sampler_cls``, ``loss_func``, ``user_prepare_input``,
+    ``model_input_format``, ``lr_scheduler_cls``, ``lr_scheduler_args``, ``find_unused_parameters``.
+
+    The batch plan, computed once: ``global_batch_size`` (``dataloader_args['batch_size']``, the
+    batch of one optimizer step over all ranks); after the mesh exists, ``data_parallel_size`` and
+    ``per_rank_batch_size`` (``global_batch_size / data_parallel_size``). With ``local=True`` (the
+    search measuring one rank alone) there is no data-parallel wrapper and the per-rank batch is the
+    one given.
+
+    Facts methods share (see ``STAGE_CONTRACT`` and ``RECORD_TIME_FACTS``): ``device``,
+    ``amp_dtype``, ``half_dtype``, ``input_dtype``, ``sequence_parallel``, ``model_parallel``,
+    ``backward_in_forward``, ``grad_partition_group``, ``sync_toggles``, ``optimizer_factory``,
+    ``data_parallel_wrapper``.
+
+    Results: ``optim`` (what the user steps), ``raw_optim`` (the torch optimizer inside it),
+    ``dataloader``, ``lr_scheduler``, ``args`` (``result.args``).
+    """
 
     def __init__(
         self,
@@ -76,7 +149,9 @@ class ModelContext:
         find_unused_parameters: bool = False,
         device: Optional[torch.device] = None,
         local: bool = False,
+        per_rank_batch_size: Optional[int] = None,
     ):
+        # given by the user
         self.model = model
         self.optim_func = optim_func
         self.dataset = dataset
@@ -90,22 +165,26 @@ class ModelContext:
         self.lr_scheduler_cls = lr_scheduler_cls
         self.lr_scheduler_args = dict(lr_scheduler_args or {})
         self.find_unused_parameters = find_unused_parameters
-        self.device = device or default_device()
-        # local: this process alone (the search's single-rank profile); no data-parallel wrapper,
-        # and dataloader_args['batch_size'] is this rank's batch
-        self.local = local
+        self.device: torch.device = device or default_device()
+        self.local = local  # this process alone: the search's single-rank measurement
 
-        # filled in by methods' transforms
+        # the batch plan
+        self.global_batch_size: int = self.dataloader_args.get("batch_size", 1)
+        self.data_parallel_size: int = 1
+        self.per_rank_batch_size: Optional[int] = per_rank_batch_size  # set by plan_batches() unless given
+
+        # facts methods share
         self.wrappers: dict[str, list[tuple[str, Wrapper]]] = defaultdict(list)
         self.data_parallel_wrapper: Optional[tuple[str, Wrapper]] = None
         self.optimizer_factory: Optional[Callable[["ModelContext", Any], Any]] = None
-        self.input_dtype: Optional[torch.dtype] = None
-        self.amp_dtype: Optional[torch.dtype] = None  # set by amp_native; sharding picks its policy from it
-        self.half_dtype: Optional[torch.dtype] = None  # set by half
-        self.sync_toggles: list[Callable[[bool], None]] = []  # gradient sync on/off (accumulation)
-        self.grad_partition_group: Any = None  # set when ranks hold disjoint gradient shares
-        self.model_parallel = False  # set by tensor / pipeline parallel
+        self.input_dtype: Optional[torch.dtype] = None  # half: floating inputs are cast to it
+        self.amp_dtype: Optional[torch.dtype] = None  # amp_native; sharding picks its mixed-precision policy from it
+        self.half_dtype: Optional[torch.dtype] = None  # half; module_replace checks its pairs' dtypes against it
+        self.sequence_parallel = False  # sequence_parallel; tensor_parallel reads it
+        self.model_parallel = False  # tensor / pipeline parallel: parameters are DTensors or stage-local
         self.backward_in_forward = False  # pipeline schedules run backward inside model(...)
+        self.grad_partition_group: Any = None  # ranks hold disjoint gradient shares (clipping reduces over it)
+        self.sync_toggles: list[Callable[[bool], None]] = []  # gradient sync on/off (accumulation)
         self.args = TrainingArgs(model_input_format=model_input_format)
 
         # results
@@ -166,7 +245,9 @@ class ModelContext:
             for method, wrapper in self.wrappers.get(stage, []):
                 logger.debug("applying %s at stage %s", method, stage)
                 wrapper(self)
-            if stage == "data_parallel":
+            if stage == "parallel_mode":
+                self.plan_batches()
+            elif stage == "data_parallel":
                 self._wrap_data_parallel()
             elif stage == "optimizer":
                 self._build_optimizer()
@@ -207,20 +288,28 @@ class ModelContext:
         if self.lr_scheduler_cls is not None and self.raw_optim is not None:
             self.lr_scheduler = self.lr_scheduler_cls(self.raw_optim, **self.lr_scheduler_args)
 
+    def plan_batches(self) -> None:
+        """The one place the per-rank batch is derived from the global batch (needs the mesh)."""
+        if self.local:
+            self.data_parallel_size = 1
+            self.per_rank_batch_size = self.per_rank_batch_size or self.global_batch_size
+        else:
+            self.data_parallel_size = mesh.data_parallel_size()
+            if self.dataset is not None and self.global_batch_size % self.data_parallel_size:
+                raise InputError(
+                    f"dataloader_args['batch_size']={self.global_batch_size} is the GLOBAL batch and must divide "
+                    f"evenly over the {self.data_parallel_size} data-parallel ranks"
+                )
+            self.per_rank_batch_size = max(self.global_batch_size // self.data_parallel_size, 1)
+        self.args.data_parallel_size = self.data_parallel_size
+        self.args.per_rank_batch_size = self.per_rank_batch_size
+
     def _build_dataloader(self) -> None:
         if self.dataset is None:
             return
         args = dict(self.dataloader_args)
-        global_batch = args.pop("batch_size", 1)
-        dp_size, dp_rank = (1, 0) if self.local else (mesh.data_parallel_size(), mesh.data_parallel_rank())
-        if global_batch % dp_size:
-            raise InputError(
-                f"dataloader_args['batch_size']={global_batch} is the GLOBAL batch and must divide evenly over "
-                f"the {dp_size} data-parallel ranks"
-            )
-        self.args.data_parallel_size = dp_size
-        self.args.per_rank_batch_size = global_batch // dp_size
-        if dp_size > 1 and not isinstance(self.dataset, IterableDataset):
+        args.pop("batch_size", None)
+        if self.data_parallel_size > 1 and not isinstance(self.dataset, IterableDataset):
             if args.get("sampler") is not None or args.get("batch_sampler") is not None:
                 raise InputError(
                     "dataloader_args 'sampler'/'batch_sampler' cannot shard data over data-parallel ranks; "
@@ -229,12 +318,12 @@ class ModelContext:
             sampler_cls = self.distributed_sampler_cls or DistributedSampler
             args["sampler"] = sampler_cls(
                 self.dataset,
-                num_replicas=dp_size,
-                rank=dp_rank,
+                num_replicas=self.data_parallel_size,
+                rank=mesh.data_parallel_rank(),
                 shuffle=bool(args.pop("shuffle", False)),
                 drop_last=bool(args.get("drop_last", False)),
             )
-        self.dataloader = DataLoader(self.dataset, batch_size=global_batch // dp_size, **args)
+        self.dataloader = DataLoader(self.dataset, batch_size=self.per_rank_batch_size, **args)
 
     # --- running a step (used by dry runs; mirrors the user's loop) --------------------------
     def prepare_input(self, data: Any, device: Optional[torch.device] = None) -> Any:

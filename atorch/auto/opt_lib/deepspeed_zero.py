@@ -58,10 +58,9 @@ def _build_engine(ctx, params: Any, method: str, stage: int) -> "DeepSpeedOptimi
         raise MethodConfigError(method, f"use_ds_zero supports pure data parallelism (data size {dp_size} != world size {dist.get_world_size()})")
     if ctx.amp_dtype == torch.float16:
         raise MethodConfigError(method, "use_ds_zero with amp_native fp16 is not supported (DeepSpeed keeps its own loss scale); use bf16")
-    global_batch = ctx.dataloader_args.get("batch_size", 1)
     bucket = int(min(5e8, max(1e6, sum(p.numel() for p in ctx.model.parameters()))))
     config = {
-        "train_micro_batch_size_per_gpu": max(1, global_batch // dp_size),
+        "train_micro_batch_size_per_gpu": ctx.per_rank_batch_size,
         "gradient_accumulation_steps": 1,  # the loop marks boundaries itself
         # DeepSpeed's default buckets hold 5e8 elements (2 GB in fp32) whatever the model size
         "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},

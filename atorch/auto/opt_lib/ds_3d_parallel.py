@@ -79,7 +79,7 @@ def _build_engine(ctx, config: dict) -> "EngineStepOptimizer":
     module = DSPipelineModule(layers=layers, num_stages=pp, topology=PipeDataParallelTopology(num_pp=pp, num_dp=dp),
                               loss_fn=lambda output, index: holder["wrapper"].micro_loss(output, index),
                               partition_method=config["partition_method"])
-    per_rank = ctx.dataloader_args.get("batch_size", 1) // dp
+    per_rank = ctx.per_rank_batch_size
     micro = config["num_micro_batch"]
     if per_rank % micro:
         raise MethodConfigError("ds_3d_parallel", f"the per-rank batch {per_rank} does not split into {micro} micro-batches")

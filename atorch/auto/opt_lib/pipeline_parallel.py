@@ -237,7 +237,7 @@ def apply_pipeline(ctx, config: dict) -> None:
         split = plan_stages(ctx.model, num_stages)
         starts = split.starts
         logger.info("pipeline_parallel: stages start at %s (cost imbalance max/mean %.2f)", split.split_points, split.imbalance)
-    per_rank_batch = ctx.dataloader_args.get("batch_size", 1) // max(mesh.data_parallel_size(), 1)
+    per_rank_batch = ctx.per_rank_batch_size
     micro = config["num_micro_batch"] or min(2 * pp, per_rank_batch)
     if per_rank_batch % micro:
         raise MethodConfigError("pipeline_parallel", f"the per-rank batch {per_rank_batch} does not split into {micro} micro-batches")
