@@ -75,3 +75,14 @@ __all__ = [
     "ParallelModeError", "StrategyFileError", "UnsafeStrategyError", "InputError", "RequirementError",
     "DryRunError", "check_choice",
 ]
+
+
+class RankLostError(AtorchError, RuntimeError):
+    """A rank stopped answering (killed, or hung outside atorch) while the others waited for it."""
+
+    def __init__(self, message: str, lost_ranks: Iterable[int] = ()):
+        self.lost_ranks = list(lost_ranks)
+        super().__init__(message)
+
+
+__all__.append("RankLostError")

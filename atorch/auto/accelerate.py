@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from atorch.auto import opt_lib
 from atorch.auto.apply import apply_strategy, dry_run_strategy, resolve_strategy
+from atorch.auto.dryrun import DEFAULT_DRYRUN_STEPS
 from atorch.auto.model_context import ModelContext
 from atorch.auto.search.cost import parse_memory_limit
 from atorch.auto.search.planner import SearchOptions, search
@@ -52,7 +53,9 @@ def auto_accelerate(
 
     Returns ``(status, result, strategy)``; ``result`` holds the wrapped model, optimizer, dataloader,
     loss_func, prepare_input, lr_scheduler and ``args`` (how to drive them). Bad inputs raise typed
-    errors (``atorch.errors``); a failed dry run returns ``(False, None, None)`` with the reason logged.
+    errors (``atorch.errors``). A loaded strategy whose dry run fails raises ``DryRunError`` on every
+    rank; a search in which no candidate trains within the limits returns ``(False, None, None)``
+    and logs the report.
     """
     unknown = sorted(set(kargs) - set(KARGS))
     if unknown:
@@ -84,7 +87,7 @@ def auto_accelerate(
         strategy = resolve_strategy(Strategy.from_any(load_strategy), excluded=excluded)
         _log(f"auto_accelerate strategy:\n{strategy}")
         if not ignore_dryrun_on_load_strategy:
-            report = dry_run_strategy(lambda: make_context(copy.deepcopy(model)), strategy, kargs.get("dryrun_steps", 2))
+            report = dry_run_strategy(lambda: make_context(copy.deepcopy(model)), strategy, kargs.get("dryrun_steps", DEFAULT_DRYRUN_STEPS))
             _log(str(report))
             if not report.ok:
                 raise DryRunError(f"the loaded strategy failed its dry run: {report.error}")

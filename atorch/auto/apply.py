@@ -70,11 +70,12 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy) -> ModelContext:
 
 
 def dry_run_strategy(make_context: Callable[[], ModelContext], strategy: Strategy, steps: int) -> DryRunResult:
-    """Dry-run on a fresh context (a copy of the model) so the user's model and optimizer stay untouched."""
+    """Dry-run on a fresh context (a copy of the model) so the user's model and optimizer stay
+    untouched; applying the strategy is part of the isolated work, so a rank-local failure there
+    (inside FSDP's or DDP's set-up collectives) fails every rank cleanly too."""
     ctx = make_context()
     try:
-        apply_strategy(ctx, strategy)
-        return dry_run(ctx, warmup_steps=1, timed_steps=steps)
+        return dry_run(ctx, warmup_steps=1, timed_steps=steps, setup=lambda: apply_strategy(ctx, strategy))
     finally:
         del ctx
         gc.collect()

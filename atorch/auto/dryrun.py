@@ -1,20 +1,28 @@
-"""A few real training steps of an applied strategy: step time and peak memory, agreed by all ranks."""
+"""A few real training steps of an applied strategy: step time and peak memory, agreed by all ranks.
+
+The steps (and the strategy's application, when given as ``setup``) run under
+``atorch.distributed.fault.run_isolated``: a step that raises on any one rank, at any point, fails
+the dry run on every rank within seconds and leaves a usable process group behind.
+"""
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from atorch.errors import InputError
 from atorch.auto.model_context import ModelContext
-from atorch.distributed.agreement import max_over_ranks
+from atorch.distributed.agreement import is_multi_rank, max_over_ranks
+from atorch.distributed.fault import run_isolated
+from atorch.errors import InputError
 from atorch.utils.batch import loss_value
 from atorch.utils.memory import PeakMemoryTracker
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_DRYRUN_STEPS = 3  # timed steps of a dry run, in both modes (after one warm-up step)
 
 
 @dataclass
@@ -31,7 +39,7 @@ class DryRunResult:
 
 
 def train_step(ctx: ModelContext, batch) -> torch.Tensor:
-    """One step exactly as the seed's user loop drives the returned objects."""
+    """One step exactly as the user's loop drives the returned objects."""
     data = ctx.prepare_input(batch)
     output = ctx.call_model(ctx.model, data)
     loss = loss_value(ctx.loss_func(data, output))
@@ -44,40 +52,46 @@ def train_step(ctx: ModelContext, batch) -> torch.Tensor:
     return loss.detach()
 
 
-def dry_run(ctx: ModelContext, warmup_steps: int = 1, timed_steps: int = 2) -> DryRunResult:
-    """Run warmup + timed steps on an applied context; failures on any rank fail every rank."""
-    if ctx.dataloader is None or ctx.optim is None:
+def dry_run(ctx: ModelContext, warmup_steps: int = 1, timed_steps: int = DEFAULT_DRYRUN_STEPS,
+            setup: Optional[Callable[[], None]] = None) -> DryRunResult:
+    """``setup()`` (e.g. applying the strategy), then warm-up + timed steps; a failure on any rank
+    fails every rank with the first failure's reason."""
+    if ctx.dataset is None or ctx.optim_func is None or ctx.loss_func is None:
         raise InputError("a dry run needs dataset, loss_func and optim_func")
-    error: Optional[str] = None
-    elapsed, peak = 0.0, 0
-    try:
-        batches = iter(ctx.dataloader)
-        with PeakMemoryTracker(ctx.device, roots=[ctx.model, ctx.raw_optim]) as tracker:
-            for step in range(warmup_steps + timed_steps):
+
+    def work() -> list[float]:
+        if setup is not None:
+            setup()
+        return _timed_steps(ctx, warmup_steps, timed_steps)
+
+    outcome = run_isolated(work)
+    if not outcome.ok:
+        where = f" (rank {outcome.failed_rank})" if is_multi_rank() else ""
+        return DryRunResult(False, error=f"{outcome.error}{where}")
+    step_time, peak = max_over_ranks(outcome.value)
+    return DryRunResult(True, step_time, int(peak))
+
+
+def _timed_steps(ctx: ModelContext, warmup_steps: int, timed_steps: int) -> list[float]:
+    """[mean seconds per timed step, peak bytes] on this rank; raises on any failure."""
+    batches = iter(ctx.dataloader)
+    elapsed = 0.0
+    with PeakMemoryTracker(ctx.device, roots=[ctx.model, ctx.raw_optim]) as tracker:
+        for step in range(warmup_steps + timed_steps):
+            try:
                 batch = next(batches)
-                _sync(ctx.device)
-                start = time.perf_counter()
-                train_step(ctx, batch)
-                _sync(ctx.device)
-                if step >= warmup_steps:
-                    elapsed += time.perf_counter() - start
-        peak = tracker.stats.peak_bytes
-    except StopIteration:
-        error = f"the dataset has fewer than {warmup_steps + timed_steps} batches for the dry run"
-    except Exception as exc:  # reported, and agreed across ranks below
-        error = f"{type(exc).__name__}: {exc}"
-        logger.exception("dry run failed on this rank")
-    return _agree(ctx, error, elapsed / max(timed_steps, 1), peak)
-
-
-def _agree(ctx: ModelContext, error: Optional[str], step_time: float, peak: int) -> DryRunResult:
-    failed, step_time, peak = max_over_ranks([float(error is not None), step_time, float(peak)])
-    failed, peak = bool(failed), int(peak)
-    if failed and error is None:
-        error = "failed on another rank"
-    if failed:
-        return DryRunResult(False, error=error)
-    return DryRunResult(True, step_time, peak)
+            except StopIteration:
+                raise InputError(
+                    f"the dataset gives {step} batch(es) of {ctx.per_rank_batch_size} per rank; the dry run needs "
+                    f"{warmup_steps + timed_steps}"
+                ) from None
+            _sync(ctx.device)
+            start = time.perf_counter()
+            train_step(ctx, batch)
+            _sync(ctx.device)
+            if step >= warmup_steps:
+                elapsed += time.perf_counter() - start
+    return [elapsed / max(timed_steps, 1), float(tracker.stats.peak_bytes)]
 
 
 def _sync(device: torch.device) -> None:

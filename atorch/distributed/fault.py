@@ -1,0 +1,144 @@
+"""Failure isolation across ranks: work that raises on one rank fails on every rank, promptly.
+
+Why this is needed: a rank that raises inside a dry run leaves its peers blocked inside a
+collective (an FSDP all-gather, DDP's gradient all-reduce). If the failing rank then joined an
+agreement all-reduce, the ranks would be inside different collectives: gloo aborts the process or
+both ranks wait until the collective timeout.
+
+How: ``run_isolated(fn)`` runs ``fn`` on every rank. A rank whose ``fn`` raises records why in the
+rendezvous store (the first record wins) and aborts the process group; the peers' pending
+collectives then fail at once, and they take the same path. Every rank then waits, bounded by
+``timeout_s``, for all ranks to reach this point (a rank that never does was lost: killed or hung,
+and ``RankLostError`` names it), rebuilds the default process group on the same store under a new
+prefix, and returns the first failure's reason. When ``fn`` succeeds on every rank the only cost is
+one small all-reduce. Groups made from the old process group (the device mesh, a user's own
+subgroups) are gone after a failure; atorch rebuilds its mesh with the next strategy it applies.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from atorch.distributed import mesh
+from atorch.distributed.agreement import all_ranks_true, is_multi_rank
+from atorch.errors import RankLostError
+
+logger = logging.getLogger("atorch")
+
+DEFAULT_FAULT_TIMEOUT_S = 20.0
+_PREFIX = "atorch/fault"
+_state: dict[str, Any] = {"generation": 0, "root_store": None}
+
+
+@dataclass
+class Outcome:
+    """What ``run_isolated`` returns: the value on success, else the first failure on any rank."""
+
+    ok: bool
+    value: Any = None
+    error: Optional[str] = None
+    failed_rank: Optional[int] = None
+
+
+def describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def run_isolated(fn: Callable[[], Any], timeout_s: float = DEFAULT_FAULT_TIMEOUT_S) -> Outcome:
+    """Run ``fn()`` on every rank; all ranks get the same ``Outcome`` and a usable process group."""
+    if not is_multi_rank():
+        try:
+            return Outcome(True, fn())
+        except Exception as error:
+            logger.info("isolated work failed: %s", describe(error), exc_info=True)
+            return Outcome(False, error=describe(error), failed_rank=0)
+    _remember_root_store()
+    try:
+        value = fn()
+    except Exception as error:
+        logger.info("isolated work failed on this rank: %s", describe(error), exc_info=True)
+        return _recover(error, timeout_s)
+    try:
+        all_ranks_true(True)  # completes only if no rank aborted
+    except Exception as error:
+        return _recover(error, timeout_s)
+    return Outcome(True, value)
+
+
+def _remember_root_store() -> None:
+    """The store of the process group as first seen: every rebuilt group is a prefix of it."""
+    if _state["root_store"] is None:
+        _state["root_store"] = dist.distributed_c10d._get_default_store()
+        _state["backend"] = dist.get_backend()
+        _state["timeout"] = _default_timeout(_state["backend"])
+
+
+def _default_timeout(backend: str) -> datetime.timedelta:
+    try:
+        return dist.distributed_c10d._get_default_timeout(backend)
+    except Exception:  # pragma: no cover - private helper moved
+        return datetime.timedelta(minutes=10)
+
+
+def _recover(error: BaseException, timeout_s: float) -> Outcome:
+    store, rank, world = _state["root_store"], dist.get_rank(), dist.get_world_size()
+    generation = _state["generation"]
+    _state["generation"] += 1
+    key = f"{_PREFIX}/{generation}"
+    record = json.dumps({"rank": rank, "error": describe(error)})
+    try:
+        store.compare_set(f"{key}/first", "", record)  # the first failing rank wins; later ones are echoes
+        _abort_process_group()
+        store.set(f"{key}/reached/{rank}", "1")
+        _wait_for_every_rank(store, key, world, timeout_s)
+        first = json.loads(store.get(f"{key}/first"))
+        _rebuild_process_group(store, generation, rank, world)
+    except RankLostError:
+        raise
+    except Exception as store_error:  # the store's host (rank 0 or the launcher) is gone
+        raise RankLostError(f"the rendezvous store stopped answering after a failure ({describe(store_error)}); "
+                            f"rank 0 or the launcher was lost; this rank's failure: {describe(error)}",
+                            lost_ranks=[0]) from error
+    logger.warning("rank %d failed (%s); every rank stopped that work and the process group was rebuilt",
+                   first["rank"], first["error"])
+    return Outcome(False, error=first["error"], failed_rank=first["rank"])
+
+
+def _abort_process_group() -> None:
+    mesh.destroy_parallel_group()
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    try:
+        if abort is not None:
+            abort()
+        else:  # pragma: no cover - older torch
+            dist.destroy_process_group()
+    except Exception as error:  # already broken: nothing left to close
+        logger.debug("abort of the process group: %s", describe(error))
+    if dist.is_initialized():  # pragma: no cover
+        dist.destroy_process_group()
+
+
+def _wait_for_every_rank(store: Any, key: str, world: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    keys = [f"{key}/reached/{r}" for r in range(world)]
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            lost = [r for r, k in enumerate(keys) if not store.check([k])]
+            first = store.get(f"{key}/first").decode() if store.check([f"{key}/first"]) else "{}"
+            raise RankLostError(
+                f"rank(s) {lost} stopped answering within {timeout_s:.0f} s after a failure "
+                f"(killed, or hung outside atorch); first failure: {json.loads(first).get('error', 'unknown')}",
+                lost_ranks=lost,
+            )
+        time.sleep(0.05)
+
+
+def _rebuild_process_group(store: Any, generation: int, rank: int, world: int) -> None:
+    prefixed = dist.PrefixStore(f"{_PREFIX}/pg/{generation}", store)
+    dist.init_process_group(_state["backend"], store=prefixed, rank=rank, world_size=world, timeout=_state["timeout"])
