@@ -22,7 +22,9 @@ $(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 		echo "keeping the torch already in $(VENV): $$version"; \
 		sed '/^# >>> torch/,/^# <<< torch/d' $(CONSTRAINTS) > $(KEEP_TORCH); \
 		echo "torch==$$version" >> $(KEEP_TORCH); \
-		$(PY) -m pip install -q -c $(KEEP_TORCH) -e '.[test]'; \
+		$(PY) -m pip install -q -c $(KEEP_TORCH) -e '.[test]' || { \
+			echo "atorch was not installed: pip could not fit it around torch $$version, which is kept"; \
+			echo "(atorch needs torch >= 2.7; see docs/install.md)"; exit 1; }; \
 	else \
 		$(PY) -m pip install -q -c $(CONSTRAINTS) torch && \
 		$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[test]'; \
