@@ -1,16 +1,34 @@
-# One-command set-up: every target builds the venv it needs (torch pinned first, so no CUDA build is pulled).
+# One-command set-up: every target builds the venv it needs.
+# Exact versions come from constraints.txt (pyproject.toml has ranges only). torch goes in first,
+# pinned, so pip takes the CPU wheel on disk (or a CUDA wheel you have cached) instead of resolving
+# a multi-GB CUDA build. A venv that already has a torch keeps it: `make test VENV=/path/to/env`
+# installs atorch around your torch, and stops with a resolver error if that torch is too old
+# rather than replacing it.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.atorch-installed
+CONSTRAINTS := constraints.txt
+KEEP_TORCH := $(VENV)/constraints-keep-torch.txt
 NPROC ?= 2
 
 .PHONY: demo test bench clean
 
-$(STAMP): pyproject.toml setup.py
-	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+$(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
+	@if [ ! -x $(PY) ]; then \
+		python3 -m venv $(VENV) && $(PY) -m pip install -q -c $(CONSTRAINTS) --upgrade pip; \
+	fi
+	@if $(PY) -c 'import torch' 2>/dev/null; then \
+		version=$$($(PY) -c 'import torch; print(torch.__version__)'); \
+		echo "keeping the torch already in $(VENV): $$version"; \
+		sed '/^# >>> torch/,/^# <<< torch/d' $(CONSTRAINTS) > $(KEEP_TORCH); \
+		echo "torch==$$version" >> $(KEEP_TORCH); \
+		$(PY) -m pip install -q -c $(KEEP_TORCH) -e '.[test]' || { \
+			echo "atorch was not installed: pip could not fit it around torch $$version, which is kept"; \
+			echo "(atorch needs torch >= 2.7; see docs/install.md)"; exit 1; }; \
+	else \
+		$(PY) -m pip install -q -c $(CONSTRAINTS) torch && \
+		$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[test]'; \
+	fi
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -27,5 +45,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/model_parallel.py
 	$(PY) benchmarks/search_quality.py
 
-clean:
+clean:  # a VENV you pointed at yourself is never deleted: only what make added to it
+ifeq ($(VENV),.venv)
 	rm -rf $(VENV) outputs .pytest_cache
+else
+	rm -f $(STAMP) $(KEEP_TORCH)
+	rm -rf outputs .pytest_cache
+endif
