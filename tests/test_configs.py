@@ -112,6 +112,13 @@ def test_accepted_forms(name, config, expected):
     assert normalize(name, config) == expected
 
 
+def test_a_callable_dynamo_backend_is_kept():
+    def backend(graph, inputs):
+        return graph
+
+    assert normalize("native_dynamo", {"backend": backend}).backend is backend
+
+
 def test_fsdp1_enums_are_taken_by_name():
     class ShardingStrategy(enum.Enum):  # what FSDP1 users pass
         SHARD_GRAD_OP = 2
@@ -148,6 +155,7 @@ def test_unknown_keys_name_the_nearest_valid_key(name, config, message):
     ("tensor_parallel", {"plan": {"blocks.*": "diagonal"}}, "plan[0][1]='diagonal' is not valid: expected one of "
                                                             "['colwise', 'rowwise']"),
     ("parallel_mode", {"dims": [("tensor", "2")]}, "dims[0][1]='2' is not valid: expected an int"),
+    ("native_dynamo", {"backend": 3}, "backend=3 is not valid: expected str or callable"),
     ("zero1", "deepspeed", "config must be a dict with keys among ['use_ds_zero'], got 'deepspeed'"),
     ("mixed_parallel", {"tensor": "auto"}, "tensor must be a dict with keys among ['plan'], got 'auto'"),
 ])
@@ -205,7 +213,7 @@ def test_validator_conversions_and_to_dict():
     assert rows["kind"].type == "'a' | 'b'" and rows["ratio"].default == "0.5" and rows["module"].doc == "a module class"
 
 
-def test_a_users_method_without_config_class_gets_its_config_unchanged():
+def test_a_users_method_may_declare_a_config_class_or_take_any_config():
     class Custom(Optimization):
         name = "custom_for_test"
 
@@ -214,6 +222,20 @@ def test_a_users_method_without_config_class_gets_its_config_unchanged():
 
     marker = object()
     assert Custom().normalize(marker) is marker and Custom().normalize(None) is None
+
+    class Typed(Custom):
+        name = "typed_for_test"
+        config_class = _Toy
+
+    assert Typed().normalize({"count": 2}) == _Toy(count=2)
+    with pytest.raises(MethodConfigError, match="typed_for_test: unknown key 'cont' \\(did you mean 'count'"):
+        Typed().normalize({"cont": 2})
+
+    class Untyped(Custom):
+        config_class = dict
+
+    with pytest.raises(TypeError, match="config_class must be"):
+        opt_lib.register_optimization(Untyped)
 
 
 def test_strategy_str_shows_the_non_default_fields():

@@ -81,6 +81,7 @@ class MethodConfig:
 
     @classmethod
     def field_docs(cls) -> list[FieldDoc]:
+        """One row per field (name, type, default, doc), for the generated method docs."""
         hints = _hints(cls)
         rows = []
         for f in dataclasses.fields(cls):
