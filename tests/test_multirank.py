@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import atorch.distributed as adist
 from atorch.auto.strategy import Strategy
-from atorch.distributed.mesh import group_ranks, normalize_parallel_config
+from atorch.distributed.mesh import ParallelModeConfig, group_ranks, normalize_parallel_config, parse_parallel_config
 from atorch.testing import run_distributed
 from atorch.testing.training import train_gpt
 from tests.parity import BF16, CKPT, assert_matches, run_suite
@@ -64,8 +64,11 @@ def test_world_size_2(reference):
     results = run_distributed(run_suite, 2, CASES_2)
     _check_all(results, CASES_2, reference, 2, skip={"from_4_ranks_refused"})
     for rank_result in results:
-        assert rank_result["from_4_ranks_data"]["strategy"].get("parallel_mode") == ([("data", 2)], None)
-        assert rank_result["from_4_ranks_tensor_data"]["strategy"].get("parallel_mode") == ([("tensor", 2), ("data", 1)], None)
+        # the strategy came back through pickle, which stores configs as plain dicts: parse them again
+        data = parse_parallel_config(rank_result["from_4_ranks_data"]["strategy"].get("parallel_mode"))
+        assert data == ParallelModeConfig(dims=(("data", 2),))
+        tensor_data = parse_parallel_config(rank_result["from_4_ranks_tensor_data"]["strategy"].get("parallel_mode"))
+        assert tensor_data == ParallelModeConfig(dims=(("tensor", 2), ("data", 1)))
         assert rank_result["bf16_skip_nonfinite"]["strategy"].names() == ["parallel_mode", "amp_native"]
         error = rank_result["from_4_ranks_refused"]["error"]
         assert error.startswith("ParallelModeError") and "tensor=4" in error and "world size 2" in error

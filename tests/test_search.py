@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from atorch.auto.accelerate import auto_accelerate
+from atorch.distributed.mesh import ParallelModeConfig, parse_parallel_config
 from atorch.models import GPTConfig, SyntheticTokenDataset, gpt_loss
 from atorch.testing import run_distributed
 from atorch.testing.training import build_gpt
@@ -150,8 +151,8 @@ def test_included_layout_method_searches_only_that_layout(searched):
     case = searched[0]["tensor_layout"]
     assert case["rows"] and all(r["label"].endswith("+tp2") for r in case["rows"]), case["table"]
     assert "tensor_parallel" in _names(case["strategy"]), case["table"]
-    mode = next(config for name, config, _ in case["strategy"] if name == "parallel_mode")
-    assert dict(mode[0])["tensor"] == 2, mode
+    mode = parse_parallel_config(case["strategy"].get("parallel_mode"))
+    assert mode.size("tensor") == 2, mode
 
 
 def test_layout_candidates_follow_the_model_and_the_rules():
@@ -172,7 +173,9 @@ def test_layout_candidates_follow_the_model_and_the_rules():
     assert "zero1 needs a data dimension" in skipped["zero1+fp32+tp2+pp2"]
     assert "not searched with tensor / pipeline layouts" in skipped["fsdp+fp32+tp2"]
     mixed = next(c for c in candidates if (c.tensor, c.pipeline) == (2, 2))
-    assert mixed.strategy(4)[0] == ("parallel_mode", ([("tensor", 2), ("pipeline", 2), ("data", 1)], None))
+    name, mode = mixed.strategy(4)[0]
+    assert name == "parallel_mode"
+    assert parse_parallel_config(mode) == ParallelModeConfig(dims=(("tensor", 2), ("pipeline", 2), ("data", 1)))
     assert "mixed_parallel" in [i if isinstance(i, str) else i[0] for i in mixed.strategy(4)]
     # a model with tied input / output embeddings cannot be cut into pipeline stages
     tied = build_gpt(0, GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32, tie_weights=True))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -17,6 +17,7 @@ from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib import data_parallel
 from atorch.auto.opt_lib.compat import check_compatible
 from atorch.auto.strategy import Strategy, StrategyItem
+from atorch.distributed import mesh
 from atorch.distributed.agreement import world_size as current_world_size
 from atorch.errors import InputError, RequirementError
 
@@ -84,12 +85,5 @@ def dry_run_strategy(make_context: Callable[[], ModelContext], strategy: Strateg
 def _log_parallel_adjustment(original: Strategy, items: list[StrategyItem], world_size: int) -> None:
     given = original.get("parallel_mode")
     final = next((i.config for i in items if i.name == "parallel_mode"), None)
-    if given is not None and final is not None and _sizes(given) != _sizes(final):
+    if given is not None and final is not None and mesh.parse_parallel_config(given).dims != final.dims:
         logger.warning("parallel_mode %s adjusted to %s for world size %d", given, final, world_size)
-
-
-def _sizes(config: Any) -> Any:
-    try:
-        return [tuple(d) for d in config[0]]
-    except (TypeError, IndexError):
-        return config

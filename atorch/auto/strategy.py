@@ -3,6 +3,11 @@
 A strategy is plain data so it can be saved, shared and reused as ``load_strategy``. Pickles are
 the seed's format; they are read back with a restricted unpickler so that opening a strategy file
 never runs code (only Strategy itself, torch dtypes and nn.Module classes may appear in one).
+
+Configs are kept as given; the strategy ``auto_accelerate`` returns holds each method's normalized
+config (a ``MethodConfig`` dataclass). Pickles and JSON store a dataclass as plain data, the dict
+of its non-default fields, so loading gives that dict back and the method's ``normalize`` turns it
+into an equal dataclass. Two strategies are equal when they would be saved alike.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from typing import Any, Iterable, Iterator, NamedTuple
 import torch
 
 from atorch.errors import StrategyError, StrategyFileError, UnsafeStrategyError
+from atorch.utils.config import MethodConfig
 
 _FORMAT = "atorch-strategy"
 _VERSION = 1
@@ -53,7 +59,7 @@ class Strategy:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Strategy):
             return NotImplemented
-        return [tuple(i) for i in self._items] == [tuple(i) for i in other._items]
+        return self._plain_items() == other._plain_items()
 
     def __contains__(self, name: object) -> bool:
         return any(item.name == name for item in self._items)
@@ -66,7 +72,7 @@ class Strategy:
             return "Strategy: (empty)"
         lines = ["Strategy:"]
         for index, item in enumerate(self._items):
-            config = "default" if item.config is None else _short_repr(item.config)
+            config = "default" if item.config is None or _plain(item.config) == {} else _short_repr(item.config)
             flag = " (tunable)" if item.tunable else ""
             lines.append(f"  {index}. {item.name}: {config}{flag}")
         return "\n".join(lines)
@@ -101,10 +107,14 @@ class Strategy:
     def with_first(self, name: str, config: Any, tunable: bool = True) -> "Strategy":
         return Strategy([StrategyItem(name, config, tunable)] + self._items)
 
+    def _plain_items(self) -> list[tuple]:
+        """(name, config, tunable) with dataclass configs as the dict of their non-default fields."""
+        return [(item.name, _plain(item.config), item.tunable) for item in self._items]
+
     # --- pickle (seed format) ----------------------------------------------------------------
     def __getstate__(self) -> dict:
         # plain tuples only, so the restricted unpickler needs no other class
-        return {"version": _VERSION, "items": [tuple(item) for item in self._items]}
+        return {"version": _VERSION, "items": self._plain_items()}
 
     def __setstate__(self, state: Any) -> None:
         if not isinstance(state, dict) or not isinstance(state.get("items"), list):
@@ -131,8 +141,8 @@ class Strategy:
     # --- JSON --------------------------------------------------------------------------------
     def to_json(self) -> str:
         methods = [
-            {"name": item.name, "config": _encode(item.config, item.name), "tunable": item.tunable}
-            for item in self._items
+            {"name": name, "config": _encode(config, name), "tunable": tunable}
+            for name, config, tunable in self._plain_items()
         ]
         return json.dumps({"format": _FORMAT, "version": _VERSION, "methods": methods}, indent=2)
 
@@ -208,7 +218,13 @@ def _to_item(entry: Any) -> StrategyItem:
     )
 
 
+def _plain(config: Any) -> Any:
+    return config.to_dict() if isinstance(config, MethodConfig) else config
+
+
 def _short_repr(value: Any) -> str:
+    if isinstance(value, MethodConfig):  # its non-default fields
+        return ", ".join(f"{k}={_short_repr(v)}" for k, v in value.to_dict().items())
     if isinstance(value, type):
         return value.__name__
     if isinstance(value, tuple):

@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from atorch.errors import ParallelModeError
+from atorch.utils.config import MethodConfig, option, validate_config
 
 logger = logging.getLogger(__name__)
 
@@ -25,11 +26,14 @@ DATA_DIMS = ("data", "zero")  # dimensions over which the batch is split
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
-    """A validated parallel_mode: dims in the user's order (first varies fastest) and a rank order."""
+class ParallelModeConfig(MethodConfig):
+    """A parallel_mode: dims in the user's order (the first varies fastest) and a rank order."""
 
-    dims: tuple[tuple[str, int], ...]
-    rank_order: Optional[tuple[int, ...]] = None
+    dims: tuple[tuple[str, int], ...] = option(
+        (), doc="(name, size) pairs, names among 'data', 'zero', 'tensor', 'pipeline'; the first varies fastest; "
+        "data is fitted to the world size")
+    rank_order: Optional[tuple[int, ...]] = option(
+        None, doc="a permutation of range(world size) laid onto the grid in place of 0..N-1")
 
     @property
     def world_size(self) -> int:
@@ -38,26 +42,35 @@ class ParallelConfig:
     def size(self, name: str) -> int:
         return dict(self.dims).get(name, 1)
 
-    def as_strategy_config(self) -> tuple[list[tuple[str, int]], Optional[list[int]]]:
-        return ([tuple(d) for d in self.dims], None if self.rank_order is None else list(self.rank_order))
+
+def parse_parallel_config(config: Any) -> ParallelModeConfig:
+    """A parallel_mode config as given (not yet fitted to a world size), checked: None, the seed's
+    ``([(name, size), ...], rank_order_or_None)``, the list of pairs alone, a dict or an instance."""
+    if config is None:
+        config = {}
+    elif not isinstance(config, (Mapping, ParallelModeConfig)):
+        config = _seed_form(config)
+    parsed = validate_config("parallel_mode", ParallelModeConfig, config)
+    seen: set[str] = set()
+    for name, size in parsed.dims:
+        if name not in PARALLEL_DIMS:
+            raise ParallelModeError(f"parallel_mode: unknown dimension {name!r}; valid names: {list(PARALLEL_DIMS)}")
+        if name in seen:
+            raise ParallelModeError(f"parallel_mode: dimension {name!r} is given twice")
+        if size < 1:
+            raise ParallelModeError(f"parallel_mode: size of {name!r} must be a positive int, got {size!r}")
+        seen.add(name)
+    return parsed
 
 
-def normalize_parallel_config(config: Any, world_size: int) -> ParallelConfig:
+def normalize_parallel_config(config: Any, world_size: int) -> ParallelModeConfig:
     """Validate a parallel_mode config and fit its ``data`` size to ``world_size``.
 
     The non-data sizes must divide ``world_size``; ``data`` becomes world_size / their product (added
     when missing and needed). Raises ParallelModeError naming the bad entry otherwise.
     """
-    dims, rank_order = _split_config(config)
-    seen: set[str] = set()
-    for name, size in dims:
-        if name not in PARALLEL_DIMS:
-            raise ParallelModeError(f"parallel_mode: unknown dimension {name!r}; valid names: {list(PARALLEL_DIMS)}")
-        if name in seen:
-            raise ParallelModeError(f"parallel_mode: dimension {name!r} is given twice")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ParallelModeError(f"parallel_mode: size of {name!r} must be a positive int, got {size!r}")
-        seen.add(name)
+    parsed = parse_parallel_config(config)
+    dims = list(parsed.dims)
     fixed = math.prod(size for name, size in dims if name != "data")
     if world_size % fixed:
         detail = " x ".join(f"{n}={s}" for n, s in dims if n != "data")
@@ -65,53 +78,46 @@ def normalize_parallel_config(config: Any, world_size: int) -> ParallelConfig:
             f"parallel_mode: {detail} (product {fixed}) does not divide the world size {world_size}"
         )
     data = world_size // fixed
-    if "data" in seen:
+    if any(name == "data" for name, _ in dims):
         dims = [(n, data if n == "data" else s) for n, s in dims]
     elif data > 1:
         dims = dims + [("data", data)]
     if not dims:
         dims = [("data", world_size)]
-    if rank_order is not None:
-        if sorted(rank_order) != list(range(world_size)):
-            raise ParallelModeError(
-                f"parallel_mode: rank order must be a permutation of range({world_size}), got {list(rank_order)}"
-            )
-        rank_order = tuple(rank_order)
-    return ParallelConfig(tuple((n, s) for n, s in dims), rank_order)
-
-
-def _split_config(config: Any) -> tuple[list[tuple[str, int]], Optional[Sequence[int]]]:
-    if config is None:
-        return [], None
-    if isinstance(config, (tuple, list)) and len(config) == 2 and (
-        config[1] is None or isinstance(config[1], (list, tuple))
-    ) and isinstance(config[0], (list, tuple)) and all(
-        isinstance(d, (list, tuple)) for d in config[0]
-    ):
-        dims, order = config
-    elif isinstance(config, (list, tuple)) and all(isinstance(d, (list, tuple)) for d in config):
-        dims, order = config, None  # just the list of (name, size)
-    else:
+    rank_order = parsed.rank_order
+    if rank_order is not None and sorted(rank_order) != list(range(world_size)):
         raise ParallelModeError(
-            "parallel_mode config must be ([(name, size), ...], rank_order_or_None), "
-            f"e.g. ([('tensor', 2), ('data', 2)], None); got {config!r}"
+            f"parallel_mode: rank order must be a permutation of range({world_size}), got {list(rank_order)}"
         )
-    out = []
-    for entry in dims:
-        if len(entry) != 2 or not isinstance(entry[0], str):
-            raise ParallelModeError(f"parallel_mode: entry {entry!r} must be a (name, size) pair")
-        out.append((entry[0], entry[1]))
-    return out, order
+    return ParallelModeConfig(tuple(dims), rank_order)
 
 
-def rank_grid(config: ParallelConfig) -> torch.Tensor:
+def _seed_form(config: Any) -> dict:
+    """``([(name, size), ...], rank_order_or_None)`` or the list of pairs alone → a dict."""
+    if isinstance(config, (tuple, list)) and len(config) == 2 and _pairs(config[0]) and (
+        config[1] is None or isinstance(config[1], (list, tuple))
+    ):
+        return {"dims": config[0], "rank_order": config[1]}
+    if _pairs(config):
+        return {"dims": config}
+    raise ParallelModeError(
+        "parallel_mode config must be ([(name, size), ...], rank_order_or_None), "
+        f"e.g. ([('tensor', 2), ('data', 2)], None); got {config!r}"
+    )
+
+
+def _pairs(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(d, (list, tuple)) for d in value)
+
+
+def rank_grid(config: ParallelModeConfig) -> torch.Tensor:
     """Ranks laid out outermost-first (mesh shape = reversed dims), first dim fastest."""
     order = config.rank_order or tuple(range(config.world_size))
     shape = [size for _, size in reversed(config.dims)]
     return torch.tensor(order, dtype=torch.int).reshape(shape)
 
 
-def group_ranks(config: ParallelConfig, names: Sequence[str] | None = None) -> dict[str, list[list[int]]]:
+def group_ranks(config: ParallelModeConfig, names: Sequence[str] | None = None) -> dict[str, list[list[int]]]:
     """Rank lists of every group along each dimension, computed without any process (pure function).
 
     With several ``names`` in one key (e.g. ("zero", "data")), the groups span those dimensions jointly.
@@ -134,7 +140,7 @@ def _groups_along(grid: torch.Tensor, mesh_names: list[str], names: Sequence[str
 class ParallelState:
     """The live mesh and the groups derived from it (one per process)."""
 
-    def __init__(self, config: ParallelConfig, device_type: str):
+    def __init__(self, config: ParallelModeConfig, device_type: str):
         self.config = config
         names = tuple(name for name, _ in reversed(config.dims))
         self.mesh = DeviceMesh(device_type, rank_grid(config), mesh_dim_names=names)
@@ -156,7 +162,7 @@ class ParallelState:
 _STATE: Optional[ParallelState] = None
 
 
-def create_parallel_group(config: ParallelConfig, device_type: Optional[str] = None) -> ParallelState:
+def create_parallel_group(config: ParallelModeConfig, device_type: Optional[str] = None) -> ParallelState:
     """Build the mesh on every rank (collective: all ranks must call it with the same config)."""
     global _STATE
     if not dist.is_initialized():
@@ -182,7 +188,7 @@ def parallel_state() -> Optional[ParallelState]:
     return _STATE
 
 
-def parallel_config() -> Optional[ParallelConfig]:
+def parallel_config() -> Optional[ParallelModeConfig]:
     return None if _STATE is None else _STATE.config
 
 
@@ -240,7 +246,8 @@ def data_parallel_rank() -> int:
 
 
 __all__ = [
-    "PARALLEL_DIMS", "ParallelConfig", "normalize_parallel_config", "group_ranks", "rank_grid",
+    "PARALLEL_DIMS", "ParallelModeConfig", "parse_parallel_config", "normalize_parallel_config", "group_ranks",
+    "rank_grid",
     "create_parallel_group", "destroy_parallel_group", "parallel_group", "parallel_group_size",
     "parallel_rank", "parallel_group_ranks", "data_parallel_size", "data_parallel_rank", "device_mesh",
     "data_parallel_mesh",

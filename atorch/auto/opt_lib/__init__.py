@@ -4,9 +4,11 @@ Built-in methods are registered below; users add their own with ``register_optim
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Type
 
 from atorch.errors import UnknownMethodError
+from atorch.utils.config import MethodConfig
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.amp import AmpNativeOptimization
 from atorch.auto.opt_lib.checkpoint import CheckpointOptimization
@@ -31,6 +33,11 @@ def register_optimization(method: Optimization | Type[Optimization], *, replace:
     instance = method() if isinstance(method, type) else method
     if not isinstance(instance, Optimization) or not instance.name:
         raise TypeError("register_optimization needs an Optimization subclass with a non-empty name")
+    config_class = instance.config_class
+    if config_class is not None and not (isinstance(config_class, type) and issubclass(config_class, MethodConfig)
+                                         and dataclasses.is_dataclass(config_class)):
+        raise TypeError(f"{instance.name}: config_class must be a @dataclass(frozen=True) subclass of "
+                        f"atorch.utils.config.MethodConfig (or None), got {config_class!r}")
     if instance.name in _REGISTRY and not replace:
         raise ValueError(f"optimization {instance.name!r} is already registered (pass replace=True)")
     _REGISTRY[instance.name] = instance

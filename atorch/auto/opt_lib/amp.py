@@ -7,6 +7,7 @@ skips the step when any is inf/nan.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -17,54 +18,41 @@ from torch.amp.grad_scaler import OptState
 from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.optimizer import AtorchOptimizer
+from atorch.utils.config import LOW_PRECISION_DTYPES, MethodConfig, option
 
 _UNSCALED = OptState.UNSCALED  # the grad scaler's per-optimizer stage marker
 
-DTYPE_NAMES = {
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-}
 SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
 
 
-def parse_dtype(method: str, value: Any) -> torch.dtype:
-    """'fp16' / 'bf16' / torch.float16 / torch.bfloat16 → a torch dtype (clear error otherwise)."""
-    if value in (torch.float16, torch.bfloat16):
-        return value
-    if isinstance(value, str) and value.lower() in DTYPE_NAMES:
-        return DTYPE_NAMES[value.lower()]
-    raise MethodConfigError(method, f"dtype {value!r} is not valid; choose torch.float16 / 'fp16' or torch.bfloat16 / 'bf16'")
+@dataclass(frozen=True)
+class AmpNativeConfig(MethodConfig):
+    dtype: torch.dtype = option(torch.float16, doc="autocast dtype: torch.float16 ('fp16') or torch.bfloat16 ('bf16')",
+                                choices=LOW_PRECISION_DTYPES)
+    skip_if_nonfinite: bool = option(False, doc="bf16: skip a step whose gradients hold inf/nan on any rank "
+                                     "(fp16 always does, through the grad scaler)")
+    init_scale: float = option(2.0**16, doc="fp16 only: the grad scaler's first loss scale", minimum=0.0)
+    growth_factor: float = option(2.0, doc="fp16 only: scale multiplier after growth_interval finite steps", minimum=1.0)
+    backoff_factor: float = option(0.5, doc="fp16 only: scale multiplier after a non-finite step", minimum=0.0, maximum=1.0)
+    growth_interval: int = option(2000, doc="fp16 only: finite steps before the scale grows", minimum=1)
 
 
 class AmpNativeOptimization(Optimization):
     name = "amp_native"
-    is_tunable = True
-    default_config = {"dtype": torch.float16}
+    config_class = AmpNativeConfig
 
-    def normalize(self, config: Any) -> dict:
-        if config is None:
-            return dict(self.default_config)
+    def normalize(self, config: Any) -> AmpNativeConfig:
+        """Also accepts the dtype alone: ``torch.bfloat16`` or ``"bf16"``."""
         if isinstance(config, (str, torch.dtype)):
             config = {"dtype": config}
-        if not isinstance(config, dict):
-            raise MethodConfigError(self.name, f"config must be a dict such as {{'dtype': torch.bfloat16}}, got {config!r}")
-        valid = ("dtype", "skip_if_nonfinite") + SCALER_KEYS
-        for key in config:
-            if key not in valid:
-                raise MethodConfigError(self.name, f"unknown key {key!r}; valid keys: {list(valid)}")
-        out = dict(config)
-        out["dtype"] = parse_dtype(self.name, config.get("dtype", torch.float16))
-        if "skip_if_nonfinite" in out and not isinstance(out["skip_if_nonfinite"], bool):
-            raise MethodConfigError(self.name, f"skip_if_nonfinite must be a bool, got {out['skip_if_nonfinite']!r}")
-        if out["dtype"] == torch.bfloat16 and any(k in out for k in SCALER_KEYS):
-            raise MethodConfigError(self.name, f"grad-scaler keys {SCALER_KEYS} apply to fp16 only")
-        return out
+        config = super().normalize(config)
+        scaler_keys = sorted(set(config.to_dict()) & set(SCALER_KEYS))
+        if config.dtype == torch.bfloat16 and scaler_keys:
+            raise MethodConfigError(self.name, f"grad-scaler keys {scaler_keys} apply to fp16 only")
+        return config
 
-    def candidates(self, ctx) -> list[Any]:
-        return [{"dtype": torch.bfloat16}, {"dtype": torch.float16}]
-
-    def transform(self, ctx, config: dict) -> None:
-        dtype = config["dtype"]
+    def transform(self, ctx, config: AmpNativeConfig) -> None:
+        dtype = config.dtype
         ctx.amp_dtype = dtype  # sharding wrappers read it to pick a mixed-precision policy
 
         def wrap(ctx) -> None:
@@ -76,9 +64,8 @@ class AmpNativeOptimization(Optimization):
                 return
             scaler = None
             if dtype == torch.float16:
-                kwargs = {k: config[k] for k in SCALER_KEYS if k in config}
-                scaler = torch.amp.GradScaler(device_type, **kwargs)
-            ctx.optim = AmpOptimizer(ctx.optim, scaler, check_nonfinite=bool(config.get("skip_if_nonfinite")))
+                scaler = torch.amp.GradScaler(device_type, **{k: getattr(config, k) for k in SCALER_KEYS})
+            ctx.optim = AmpOptimizer(ctx.optim, scaler, check_nonfinite=config.skip_if_nonfinite)
             ctx.args.use_optim_backward = True
 
         ctx.add_wrapper("amp", self.name, wrap)

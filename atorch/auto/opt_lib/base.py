@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Optional
 
 from atorch.auto.model_context import ModelContext
+from atorch.utils.config import MethodConfig, validate_config
 
 
 class Optimization:
@@ -16,24 +17,31 @@ class Optimization:
     """
 
     name: ClassVar[str] = ""
-    distributed_only: ClassVar[bool] = False  # dropped (with a log line) in a single process
-    ignored_when_unavailable: ClassVar[bool] = False  # missing requirements: warn and skip instead of raising
-    is_tunable: ClassVar[bool] = False  # whether finetune/search may change its config
-    default_config: ClassVar[Any] = None
+    """How strategies name the method; the registry key."""
+    config_class: ClassVar[Optional[type[MethodConfig]]] = None
+    """The frozen dataclass ``normalize`` returns; ``config_class()`` is the default config. A user's
+    method may leave it None: its configs are then passed to ``transform`` unchanged."""
+    distributed_only: ClassVar[bool] = False
+    """Dropped (with a log line) in a single process, where it has nothing to do."""
+    ignored_when_unavailable: ClassVar[bool] = False
+    """When ``requirements`` says no: warn and skip the method instead of raising."""
 
     def requirements(self, config: Any = None) -> Optional[str]:
         """Why this method (with this normalized config) cannot run here (missing package or
-        hardware), or None when it can."""
+        hardware), or None when it can: checked before anything is applied, so a strategy fails
+        up front with the reason."""
         return None
 
     def normalize(self, config: Any) -> Any:
-        """Validate ``config`` and return its canonical form; raise MethodConfigError when bad."""
-        return self.default_config if config is None else config
+        """The config in its one canonical form (a ``config_class`` instance), from None (defaults),
+        a dict or an instance; raise MethodConfigError when bad. Called once when a strategy is
+        resolved, so transforms, compatibility checks and saved strategies all see the same value.
+        Methods with short forms (a dtype, a tuple of modules) turn them into the dict first."""
+        if self.config_class is None:
+            return config
+        return validate_config(self.name, self.config_class, {} if config is None else config)
 
     def transform(self, ctx: "ModelContext", config: Any) -> None:
-        """Record this method's effect on ``ctx`` (config is already normalized)."""
+        """Record this method's effect on ``ctx`` (config is already normalized): wrappers at the
+        canonical stages, applied later in one order so methods compose without knowing each other."""
         raise NotImplementedError(f"{type(self).__name__}.transform")
-
-    def candidates(self, ctx: "ModelContext") -> list[Any]:
-        """Configs the fully automatic search may try (the default config only, by default)."""
-        return [self.default_config]

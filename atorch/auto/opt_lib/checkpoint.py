@@ -9,57 +9,54 @@ from __future__ import annotations
 import fnmatch
 import functools
 import logging
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
+from atorch.utils.config import MethodConfig, ModuleTargets, option
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class CheckpointConfig(MethodConfig):
+    wrap_class: ModuleTargets = option(doc="modules to recompute: nn.Module classes, class names or qualified-name "
+                                       "globs such as 'blocks.*.mlp'")
+    no_reentrant: bool = option(True, doc="use PyTorch's non-reentrant checkpoint (keyword arguments, any outputs)")
+
+
 class CheckpointOptimization(Optimization):
     name = "checkpoint"
-    is_tunable = True
-    default_config = None
+    config_class = CheckpointConfig
 
-    def normalize(self, config: Any) -> dict:
+    def normalize(self, config: Any) -> CheckpointConfig:
+        """Also accepts the modules alone: ``(GPTBlock,)``, ``"GPTBlock"``, ``["blocks.*"]``."""
         if config is None:
             raise MethodConfigError(
                 self.name, "needs the modules to checkpoint, e.g. ('GPTBlock',) or {'wrap_class': (MyBlock,)}"
             )
-        no_reentrant = True
-        if isinstance(config, dict):
-            unknown = set(config) - {"wrap_class", "no_reentrant"}
-            if unknown:
-                raise MethodConfigError(self.name, f"unknown keys {sorted(unknown)}; valid keys: ['wrap_class', 'no_reentrant']")
-            if "wrap_class" not in config:
-                raise MethodConfigError(self.name, "dict config needs 'wrap_class'")
-            no_reentrant = config.get("no_reentrant", True)
-            if not isinstance(no_reentrant, bool):
-                raise MethodConfigError(self.name, f"no_reentrant must be a bool, got {no_reentrant!r}")
-            config = config["wrap_class"]
-        targets = tuple(config) if isinstance(config, (tuple, list, set)) else (config,)
-        if not targets:
+        if not isinstance(config, (Mapping, CheckpointConfig)):
+            config = {"wrap_class": config}
+        config = super().normalize(config)
+        if not config.wrap_class:
             raise MethodConfigError(self.name, "wrap_class is empty: name at least one module type or name")
-        for target in targets:
-            if not (isinstance(target, str) or (isinstance(target, type) and issubclass(target, torch.nn.Module))):
-                raise MethodConfigError(self.name, f"{target!r} is neither an nn.Module subclass nor a module name")
-        return {"wrap_class": targets, "no_reentrant": no_reentrant}
+        return config
 
-    def transform(self, ctx, config: dict) -> None:
+    def transform(self, ctx, config: CheckpointConfig) -> None:
         def wrap(ctx) -> None:
-            modules = matching_modules(ctx.model, config["wrap_class"])
+            modules = matching_modules(ctx.model, config.wrap_class)
             if not modules:
                 present = sorted({type(m).__name__ for m in ctx.model.modules()})
                 raise MethodConfigError(
-                    self.name, f"no submodule matches {config['wrap_class']!r}; module types in the model: {present}"
+                    self.name, f"no submodule matches {config.wrap_class!r}; module types in the model: {present}"
                 )
             _disable_kv_cache(ctx.model)
             for module in modules:
-                enable_checkpoint(module, use_reentrant=not config["no_reentrant"])
+                enable_checkpoint(module, use_reentrant=not config.no_reentrant)
 
         ctx.add_wrapper("checkpoint", self.name, wrap)
 

@@ -22,12 +22,9 @@ REQUIRES: dict[str, tuple[str, ...]] = {
 
 
 def precision_of(name: str, config: Any) -> torch.dtype | None:
-    """The low-precision dtype a method asks for, if any (configs are normalized)."""
-    if name == "amp_native":
-        return config["dtype"]
-    if name == "half":
-        return torch.float16 if config == "fp16" else torch.bfloat16
-    return None
+    """The low-precision dtype a method asks for, if any (configs are normalized: AmpNativeConfig,
+    HalfConfig)."""
+    return config.dtype if name in ("amp_native", "half") else None
 
 
 def check_compatible(items: Sequence[tuple[str, Any]]) -> None:

@@ -12,6 +12,7 @@ returns a ``PipelineOutput``, ``loss_func`` returns its loss, ``optim.backward``
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -25,30 +26,27 @@ from atorch.auto.opt_lib.pipeline_parallel import PipelineOutput, pipeline_loss
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.distributed import mesh
 from atorch.utils.batch import batch_size_of, loss_value, select_rows
+from atorch.utils.config import MethodConfig, option
 
 logger = logging.getLogger(__name__)
-KEYS = ("num_micro_batch", "partition_method")
+
+
+@dataclass(frozen=True)
+class DS3DParallelConfig(MethodConfig):
+    num_micro_batch: int = option(2, doc="micro-batches per step (DeepSpeed's gradient accumulation steps)", minimum=1)
+    partition_method: str = option("parameters", doc="how DeepSpeed balances stages: 'parameters', 'uniform' or "
+                                   "'type:<regex>'")
 
 
 class DS3DParallelOptimization(Optimization):
     name = "ds_3d_parallel"
     distributed_only = True
-    is_tunable = False
-    default_config = None
-
-    def normalize(self, config: Any) -> dict:
-        config = {} if config is None else config
-        if not isinstance(config, dict) or set(config) - set(KEYS):
-            raise MethodConfigError(self.name, f"config must be a dict with keys among {list(KEYS)}, got {config!r}")
-        micro = config.get("num_micro_batch", 2)
-        if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
-            raise MethodConfigError(self.name, f"num_micro_batch must be a positive int, got {micro!r}")
-        return {"num_micro_batch": micro, "partition_method": config.get("partition_method", "parameters")}
+    config_class = DS3DParallelConfig
 
     def requirements(self, config: Any = None) -> Optional[str]:
         return deepspeed_unavailable_reason()
 
-    def transform(self, ctx, config: dict) -> None:
+    def transform(self, ctx, config: DS3DParallelConfig) -> None:
         reason = deepspeed_unavailable_reason()
         if reason:
             raise RequirementError(f"ds_3d_parallel: {reason}")
@@ -65,7 +63,7 @@ class DS3DParallelOptimization(Optimization):
         ctx.args.use_optim_backward = True
 
 
-def _build_engine(ctx, config: dict) -> "EngineStepOptimizer":
+def _build_engine(ctx, config: DS3DParallelConfig) -> "EngineStepOptimizer":
     import deepspeed
     from deepspeed.pipe import PipelineModule as DSPipelineModule
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
@@ -78,9 +76,9 @@ def _build_engine(ctx, config: dict) -> "EngineStepOptimizer":
     layers = list(ctx.model)
     module = DSPipelineModule(layers=layers, num_stages=pp, topology=PipeDataParallelTopology(num_pp=pp, num_dp=dp),
                               loss_fn=lambda output, index: holder["wrapper"].micro_loss(output, index),
-                              partition_method=config["partition_method"])
+                              partition_method=config.partition_method)
     per_rank = ctx.per_rank_batch_size
-    micro = config["num_micro_batch"]
+    micro = config.num_micro_batch
     if per_rank % micro:
         raise MethodConfigError("ds_3d_parallel", f"the per-rank batch {per_rank} does not split into {micro} micro-batches")
     ds_config = {"train_micro_batch_size_per_gpu": per_rank // micro, "gradient_accumulation_steps": micro,

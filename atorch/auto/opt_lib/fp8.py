@@ -10,22 +10,31 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
 
 import torch
 from torch import nn
 
-from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
+from atorch.utils.config import MethodConfig, option
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CONFIG = {
-    "include": None, "exclude": None, "verbose": False, "margin": 0, "interval": 1, "fp8_format": "HYBRID",
-    "amax_history_len": 1024, "amax_compute_algo": "max", "reduce_amax": True,
-}
-RECIPE_KEYS = ("margin", "interval", "fp8_format", "amax_history_len", "amax_compute_algo", "reduce_amax")
-CHOICES = {"fp8_format": ("HYBRID", "E4M3"), "amax_compute_algo": ("max", "most_recent")}
+RECIPE_KEYS = ("margin", "interval", "amax_history_len", "amax_compute_algo", "reduce_amax")  # besides fp8_format
+
+
+@dataclass(frozen=True)
+class FP8Config(MethodConfig):
+    include: Optional[tuple[str, ...]] = option(None, doc="convert only Linear layers whose name holds one of these")
+    exclude: Optional[tuple[str, ...]] = option(None, doc="leave Linear layers whose name holds one of these")
+    verbose: bool = option(False, doc="log which layers are converted and why the others are not")
+    margin: int = option(0, doc="DelayedScaling: margin of the scaling factor (a power of 2)", minimum=0)
+    interval: int = option(1, doc="DelayedScaling: steps between scaling-factor updates", minimum=1)
+    fp8_format: Literal["HYBRID", "E4M3"] = option("HYBRID", doc="HYBRID: E4M3 forward, E5M2 backward")
+    amax_history_len: int = option(1024, doc="DelayedScaling: amax history length", minimum=1)
+    amax_compute_algo: Literal["max", "most_recent"] = option("max", doc="DelayedScaling: amax from the history")
+    reduce_amax: bool = option(True, doc="DelayedScaling: reduce amax over the data-parallel group")
 
 
 def select_fp8_linears(model: nn.Module, include=None, exclude=None) -> tuple[list[str], dict[str, str]]:
@@ -62,37 +71,16 @@ def fp8_unavailable_reason() -> Optional[str]:
 
 class FP8Optimization(Optimization):
     name = "fp8"
-    is_tunable = False
-    default_config = DEFAULT_CONFIG
+    config_class = FP8Config
     ignored_when_unavailable = True  # the seed: ignored (with a warning) without the hardware
-
-    def normalize(self, config: Any) -> dict:
-        config = {} if config is None else config
-        if not isinstance(config, dict):
-            raise MethodConfigError(self.name, f"config must be a dict, got {config!r}")
-        unknown = sorted(set(config) - set(DEFAULT_CONFIG))
-        if unknown:
-            raise MethodConfigError(self.name, f"unknown key(s) {unknown}; valid keys: {list(DEFAULT_CONFIG)}")
-        out = {**DEFAULT_CONFIG, **config}
-        for key in ("include", "exclude"):
-            value = out[key]
-            if isinstance(value, str):
-                value = (value,)
-            if value is not None and not (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
-                raise MethodConfigError(self.name, f"{key} must be None or a list of name substrings, got {out[key]!r}")
-            out[key] = None if value is None else tuple(value)
-        for key, choices in CHOICES.items():
-            if out[key] not in choices:
-                raise MethodConfigError(self.name, f"{key}={out[key]!r} is not valid; choose one of {list(choices)}")
-        return out
 
     def requirements(self, config: Any = None) -> Optional[str]:
         return fp8_unavailable_reason()
 
-    def transform(self, ctx, config: dict) -> None:
+    def transform(self, ctx, config: FP8Config) -> None:
         def wrap(ctx) -> None:
-            names, skipped = select_fp8_linears(ctx.model, config["include"], config["exclude"])
-            if config["verbose"]:
+            names, skipped = select_fp8_linears(ctx.model, config.include, config.exclude)
+            if config.verbose:
                 logger.warning("fp8: converting %s; left alone: %s", names, skipped)
             convert_to_te_linear(ctx.model, names)
             patch_fp8_autocast(ctx.model, make_recipe(config))
@@ -115,12 +103,12 @@ def convert_to_te_linear(model: nn.Module, names: list[str]) -> None:
         setattr(model.get_submodule(parent) if parent else model, child, replacement)
 
 
-def make_recipe(config: dict) -> Any:
+def make_recipe(config: FP8Config) -> Any:
     from transformer_engine.common.recipe import DelayedScaling, Format
 
     accepted = inspect.signature(DelayedScaling).parameters
-    kwargs = {k: config[k] for k in RECIPE_KEYS if k in accepted and k != "fp8_format"}
-    return DelayedScaling(fp8_format=getattr(Format, config["fp8_format"]), **kwargs)
+    kwargs = {k: getattr(config, k) for k in RECIPE_KEYS if k in accepted}
+    return DelayedScaling(fp8_format=getattr(Format, config.fp8_format), **kwargs)
 
 
 def patch_fp8_autocast(model: nn.Module, recipe: Any) -> None:

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,79 +42,70 @@ from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.checkpoint import matching_modules
 from atorch.distributed import mesh
+from atorch.utils.config import MethodConfig, ModuleTargets, option, validate_config
 
 logger = logging.getLogger(__name__)
 
-ATORCH_KEYS = ("atorch_wrap_cls", "atorch_size_based_min_num_params", "atorch_ignored_cls", "wrap_trainable_outmost")
-MAPPED_KEYS = ("sync_module_states", "forward_prefetch", "cpu_offload", "sharding_strategy", "reshard_after_forward")
-NO_OP_KEYS = ("limit_all_gathers", "use_orig_params", "backward_prefetch", "fsdp_wrap_params_outmost")
-VALID_KEYS = ATORCH_KEYS + MAPPED_KEYS + NO_OP_KEYS
-SHARDING_STRATEGIES = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+SHARDING_STRATEGIES = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}  # -> reshard_after_forward
+ENUM_KEYS = ("sharding_strategy", "backward_prefetch")  # FSDP1 enums are accepted and kept by name
+NO_OP = "accepted for FSDP1 configs; a no-op under FSDP2"
 
 
-def normalize_fsdp_config(method: str, config: Any) -> dict:
-    """Check an fsdp/zero2 config dict; returns a copy with class lists as tuples."""
-    if config is None:
-        return {}
-    if not isinstance(config, dict):
-        raise MethodConfigError(method, f"config must be a dict of FSDP options, got {config!r}")
-    unknown = sorted(set(config) - set(VALID_KEYS))
-    if unknown:
-        raise MethodConfigError(method, f"unknown key(s) {unknown}; valid keys: {list(VALID_KEYS)}")
-    out = dict(config)
-    for key in ("atorch_wrap_cls", "atorch_ignored_cls"):
-        if key in out:
-            out[key] = _module_targets(method, key, out[key])
-    if "atorch_wrap_cls" in out and "atorch_size_based_min_num_params" in out:
+@dataclass(frozen=True)
+class FSDPConfig(MethodConfig):
+    atorch_wrap_cls: Optional[ModuleTargets] = option(
+        None, doc="each matching submodule (class, class name or name glob) is sharded on its own")
+    atorch_size_based_min_num_params: Optional[int] = option(
+        None, doc="instead of classes: shard every submodule whose not yet sharded parameters reach this count",
+        minimum=1)
+    atorch_ignored_cls: Optional[ModuleTargets] = option(
+        None, doc="not sharded: replicated, gradients averaged over the data-parallel group")
+    wrap_trainable_outmost: bool = option(False, doc="submodules with trainable parameters stay in the root group")
+    sync_module_states: bool = option(False, doc="broadcast parameters and buffers from the first data-parallel rank")
+    forward_prefetch: bool = option(False, doc="each wrapped block prefetches the next block's all-gather in forward")
+    cpu_offload: bool = option(False, doc="parameters, gradients and optimizer state live on CPU")
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP"] = option(
+        "FULL_SHARD", doc="ZeRO-3 (FULL_SHARD) or ZeRO-2 semantics (SHARD_GRAD_OP); an FSDP1 enum is taken by name")
+    reshard_after_forward: Optional[bool] = option(None, doc="FSDP2's own switch; None: from sharding_strategy")
+    limit_all_gathers: Optional[bool] = option(None, doc=NO_OP)
+    use_orig_params: Optional[bool] = option(None, doc=NO_OP)
+    backward_prefetch: Optional[Literal["BACKWARD_PRE", "BACKWARD_POST"]] = option(None, doc=NO_OP)
+    fsdp_wrap_params_outmost: Optional[bool] = option(None, doc=NO_OP)
+
+
+def normalize_fsdp_config(method: str, config_class: type, config: Any) -> Any:
+    """fsdp and zero2: FSDP1 enums by name, the shared validator, then the rule across keys."""
+    if isinstance(config, Mapping):
+        config = {k: getattr(v, "name", v) if k in ENUM_KEYS else v for k, v in config.items()}
+    config = validate_config(method, config_class, {} if config is None else config)
+    if config.atorch_wrap_cls is not None and config.atorch_size_based_min_num_params is not None:
         raise MethodConfigError(method, "use either atorch_wrap_cls or atorch_size_based_min_num_params, not both")
-    min_params = out.get("atorch_size_based_min_num_params")
-    if min_params is not None and (not isinstance(min_params, int) or isinstance(min_params, bool) or min_params < 1):
-        raise MethodConfigError(method, f"atorch_size_based_min_num_params must be a positive int, got {min_params!r}")
-    strategy = out.get("sharding_strategy")
-    if strategy is not None:
-        name = getattr(strategy, "name", strategy)
-        if name not in SHARDING_STRATEGIES:
-            raise MethodConfigError(method, f"sharding_strategy {strategy!r} is not supported; choose one of {list(SHARDING_STRATEGIES)}")
-        out["sharding_strategy"] = name
-    for key in ("sync_module_states", "forward_prefetch", "cpu_offload", "wrap_trainable_outmost", "reshard_after_forward"):
-        if key in out and not isinstance(out[key], bool):
-            raise MethodConfigError(method, f"{key} must be a bool, got {out[key]!r}")
-    return out
-
-
-def _module_targets(method: str, key: str, value: Any) -> tuple:
-    targets = tuple(value) if isinstance(value, (tuple, list, set)) else (value,)
-    for target in targets:
-        if not (isinstance(target, str) or (isinstance(target, type) and issubclass(target, torch.nn.Module))):
-            raise MethodConfigError(method, f"{key}: {target!r} is neither an nn.Module subclass nor a module name")
-    return targets
+    return config
 
 
 class FSDPOptimization(Optimization):
     name = "fsdp"
     distributed_only = True
-    is_tunable = True
-    default_config = None
+    config_class = FSDPConfig
 
-    def normalize(self, config: Any) -> dict:
-        return normalize_fsdp_config(self.name, config)
+    def normalize(self, config: Any) -> FSDPConfig:
+        return normalize_fsdp_config(self.name, self.config_class, config)
 
-    def candidates(self, ctx) -> list[Any]:
-        return [{}]
-
-    def transform(self, ctx, config: dict) -> None:
-        reshard = config.get("reshard_after_forward", SHARDING_STRATEGIES[config.get("sharding_strategy", "FULL_SHARD")])
+    def transform(self, ctx, config: FSDPConfig) -> None:
+        reshard = config.reshard_after_forward
+        if reshard is None:
+            reshard = SHARDING_STRATEGIES[config.sharding_strategy]
         ctx.set_data_parallel_wrapper(self.name, lambda ctx: shard_model(ctx, config, reshard_after_forward=reshard))
 
 
-def shard_model(ctx, config: dict, reshard_after_forward: bool) -> None:
+def shard_model(ctx, config: FSDPConfig, reshard_after_forward: bool) -> None:
     """Apply fully_shard to the chosen submodules and the root over the data-parallel mesh."""
     dp_mesh = mesh.data_parallel_mesh()
-    if dp_mesh is None or (dp_mesh.size() == 1 and not config.get("cpu_offload")):
+    if dp_mesh is None or (dp_mesh.size() == 1 and not config.cpu_offload):
         logger.info("fsdp: data-parallel size is 1, nothing to shard")  # (offloading alone still applies)
         return
     model = ctx.model
-    if config.get("sync_module_states"):
+    if config.sync_module_states:
         _broadcast_module_states(model)
     ignored = _ignored_params(model, config)
     kwargs: dict[str, Any] = {
@@ -128,7 +120,7 @@ def shard_model(ctx, config: dict, reshard_after_forward: bool) -> None:
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    if config.get("forward_prefetch") and len(blocks) > 1:
+    if config.forward_prefetch and len(blocks) > 1:
         for current, following in zip(blocks, blocks[1:]):
             current.set_modules_to_forward_prefetch([following])
     if ignored:
@@ -146,19 +138,19 @@ def _set_gradient_sync(model, reshard_after_forward: bool, enabled: bool) -> Non
         model.set_reshard_after_backward(enabled, recurse=True)
 
 
-def _blocks_to_shard(model: torch.nn.Module, config: dict) -> list[torch.nn.Module]:
-    if "atorch_wrap_cls" in config:
-        blocks = matching_modules(model, config["atorch_wrap_cls"])
+def _blocks_to_shard(model: torch.nn.Module, config: FSDPConfig) -> list[torch.nn.Module]:
+    if config.atorch_wrap_cls is not None:
+        blocks = matching_modules(model, config.atorch_wrap_cls)
         if not blocks:
             present = sorted({type(m).__name__ for m in model.modules()})
-            raise MethodConfigError("fsdp", f"atorch_wrap_cls {config['atorch_wrap_cls']!r} matches no submodule; module types: {present}")
-    elif "atorch_size_based_min_num_params" in config:
-        blocks = _size_based_blocks(model, config["atorch_size_based_min_num_params"])
+            raise MethodConfigError("fsdp", f"atorch_wrap_cls {config.atorch_wrap_cls!r} matches no submodule; module types: {present}")
+    elif config.atorch_size_based_min_num_params is not None:
+        blocks = _size_based_blocks(model, config.atorch_size_based_min_num_params)
     else:
         blocks = []
-    if config.get("wrap_trainable_outmost"):
+    if config.wrap_trainable_outmost:
         blocks = [b for b in blocks if not any(p.requires_grad for p in b.parameters())]
-    ignored_types = config.get("atorch_ignored_cls")
+    ignored_types = config.atorch_ignored_cls
     if ignored_types:
         ignored_modules = set(matching_modules(model, ignored_types))
         blocks = [b for b in blocks if b not in ignored_modules]
@@ -184,8 +176,8 @@ def _size_based_blocks(model: torch.nn.Module, min_num_params: int) -> list[torc
     return chosen
 
 
-def _ignored_params(model: torch.nn.Module, config: dict) -> set[torch.nn.Parameter]:
-    targets = config.get("atorch_ignored_cls")
+def _ignored_params(model: torch.nn.Module, config: FSDPConfig) -> set[torch.nn.Parameter]:
+    targets = config.atorch_ignored_cls
     if not targets:
         return set()
     modules = matching_modules(model, targets)
@@ -200,8 +192,8 @@ def _mixed_precision(ctx) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=ctx.amp_dtype, reduce_dtype=torch.float32)
 
 
-def _offload_policy(config: dict) -> OffloadPolicy:
-    if not config.get("cpu_offload"):
+def _offload_policy(config: FSDPConfig) -> OffloadPolicy:
+    if not config.cpu_offload:
         return OffloadPolicy()
     return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
 

@@ -1,28 +1,33 @@
 """half: train with parameters, activations and floating inputs in fp16 or bf16."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from atorch.auto.opt_lib.amp import parse_dtype
 from atorch.auto.opt_lib.base import Optimization
+from atorch.utils.config import LOW_PRECISION_DTYPES, MethodConfig, option
+
+
+@dataclass(frozen=True)
+class HalfConfig(MethodConfig):
+    dtype: torch.dtype = option(torch.float16, doc="torch.float16 ('fp16') or torch.bfloat16 ('bf16')",
+                                choices=LOW_PRECISION_DTYPES)
 
 
 class HalfOptimization(Optimization):
     name = "half"
-    is_tunable = True
-    default_config = "fp16"
+    config_class = HalfConfig
 
-    def normalize(self, config: Any) -> str:
-        dtype = parse_dtype(self.name, self.default_config if config is None else config)
-        return "fp16" if dtype == torch.float16 else "bf16"
+    def normalize(self, config: Any) -> HalfConfig:
+        """Also accepts the dtype alone: ``"bf16"`` or ``torch.bfloat16``."""
+        if isinstance(config, (str, torch.dtype)):
+            config = {"dtype": config}
+        return super().normalize(config)
 
-    def candidates(self, ctx) -> list[Any]:
-        return ["bf16", "fp16"]
-
-    def transform(self, ctx, config: str) -> None:
-        dtype = parse_dtype(self.name, config)
+    def transform(self, ctx, config: HalfConfig) -> None:
+        dtype = config.dtype
         ctx.half_dtype = dtype  # module_replace checks its pairs' dtypes against it
 
         def cast(ctx) -> None:

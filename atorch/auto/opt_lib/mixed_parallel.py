@@ -7,27 +7,33 @@ and the data dimension (and zero1 / fsdp on it, as separate methods) replicates 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
-from atorch.auto.opt_lib.pipeline_parallel import apply_pipeline, normalize_pipeline_config
-from atorch.auto.opt_lib.tensor_parallel import TensorParallelOptimization, apply_tensor_parallel
+from atorch.auto.opt_lib.pipeline_parallel import PipelineParallelConfig, apply_pipeline, stages_per_rank
+from atorch.auto.opt_lib.tensor_parallel import TensorParallelConfig, apply_tensor_parallel
+from atorch.utils.config import MethodConfig, option
+
+
+@dataclass(frozen=True)
+class MixedParallelConfig(MethodConfig):
+    pipeline: PipelineParallelConfig = option(default_factory=PipelineParallelConfig,
+                                              doc="the pipeline_parallel config of the pipeline dimension")
+    tensor: TensorParallelConfig = option(default_factory=TensorParallelConfig,
+                                          doc="the tensor_parallel config of each stage")
 
 
 class MixedParallelOptimization(Optimization):
     name = "mixed_parallel"
     distributed_only = True
-    is_tunable = True
-    default_config = None
+    config_class = MixedParallelConfig
 
-    def normalize(self, config: Any) -> dict:
-        config = {} if config is None else config
-        if not isinstance(config, dict) or set(config) - {"pipeline", "tensor"}:
-            raise MethodConfigError(self.name, f"config must be a dict with keys 'pipeline' and/or 'tensor', got {config!r}")
-        return {"pipeline": normalize_pipeline_config(self.name, config.get("pipeline")),
-                "tensor": TensorParallelOptimization().normalize(config.get("tensor"))}
+    def normalize(self, config: Any) -> MixedParallelConfig:
+        config = super().normalize(config)
+        stages_per_rank(config.pipeline, self.name)
+        return config
 
-    def transform(self, ctx, config: dict) -> None:
-        ctx.add_wrapper("pipeline", self.name, lambda ctx: apply_pipeline(ctx, config["pipeline"]))
-        ctx.add_wrapper("model_parallel", self.name, lambda ctx: apply_tensor_parallel(ctx, config["tensor"]))
+    def transform(self, ctx, config: MixedParallelConfig) -> None:
+        ctx.add_wrapper("pipeline", self.name, lambda ctx: apply_pipeline(ctx, config.pipeline))
+        ctx.add_wrapper("model_parallel", self.name, lambda ctx: apply_tensor_parallel(ctx, config.tensor))

@@ -16,7 +16,7 @@ Users add pairs with ``register_replace_pair(name, supported_dtypes, pair_cls)``
 optimized module is made by, in order: ``optimized.from_original(module)`` if defined; a class swap
 when ``optimized`` subclasses the original (same parameters, same keys); else ``optimized(module)``.
 A pair applies only when the training dtype (fp32, or the amp / half dtype) is in its
-``supported_dtypes``. Config: None (every registered pair) or a list of pair names.
+``supported_dtypes``. Config: None (every registered pair), a list of pair names or ``{"pairs": [...]}``.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import copy
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from atorch.auto.opt_lib.base import Optimization
 from atorch.kernels.attention import attention, hf_attention_forward
 from atorch.kernels.norm import FusedLayerNorm, fused_layer_norm_available
 from atorch.models.gpt import CausalSelfAttention
+from atorch.utils.config import MethodConfig, option
 
 logger = logging.getLogger(__name__)
 
@@ -198,25 +199,28 @@ _register_builtins()
 
 
 # --- the method ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModuleReplaceConfig(MethodConfig):
+    pairs: Optional[tuple[str, ...]] = option(None, doc="names of registered replace pairs; None: every registered pair")
+
+
 class ModuleReplaceOptimization(Optimization):
     name = "module_replace"
-    is_tunable = False
-    default_config = None
+    config_class = ModuleReplaceConfig
 
-    def normalize(self, config: Any) -> Optional[tuple]:
-        if config is None:
-            return None
-        names = (config,) if isinstance(config, str) else config
-        if not isinstance(names, (list, tuple)):
-            raise MethodConfigError(self.name, f"config must be None or a list of replace-pair names, got {config!r}")
-        unknown = [n for n in names if n not in _PAIRS]
+    def normalize(self, config: Any) -> ModuleReplaceConfig:
+        """Also accepts the pair names alone: ``["hf_attention"]`` or ``"fused_layernorm"``."""
+        if config is not None and not isinstance(config, (Mapping, ModuleReplaceConfig)):
+            config = {"pairs": config}
+        config = super().normalize(config)
+        unknown = [n for n in config.pairs or () if n not in _PAIRS]
         if unknown:
             raise MethodConfigError(self.name, f"unknown replace pair(s) {unknown}; registered: {registered_pairs()}")
-        return tuple(names)
+        return config
 
-    def transform(self, ctx, config: Optional[tuple]) -> None:
+    def transform(self, ctx, config: ModuleReplaceConfig) -> None:
         def wrap(ctx) -> None:
-            ctx.model = replace_modules(ctx.model, config, training_dtype(ctx), ctx.device)
+            ctx.model = replace_modules(ctx.model, config.pairs, training_dtype(ctx), ctx.device)
 
         ctx.add_wrapper("module_replace", self.name, wrap)
 

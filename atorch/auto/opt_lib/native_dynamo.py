@@ -7,44 +7,39 @@ model's (keys gain the ``_orig_mod.`` prefix of ``torch.compile``).
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 
 from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
+from atorch.utils.config import MethodConfig, option
 
-MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-DEFAULTS = {"backend": "inductor", "mode": None, "fullgraph": False, "dynamic": None}
+Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+
+
+@dataclass(frozen=True)
+class NativeDynamoConfig(MethodConfig):
+    backend: Union[str, Callable] = option("inductor", doc="torch.compile backend: a registered name or a callable")
+    mode: Optional[Mode] = option(None, doc="torch.compile mode")
+    fullgraph: bool = option(False, doc="fail on a graph break instead of splitting the graph")
+    dynamic: Optional[bool] = option(None, doc="dynamic shapes: None lets dynamo decide")
 
 
 class NativeDynamoOptimization(Optimization):
     name = "native_dynamo"
-    is_tunable = True
-    default_config = DEFAULTS
+    config_class = NativeDynamoConfig
 
-    def normalize(self, config: Any) -> dict:
-        config = {} if config is None else config
-        if not isinstance(config, dict):
-            raise MethodConfigError(self.name, f"config must be a dict of torch.compile options, got {config!r}")
-        unknown = sorted(set(config) - set(DEFAULTS))
-        if unknown:
-            raise MethodConfigError(self.name, f"unknown key(s) {unknown}; valid keys: {list(DEFAULTS)}")
-        out = {**DEFAULTS, **config}
-        if out["mode"] not in MODES:
-            raise MethodConfigError(self.name, f"mode={out['mode']!r} is not valid; choose one of {list(MODES)}")
-        backend = out["backend"]
+    def normalize(self, config: Any) -> NativeDynamoConfig:
+        config = super().normalize(config)
+        backend = config.backend
         if isinstance(backend, str) and backend not in torch._dynamo.list_backends(exclude_tags=()):
             raise MethodConfigError(self.name, f"backend {backend!r} is unknown; available: {torch._dynamo.list_backends()}")
-        if not isinstance(out["fullgraph"], bool) or out["dynamic"] not in (None, True, False):
-            raise MethodConfigError(self.name, "fullgraph must be a bool and dynamic None or a bool")
-        return out
+        return config
 
-    def candidates(self, ctx) -> list[Any]:
-        return [dict(DEFAULTS)]
-
-    def transform(self, ctx, config: dict) -> None:
+    def transform(self, ctx, config: NativeDynamoConfig) -> None:
         def wrap(ctx) -> None:
-            ctx.model = torch.compile(ctx.model, **config)
+            ctx.model = torch.compile(ctx.model, **config.to_dict(omit_defaults=False))
 
         ctx.add_wrapper("compile", self.name, wrap)

@@ -12,16 +12,16 @@ from atorch.distributed import mesh
 class ParallelModeOptimization(Optimization):
     name = "parallel_mode"
     distributed_only = True
-    default_config = None  # data parallelism over every rank
+    config_class = mesh.ParallelModeConfig  # default: data parallelism over every rank
 
-    def normalize(self, config: Any) -> tuple:
+    def normalize(self, config: Any) -> mesh.ParallelModeConfig:
+        """Also accepts the seed's ``([(name, size), ...], rank_order_or_None)``; the data size is
+        fitted to the world size."""
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-        return mesh.normalize_parallel_config(config, world_size).as_strategy_config()
+        return mesh.normalize_parallel_config(config, world_size)
 
-    def transform(self, ctx, config: Any) -> None:
-        parallel = mesh.normalize_parallel_config(config, dist.get_world_size())
-
+    def transform(self, ctx, config: mesh.ParallelModeConfig) -> None:
         def build_mesh(ctx) -> None:
-            mesh.create_parallel_group(parallel, ctx.device.type)
+            mesh.create_parallel_group(config, ctx.device.type)
 
         ctx.add_wrapper("parallel_mode", self.name, build_mesh)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -42,13 +42,25 @@ from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
 from atorch.distributed import mesh
 from atorch.utils.batch import first_tensor, loss_value, select_rows
+from atorch.utils.config import MethodConfig, option
 from atorch.utils.modules import full_state_dict, repeated_blocks
 
 logger = logging.getLogger(__name__)
 
 SCHEDULES = {"1F1B": "Schedule1F1B", "PreferBackward": "Schedule1F1B", "GPipe": "ScheduleGPipe",
              "PreferForward": "ScheduleGPipe", "Interleaved1F1B": "ScheduleInterleaved1F1B"}
-KEYS = ("num_micro_batch", "schedule", "pivots", "stages_per_rank")
+
+
+@dataclass(frozen=True)
+class PipelineParallelConfig(MethodConfig):
+    schedule: Literal[tuple(SCHEDULES)] = option("1F1B", doc="pipeline schedule (PreferBackward = 1F1B, "
+                                                 "PreferForward = GPipe, as EPL names them)")
+    num_micro_batch: Optional[int] = option(None, doc="micro-batches per step; None: 2 x the pipeline size, at most "
+                                            "the per-rank batch", minimum=1)
+    pivots: Optional[tuple[str, ...]] = option(None, doc="the first block of every stage but the first; None: "
+                                               "balanced by matmul parameters")
+    stages_per_rank: Optional[int] = option(None, doc="stages per rank (>= 2 only with Interleaved1F1B); None: 2 with "
+                                            "Interleaved1F1B, else 1", minimum=1)
 
 
 # --- the cut -------------------------------------------------------------------------------------
@@ -187,39 +199,27 @@ def _first_tensor(data: Any) -> torch.Tensor:
 class PipelineParallelOptimization(Optimization):
     name = "pipeline_parallel"
     distributed_only = True
-    is_tunable = True
-    default_config = None
+    config_class = PipelineParallelConfig
 
-    def normalize(self, config: Any) -> dict:
-        return normalize_pipeline_config(self.name, config)
+    def normalize(self, config: Any) -> PipelineParallelConfig:
+        config = super().normalize(config)
+        stages_per_rank(config, self.name)
+        return config
 
-    def transform(self, ctx, config: dict) -> None:
+    def transform(self, ctx, config: PipelineParallelConfig) -> None:
         ctx.add_wrapper("pipeline", self.name, lambda ctx: apply_pipeline(ctx, config))
 
 
-def normalize_pipeline_config(method: str, config: Any) -> dict:
-    config = {} if config is None else config
-    if not isinstance(config, dict):
-        raise MethodConfigError(method, f"config must be a dict with keys {list(KEYS)}, got {config!r}")
-    unknown = sorted(set(config) - set(KEYS))
-    if unknown:
-        raise MethodConfigError(method, f"unknown key(s) {unknown}; valid keys: {list(KEYS)}")
-    out = {"schedule": config.get("schedule", "1F1B"), "num_micro_batch": config.get("num_micro_batch"),
-           "pivots": tuple(config.get("pivots") or ()), "stages_per_rank": config.get("stages_per_rank")}
-    if out["schedule"] not in SCHEDULES:
-        raise MethodConfigError(method, f"schedule {out['schedule']!r} is not valid; choose one of {list(SCHEDULES)}")
-    micro = out["num_micro_batch"]
-    if micro is not None and (not isinstance(micro, int) or isinstance(micro, bool) or micro < 1):
-        raise MethodConfigError(method, f"num_micro_batch must be a positive int, got {micro!r}")
-    interleaved = SCHEDULES[out["schedule"]] == "ScheduleInterleaved1F1B"
-    per_rank = out["stages_per_rank"] or (2 if interleaved else 1)
+def stages_per_rank(config: PipelineParallelConfig, method: str) -> int:
+    """The stages each rank holds; MethodConfigError unless the schedule and the count go together."""
+    interleaved = SCHEDULES[config.schedule] == "ScheduleInterleaved1F1B"
+    per_rank = config.stages_per_rank or (2 if interleaved else 1)
     if per_rank < 2 and interleaved or per_rank > 1 and not interleaved:
         raise MethodConfigError(method, "stages_per_rank above 1 goes with schedule 'Interleaved1F1B' (and only with it)")
-    out["stages_per_rank"] = per_rank
-    return out
+    return per_rank
 
 
-def apply_pipeline(ctx, config: dict) -> None:
+def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     pp = mesh.parallel_group_size("pipeline")
     if pp <= 1:
         logger.warning("pipeline_parallel: parallel_mode has no pipeline dimension above 1; nothing split")
@@ -229,20 +229,21 @@ def apply_pipeline(ctx, config: dict) -> None:
     if ctx.model_input_format not in ("unpack_dict", None):
         raise MethodConfigError("pipeline_parallel", "needs model_input_format 'unpack_dict' or None (a single input)")
     group = mesh.parallel_group("pipeline")
-    num_stages = pp * config["stages_per_rank"]
+    per_rank = stages_per_rank(config, "pipeline_parallel")
+    num_stages = pp * per_rank
     blocks = _blocks(ctx.model)
-    if config["pivots"]:
-        starts = _starts_from_pivots(blocks, config["pivots"], num_stages)
+    if config.pivots:
+        starts = _starts_from_pivots(blocks, config.pivots, num_stages)
     else:
         split = plan_stages(ctx.model, num_stages)
         starts = split.starts
         logger.info("pipeline_parallel: stages start at %s (cost imbalance max/mean %.2f)", split.split_points, split.imbalance)
     per_rank_batch = ctx.per_rank_batch_size
-    micro = config["num_micro_batch"] or min(2 * pp, per_rank_batch)
+    micro = config.num_micro_batch or min(2 * pp, per_rank_batch)
     if per_rank_batch % micro:
         raise MethodConfigError("pipeline_parallel", f"the per-rank batch {per_rank_batch} does not split into {micro} micro-batches")
     rank = dist.get_rank(group)
-    indices = [rank + pp * v for v in range(config["stages_per_rank"])]
+    indices = [rank + pp * v for v in range(per_rank)]
     bounds = list(zip(starts, starts[1:] + [len(blocks)]))
     check_no_shared_weights(ctx.model, blocks, num_stages)
     modules = [StageModule(ctx.model if i == indices[-1] else copy.deepcopy(ctx.model), range(*bounds[i]),
@@ -250,7 +251,7 @@ def apply_pipeline(ctx, config: dict) -> None:
     stages = [PipelineStage(m, i, num_stages, ctx.device, group=group) for m, i in zip(modules, indices)]
     holder: dict = {}
     loss_fn = lambda output, index: holder["module"].micro_loss(output, index)  # noqa: E731
-    schedule_cls = getattr(schedules, SCHEDULES[config["schedule"]])
+    schedule_cls = getattr(schedules, SCHEDULES[config.schedule])
     schedule = schedule_cls(stages if len(stages) > 1 else stages[0], micro, loss_fn=loss_fn)
     module = PipelineModule(modules, schedule, ctx.loss_func, ctx.model_input_format, group, (num_stages - 1) in indices)
     holder["module"] = module
@@ -261,7 +262,7 @@ def apply_pipeline(ctx, config: dict) -> None:
     ctx.grad_partition_group = group
     ctx.args.use_optim_backward = True
     ctx.args.extras["pipeline"] = {"stages": num_stages, "stage_indices": indices, "num_micro_batch": micro,
-                                  "schedule": config["schedule"], "blocks_per_stage": [b - a for a, b in bounds]}
+                                  "schedule": config.schedule, "blocks_per_stage": [b - a for a, b in bounds]}
 
 
 def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

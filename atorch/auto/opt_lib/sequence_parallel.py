@@ -9,22 +9,26 @@ Megatron-style blocks). Needs ``tensor_parallel`` in the strategy.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
+from atorch.utils.config import MethodConfig
+
+
+@dataclass(frozen=True)
+class SequenceParallelConfig(MethodConfig):
+    """No options: sequence sharding follows the tensor dimension of parallel_mode."""
 
 
 class SequenceParallelOptimization(Optimization):
     name = "sequence_parallel"
     distributed_only = True
-    is_tunable = False
-    default_config = None
+    config_class = SequenceParallelConfig
 
-    def normalize(self, config: Any) -> None:
-        if config not in (None, {}, True):
-            raise MethodConfigError(self.name, f"takes no config, got {config!r}")
-        return None
+    def normalize(self, config: Any) -> SequenceParallelConfig:
+        """Also accepts True (on)."""
+        return super().normalize(None if config is True else config)
 
-    def transform(self, ctx, config: Any) -> None:
+    def transform(self, ctx, config: SequenceParallelConfig) -> None:
         ctx.sequence_parallel = True

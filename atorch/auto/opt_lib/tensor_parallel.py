@@ -22,7 +22,7 @@ import fnmatch
 import logging
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Optional
+from typing import Literal, Optional
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (
 from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
 from atorch.distributed import mesh
+from atorch.utils.config import MethodConfig, option
 from atorch.utils.modules import repeated_blocks
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,14 @@ OUT_NAMES = ("o_proj", "out_proj", "c_proj", "o", "out_lin", "dense")
 MLP_PAIRS = ((("gate_proj", "up_proj"), "down_proj"), (("up_proj",), "down_proj"), (("fc1",), "fc2"),
              (("c_fc",), "c_proj"), (("w1", "w3"), "w2"), (("lin1",), "lin2"))
 HEAD_ATTRS = ("head_dim", "attention_head_size", "head_size")
-STYLES = ("colwise", "rowwise")
+Style = Literal["colwise", "rowwise"]
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig(MethodConfig):
+    plan: Optional[tuple[tuple[str, Style], ...]] = option(
+        None, doc="{module-name glob: 'colwise' | 'rowwise'} (kept as pairs) replacing detection; None: detect the "
+        "attention and MLP projections")
 
 
 @dataclass
@@ -280,25 +288,13 @@ def sequence_parallel_styles(model: nn.Module, plan: TPPlan) -> dict:
 class TensorParallelOptimization(Optimization):
     name = "tensor_parallel"
     distributed_only = True
-    is_tunable = False
-    default_config = None
+    config_class = TensorParallelConfig
 
-    def normalize(self, config: Any) -> Optional[dict]:
-        if config is None:
-            return None
-        if not isinstance(config, dict) or set(config) - {"plan"}:
-            raise MethodConfigError(self.name, f"config must be None or {{'plan': {{pattern: 'colwise'|'rowwise'}}}}, got {config!r}")
-        plan = config.get("plan") or {}
-        bad = {k: v for k, v in plan.items() if v not in STYLES}
-        if bad:
-            raise MethodConfigError(self.name, f"plan styles {bad} are not valid; choose one of {list(STYLES)}")
-        return {"plan": dict(plan)}
-
-    def transform(self, ctx, config: Optional[dict]) -> None:
+    def transform(self, ctx, config: TensorParallelConfig) -> None:
         ctx.add_wrapper("model_parallel", self.name, lambda ctx: apply_tensor_parallel(ctx, config))
 
 
-def apply_tensor_parallel(ctx, config: Optional[dict]) -> Optional[TPPlan]:
+def apply_tensor_parallel(ctx, config: TensorParallelConfig) -> Optional[TPPlan]:
     device_mesh = mesh.device_mesh()
     tp = mesh.parallel_group_size("tensor")
     if device_mesh is None or tp <= 1:
@@ -313,8 +309,8 @@ def apply_tensor_parallel(ctx, config: Optional[dict]) -> Optional[TPPlan]:
     return plan
 
 
-def _parallelize(model: nn.Module, config: Optional[dict], tp: int, tp_mesh, sequence: bool) -> TPPlan:
-    plan = plan_from_patterns(model, config["plan"]) if config else find_tp_plan(model, tp)
+def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mesh, sequence: bool) -> TPPlan:
+    plan = plan_from_patterns(model, dict(config.plan)) if config.plan is not None else find_tp_plan(model, tp)
     if not plan.styles:
         logger.warning("tensor_parallel: no attention or MLP projection found; the model stays replicated")
         return plan

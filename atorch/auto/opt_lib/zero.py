@@ -13,7 +13,8 @@ the rank that owns its parameter in the ZeroRedundancyOptimizer partition and fr
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,42 +25,30 @@ from atorch.errors import MethodConfigError
 from atorch.auto.gradients import scale_grads_to_norm, total_grad_norm
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason, use_deepspeed_zero
-from atorch.auto.opt_lib.fsdp import VALID_KEYS as FSDP_KEYS, normalize_fsdp_config, shard_model
+from atorch.auto.opt_lib.fsdp import FSDPConfig, normalize_fsdp_config, shard_model
 from atorch.distributed import mesh
+from atorch.utils.config import MethodConfig, option
 
 logger = logging.getLogger(__name__)
 
+USE_DS_ZERO = "use DeepSpeed ZeRO (needs the deepspeed extra)"
 
-def _flag(method: str, config: dict, key: str) -> bool:
-    value = config.get(key, False)
-    if not isinstance(value, bool):
-        raise MethodConfigError(method, f"{key} must be a bool, got {value!r}")
-    return value
+
+@dataclass(frozen=True)
+class Zero1Config(MethodConfig):
+    use_ds_zero: bool = option(False, doc=USE_DS_ZERO + " instead of PyTorch's ZeroRedundancyOptimizer")
 
 
 class Zero1Optimization(Optimization):
     name = "zero1"
     distributed_only = True
-    is_tunable = True
-    default_config = None
-
-    def normalize(self, config: Any) -> dict:
-        config = {} if config is None else config
-        if not isinstance(config, dict):
-            raise MethodConfigError(self.name, f"config must be a dict such as {{'use_ds_zero': True}}, got {config!r}")
-        unknown = sorted(set(config) - {"use_ds_zero"})
-        if unknown:
-            raise MethodConfigError(self.name, f"unknown key(s) {unknown}; valid keys: ['use_ds_zero']")
-        return {"use_ds_zero": _flag(self.name, config, "use_ds_zero")}
+    config_class = Zero1Config
 
     def requirements(self, config: Any = None) -> Optional[str]:
-        return deepspeed_unavailable_reason() if config and config.get("use_ds_zero") else None
+        return deepspeed_unavailable_reason() if config is not None and config.use_ds_zero else None
 
-    def candidates(self, ctx) -> list[Any]:
-        return [{"use_ds_zero": False}]
-
-    def transform(self, ctx, config: dict) -> None:
-        if config["use_ds_zero"]:
+    def transform(self, ctx, config: Zero1Config) -> None:
+        if config.use_ds_zero:
             use_deepspeed_zero(ctx, self.name, stage=1)
             return
         ctx.optimizer_factory = _zero_redundancy_optimizer
@@ -124,46 +113,42 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
+@dataclass(frozen=True)
+class Zero2Config(FSDPConfig):
+    """Every fsdp key (for the default FSDP implementation) plus the choice of implementation."""
+
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP"] = option(
+        "SHARD_GRAD_OP", doc="always SHARD_GRAD_OP: parameters stay gathered after forward (use fsdp for ZeRO-3)")
+    use_ds_zero: bool = option(False, doc=USE_DS_ZERO + " instead of FSDP")
+    not_use_fsdp: bool = option(False, doc="gradients reduced to the rank owning their optimizer state, without FSDP")
+
+
 class Zero2Optimization(Optimization):
     name = "zero2"
     distributed_only = True
-    is_tunable = True
-    default_config = None
+    config_class = Zero2Config
 
-    def normalize(self, config: Any) -> dict:
-        config = {} if config is None else config
-        if not isinstance(config, dict):
-            raise MethodConfigError(self.name, f"config must be a dict (fsdp keys, not_use_fsdp or use_ds_zero), got {config!r}")
-        own = {"use_ds_zero", "not_use_fsdp"}
-        unknown = sorted(set(config) - own - set(FSDP_KEYS))
-        if unknown:
-            raise MethodConfigError(self.name, f"unknown key(s) {unknown}; valid keys: {sorted(own) + list(FSDP_KEYS)}")
-        use_ds, not_fsdp = _flag(self.name, config, "use_ds_zero"), _flag(self.name, config, "not_use_fsdp")
-        if use_ds and not_fsdp:
+    def normalize(self, config: Any) -> Zero2Config:
+        config = normalize_fsdp_config(self.name, self.config_class, config)
+        if config.use_ds_zero and config.not_use_fsdp:
             raise MethodConfigError(self.name, "use_ds_zero and not_use_fsdp each pick an implementation; set one")
-        fsdp_part = {k: v for k, v in config.items() if k not in own}
-        if fsdp_part and (use_ds or not_fsdp):
-            raise MethodConfigError(self.name, f"fsdp keys {sorted(fsdp_part)} apply only to the default FSDP implementation")
-        if fsdp_part.get("reshard_after_forward") or fsdp_part.get("sharding_strategy") == "FULL_SHARD":
+        fsdp_keys = sorted(set(config.to_dict()) - {"use_ds_zero", "not_use_fsdp"})
+        if fsdp_keys and (config.use_ds_zero or config.not_use_fsdp):
+            raise MethodConfigError(self.name, f"fsdp keys {fsdp_keys} apply only to the default FSDP implementation")
+        if config.reshard_after_forward or config.sharding_strategy == "FULL_SHARD":
             raise MethodConfigError(self.name, "zero2 keeps parameters gathered after forward; use the fsdp method for ZeRO-3")
-        out = normalize_fsdp_config(self.name, fsdp_part)
-        out.update(use_ds_zero=use_ds, not_use_fsdp=not_fsdp)
-        return out
+        return config
 
     def requirements(self, config: Any = None) -> Optional[str]:
-        return deepspeed_unavailable_reason() if config and config.get("use_ds_zero") else None
+        return deepspeed_unavailable_reason() if config is not None and config.use_ds_zero else None
 
-    def candidates(self, ctx) -> list[Any]:
-        return [{"use_ds_zero": False, "not_use_fsdp": False}]
-
-    def transform(self, ctx, config: dict) -> None:
-        if config["use_ds_zero"]:
+    def transform(self, ctx, config: Zero2Config) -> None:
+        if config.use_ds_zero:
             use_deepspeed_zero(ctx, self.name, stage=2)
-        elif config["not_use_fsdp"]:
+        elif config.not_use_fsdp:
             _use_sharded_gradients(ctx, self.name)
         else:
-            fsdp_config = {k: v for k, v in config.items() if k not in ("use_ds_zero", "not_use_fsdp")}
-            ctx.set_data_parallel_wrapper(self.name, lambda ctx: shard_model(ctx, fsdp_config, reshard_after_forward=False))
+            ctx.set_data_parallel_wrapper(self.name, lambda ctx: shard_model(ctx, config, reshard_after_forward=False))
 
 
 def _use_sharded_gradients(ctx, method: str) -> None:
