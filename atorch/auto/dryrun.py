@@ -16,6 +16,11 @@ from atorch.utils.memory import PeakMemoryTracker
 
 logger = logging.getLogger(__name__)
 
+# Timed steps of a dry run, after one warm-up step, in both modes (semi-automatic ``dryrun_steps``
+# and each candidate of the search): one step alone is dominated by allocator and autograd warm-up
+# noise; three keep a candidate's dry run cheap while averaging out most of it.
+DEFAULT_DRYRUN_STEPS = 3
+
 
 @dataclass
 class DryRunResult:
@@ -44,7 +49,7 @@ def train_step(ctx: ModelContext, batch) -> torch.Tensor:
     return loss.detach()
 
 
-def dry_run(ctx: ModelContext, warmup_steps: int = 1, timed_steps: int = 2) -> DryRunResult:
+def dry_run(ctx: ModelContext, warmup_steps: int = 1, timed_steps: int = DEFAULT_DRYRUN_STEPS) -> DryRunResult:
     """Run warmup + timed steps on an applied context; failures on any rank fail every rank."""
     if ctx.dataloader is None or ctx.optim is None:
         raise InputError("a dry run needs dataset, loss_func and optim_func")
