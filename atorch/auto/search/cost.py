@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from atorch.auto.search.analyser import ModelProfile
-from atorch.errors import InputError
 from atorch.auto.search.candidates import Candidate
 from atorch.auto.search.layouts import estimate_layout_memory, estimate_layout_time
 
@@ -195,24 +194,6 @@ def default_memory_limit(device: torch.device) -> int:
         available = 8 * 2**30
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
     return int(available // max(local_ranks, 1))
-
-
-def parse_memory_limit(value) -> Optional[int]:
-    """Bytes from an int, or a string such as '6GiB', '512MiB', '2GB'."""
-    if value is None:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return int(value)
-    if isinstance(value, str):
-        units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-        text = value.strip().upper().replace(" ", "")
-        for unit, factor in units.items():
-            if text.endswith(unit):
-                try:
-                    return int(float(text[: -len(unit)]) * factor)
-                except ValueError:
-                    break
-    raise InputError(f"memory_limit={value!r} is not valid: give bytes (int) or a string like '6GiB' / '512MiB'")
 
 
 # --- the on-disk cache ---------------------------------------------------------------------------

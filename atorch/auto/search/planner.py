@@ -27,6 +27,7 @@ from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_cand
 from atorch.auto.search.cost import (
     HardwareProfile, VariantProfile, estimate, load_cached, measure_hardware, measure_variant, store_cached,
 )
+from atorch.auto.search.options import SearchOptions
 from atorch.auto.search.report import Row, format_table, write_report
 from atorch.auto.search.layouts import layout_facts
 from atorch.auto.strategy import Strategy
@@ -37,21 +38,6 @@ from atorch.utils.memory import state_bytes
 logger = logging.getLogger("atorch")
 
 ContextFactory = Callable[..., Any]  # (model, local=False, batch_size=None) -> ModelContext
-
-
-@dataclass
-class SearchOptions:
-    time_limit: Optional[float] = None   # seconds for the whole search
-    memory_limit: Optional[int] = None   # bytes per rank
-    topk: int = 4                        # candidates dry-run at least (more if these fail)
-    exhaustive: bool = False             # dry-run every candidate predicted to fit (benchmarks)
-    refine: bool = True                  # then try the winner with each compute method
-    dryrun_steps: int = 2
-    report_dir: Optional[str] = "atorch_search_report"
-    verbose: bool = False
-    excluded: frozenset = frozenset()
-    included: tuple = ()
-    use_cache: bool = True
 
 
 @dataclass
