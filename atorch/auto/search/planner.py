@@ -17,23 +17,23 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from atorch.auto import opt_lib
 from atorch.auto.apply import apply_strategy, resolve_strategy
 from atorch.auto.dryrun import DryRunResult, dry_run
 from atorch.auto.search.analyser import ModelProfile, analyse_model
 from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates, refinements
-from atorch.auto.search.cost import (
-    HardwareProfile, VariantProfile, estimate, load_cached, measure_hardware, measure_variant, store_cached,
+from atorch.auto.search.cost import estimate
+from atorch.auto.search.measure import (
+    HardwareProfile, VariantProfile, cache_key, load_cached, measure_hardware, measure_variant, store_cached,
+    train_alone,
 )
 from atorch.auto.search.options import SearchOptions
 from atorch.auto.search.report import Row, format_table, write_report
 from atorch.auto.search.layouts import layout_facts
 from atorch.auto.strategy import Strategy
-from atorch.distributed.agreement import all_ranks_true, broadcast_flag, is_main_rank, max_over_ranks, world_size
+from atorch.distributed.agreement import all_ranks_true, broadcast_flag, is_main_rank, world_size
 from atorch.utils.batch import first_tensor, loss_value
-from atorch.utils.memory import state_bytes
 
 logger = logging.getLogger("atorch")
 
@@ -123,8 +123,7 @@ def _analyse(model, probe, per_rank_batch: int, world: int) -> ModelProfile:
 def _measure_variants(model, make_context, candidates, batch, profile, hardware, options) -> dict:
     variants: dict[tuple, VariantProfile] = {}
     for precision, checkpoint in sorted({(c.precision, c.checkpoint) for c in candidates}):
-        key = f"{profile.signature}-{hardware.device}-{world_size()}-{batch}-{precision}-{int(checkpoint)}-{torch.__version__}"
-        key = key.replace(" ", "_").replace("/", "_")
+        key = cache_key(profile, hardware, batch, (precision, checkpoint))
         cached = load_cached(key) if options.use_cache else None
         if all_ranks_true(cached is not None):
             variants[(precision, checkpoint)] = cached
@@ -136,7 +135,7 @@ def _measure_variants(model, make_context, candidates, batch, profile, hardware,
         def run(b: int, items=items):
             return _run_alone(model, make_context, items, b, options.dryrun_steps)
 
-        variant = measure_variant(run, precision, checkpoint, batch)
+        variant = measure_variant(run, (precision, checkpoint), batch)
         variants[(precision, checkpoint)] = variant
         if is_main_rank():
             store_cached(key, variant)
@@ -147,19 +146,7 @@ def _run_alone(model, make_context, items, batch: int, steps: int):
 
     ctx = make_context(copy.deepcopy(model), local=True, batch_size=batch)
     try:
-        error = None
-        try:
-            apply_strategy(ctx, _normalized(items))
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        if not all_ranks_true(error is None):
-            return DryRunResult(False, error=error or "failed on another rank"), None
-        result = dry_run(ctx, warmup_steps=1, timed_steps=max(steps - 1, 1))
-        state = None
-        if result.ok:  # the steps cleared the gradients: count them as the trainable bytes they fill
-            state = state_bytes(ctx.model, ctx.raw_optim)
-            state["grads"] = sum(p.numel() * p.element_size() for p in ctx.model.parameters() if p.requires_grad)
-        return result, _agree_state(state)
+        return train_alone(ctx, _normalized(items), steps)
     finally:
         del ctx
         gc.collect()
@@ -171,13 +158,6 @@ def _normalized(items: list) -> Strategy:
         name, config = (item, None) if isinstance(item, str) else item
         out.append((name, opt_lib.get_optimization(name).normalize(config)))
     return Strategy(out)
-
-
-def _agree_state(state: Optional[dict]) -> Optional[dict]:
-    if state is None or not dist.is_initialized():
-        return state
-    keys = ["params", "grads", "optim_state"]
-    return {k: int(v) for k, v in zip(keys, max_over_ranks([state[k] for k in keys]))}
 
 
 # --- estimating and dry-running ----------------------------------------------------------------------
