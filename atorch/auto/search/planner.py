@@ -31,7 +31,7 @@ from atorch.auto.search.measure import (
 from atorch.auto.search.options import SearchOptions
 from atorch.auto.search.report import Row, format_table, write_report
 from atorch.auto.search.layouts import layout_facts
-from atorch.auto.strategy import Strategy
+from atorch.auto.strategy import Strategy, StrategyItem
 from atorch.distributed.agreement import all_ranks_true, broadcast_flag, is_main_rank, world_size
 from atorch.utils.batch import first_tensor, loss_value
 
@@ -74,7 +74,7 @@ def search(model: torch.nn.Module, make_context: ContextFactory, options: Search
     per_rank_batch = probe.dataloader_args.get("batch_size", 1) // world
     device = probe.device
     profile = _analyse(model, probe, per_rank_batch, world)
-    space = SearchSpace(world, device, profile, frozenset(options.excluded), tuple(options.included), per_rank_batch)
+    space = SearchSpace(world, device, profile, options.excluded, options.included, per_rank_batch)
     candidates, skipped = enumerate_candidates(space)
     _say(options, f"search: {len(candidates)} candidate strategies for {world} rank(s); "
                   f"model {profile.param_count / 1e6:.2f} M parameters, repeated block {profile.main_block}")
@@ -95,7 +95,7 @@ def search(model: torch.nn.Module, make_context: ContextFactory, options: Search
     files = []
     if options.report_dir and is_main_rank():
         files = write_report(rows, hardware.memory_limit, options.report_dir)
-    strategy = Strategy(candidates[chosen].strategy(world)) if chosen is not None else None
+    strategy = candidates[chosen].strategy(world) if chosen is not None else None
     return SearchResult(strategy, candidates[chosen] if chosen is not None else None, rows, profile, hardware,
                         dryrun, files, table, phases.seconds)
 
@@ -129,8 +129,8 @@ def _measure_variants(model, make_context, candidates, batch, profile, hardware,
             variants[(precision, checkpoint)] = cached
             continue
         candidate = next(c for c in candidates if (c.precision, c.checkpoint) == (precision, checkpoint))
-        items = [i for i in candidate.strategy(1) if (i if isinstance(i, str) else i[0]) in ("amp_native", "half", "checkpoint")]
-        _say(options, f"search: measuring one rank alone with {items or 'fp32'} at batch {batch}")
+        items = [i for i in candidate.strategy(1) if i.name in ("amp_native", "half", "checkpoint")]
+        _say(options, f"search: measuring one rank alone with {'+'.join(i.name for i in items) or 'fp32'} at batch {batch}")
 
         def run(b: int, items=items):
             return _run_alone(model, make_context, items, b, options.dryrun_steps)
@@ -153,11 +153,7 @@ def _run_alone(model, make_context, items, batch: int, steps: int):
 
 
 def _normalized(items: list) -> Strategy:
-    out = []
-    for item in items:
-        name, config = (item, None) if isinstance(item, str) else item
-        out.append((name, opt_lib.get_optimization(name).normalize(config)))
-    return Strategy(out)
+    return Strategy([StrategyItem(i.name, opt_lib.get_optimization(i.name).normalize(i.config), i.tunable) for i in items])
 
 
 # --- estimating and dry-running ----------------------------------------------------------------------
@@ -272,7 +268,7 @@ def _dry_run_candidate(model, make_context, candidate: Candidate, world: int, st
     ctx, error = None, None
     try:
         ctx = make_context(copy.deepcopy(model))
-        apply_strategy(ctx, resolve_strategy(Strategy(candidate.strategy(world))))
+        apply_strategy(ctx, resolve_strategy(candidate.strategy(world)))
     except Exception as exc:  # agreed below: no rank goes on to train alone
         error = f"{type(exc).__name__}: {exc}"
         logger.info("search: %s failed to apply on this rank: %s", candidate.label, error)
