@@ -96,8 +96,8 @@ def train_alone(ctx: ModelContext, strategy: Strategy, steps: int) -> tuple[DryR
 
 def _agree_state(state: Optional[dict]) -> Optional[dict]:
     """The largest rank's bytes (the dry run was agreed, so ``state`` is None on all ranks or none)."""
-    if state is None or not dist.is_initialized():
-        return state
+    if state is None:
+        return None
     keys = ["params", "grads", "optim_state"]
     return {k: int(v) for k, v in zip(keys, max_over_ranks([state[k] for k in keys]))}
 
