@@ -190,6 +190,27 @@ def test_search_options_defaults_and_accepted_forms():
         SearchOptions.from_kargs({}, ["zero1"], ["zero1"])
 
 
+def test_report_files_are_written_only_under_report_dir(tmp_path, monkeypatch):
+    from atorch.auto.search.candidates import Candidate
+    from atorch.auto.search.measure import HardwareProfile
+    from atorch.auto.search.options import SearchOptions
+    from atorch.auto.search.planner import Planner
+    from atorch.auto.search.report import Row
+
+    monkeypatch.chdir(tmp_path)
+    planner = Planner(build_gpt(), None, SearchOptions())
+    planner.candidates = [Candidate()]
+    planner.rows = [Row("ddp+fp32", 2**20, 0.01, "ok", 2**20, 0.011, chosen=True)]
+    planner.hardware = HardwareProfile("cpu", 2**30, float("inf"))
+    found = planner.report(0)
+    assert "ddp+fp32" in found.table and found.report_files == [] and not list(tmp_path.iterdir())
+    assert found.strategy.names() == [] and found.candidate == Candidate()
+    planner.options = SearchOptions(report_dir=str(tmp_path / "report"))
+    files = planner.report(0).report_files
+    assert {f.name for f in files} >= {"search_report.txt", "search_report.csv"}
+    assert all(f.parent == tmp_path / "report" for f in files)
+
+
 def test_included_layout_method_searches_only_that_layout(searched):
     case = searched[0]["tensor_layout"]
     assert case["rows"] and all(r["label"].endswith("+tp2") for r in case["rows"]), case["table"]
