@@ -59,8 +59,7 @@ def _arguments(name: str) -> dict:
 def run_search(name: str) -> tuple[str, float, str]:
     dist.barrier()
     start = time.perf_counter()
-    status, result, strategy = auto_accelerate(**_arguments(name), excluded=EXCLUDED, use_profile_cache=False,
-                                               report_dir=None)
+    status, result, strategy = auto_accelerate(**_arguments(name), excluded=EXCLUDED, use_profile_cache=False)
     elapsed = time.perf_counter() - start
     chosen = next(r.label for r in result.args.extras["search"].rows if r.chosen)
     return chosen, elapsed, result.args.extras["search"].table
@@ -87,12 +86,12 @@ def _every_candidate(name: str) -> tuple[list, dict, "torch.nn.Module"]:
 
 def _dry_run(model, arguments: dict, candidate, steps: int):
     from atorch.auto.model_context import ModelContext
-    from atorch.auto.search.planner import _dry_run_candidate
+    from atorch.auto.search.planner import dry_run_candidate
 
     def make_context(target, local=False, batch_size=None):
         return ModelContext(target, **arguments, local=local)
 
-    return _dry_run_candidate(model, make_context, candidate, dist.get_world_size(), steps)
+    return dry_run_candidate(model, make_context, candidate, steps)
 
 
 def run_exhaustive(name: str, steps: int) -> tuple[dict, float]:

@@ -145,6 +145,71 @@ def test_search_input_errors():
     with pytest.raises(InputError, match="memory_limit"):
         auto_accelerate(build_gpt(), torch.optim.SGD, SyntheticTokenDataset(8, 16, 64), gpt_loss,
                         optim_args={"lr": 0.1}, model_input_format="unpack_dict", memory_limit="lots")
+    with pytest.raises(InputError, match="dryrun_steps=0 .*positive int"):  # semi-automatic mode checks it too
+        auto_accelerate(build_gpt(), torch.optim.SGD, SyntheticTokenDataset(8, 16, 64), gpt_loss,
+                        optim_args={"lr": 0.1}, model_input_format="unpack_dict", load_strategy=["amp_native"],
+                        ignore_dryrun_on_load_strategy=False, dryrun_steps=0)
+
+
+@pytest.mark.parametrize("kargs, message", [
+    ({"search_topk": "four"}, r"search_topk='four' is not valid: give a positive int"),
+    ({"search_topk": 0}, r"search_topk=0 is not valid"),
+    ({"dryrun_steps": 2.5}, r"dryrun_steps=2.5 is not valid: give a positive int"),
+    ({"time_limit": -5}, r"time_limit=-5 is not valid: give seconds as a positive number"),
+    ({"time_limit": "60"}, r"time_limit='60' is not valid"),
+    ({"memory_limit": "-1GiB"}, r"memory_limit='-1GiB' is not valid: it must be above 0 bytes"),
+    ({"memory_limit": "6 gigs"}, r"memory_limit='6 gigs' has an unknown unit 'gigs'.*GiB"),
+    ({"memory_limit": 0}, r"memory_limit=0 is not valid"),
+    ({"report_dir": 3}, r"report_dir=3 is not valid: give a directory path"),
+    ({"search_exhaustive": "yes"}, r"search_exhaustive='yes' is not valid: give True or False"),
+])
+def test_search_options_refuse_bad_values_naming_the_argument(kargs, message):
+    from atorch.auto.search.options import SearchOptions
+    from atorch.errors import InputError
+
+    with pytest.raises(InputError, match=message):
+        SearchOptions.from_kargs(kargs)
+
+
+def test_search_options_defaults_and_accepted_forms():
+    """The defaults live in SearchOptions alone; dry runs default to the same steps in both modes."""
+    from atorch.auto.dryrun import DEFAULT_DRYRUN_STEPS
+    from atorch.auto.search.options import SearchOptions
+    from atorch.errors import InputError
+
+    defaults = SearchOptions.from_kargs({})
+    assert defaults == SearchOptions() and defaults.report_dir is None
+    assert (defaults.topk, defaults.dryrun_steps, defaults.use_cache, defaults.refine) == (4, DEFAULT_DRYRUN_STEPS, True, True)
+    for value, expected in [("6GiB", 6 * 2**30), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1.5 gib", 3 * 2**29),
+                            (123456, 123456)]:
+        assert SearchOptions.from_kargs({"memory_limit": value}).memory_limit == expected, value
+    options = SearchOptions.from_kargs({"time_limit": 30, "find_unused_parameters": True}, ["fsdp"],
+                                       ["zero1", ("checkpoint", ("GPTBlock",))])
+    assert options.time_limit == 30.0 and options.excluded == {"fsdp"}
+    assert options.included.names() == ["zero1", "checkpoint"] and options.included.get("checkpoint") == ("GPTBlock",)
+    with pytest.raises(InputError, match="both included and excluded"):
+        SearchOptions.from_kargs({}, ["zero1"], ["zero1"])
+
+
+def test_report_files_are_written_only_under_report_dir(tmp_path, monkeypatch):
+    from atorch.auto.search.candidates import Candidate
+    from atorch.auto.search.measure import HardwareProfile
+    from atorch.auto.search.options import SearchOptions
+    from atorch.auto.search.planner import Planner
+    from atorch.auto.search.report import Row
+
+    monkeypatch.chdir(tmp_path)
+    planner = Planner(build_gpt(), None, SearchOptions())
+    planner.candidates = [Candidate()]
+    planner.rows = [Row("ddp+fp32", 2**20, 0.01, "ok", 2**20, 0.011, chosen=True)]
+    planner.hardware = HardwareProfile("cpu", 2**30, float("inf"))
+    found = planner.report(0)
+    assert "ddp+fp32" in found.table and found.report_files == [] and not list(tmp_path.iterdir())
+    assert found.strategy.names() == [] and found.candidate == Candidate()
+    planner.options = SearchOptions(report_dir=str(tmp_path / "report"))
+    files = planner.report(0).report_files
+    assert {f.name for f in files} >= {"search_report.txt", "search_report.csv"}
+    assert all(f.parent == tmp_path / "report" for f in files)
 
 
 def test_included_layout_method_searches_only_that_layout(searched):
@@ -173,10 +238,9 @@ def test_layout_candidates_follow_the_model_and_the_rules():
     assert "zero1 needs a data dimension" in skipped["zero1+fp32+tp2+pp2"]
     assert "not searched with tensor / pipeline layouts" in skipped["fsdp+fp32+tp2"]
     mixed = next(c for c in candidates if (c.tensor, c.pipeline) == (2, 2))
-    name, mode = mixed.strategy(4)[0]
-    assert name == "parallel_mode"
-    assert parse_parallel_config(mode) == ParallelModeConfig(dims=(("tensor", 2), ("pipeline", 2), ("data", 1)))
-    assert "mixed_parallel" in [i if isinstance(i, str) else i[0] for i in mixed.strategy(4)]
+    assert parse_parallel_config(mixed.strategy(4)[0].config) == ParallelModeConfig(
+        dims=(("tensor", 2), ("pipeline", 2), ("data", 1)))
+    assert "mixed_parallel" in mixed.strategy(4)
     # a model with tied input / output embeddings cannot be cut into pipeline stages
     tied = build_gpt(0, GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32, tie_weights=True))
     facts = layout_facts(tied, 2)

@@ -9,12 +9,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from atorch.auto import opt_lib
 from atorch.auto.apply import apply_strategy, dry_run_strategy, resolve_strategy
-from atorch.auto.dryrun import DEFAULT_DRYRUN_STEPS
 from atorch.auto.model_context import ModelContext
-from atorch.auto.search.cost import parse_memory_limit
-from atorch.auto.search.planner import SearchOptions, search
+from atorch.auto.search.options import SEARCH_KARGS, SearchOptions
+from atorch.auto.search.planner import search
 from atorch.auto.strategy import Strategy
 from atorch.distributed.init import init_distributed
 from atorch.errors import DryRunError, InputError
@@ -24,8 +22,9 @@ logger = logging.getLogger("atorch")
 AutoAccelerateResult = namedtuple(
     "AutoAccelerateResult", ["model", "optim", "dataloader", "loss_func", "prepare_input", "lr_scheduler", "args"]
 )
-KARGS = ("verbose", "time_limit", "find_unused_parameters", "dryrun_steps", "memory_limit", "search_topk",
-         "report_dir", "use_profile_cache", "search_exhaustive")
+# the search's kargs (also ``verbose`` and ``dryrun_steps`` for semi-automatic mode) are validated,
+# with their defaults, by SearchOptions.from_kargs; find_unused_parameters goes to DDP
+KARGS = ("find_unused_parameters", *SEARCH_KARGS)
 
 
 def auto_accelerate(
@@ -87,7 +86,8 @@ def auto_accelerate(
         strategy = resolve_strategy(Strategy.from_any(load_strategy), excluded=excluded)
         _log(f"auto_accelerate strategy:\n{strategy}")
         if not ignore_dryrun_on_load_strategy:
-            report = dry_run_strategy(lambda: make_context(copy.deepcopy(model)), strategy, kargs.get("dryrun_steps", DEFAULT_DRYRUN_STEPS))
+            steps = SearchOptions.from_kargs(kargs).dryrun_steps  # same check and default as the search's
+            report = dry_run_strategy(lambda: make_context(copy.deepcopy(model)), strategy, steps)
             _log(str(report))
             if not report.ok:
                 raise DryRunError(f"the loaded strategy failed its dry run: {report.error}")
@@ -105,37 +105,16 @@ def auto_accelerate(
 def _search(model, make_context, load_strategy, finetune_strategy, excluded, included, kargs):
     """Fully automatic mode; with finetune_strategy, the search is limited to the loaded strategy's
     non-tunable items (kept in every candidate) plus the searched dimensions for the tunable ones."""
-    forced: list = list(included or [])
-    excluded_names = set(excluded or [])
+    forced = Strategy(included or [])
     if finetune_strategy and load_strategy is not None:
-        loaded = Strategy.from_any(load_strategy)
-        for item in loaded:
+        for item in Strategy.from_any(load_strategy):
             if item.name == "parallel_mode":
                 continue
             if not item.tunable:
-                forced.append((item.name, item.config))
+                forced = Strategy([*forced, (item.name, item.config)])
             elif item.name not in forced:
-                forced.append(item.name)
-    for item in forced:
-        name = item if isinstance(item, str) else item[0]
-        opt_lib.get_optimization(name)  # unknown names raise with the nearest valid one
-        if name in excluded_names:
-            raise InputError(f"method {name!r} is both included and excluded")
-    for name in excluded_names:
-        opt_lib.get_optimization(name)
-    options = SearchOptions(
-        time_limit=kargs.get("time_limit"),
-        memory_limit=parse_memory_limit(kargs.get("memory_limit")),
-        topk=int(kargs.get("search_topk", 4)),
-        dryrun_steps=int(kargs.get("dryrun_steps", 3)),
-        report_dir=kargs.get("report_dir", "atorch_search_report"),
-        verbose=bool(kargs.get("verbose")),
-        excluded=frozenset(excluded_names),
-        included=tuple(forced),
-        use_cache=bool(kargs.get("use_profile_cache", True)),
-        exhaustive=bool(kargs.get("search_exhaustive", False)),
-    )
-    return search(model, make_context, options)
+                forced = Strategy([*forced, item.name])
+    return search(model, make_context, SearchOptions.from_kargs(kargs, excluded, forced))
 
 
 def _save(strategy: Strategy, path: str) -> None:

@@ -5,6 +5,7 @@ dry-runs its candidates the same way, so a strategy behaves identically whicheve
 """
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 from typing import Callable, Optional
@@ -75,11 +76,10 @@ def dry_run_strategy(make_context: Callable[[], ModelContext], strategy: Strateg
     untouched; applying the strategy is part of the isolated work, so a rank-local failure there
     (inside FSDP's or DDP's set-up collectives) fails every rank cleanly too."""
     ctx = make_context()
-    try:
-        return dry_run(ctx, warmup_steps=1, timed_steps=steps, setup=lambda: apply_strategy(ctx, strategy))
-    finally:
-        del ctx
-        gc.collect()
+    result = dry_run(ctx, warmup_steps=1, timed_steps=steps, setup=functools.partial(apply_strategy, ctx, strategy))
+    del ctx  # the copy and its optimizer state go before the real run is built
+    gc.collect()
+    return result
 
 
 def _log_parallel_adjustment(original: Strategy, items: list[StrategyItem], world_size: int) -> None:

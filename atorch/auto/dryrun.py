@@ -22,7 +22,10 @@ from atorch.utils.memory import PeakMemoryTracker
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_DRYRUN_STEPS = 3  # timed steps of a dry run, in both modes (after one warm-up step)
+# Timed steps of a dry run, after one warm-up step, in both modes (semi-automatic ``dryrun_steps``
+# and each candidate of the search): one step alone is dominated by allocator and autograd warm-up
+# noise; three keep a candidate's dry run cheap while averaging out most of it.
+DEFAULT_DRYRUN_STEPS = 3
 
 
 @dataclass

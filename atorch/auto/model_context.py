@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 

@@ -40,6 +40,11 @@ def max_over_ranks(values: Sequence[float]) -> list[float]:
     return tensor.tolist()
 
 
+def min_over_ranks(values: Sequence[float]) -> list[float]:
+    """Element-wise minimum of ``values`` over all ranks (for example the slowest rank's bandwidth)."""
+    return [-v for v in max_over_ranks([-float(v) for v in values])]
+
+
 def all_ranks_true(flag: bool) -> bool:
     """True only when ``flag`` is True on every rank."""
     return max_over_ranks([0.0 if flag else 1.0])[0] == 0.0

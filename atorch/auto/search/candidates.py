@@ -18,9 +18,10 @@ import torch
 
 from atorch.auto import opt_lib
 from atorch.auto.opt_lib.compat import check_compatible
-from atorch.errors import AtorchError, InputError
 from atorch.auto.search.analyser import ModelProfile
 from atorch.auto.search.layouts import layouts_for, micro_batches
+from atorch.auto.strategy import Strategy, StrategyItem
+from atorch.errors import AtorchError, InputError
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class Candidate:
     precision: str = "fp32"
     checkpoint: bool = False
     compute: tuple[str, ...] = ()
-    forced: tuple = ()  # (name, config) items the user forced with ``included``
+    forced: tuple[StrategyItem, ...] = ()  # items the user forced with ``included``
     block: Optional[str] = field(default=None, compare=False)
     tensor: int = 1    # tensor-parallel size
     pipeline: int = 1  # pipeline-parallel size
@@ -49,7 +50,7 @@ class Candidate:
     def label(self) -> str:
         parts = [self.sharding, self.precision] + (["ckpt"] if self.checkpoint else []) + list(self.compute)
         parts += [f"tp{self.tensor}"] * (self.tensor > 1) + [f"pp{self.pipeline}"] * (self.pipeline > 1)
-        parts += [name for name, _ in self.forced]
+        parts += [item.name for item in self.forced]
         return "+".join(parts)
 
     @property
@@ -72,7 +73,8 @@ class Candidate:
             used.add(self.layout_method)
         return used
 
-    def strategy(self, world_size: int) -> list:
+    def strategy(self, world_size: int) -> Strategy:
+        """The strategy this candidate stands for on ``world_size`` ranks (configs not yet normalised)."""
         items: list = []
         if world_size > 1:
             dims = [(n, s) for n, s in (("tensor", self.tensor), ("pipeline", self.pipeline)) if s > 1]
@@ -89,7 +91,7 @@ class Candidate:
             items.append(self.layout_method)
         items.extend(self.compute)
         items.extend(self.forced)
-        return items
+        return Strategy(items)
 
 
 @dataclass
@@ -98,7 +100,7 @@ class SearchSpace:
     device: torch.device
     profile: ModelProfile
     excluded: frozenset = frozenset()
-    included: tuple = ()  # names or (name, config)
+    included: Strategy = field(default_factory=Strategy)  # every candidate has these methods
     per_rank_batch: int = 1  # under pure data parallelism
 
 
@@ -135,7 +137,7 @@ def _rule_excluded(c: Candidate, space: SearchSpace) -> Optional[str]:
 
 
 def _rule_included(c: Candidate, space: SearchSpace) -> Optional[str]:
-    names = {n if isinstance(n, str) else n[0] for n in space.included}
+    names = set(space.included.names())
     missing = sorted((names & SEARCHED) - c.methods())
     return f"lacks included {missing}" if missing else None
 
@@ -170,10 +172,8 @@ def _rule_checkpoint_needs_block(c: Candidate, space: SearchSpace) -> Optional[s
 def _rule_compatible(c: Candidate, space: SearchSpace) -> Optional[str]:
     items = []
     for item in c.strategy(space.world_size):
-        name, config = (item, None) if isinstance(item, str) else item
-        if name == "parallel_mode":
-            continue
-        items.append((name, opt_lib.get_optimization(name).normalize(config)))
+        if item.name != "parallel_mode":
+            items.append((item.name, opt_lib.get_optimization(item.name).normalize(item.config)))
     try:
         check_compatible(items)
     except AtorchError as error:
@@ -190,7 +190,7 @@ def enumerate_candidates(space: SearchSpace) -> tuple[list[Candidate], dict[str,
     skipped: dict[str, str] = {}
     shardings = [s for s in SHARDINGS if s == "ddp" or not _note(skipped, s, _method_unavailable(s))]
     precision_names = [p for p in PRECISIONS if not _note(skipped, p, _precision_unavailable(p, space.device))]
-    included_names = {n if isinstance(n, str) else n[0] for n in space.included}
+    included_names = set(space.included.names())
     if "half" in included_names and "half_bf16" not in precision_names:
         precision_names.append("half_bf16")
     compute = [m for m in COMPUTE_METHODS if not _note(skipped, m, _method_unavailable(m))]
@@ -232,13 +232,12 @@ def _note(skipped: dict, name: str, reason: Optional[str]) -> bool:
     return bool(reason)
 
 
-def _forced_items(included: tuple) -> list:
+def _forced_items(included: Strategy) -> list[StrategyItem]:
     """Included methods outside the searched dimensions are added to every candidate."""
     out = []
     for item in included:
-        name, config = (item, None) if isinstance(item, str) else (item[0], item[1])
-        if name in SEARCHED or name == "parallel_mode":
+        if item.name in SEARCHED or item.name == "parallel_mode":
             continue
-        opt_lib.get_optimization(name)  # unknown names raise with the nearest valid one
-        out.append((name, config))
+        opt_lib.get_optimization(item.name)  # unknown names raise with the nearest valid one
+        out.append(item)
     return out

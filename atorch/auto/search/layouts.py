@@ -1,19 +1,10 @@
-"""Model-parallel layouts in the search: which tensor / pipeline sizes a model supports, and what a
-rank holds and does under each.
+"""Model-parallel layouts in the search: which tensor / pipeline sizes a model supports, and what
+share of the model a rank holds under each. Facts only: the memory and time formulas that use them
+are in ``cost.py`` with every other formula.
 
 The facts come from the same planners the methods use (``find_tp_plan``, ``plan_stages``), run on
-the model without changing it, so the search never proposes a layout the method would refuse.
-The memory and time of a layout are modelled from one rank's measurement alone (``cost.py``):
-
-- parameters, gradients and optimizer state scale by the rank's exact share of the parameter bytes
-  (its pipeline stage's modules, with the tensor-split projections divided by the tensor size);
-- activations: the part made inside split projections divides by the tensor size, the residual
-  stream and the loss do not; a pipeline stage keeps its own blocks' activations for the
-  micro-batches in flight (1F1B: at most the number of stages on the first stage, plus one being
-  received or recomputed). The two constants below were calibrated by measurement;
-- time: compute scales like the parameters it touches, a pipeline pays its bubble
-  ``(M + p - 1) / M``, tensor parallelism pays four activation all-reduces per block per step,
-  and the data dimension all-reduces the rank's gradients as DDP does.
+the model without changing it, so the search never proposes a layout the method would refuse, and
+the shares are counted from the modules each stage really keeps, not assumed to be 1/p.
 """
 from __future__ import annotations
 
@@ -29,14 +20,6 @@ from atorch.errors import AtorchError
 from atorch.utils.modules import repeated_blocks
 
 logger = logging.getLogger(__name__)
-
-# Calibrated on the repo GPT (4 blocks x 128, vocab 512, 2 gloo ranks; see tests/test_search.py): the
-# residual stream, norms, logits and the loss are not split, and the step's peak falls where they
-# dominate, so tensor parallelism cuts the peak's activations far less than 1/t.
-REPLICATED_ACTIVATION_SHARE = 0.85
-# A pipeline stage holds the micro-batches in flight plus one being received / recomputed.
-EXTRA_MICRO_BATCHES_IN_FLIGHT = 1
-
 
 def divisors_above_one(n: int) -> list[int]:
     return [d for d in range(2, n + 1) if n % d == 0]
@@ -142,51 +125,3 @@ def _stage_bytes(model: nn.Module, blocks: list, owned: range, first: bool, last
 def micro_batches(pipeline: int, per_data_rank_batch: int) -> int:
     """The pipeline method's default micro-batch count."""
     return min(2 * pipeline, per_data_rank_batch)
-
-
-def estimate_layout_memory(state: float, activations: float, grads: float, optim_state: float, facts: LayoutFacts,
-                           tensor: int, pipeline: int, data: int, sharding: str, per_data_rank_batch: int) -> float:
-    """Per-rank peak of a tensor / pipeline layout from one rank's alone measurement (see the module doc).
-
-    ``activations`` is what the alone run held beyond ``state`` (parameters + gradients + optimizer
-    state) at the per-rank batch of pure data parallelism; a data rank of the layout sees
-    ``tensor * pipeline`` times that batch, so they scale by it. (Measuring the alone run at a
-    second batch size to separate a batch-independent part changed no prediction by more than 2%
-    here, and cost a quarter of the search's time.)
-    """
-    share = facts.state_share[(tensor, pipeline)]
-    act = activations * tensor * pipeline
-    act *= REPLICATED_ACTIVATION_SHARE + (1 - REPLICATED_ACTIVATION_SHARE) / tensor
-    if pipeline > 1:
-        micro = micro_batches(pipeline, per_data_rank_batch)
-        act *= facts.stage_block_share[pipeline] * min(min(pipeline, micro) + EXTRA_MICRO_BATCHES_IN_FLIGHT, micro) / micro
-    memory = state * share + act
-    if data > 1:
-        memory += grads * share  # the data group's gradient all-reduce buffers
-        if sharding == "zero1":
-            memory -= (1 - 1 / data) * optim_state * share
-    return memory
-
-
-def estimate_layout_time(alone_s: float, grads: float, facts: LayoutFacts, tensor: int, pipeline: int, data: int,
-                         per_data_rank_batch: int, tokens_per_sample: int, dtype_bytes: int,
-                         bandwidth: float, latency: float) -> float:
-    """Step time of a tensor / pipeline layout (see the module doc). ``alone_s`` was measured at the
-    pure-data-parallel per-rank batch; the layout's data rank sees ``tensor * pipeline`` times more."""
-    share = facts.state_share[(tensor, pipeline)]
-    compute = alone_s * tensor * pipeline * share
-    comm, collectives = 0.0, 0
-    activation_bytes = per_data_rank_batch * tokens_per_sample * facts.hidden_size * dtype_bytes
-    if pipeline > 1:
-        micro = micro_batches(pipeline, per_data_rank_batch)
-        compute *= (micro + pipeline - 1) / micro
-        comm += 2 * activation_bytes  # send forward, receive gradients back, per stage boundary
-        collectives += 2 * micro
-    if tensor > 1:
-        blocks_here = max(facts.blocks, 1) * (facts.stage_block_share.get(pipeline, 1.0) if pipeline > 1 else 1.0)
-        comm += 4 * blocks_here * 2 * (1 - 1 / tensor) * activation_bytes
-        collectives += int(4 * blocks_here)
-    if data > 1:
-        comm += 2 * (1 - 1 / data) * grads * share
-        collectives += 1
-    return compute + comm / max(bandwidth, 1.0) + collectives * latency

@@ -1,14 +1,19 @@
 """The fully automatic search: analyse → candidates → measure alone → estimate → prune → dry-run
-the most promising within the time limit → pick the fastest measured strategy that fits.
+the most promising within the time limit → confirm close finalists → refine → report.
 
-Every rank runs the same loop on the same numbers (measurements are agreed with all-reduces and
-time-limit decisions are broadcast from rank 0), so every rank ends with the same strategy. A
-candidate that fails on any rank — while being applied or while training — is marked failed on
-every rank and the loop goes on.
+Every rank runs the same loop on the same numbers (measurements are agreed across ranks and
+time-limit decisions are broadcast from rank 0, see ``atorch.distributed.agreement``), so every rank
+ends with the same strategy. A candidate that fails on any rank (while being applied or while
+training) is marked failed on every rank and the loop goes on.
+
+``Planner`` holds one search's state (the model, the context factory, the options, the profiles,
+the candidates and their report rows, the start time) so each step is a short method reading the
+state it needs, instead of a function passed a dozen positional arguments.
 """
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import logging
 import statistics
@@ -17,41 +22,32 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from atorch.auto import opt_lib
 from atorch.auto.apply import apply_strategy, resolve_strategy
 from atorch.auto.dryrun import DryRunResult, dry_run
 from atorch.auto.search.analyser import ModelProfile, analyse_model
 from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates, refinements
-from atorch.auto.search.cost import (
-    HardwareProfile, VariantProfile, estimate, load_cached, measure_hardware, measure_variant, store_cached,
-)
-from atorch.auto.search.report import Row, format_table, write_report
+from atorch.auto.search.cost import estimate
 from atorch.auto.search.layouts import layout_facts
-from atorch.auto.strategy import Strategy
-from atorch.distributed.agreement import all_ranks_true, broadcast_flag, is_main_rank, max_over_ranks, world_size
+from atorch.auto.search.measure import (
+    HardwareProfile, Setting, VariantProfile, cache_key, load_cached, measure_hardware, measure_variant,
+    store_cached, train_alone,
+)
+from atorch.auto.search.options import SearchOptions
+from atorch.auto.search.report import Row, format_table, write_report
+from atorch.auto.strategy import Strategy, StrategyItem
+from atorch.distributed.agreement import all_ranks_true, broadcast_flag, is_main_rank, world_size
 from atorch.utils.batch import first_tensor, loss_value
-from atorch.utils.memory import state_bytes
 
 logger = logging.getLogger("atorch")
 
 ContextFactory = Callable[..., Any]  # (model, local=False, batch_size=None) -> ModelContext
 
-
-@dataclass
-class SearchOptions:
-    time_limit: Optional[float] = None   # seconds for the whole search
-    memory_limit: Optional[int] = None   # bytes per rank
-    topk: int = 4                        # candidates dry-run at least (more if these fail)
-    exhaustive: bool = False             # dry-run every candidate predicted to fit (benchmarks)
-    refine: bool = True                  # then try the winner with each compute method
-    dryrun_steps: int = 2
-    report_dir: Optional[str] = "atorch_search_report"
-    verbose: bool = False
-    excluded: frozenset = frozenset()
-    included: tuple = ()
-    use_cache: bool = True
+CLOSE_CALL = 0.15  # finalists measured within this fraction of each other are measured again
+CONFIRM_ROUNDS = 2  # alternating re-measurements of close finalists (3 samples each: a real median)
+# the methods that make a setting (precision, checkpoint): what a rank training alone applies
+SETTING_METHODS = ("amp_native", "half", "checkpoint")
 
 
 @dataclass
@@ -61,10 +57,260 @@ class SearchResult:
     rows: list[Row]
     profile: ModelProfile
     hardware: HardwareProfile
-    dryrun: Optional[DryRunResult] = None
+    dryrun: Optional[DryRunResult] = None     # the chosen candidate's dry run
     report_files: list = field(default_factory=list)
-    table: str = ""
+    table: str = ""                           # the report, always here (files only with report_dir)
     phase_seconds: dict = field(default_factory=dict)  # where the search's time went
+
+
+def search(model: torch.nn.Module, make_context: ContextFactory, options: SearchOptions) -> SearchResult:
+    """Find the fastest strategy that fits ``options.memory_limit`` (see the module doc)."""
+    return Planner(model, make_context, options).run()
+
+
+class Planner:
+    """One search. ``run()`` calls the steps in order; each step records what the next reads:
+
+    - ``analyse()``: the model profile, the candidates, the machine (memory limit, bandwidth);
+    - ``measure()``: one rank training alone under each precision / checkpoint setting;
+    - ``estimate()``: a report row per candidate with its predicted memory and step time;
+    - ``dry_run_best()``: dry-runs the fastest predictions that fit, at least ``topk`` of them;
+    - ``confirm_finalists()``: measures the two fastest again when noise could have ranked them;
+    - ``refine()``: tries the winner with each compute method, kept only when measured faster;
+    - ``report()``: the table (logged, and written under ``report_dir`` when given) and the result.
+    """
+
+    def __init__(self, model: torch.nn.Module, make_context: ContextFactory, options: SearchOptions):
+        self.model, self.make_context, self.options = model, make_context, options
+        self.world = world_size()
+        self.started = time.perf_counter()
+        self.phases = _Phases()
+        self.per_rank_batch = 1  # under pure data parallelism
+        self.profile: Optional[ModelProfile] = None
+        self.hardware: Optional[HardwareProfile] = None
+        self.space: Optional[SearchSpace] = None
+        self.candidates: list[Candidate] = []
+        self.variants: dict[Setting, VariantProfile] = {}
+        self.rows: list[Row] = []           # rows[i] reports candidates[i]
+        self.order: list[int] = []          # candidates predicted to fit, fastest first
+        self.dry_runs: dict[int, DryRunResult] = {}  # each candidate's first dry run
+
+    def run(self) -> SearchResult:
+        self.analyse()
+        self.phases.mark("analyse")
+        self.measure()
+        self.phases.mark("measure alone")
+        self.estimate()
+        chosen = self.dry_run_best()
+        self.phases.mark("dry-run")
+        if chosen is not None and self.options.refine:
+            chosen = self.refine(chosen)
+        self.phases.mark("refine")
+        return self.report(chosen)
+
+    # --- the steps -------------------------------------------------------------------------------------
+    def analyse(self) -> None:
+        probe = self.make_context(self.model, local=True)
+        self.per_rank_batch = probe.dataloader_args.get("batch_size", 1) // self.world
+        self.profile = self._profile(probe)
+        self.space = SearchSpace(self.world, probe.device, self.profile, self.options.excluded,
+                                 self.options.included, self.per_rank_batch)
+        self.candidates, _ = enumerate_candidates(self.space)
+        self._say(f"search: {len(self.candidates)} candidate strategies for {self.world} rank(s); model "
+                  f"{self.profile.param_count / 1e6:.2f} M parameters, repeated block {self.profile.main_block}")
+        self.hardware = measure_hardware(probe.device, self.options.memory_limit)
+
+    def measure(self) -> None:
+        """One rank alone per setting the candidates use, from the profile cache when every rank has it."""
+        batch = self.per_rank_batch
+        for setting in sorted({(c.precision, c.checkpoint) for c in self.candidates}):
+            key = cache_key(self.profile, self.hardware, batch, setting)
+            cached = load_cached(key) if self.options.use_cache else None
+            if all_ranks_true(cached is not None):
+                self.variants[setting] = cached
+                continue
+            strategy = self._setting_strategy(setting)
+            self._say(f"search: measuring one rank alone with {'+'.join(strategy.names()) or 'fp32'} at batch {batch}")
+            variant = measure_variant(lambda b, s=strategy: self._train_alone(s, b), setting, batch)
+            self.variants[setting] = variant
+            if is_main_rank():
+                store_cached(key, variant)
+
+    def estimate(self) -> None:
+        """A row per candidate (failed when its setting failed alone, or predicted over the limit), and
+        the order to dry-run the rest: fastest first, among equals the one with fewer methods."""
+        for candidate in self.candidates:
+            variant = self.variants[(candidate.precision, candidate.checkpoint)]
+            if variant.error:
+                self.rows.append(Row(candidate.label, 0, float("inf"), "failed", reason=f"alone: {variant.error}"))
+                continue
+            guess = estimate(candidate, variant, self.world, self.profile, self.hardware)
+            row = Row(candidate.label, guess.memory_bytes, guess.step_time_s)
+            if guess.memory_bytes > self.hardware.memory_limit:
+                row.status = "predicted over limit"
+            self.rows.append(row)
+        fitting = [i for i, r in enumerate(self.rows) if r.status == "not tried"]
+        self.order = sorted(fitting, key=lambda i: (round(self.rows[i].predicted_time_s, 4),
+                                                     len(self.rows[i].label.split("+"))))
+
+    def dry_run_best(self) -> Optional[int]:
+        """Dry-run candidates in predicted order: at least ``topk``, and on until one succeeds (or all,
+        with ``exhaustive``), within the time limit. Returns the chosen candidate's index."""
+        tried, best = 0, None
+        for position, index in enumerate(self.order):
+            row = self.rows[index]
+            if self._out_of_time():
+                row.status = "skipped: time limit"
+                continue
+            successes = sum(r.status == "ok" for r in self.rows)
+            if tried >= self.options.topk and successes and not self.options.exhaustive:
+                row.status = "not tried"
+                row.reason = "below the top-k by prediction"
+                continue
+            tried += 1
+            self._try(index)
+            self._say(f"search [{position + 1}/{len(self.order)}] {row.label}: {row.status}" + (
+                f", {row.measured_time_s * 1000:.1f} ms/step, {row.measured_memory / 2**20:.1f} MiB "
+                f"(predicted {row.predicted_memory / 2**20:.1f} MiB)" if row.status == "ok" else f" ({row.reason})"))
+            if row.status == "ok" and (best is None or row.measured_time_s < self.rows[best].measured_time_s):
+                best = index
+        best = self.confirm_finalists() if best is not None else None
+        if best is not None:
+            self.rows[best].chosen = True
+        return best
+
+    def confirm_finalists(self, indices: Optional[list[int]] = None) -> Optional[int]:
+        """The fastest of ``indices`` (default: every candidate) that trained within the limit.
+
+        Single dry runs on a busy machine differ by 10-20% from noise alone: when the two fastest
+        are that close, both are measured again ``CONFIRM_ROUNDS`` times in alternating order and
+        their medians compared."""
+        rows = self.rows
+        ok = sorted((i for i in (indices if indices is not None else range(len(rows))) if rows[i].status == "ok"),
+                    key=lambda i: rows[i].measured_time_s)
+        if len(ok) < 2:
+            return ok[0] if ok else None
+        first, second = ok[0], ok[1]
+        if rows[second].measured_time_s > rows[first].measured_time_s * (1 + CLOSE_CALL):
+            return first
+        rounds = [(second, first) if r % 2 == 0 else (first, second) for r in range(CONFIRM_ROUNDS)]
+        for index in (i for pair in rounds for i in pair):
+            if self._out_of_time():
+                break
+            result = dry_run_candidate(self.model, self.make_context, self.candidates[index], self.options.dryrun_steps)
+            if result.ok:
+                rows[index].samples.append(result.step_time_s)
+                rows[index].measured_time_s = statistics.median(rows[index].samples)
+        return min((first, second), key=lambda i: rows[i].measured_time_s)
+
+    def refine(self, chosen: int) -> int:
+        """Try the winner with each compute method (their effect cannot be predicted from the alone
+        profile); keep one only when it measures faster. Returns the chosen index."""
+        for candidate in refinements(self.space, self.candidates[chosen]):
+            if self._out_of_time():
+                break
+            variant = self.variants[(candidate.precision, candidate.checkpoint)]
+            guess = estimate(candidate, variant, self.world, self.profile, self.hardware)
+            row = Row(candidate.label, guess.memory_bytes, guess.step_time_s)
+            self.rows.append(row)
+            self.candidates.append(candidate)
+            self._try(len(self.candidates) - 1)
+            self._say(f"search refine {row.label}: {row.status}"
+                      + (f", {row.measured_time_s * 1000:.1f} ms/step" if row.status == "ok" else f" ({row.reason})"))
+            if row.status != "ok":
+                continue
+            winner = self.confirm_finalists(indices=[chosen, len(self.candidates) - 1])
+            if winner != chosen:
+                self.rows[chosen].chosen = False
+                row.chosen = True
+                chosen = winner
+        return chosen
+
+    def report(self, chosen: Optional[int]) -> SearchResult:
+        """The result; the table is logged and kept in it, and written to files only under
+        ``report_dir`` (rank 0), so a search never litters the working directory unasked."""
+        table = format_table(self.rows, self.hardware.memory_limit)
+        table += "\nsearch time: " + ", ".join(f"{name} {s:.1f} s" for name, s in self.phases.seconds.items())
+        self._say("search report:\n" + table)
+        files = []
+        if self.options.report_dir and is_main_rank():
+            files = write_report(self.rows, self.hardware.memory_limit, self.options.report_dir)
+        candidate = self.candidates[chosen] if chosen is not None else None
+        return SearchResult(candidate.strategy(self.world) if candidate else None, candidate, self.rows, self.profile,
+                            self.hardware, self.dry_runs.get(chosen), files, table, self.phases.seconds)
+
+    # --- helpers ---------------------------------------------------------------------------------------
+    def _profile(self, probe) -> ModelProfile:
+        """The static profile, FLOPs on one sample batch, the sequence length and the layout facts."""
+        sample = None
+        if probe.dataset is not None:
+            loader = torch.utils.data.DataLoader(probe.dataset, batch_size=max(self.per_rank_batch, 1))
+            sample = next(iter(loader), None)
+
+        def run_model(call, batch):
+            return loss_value(probe.loss_func(batch, probe.call_model(call, batch)))
+
+        profile = analyse_model(self.model, sample, run_model if probe.loss_func is not None else None)
+        first = first_tensor(sample)
+        if first is not None and first.dim() > 1:
+            profile.tokens_per_sample = first[0].numel()
+        if self.world > 1:
+            profile.layouts = layout_facts(self.model, self.world)
+        return profile
+
+    def _setting_strategy(self, setting: Setting) -> Strategy:
+        """The precision / checkpoint methods of a setting, normalised as a rank alone applies them
+        (no ``resolve_strategy``: alone there is no process group to fit ``parallel_mode`` to)."""
+        candidate = next(c for c in self.candidates if (c.precision, c.checkpoint) == setting)
+        return Strategy([StrategyItem(item.name, opt_lib.get_optimization(item.name).normalize(item.config),
+                                      item.tunable)
+                         for item in candidate.strategy(1) if item.name in SETTING_METHODS])
+
+    def _train_alone(self, strategy: Strategy, batch: int) -> tuple:
+        ctx = self.make_context(copy.deepcopy(self.model), local=True, batch_size=batch)
+        try:
+            return train_alone(ctx, strategy, self.options.dryrun_steps)
+        finally:
+            del ctx
+            gc.collect()
+
+    def _try(self, index: int) -> None:
+        """Dry-run candidate ``index`` once and record the outcome in its row."""
+        result = dry_run_candidate(self.model, self.make_context, self.candidates[index], self.options.dryrun_steps)
+        self.dry_runs[index] = result
+        row = self.rows[index]
+        if not result.ok:
+            row.status, row.reason = "failed", result.error or ""
+            return
+        row.measured_memory, row.measured_time_s = result.peak_memory_bytes, result.step_time_s
+        row.samples.append(result.step_time_s)
+        row.status = "over memory limit" if result.peak_memory_bytes > self.hardware.memory_limit else "ok"
+
+    def _out_of_time(self) -> bool:
+        """Rank 0's clock decides: ranks that disagreed would stop at different candidates and hang."""
+        limit = self.options.time_limit
+        return broadcast_flag(limit is not None and time.perf_counter() - self.started > limit)
+
+    def _say(self, message: str) -> None:
+        if is_main_rank():  # every rank runs the same loop: one copy of the progress is enough
+            logger.info(message)
+
+
+def dry_run_candidate(model: torch.nn.Module, make_context: ContextFactory, candidate: Candidate,
+                      steps: int) -> DryRunResult:
+    """Apply ``candidate`` to a fresh copy of ``model`` on every rank and train ``steps`` timed steps
+    after one warm-up; a failure on any rank, applying or training, fails it on every rank (the
+    work runs under ``run_isolated``, so the process group survives for the next candidate)."""
+    ctx = make_context(copy.deepcopy(model))
+    setup = functools.partial(_apply_candidate, ctx, candidate)
+    result = dry_run(ctx, warmup_steps=1, timed_steps=steps, setup=setup)
+    del ctx, setup  # free this candidate's model and optimizer before the next one is built
+    gc.collect()
+    return result
+
+
+def _apply_candidate(ctx: Any, candidate: Candidate) -> None:
+    apply_strategy(ctx, resolve_strategy(candidate.strategy(world_size())))
 
 
 class _Phases:
@@ -78,248 +324,3 @@ class _Phases:
         now = time.perf_counter()
         self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
         self._last = now
-
-
-def search(model: torch.nn.Module, make_context: ContextFactory, options: SearchOptions) -> SearchResult:
-    started = time.perf_counter()
-    phases = _Phases()
-    world = world_size()
-    probe = make_context(model, local=True)
-    per_rank_batch = probe.dataloader_args.get("batch_size", 1) // world
-    device = probe.device
-    profile = _analyse(model, probe, per_rank_batch, world)
-    space = SearchSpace(world, device, profile, frozenset(options.excluded), tuple(options.included), per_rank_batch)
-    candidates, skipped = enumerate_candidates(space)
-    _say(options, f"search: {len(candidates)} candidate strategies for {world} rank(s); "
-                  f"model {profile.param_count / 1e6:.2f} M parameters, repeated block {profile.main_block}")
-    hardware = measure_hardware(device, options.memory_limit)
-    phases.mark("analyse")
-    variants = _measure_variants(model, make_context, candidates, per_rank_batch, profile, hardware, options)
-    phases.mark("measure alone")
-    rows, order = _estimate_all(candidates, variants, world, profile, hardware)
-    chosen, dryrun = _dry_run_best(model, make_context, candidates, rows, order, hardware, options, started, world)
-    phases.mark("dry-run")
-    if chosen is not None and options.refine:
-        chosen, dryrun = _refine(model, make_context, space, candidates, rows, chosen, dryrun, variants, hardware,
-                                 options, started, world)
-    phases.mark("refine")
-    table = format_table(rows, hardware.memory_limit)
-    table += "\nsearch time: " + ", ".join(f"{name} {s:.1f} s" for name, s in phases.seconds.items())
-    _say(options, "search report:\n" + table)
-    files = []
-    if options.report_dir and is_main_rank():
-        files = write_report(rows, hardware.memory_limit, options.report_dir)
-    strategy = Strategy(candidates[chosen].strategy(world)) if chosen is not None else None
-    return SearchResult(strategy, candidates[chosen] if chosen is not None else None, rows, profile, hardware,
-                        dryrun, files, table, phases.seconds)
-
-
-def _analyse(model, probe, per_rank_batch: int, world: int) -> ModelProfile:
-
-    sample = None
-    if probe.dataset is not None:
-        loader = torch.utils.data.DataLoader(probe.dataset, batch_size=max(per_rank_batch, 1))
-        sample = next(iter(loader), None)
-
-    def run_model(call, batch):
-        return loss_value(probe.loss_func(batch, probe.call_model(call, batch)))
-
-    profile = analyse_model(model, sample, run_model if probe.loss_func is not None else None)
-    first = first_tensor(sample)
-    if first is not None and first.dim() > 1:
-        profile.tokens_per_sample = first[0].numel()
-    if world > 1:
-        profile.layouts = layout_facts(model, world)
-    return profile
-
-
-# --- measuring alone -------------------------------------------------------------------------------
-def _measure_variants(model, make_context, candidates, batch, profile, hardware, options) -> dict:
-    variants: dict[tuple, VariantProfile] = {}
-    for precision, checkpoint in sorted({(c.precision, c.checkpoint) for c in candidates}):
-        key = f"{profile.signature}-{hardware.device}-{world_size()}-{batch}-{precision}-{int(checkpoint)}-{torch.__version__}"
-        key = key.replace(" ", "_").replace("/", "_")
-        cached = load_cached(key) if options.use_cache else None
-        if all_ranks_true(cached is not None):
-            variants[(precision, checkpoint)] = cached
-            continue
-        candidate = next(c for c in candidates if (c.precision, c.checkpoint) == (precision, checkpoint))
-        items = [i for i in candidate.strategy(1) if (i if isinstance(i, str) else i[0]) in ("amp_native", "half", "checkpoint")]
-        _say(options, f"search: measuring one rank alone with {items or 'fp32'} at batch {batch}")
-
-        def run(b: int, items=items):
-            return _run_alone(model, make_context, items, b, options.dryrun_steps)
-
-        variant = measure_variant(run, precision, checkpoint, batch)
-        variants[(precision, checkpoint)] = variant
-        if is_main_rank():
-            store_cached(key, variant)
-    return variants
-
-
-def _run_alone(model, make_context, items, batch: int, steps: int):
-
-    ctx = make_context(copy.deepcopy(model), local=True, batch_size=batch)
-    try:
-        error = None
-        try:
-            apply_strategy(ctx, _normalized(items))
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        if not all_ranks_true(error is None):
-            return DryRunResult(False, error=error or "failed on another rank"), None
-        result = dry_run(ctx, warmup_steps=1, timed_steps=max(steps - 1, 1))
-        state = None
-        if result.ok:  # the steps cleared the gradients: count them as the trainable bytes they fill
-            state = state_bytes(ctx.model, ctx.raw_optim)
-            state["grads"] = sum(p.numel() * p.element_size() for p in ctx.model.parameters() if p.requires_grad)
-        return result, _agree_state(state)
-    finally:
-        del ctx
-        gc.collect()
-
-
-def _normalized(items: list) -> Strategy:
-    out = []
-    for item in items:
-        name, config = (item, None) if isinstance(item, str) else item
-        out.append((name, opt_lib.get_optimization(name).normalize(config)))
-    return Strategy(out)
-
-
-def _agree_state(state: Optional[dict]) -> Optional[dict]:
-    if state is None or not dist.is_initialized():
-        return state
-    keys = ["params", "grads", "optim_state"]
-    return {k: int(v) for k, v in zip(keys, max_over_ranks([state[k] for k in keys]))}
-
-
-# --- estimating and dry-running ----------------------------------------------------------------------
-def _estimate_all(candidates, variants, world, profile, hardware) -> tuple[list[Row], list[int]]:
-    rows = []
-    for candidate in candidates:
-        variant = variants[(candidate.precision, candidate.checkpoint)]
-        if variant.error:
-            rows.append(Row(candidate.label, 0, float("inf"), "failed", reason=f"alone: {variant.error}"))
-            continue
-        guess = estimate(candidate, variant, world, profile, hardware)
-        row = Row(candidate.label, guess.memory_bytes, guess.step_time_s)
-        if guess.memory_bytes > hardware.memory_limit:
-            row.status = "predicted over limit"
-        rows.append(row)
-    fitting = [i for i, r in enumerate(rows) if r.status == "not tried"]
-    # fastest first; among equals, the strategy with fewer methods
-    order = sorted(fitting, key=lambda i: (round(rows[i].predicted_time_s, 4), len(rows[i].label.split("+"))))
-    return rows, order
-
-
-def _dry_run_best(model, make_context, candidates, rows, order, hardware, options, started, world):
-    tried, best, best_result = 0, None, None
-    for position, index in enumerate(order):
-        row = rows[index]
-        out_of_time = options.time_limit is not None and time.perf_counter() - started > options.time_limit
-        if broadcast_flag(out_of_time):
-            row.status = "skipped: time limit"
-            continue
-        successes = sum(r.status == "ok" for r in rows)
-        if tried >= options.topk and successes and not options.exhaustive:
-            row.status = "not tried"
-            row.reason = "below the top-k by prediction"
-            continue
-        tried += 1
-        result = _dry_run_candidate(model, make_context, candidates[index], world, options.dryrun_steps)
-        _record(row, result, hardware)
-        _say(options, f"search [{position + 1}/{len(order)}] {row.label}: {row.status}"
-                      + (f", {row.measured_time_s * 1000:.1f} ms/step, {row.measured_memory / 2**20:.1f} MiB "
-                         f"(predicted {row.predicted_memory / 2**20:.1f} MiB)" if row.status == "ok" else f" ({row.reason})"))
-        if row.status == "ok" and (best is None or row.measured_time_s < rows[best].measured_time_s):
-            best, best_result = index, result
-    best = _confirm_finalists(model, make_context, candidates, rows, options, started, world) if best is not None else None
-    if best is not None:
-        rows[best].chosen = True
-    return best, best_result
-
-
-CLOSE_CALL = 0.15  # finalists measured within this fraction of each other are measured again
-CONFIRM_ROUNDS = 2  # alternating re-measurements of close finalists (3 samples each: a real median)
-
-
-def _confirm_finalists(model, make_context, candidates, rows, options, started, world, indices=None) -> int:
-    """Single dry runs on a busy machine differ by 10-20% from noise alone: when the two fastest are
-    that close, measure both again ``CONFIRM_ROUNDS`` times in alternating order and compare medians."""
-    ok = sorted((i for i in (indices if indices is not None else range(len(rows))) if rows[i].status == "ok"),
-                key=lambda i: rows[i].measured_time_s)
-    if len(ok) < 2:
-        return ok[0] if ok else None
-    first, second = ok[0], ok[1]
-    if rows[second].measured_time_s > rows[first].measured_time_s * (1 + CLOSE_CALL):
-        return first
-    rounds = [(second, first) if r % 2 == 0 else (first, second) for r in range(CONFIRM_ROUNDS)]
-    for index in (i for pair in rounds for i in pair):
-        if broadcast_flag(options.time_limit is not None and time.perf_counter() - started > options.time_limit):
-            break
-        result = _dry_run_candidate(model, make_context, candidates[index], world, options.dryrun_steps)
-        if result.ok:
-            rows[index].samples.append(result.step_time_s)
-            rows[index].measured_time_s = statistics.median(rows[index].samples)
-    return min((first, second), key=lambda i: rows[i].measured_time_s)
-
-
-def _refine(model, make_context, space, candidates, rows, chosen, dryrun, variants, hardware, options, started, world):
-    """Try the winner with each compute method; keep one only when it measures faster."""
-    for candidate in refinements(space, candidates[chosen]):
-        if broadcast_flag(options.time_limit is not None and time.perf_counter() - started > options.time_limit):
-            break
-        variant = variants[(candidate.precision, candidate.checkpoint)]
-        guess = estimate(candidate, variant, world, space.profile, hardware)
-        row = Row(candidate.label, guess.memory_bytes, guess.step_time_s)
-        rows.append(row)
-        candidates.append(candidate)
-        result = _dry_run_candidate(model, make_context, candidate, world, options.dryrun_steps)
-        _record(row, result, hardware)
-        _say(options, f"search refine {row.label}: {row.status}"
-                      + (f", {row.measured_time_s * 1000:.1f} ms/step" if row.status == "ok" else f" ({row.reason})"))
-        if row.status != "ok":
-            continue
-        winner = _confirm_finalists(model, make_context, candidates, rows, options, started, world,
-                                    indices=[chosen, len(candidates) - 1])
-        if winner != chosen:
-            rows[chosen].chosen = False
-            row.chosen = True
-            chosen, dryrun = winner, result
-    return chosen, dryrun
-
-
-def _record(row: Row, result: DryRunResult, hardware: HardwareProfile) -> None:
-    if not result.ok:
-        row.status, row.reason = "failed", result.error or ""
-        return
-    row.measured_memory, row.measured_time_s = result.peak_memory_bytes, result.step_time_s
-    row.samples.append(result.step_time_s)
-    if result.peak_memory_bytes > hardware.memory_limit:
-        row.status = "over memory limit"
-    else:
-        row.status = "ok"
-
-
-def _dry_run_candidate(model, make_context, candidate: Candidate, world: int, steps: int) -> DryRunResult:
-    ctx, error = None, None
-    try:
-        ctx = make_context(copy.deepcopy(model))
-        apply_strategy(ctx, resolve_strategy(Strategy(candidate.strategy(world))))
-    except Exception as exc:  # agreed below: no rank goes on to train alone
-        error = f"{type(exc).__name__}: {exc}"
-        logger.info("search: %s failed to apply on this rank: %s", candidate.label, error)
-    try:
-        if not all_ranks_true(error is None):
-            return DryRunResult(False, error=error or "failed on another rank")
-        return dry_run(ctx, warmup_steps=1, timed_steps=steps)
-    finally:
-        del ctx
-        gc.collect()
-
-
-# --- progress ------------------------------------------------------------------------------------------
-def _say(options: SearchOptions, message: str) -> None:
-    if is_main_rank():
-        logger.info(message)

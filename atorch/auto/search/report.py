@@ -1,4 +1,9 @@
-"""The search report: one row per candidate, as a table (text and CSV) and a time-vs-memory plot."""
+"""The search report: one row per candidate, as a table (text and CSV) and a time-vs-memory plot.
+
+The table is always logged and kept in the search result (``result.args.extras["search"].table``);
+files are written only when the user names a ``report_dir``, so a training script run from a
+source checkout does not leave reports behind in whatever directory it was started from.
+"""
 from __future__ import annotations
 
 import csv
