@@ -60,7 +60,7 @@ def test_fp16_and_bf16_both_requested(strategy):
 
 
 def test_duplicate_methods():
-    with pytest.raises(StrategyError, match="more than once"):
+    with pytest.raises(IncompatibleMethodsError, match="more than once"):
         accelerate(["half", ("half", "fp16")])
 
 

@@ -26,6 +26,7 @@ METHODS = {"ddp": ["parallel_mode"], "zero1": ["zero1"], "zero2": ["zero2"], "fs
 PLACES = ("loss_func", "forward", "prepare_input")
 CALLS = (1, 3)
 CASE_LIMIT_S = 30.0
+COLLECTIVE_TIMEOUT_S = 3.0  # how long a rank waits inside a collective for a failed peer
 
 
 class FaultOnRank1:
@@ -43,21 +44,24 @@ class FaultOnRank1:
 def _accelerate(method: str, place: str, at: int):
     fault = FaultOnRank1(at)
     model = build_gpt(0)
-    loss_func, prepare_input = gpt_loss, None
-    if place == "loss_func":
-        def loss_func(batch, output):
+
+    def loss_func(batch, output):
+        if place == "loss_func":
             fault()
-            return gpt_loss(batch, output)
-    elif place == "prepare_input":
-        def prepare_input(batch, device):
+        return gpt_loss(batch, output)
+
+    def prepare_input(batch, device):
+        if place == "prepare_input":
             fault()
-            return move_to_device(batch, device)
-    else:  # inside the forward, after the first block ran (FSDP has gathered and freed it)
+        return move_to_device(batch, device)
+
+    if place == "forward":  # inside the forward, after the first block ran (FSDP has gathered and freed it)
         model.blocks[1].register_forward_pre_hook(lambda module, args: fault())
     return auto_accelerate(
         model, torch.optim.SGD, SyntheticTokenDataset(64, SMALL_GPT.block_size, SMALL_GPT.vocab_size), loss_func,
         prepare_input=prepare_input, optim_args={"lr": 0.1}, dataloader_args={"batch_size": 4},
         model_input_format="unpack_dict", load_strategy=METHODS[method], ignore_dryrun_on_load_strategy=False,
+        dryrun_collective_timeout=COLLECTIVE_TIMEOUT_S,
     )
 
 

@@ -19,6 +19,7 @@ from atorch.auto.opt_lib import data_parallel
 from atorch.auto.opt_lib.compat import check_compatible
 from atorch.auto.strategy import Strategy, StrategyItem
 from atorch.distributed import mesh
+from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.distributed.agreement import world_size as current_world_size
 from atorch.errors import InputError, RequirementError
 
@@ -71,12 +72,14 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy) -> ModelContext:
     return ctx
 
 
-def dry_run_strategy(make_context: Callable[[], ModelContext], strategy: Strategy, steps: int) -> DryRunResult:
+def dry_run_strategy(make_context: Callable[[], ModelContext], strategy: Strategy, steps: int,
+                     collective_timeout_s: float = DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S) -> DryRunResult:
     """Dry-run on a fresh context (a copy of the model) so the user's model and optimizer stay
     untouched; applying the strategy is part of the isolated work, so a rank-local failure there
     (inside FSDP's or DDP's set-up collectives) fails every rank cleanly too."""
     ctx = make_context()
-    result = dry_run(ctx, warmup_steps=1, timed_steps=steps, setup=functools.partial(apply_strategy, ctx, strategy))
+    result = dry_run(ctx, warmup_steps=1, timed_steps=steps, setup=functools.partial(apply_strategy, ctx, strategy),
+                     collective_timeout_s=collective_timeout_s)
     del ctx  # the copy and its optimizer state go before the real run is built
     gc.collect()
     return result

@@ -16,6 +16,7 @@ import torch
 from atorch.auto.model_context import ModelContext
 from atorch.distributed.agreement import is_multi_rank, max_over_ranks
 from atorch.distributed.fault import run_isolated
+from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.errors import InputError
 from atorch.utils.batch import loss_value
 from atorch.utils.memory import PeakMemoryTracker
@@ -56,9 +57,11 @@ def train_step(ctx: ModelContext, batch) -> torch.Tensor:
 
 
 def dry_run(ctx: ModelContext, warmup_steps: int = 1, timed_steps: int = DEFAULT_DRYRUN_STEPS,
-            setup: Optional[Callable[[], None]] = None) -> DryRunResult:
+            setup: Optional[Callable[[], None]] = None,
+            collective_timeout_s: float = DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S) -> DryRunResult:
     """``setup()`` (e.g. applying the strategy), then warm-up + timed steps; a failure on any rank
-    fails every rank with the first failure's reason."""
+    fails every rank with the first failure's reason. Each collective inside gives up after
+    ``collective_timeout_s`` (how long a rank waits for a peer that failed)."""
     if ctx.dataset is None or ctx.optim_func is None or ctx.loss_func is None:
         raise InputError("a dry run needs dataset, loss_func and optim_func")
 
@@ -67,7 +70,7 @@ def dry_run(ctx: ModelContext, warmup_steps: int = 1, timed_steps: int = DEFAULT
             setup()
         return _timed_steps(ctx, warmup_steps, timed_steps)
 
-    outcome = run_isolated(work)
+    outcome = run_isolated(work, collective_timeout_s)
     if not outcome.ok:
         where = f" (rank {outcome.failed_rank})" if is_multi_rank() else ""
         return DryRunResult(False, error=f"{outcome.error}{where}")

@@ -5,18 +5,19 @@ collective (an FSDP all-gather, DDP's gradient all-reduce). If the failing rank 
 agreement all-reduce, the ranks would be inside different collectives: gloo aborts the process or
 both ranks wait until the collective timeout.
 
-How: ``run_isolated(fn)`` runs ``fn`` on every rank. A rank whose ``fn`` raises records why in the
-rendezvous store (the first record wins) and aborts the process group; the peers' pending
-collectives then fail at once, and they take the same path. Every rank then waits, bounded by
-``timeout_s``, for all ranks to reach this point (a rank that never does was lost: killed or hung,
-and ``RankLostError`` names it), rebuilds the default process group on the same store under a new
-prefix, and returns the first failure's reason. When ``fn`` succeeds on every rank the only cost is
+How: ``run_isolated(fn)`` runs ``fn`` on every rank with every collective's timeout capped
+(``atorch.distributed.timeouts``). A rank whose ``fn`` raises records why in the rendezvous store
+(the first record wins) and aborts the process group (NCCL stops at once; gloo keeps its
+connections while wrappers hold the group, so its peers give up when the capped timeout ends, or
+at once when the failed rank's process is gone). The peers' failed collectives send them down the
+same path. Every rank then waits, bounded, for all ranks to reach this point (a rank that never
+does was lost: killed or hung, and ``RankLostError`` names it), rebuilds the default process group
+on the same store under a new prefix, and returns the first failure's reason. When ``fn`` succeeds on every rank the only cost is
 one small all-reduce. Groups made from the old process group (the device mesh, a user's own
 subgroups) are gone after a failure; atorch rebuilds its mesh with the next strategy it applies.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import time
@@ -27,11 +28,12 @@ import torch.distributed as dist
 
 from atorch.distributed import mesh
 from atorch.distributed.agreement import all_ranks_true, is_multi_rank
+from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S, collective_timeout_cap, normal_timeout
 from atorch.errors import RankLostError
 
 logger = logging.getLogger("atorch")
 
-DEFAULT_FAULT_TIMEOUT_S = 20.0
+RANKS_REACH_RECOVERY_S = 10.0  # beyond the collective cap: how long a live rank may take to notice
 _PREFIX = "atorch/fault"
 _state: dict[str, Any] = {"generation": 0, "root_store": None}
 
@@ -50,8 +52,11 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def run_isolated(fn: Callable[[], Any], timeout_s: float = DEFAULT_FAULT_TIMEOUT_S) -> Outcome:
-    """Run ``fn()`` on every rank; all ranks get the same ``Outcome`` and a usable process group."""
+def run_isolated(fn: Callable[[], Any], collective_timeout_s: float = DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S) -> Outcome:
+    """Run ``fn()`` on every rank; all ranks get the same ``Outcome`` and a usable process group.
+
+    ``collective_timeout_s`` bounds every collective inside ``fn``: a healthy collective must finish
+    within it, and a rank whose peer failed waits at most that long."""
     if not is_multi_rank():
         try:
             return Outcome(True, fn())
@@ -59,15 +64,17 @@ def run_isolated(fn: Callable[[], Any], timeout_s: float = DEFAULT_FAULT_TIMEOUT
             logger.info("isolated work failed: %s", describe(error), exc_info=True)
             return Outcome(False, error=describe(error), failed_rank=0)
     _remember_root_store()
-    try:
-        value = fn()
-    except Exception as error:
-        logger.info("isolated work failed on this rank: %s", describe(error), exc_info=True)
-        return _recover(error, timeout_s)
-    try:
-        all_ranks_true(True)  # completes only if no rank aborted
-    except Exception as error:
-        return _recover(error, timeout_s)
+    wait_s = collective_timeout_s + RANKS_REACH_RECOVERY_S
+    with collective_timeout_cap(collective_timeout_s):
+        try:
+            value = fn()
+        except Exception as error:
+            logger.info("isolated work failed on this rank: %s", describe(error), exc_info=True)
+            return _recover(error, wait_s)
+        try:
+            all_ranks_true(True)  # completes only if no rank failed
+        except Exception as error:
+            return _recover(error, wait_s)
     return Outcome(True, value)
 
 
@@ -76,14 +83,7 @@ def _remember_root_store() -> None:
     if _state["root_store"] is None:
         _state["root_store"] = dist.distributed_c10d._get_default_store()
         _state["backend"] = dist.get_backend()
-        _state["timeout"] = _default_timeout(_state["backend"])
-
-
-def _default_timeout(backend: str) -> datetime.timedelta:
-    try:
-        return dist.distributed_c10d._get_default_timeout(backend)
-    except Exception:  # pragma: no cover - private helper moved
-        return datetime.timedelta(minutes=10)
+        _state["timeout"] = normal_timeout()
 
 
 def _recover(error: BaseException, timeout_s: float) -> Outcome:

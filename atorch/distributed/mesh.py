@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from atorch.distributed.timeouts import apply_cap_to_new_groups
 from atorch.errors import ParallelModeError
 from atorch.utils.config import MethodConfig, option, validate_config
 
@@ -175,6 +176,7 @@ def create_parallel_group(config: ParallelModeConfig, device_type: Optional[str]
         return _STATE
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     _STATE = ParallelState(config, device_type)
+    apply_cap_to_new_groups()
     logger.info("parallel_mode mesh %s: %s", dict(config.dims), _STATE.mesh)
     return _STATE
 

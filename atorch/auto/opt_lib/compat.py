@@ -5,7 +5,7 @@ from typing import Any, Sequence
 
 import torch
 
-from atorch.errors import IncompatibleMethodsError, StrategyError
+from atorch.errors import IncompatibleMethodsError
 
 # At most one method of each set may appear in a strategy.
 EXCLUSIVE_SETS: tuple[tuple[frozenset, str], ...] = (
@@ -32,7 +32,7 @@ def check_compatible(items: Sequence[tuple[str, Any]]) -> None:
     names = [name for name, _ in items]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise StrategyError(f"method(s) {duplicates} appear more than once in the strategy; keep one of each")
+        raise IncompatibleMethodsError(f"method(s) {duplicates} appear more than once in the strategy; keep one of each")
     for members, why in EXCLUSIVE_SETS:
         clash = [n for n in names if n in members]
         if len(clash) > 1:

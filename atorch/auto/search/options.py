@@ -16,6 +16,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from atorch.auto import opt_lib
 from atorch.auto.dryrun import DEFAULT_DRYRUN_STEPS
+from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.auto.strategy import Strategy
 from atorch.errors import InputError
 
@@ -29,6 +30,7 @@ SEARCH_KARGS: dict[str, str] = {
     "verbose": "verbose",
     "use_profile_cache": "use_cache",
     "search_exhaustive": "exhaustive",
+    "dryrun_collective_timeout": "collective_timeout_s",
 }
 
 _MEMORY_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -53,6 +55,7 @@ class SearchOptions:
     use_cache: bool = True                    # reuse single-rank profiles from earlier runs
     exhaustive: bool = False                  # dry-run every candidate predicted to fit (benchmarks)
     refine: bool = True                       # then try the winner with each compute method
+    collective_timeout_s: float = DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S  # a dry run's collectives give up after it
 
     def __post_init__(self) -> None:
         # constructed directly (tests, benchmarks): accept any iterable of names and any strategy form
@@ -101,6 +104,13 @@ def _seconds(karg: str, value: Any) -> Optional[float]:
                      "for no limit")
 
 
+def _positive_seconds(karg: str, value: Any) -> float:
+    seconds = _seconds(karg, value)
+    if seconds is None:
+        raise InputError(f"{karg}=None is not valid: give seconds as a positive number (int or float)")
+    return seconds
+
+
 def _positive_int(karg: str, value: Any) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
@@ -127,7 +137,8 @@ def _memory(karg: str, value: Any) -> Optional[int]:
 
 
 _CHECKS = {"time_limit": _seconds, "memory_limit": _memory, "topk": _positive_int, "dryrun_steps": _positive_int,
-           "report_dir": _directory, "verbose": _flag, "use_cache": _flag, "exhaustive": _flag}
+           "report_dir": _directory, "verbose": _flag, "use_cache": _flag, "exhaustive": _flag,
+           "collective_timeout_s": _positive_seconds}
 
 
 def _methods(excluded: Optional[Iterable[str]], included: Optional[Iterable[Any]]) -> tuple[frozenset, Strategy]:

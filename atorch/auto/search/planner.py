@@ -37,6 +37,7 @@ from atorch.auto.search.measure import (
 from atorch.auto.search.options import SearchOptions
 from atorch.auto.search.report import Row, format_table, write_report
 from atorch.auto.strategy import Strategy, StrategyItem
+from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.distributed.agreement import all_ranks_true, broadcast_flag, is_main_rank, world_size
 from atorch.utils.batch import first_tensor, loss_value
 
@@ -197,7 +198,8 @@ class Planner:
         for index in (i for pair in rounds for i in pair):
             if self._out_of_time():
                 break
-            result = dry_run_candidate(self.model, self.make_context, self.candidates[index], self.options.dryrun_steps)
+            result = dry_run_candidate(self.model, self.make_context, self.candidates[index], self.options.dryrun_steps,
+                                       self.options.collective_timeout_s)
             if result.ok:
                 rows[index].samples.append(result.step_time_s)
                 rows[index].measured_time_s = statistics.median(rows[index].samples)
@@ -276,7 +278,8 @@ class Planner:
 
     def _try(self, index: int) -> None:
         """Dry-run candidate ``index`` once and record the outcome in its row."""
-        result = dry_run_candidate(self.model, self.make_context, self.candidates[index], self.options.dryrun_steps)
+        result = dry_run_candidate(self.model, self.make_context, self.candidates[index], self.options.dryrun_steps,
+                                       self.options.collective_timeout_s)
         self.dry_runs[index] = result
         row = self.rows[index]
         if not result.ok:
@@ -296,14 +299,14 @@ class Planner:
             logger.info(message)
 
 
-def dry_run_candidate(model: torch.nn.Module, make_context: ContextFactory, candidate: Candidate,
-                      steps: int) -> DryRunResult:
+def dry_run_candidate(model: torch.nn.Module, make_context: ContextFactory, candidate: Candidate, steps: int,
+                      collective_timeout_s: float = DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S) -> DryRunResult:
     """Apply ``candidate`` to a fresh copy of ``model`` on every rank and train ``steps`` timed steps
     after one warm-up; a failure on any rank, applying or training, fails it on every rank (the
     work runs under ``run_isolated``, so the process group survives for the next candidate)."""
     ctx = make_context(copy.deepcopy(model))
     setup = functools.partial(_apply_candidate, ctx, candidate)
-    result = dry_run(ctx, warmup_steps=1, timed_steps=steps, setup=setup)
+    result = dry_run(ctx, warmup_steps=1, timed_steps=steps, setup=setup, collective_timeout_s=collective_timeout_s)
     del ctx, setup  # free this candidate's model and optimizer before the next one is built
     gc.collect()
     return result

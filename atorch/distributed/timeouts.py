@@ -1,0 +1,61 @@
+"""Collective timeouts: bounded while atorch dry-runs work, normal otherwise.
+
+Why: gloo cannot interrupt a collective that a peer will never join (aborting the group on the
+failing rank does not close its connections while wrappers such as DDP still hold the group), and
+groups made with ``new_group`` wait 30 minutes by default. While a dry run or a search candidate
+runs, every group's timeout is therefore capped (``DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S``, or the
+``collective_timeout_s`` the caller passes); a rank stuck in a collective with a failed peer then
+fails within the cap. Afterwards every group gets the process group's normal timeout back.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+from typing import Iterator, Optional
+
+import torch.distributed as dist
+
+DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S = 10.0
+_cap: dict[str, Optional[datetime.timedelta]] = {"value": None}
+
+
+def normal_timeout() -> datetime.timedelta:
+    """The default process group's timeout (what ``init_distributed(timeout_s=...)`` set)."""
+    try:
+        return dist.distributed_c10d._get_default_group().options._timeout  # type: ignore[attr-defined]
+    except Exception:
+        try:
+            return dist.distributed_c10d._get_default_timeout(dist.get_backend())
+        except Exception:  # pragma: no cover - private helpers moved
+            return datetime.timedelta(minutes=10)
+
+
+def _set_all(timeout: datetime.timedelta) -> None:
+    for group in list(dist.distributed_c10d._world.pg_names):
+        try:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+        except Exception:  # a group this rank is not part of, or one already torn down
+            pass
+
+
+def apply_cap_to_new_groups() -> None:
+    """Called after atorch creates groups (the device mesh) so that they obey an active cap."""
+    if _cap["value"] is not None and dist.is_initialized():
+        _set_all(_cap["value"])
+
+
+@contextlib.contextmanager
+def collective_timeout_cap(seconds: float) -> Iterator[None]:
+    """Every collective started inside the block gives up after ``seconds``."""
+    if not dist.is_initialized():
+        yield
+        return
+    restore = normal_timeout()
+    _cap["value"] = datetime.timedelta(seconds=seconds)
+    _set_all(_cap["value"])
+    try:
+        yield
+    finally:
+        _cap["value"] = None
+        if dist.is_initialized():
+            _set_all(restore)
