@@ -4,17 +4,23 @@ stays usable for the next case (all cases share one launch, so every later case 
 
 Matrix: where the fault is raised (loss_func, the model's forward at its second block, the user's
 prepare_input) × when (first call, third call) × the data-parallel method (DDP, zero1, zero2, fsdp).
+The same three places inside the fully automatic search (the sharded candidates fail on rank 1: the
+search completes without them), and a rank killed with SIGKILL during a dry run (the survivor ends
+with RankLostError naming it). Each case's wall time is printed and must stay under 30 s.
 """
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from atorch.auto.accelerate import auto_accelerate
-from atorch.errors import DryRunError
+from atorch.errors import DryRunError, RankLostError
 from atorch.models import SyntheticTokenDataset, gpt_loss
 from atorch.testing import run_distributed
 from atorch.testing.training import SMALL_GPT, build_gpt
@@ -101,3 +107,108 @@ def test_every_rank_ends_each_fault_with_dry_run_error_quickly(faults):
 
 def test_the_process_group_is_usable_after_the_faults(faults):
     assert all(out["healthy"] and out["all_reduce"] == 2.0 for out in faults)
+
+
+# --- inside the search: a candidate that fails on rank 1 only is marked failed, the search goes on ---
+SEARCH_ONLY_SHARDING = ["amp_native", "half", "checkpoint", "tensor_parallel", "pipeline_parallel", "mixed_parallel",
+                        "module_replace", "native_dynamo", "fp8"]
+
+
+class ShardedStepFault:
+    """Raises on rank 1 only while a sharded candidate (fsdp / zero2: an FSDP2 root) trains."""
+
+    def __init__(self, place: str):
+        self.place, self.sharded = place, False
+
+    def watch_root(self, root) -> None:
+        self.sharded = isinstance(root, FSDPModule)
+
+    def check(self) -> None:
+        if self.sharded and dist.get_rank() == 1:
+            raise RuntimeError(f"injected fault on rank 1 in {self.place} of a sharded candidate")
+
+
+def _search_with_fault(place: str):
+    fault = ShardedStepFault(place)
+    model = build_gpt(0)
+    # plain functions (not bound methods): the search's deep copies of the model keep calling these
+    model.register_forward_pre_hook(lambda module, args, kwargs: fault.watch_root(module), with_kwargs=True)
+    if place == "forward":  # mid-forward, after the first block ran
+        model.blocks[1].register_forward_pre_hook(lambda module, args: fault.check())
+
+    def loss_func(batch, output):
+        if place == "loss_func":
+            fault.check()
+        return gpt_loss(batch, output)
+
+    def prepare_input(batch, device):
+        if place == "prepare_input":
+            fault.check()
+        return move_to_device(batch, device)
+
+    status, result, strategy = auto_accelerate(
+        model, torch.optim.SGD, SyntheticTokenDataset(64, SMALL_GPT.block_size, SMALL_GPT.vocab_size), loss_func,
+        prepare_input=prepare_input, optim_args={"lr": 0.1}, dataloader_args={"batch_size": 4},
+        model_input_format="unpack_dict", excluded=SEARCH_ONLY_SHARDING, search_exhaustive=True,
+        use_profile_cache=False, dryrun_collective_timeout=COLLECTIVE_TIMEOUT_S,
+    )
+    rows = {row.label: (row.status, row.reason) for row in result.args.extras["search"].rows}
+    return {"status": status, "strategy": strategy.names(), "rows": rows}
+
+
+def search_launch() -> dict:
+    out = {}
+    for place in PLACES:
+        started = time.monotonic()
+        out[place] = _search_with_fault(place)
+        out[place]["seconds"] = time.monotonic() - started
+    return out
+
+
+@pytest.fixture(scope="module")
+def searched_with_faults():
+    return run_distributed(search_launch, 2, timeout_s=600)
+
+
+def test_the_search_completes_with_the_failing_candidates_marked_failed(searched_with_faults):
+    for rank, out in enumerate(searched_with_faults):
+        for place, found in out.items():
+            print(f"rank {rank} search with a fault in {place}: {found['seconds']:.1f} s, chose {found['strategy']}")
+            assert found["status"], (rank, place, found)
+            sharded = {label: row for label, row in found["rows"].items() if label.startswith(("fsdp", "zero2"))}
+            assert sharded, found["rows"]
+            for label, (status, reason) in sharded.items():
+                assert status == "failed" and "injected fault on rank 1" in reason, (rank, place, label, status, reason)
+            assert not set(found["strategy"]) & {"fsdp", "zero2"}, found["strategy"]
+            assert any(status == "ok" for status, _ in found["rows"].values())
+
+
+# --- a rank killed with SIGKILL in the middle of a dry run ---
+def killed_launch() -> dict:
+    def loss_func(batch, output):
+        if dist.get_rank() == 1 and loss_func.calls == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss_func.calls += 1
+        return gpt_loss(batch, output)
+
+    loss_func.calls = 0
+    started = time.monotonic()
+    try:
+        auto_accelerate(build_gpt(0), torch.optim.SGD, SyntheticTokenDataset(64, SMALL_GPT.block_size, SMALL_GPT.vocab_size),
+                        loss_func, optim_args={"lr": 0.1}, dataloader_args={"batch_size": 4},
+                        model_input_format="unpack_dict", load_strategy=["fsdp"], ignore_dryrun_on_load_strategy=False,
+                        dryrun_collective_timeout=COLLECTIVE_TIMEOUT_S)
+        outcome = "no error"
+    except RankLostError as error:
+        outcome = f"RankLostError {error.lost_ranks}: {error}"
+    except Exception as error:
+        outcome = f"{type(error).__name__}: {error}"
+    return {"outcome": outcome, "seconds": time.monotonic() - started}
+
+
+def test_a_killed_rank_ends_the_others_with_rank_lost_error():
+    survivor, killed = run_distributed(killed_launch, 2, timeout_s=300, may_die=(1,))
+    print(f"survivor: {survivor['seconds']:.1f} s, {survivor['outcome'][:160]}")
+    assert killed is None
+    assert survivor["outcome"].startswith("RankLostError [1]"), survivor["outcome"]
+    assert survivor["seconds"] < CASE_LIMIT_S

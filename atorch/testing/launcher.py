@@ -53,10 +53,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
             pass
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.0) -> list[Any]:
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.0,
+                    may_die: tuple[int, ...] = ()) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` spawned ranks; returns the values ordered by rank.
 
     ``fn`` must be importable (module level). Raises DistributedRunError on the first failure.
+    Ranks in ``may_die`` (tests that kill a rank on purpose) may exit without a value: theirs is None.
     """
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -68,9 +70,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
     for proc in procs:
         proc.start()
     values: dict[int, Any] = {}
+    gone: set[int] = set()  # ranks in may_die that exited
     try:
         deadline = time.monotonic() + timeout_s
-        while len(values) < world_size:
+        while len(values) + len(gone) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise DistributedRunError(f"timed out after {timeout_s:.0f}s; ranks done: {sorted(values)}")
@@ -78,6 +81,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
                 dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in values]
+                gone = {i for i in dead if i in may_die}
+                dead = [i for i in dead if i not in may_die]
                 if dead:
                     raise DistributedRunError(f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
                 continue
@@ -86,10 +91,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
             values[rank] = pickle.loads(value)
     finally:
         for proc in procs:
-            proc.join(timeout=5 if len(values) == world_size else 0.1)
+            proc.join(timeout=5 if len(values) + len(gone) == world_size else 0.1)
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
-    return [values[rank] for rank in range(world_size)]
+    return [values.get(rank) for rank in range(world_size)]
