@@ -1,0 +1,83 @@
+"""The stage tables of docs/architecture.md, from ``STAGE_CONTRACT`` and ``RECORD_TIME_FACTS``.
+
+    python docs/gen_architecture_tables.py            # refresh the tables in docs/architecture.md
+    python docs/gen_architecture_tables.py --stdout   # print them
+    python docs/gen_architecture_tables.py --file F   # refresh the tables in F
+
+In the Markdown file, the text between a line ``<!-- table:NAME -->`` and a line
+``<!-- /table:NAME -->`` is replaced by table NAME (``stages``, ``record-time``); everything else is
+left as it is. The tables come from ``atorch/auto/model_context.py``, so they cannot drift.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # runs from a checkout without installing atorch
+
+from atorch.auto.model_context import RECORD_TIME_FACTS, STAGE_CONTRACT  # noqa: E402
+
+MARKERS = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.DOTALL)
+
+
+def _code(names) -> str:
+    return ", ".join(f"`{name}`" for name in names) or "-"
+
+
+def stages_table() -> str:
+    lines = ["| stage | methods | reads | writes |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{row.stage}` | {', '.join(row.methods)} | {_code(row.reads)} | {_code(row.writes)} |"
+              for row in STAGE_CONTRACT]
+    return "\n".join(lines) + "\n"
+
+
+def record_time_table() -> str:
+    lines = ["| fact | written by the `transform` of |", "| --- | --- |"]
+    lines += [f"| `{fact}` | {writers} |" for fact, writers in RECORD_TIME_FACTS.items()]
+    return "\n".join(lines) + "\n"
+
+
+def all_tables() -> dict[str, str]:
+    return {"stages": stages_table(), "record-time": record_time_table()}
+
+
+def rewrite(text: str, tables: dict[str, str]) -> tuple[str, list[str], list[str]]:
+    """(new text, tables written, marker names that are no table)."""
+    written, unknown = [], []
+
+    def replace(match: re.Match) -> str:
+        name = match.group("name")
+        if name not in tables:
+            unknown.append(name)
+            return match.group(0)
+        written.append(name)
+        return match.group(1) + tables[name] + match.group(4)
+
+    return MARKERS.sub(replace, text), written, unknown
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--file", type=Path, default=ROOT / "docs" / "architecture.md", help="Markdown file with markers")
+    parser.add_argument("--stdout", action="store_true", help="print the tables instead of rewriting a file")
+    args = parser.parse_args(argv)
+    tables = all_tables()
+    if args.stdout:
+        for name, table in tables.items():
+            print(f"### {name}\n\n{table}")
+        return 0
+    text, written, unknown = rewrite(args.file.read_text(), tables)
+    args.file.write_text(text)
+    print(f"{args.file}: wrote {len(written)} table(s) {written}")
+    missing = sorted(set(tables) - set(written))
+    if unknown or missing:
+        print(f"markers name no table: {unknown}; tables without markers: {missing}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
