@@ -14,8 +14,9 @@ from atorch.auto.model_context import ModelContext
 from atorch.auto.search.options import SEARCH_KARGS, SearchOptions
 from atorch.auto.search.planner import search
 from atorch.auto.strategy import Strategy
+from atorch.distributed.agreement import broadcast_flag, is_main_rank, is_multi_rank
 from atorch.distributed.init import init_distributed
-from atorch.errors import DryRunError, InputError
+from atorch.errors import DryRunError, InputError, StrategyFileError
 
 logger = logging.getLogger("atorch")
 
@@ -86,16 +87,17 @@ def auto_accelerate(
         strategy = resolve_strategy(Strategy.from_any(load_strategy), excluded=excluded)
         _log(f"auto_accelerate strategy:\n{strategy}")
         if not ignore_dryrun_on_load_strategy:
-            steps = SearchOptions.from_kargs(kargs).dryrun_steps  # same check and default as the search's
-            report = dry_run_strategy(lambda: make_context(copy.deepcopy(model)), strategy, steps)
+            options = SearchOptions.from_kargs(kargs)  # same checks and defaults as the search's
+            report = dry_run_strategy(lambda: make_context(copy.deepcopy(model)), strategy, options.dryrun_steps,
+                                      options.collective_timeout_s)
             _log(str(report))
             if not report.ok:
                 raise DryRunError(f"the loaded strategy failed its dry run: {report.error}")
             ctx.args.dryrun = report
 
-    apply_strategy(ctx, strategy)
-    if save_strategy_to_file:
+    if save_strategy_to_file:  # before the model is wrapped: a strategy that cannot be saved fails first
         _save(strategy, save_strategy_to_file)
+    apply_strategy(ctx, strategy)
     result = AutoAccelerateResult(
         ctx.model, ctx.optim, ctx.dataloader, ctx.loss_func, ctx.prepare_input, ctx.lr_scheduler, ctx.args
     )
@@ -118,11 +120,24 @@ def _search(model, make_context, load_strategy, finetune_strategy, excluded, inc
 
 
 def _save(strategy: Strategy, path: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        strategy.save(path)
-        _log(f"strategy saved to {path}")
-    if dist.is_initialized():
-        dist.barrier()
+    """Rank 0 saves (serialised and checked first, then an atomic replace: a failure leaves any
+    previous file byte-identical); rank 0 then broadcasts the outcome, so on failure every rank
+    raises the same StrategyFileError instead of waiting in a barrier for rank 0."""
+    error, cause = None, None
+    if is_main_rank():
+        try:
+            strategy.save(path)
+        except StrategyFileError as failure:
+            error, cause = str(failure), failure
+        except Exception as failure:  # anything unforeseen must still reach every rank
+            error, cause = f"cannot save strategy to {path!r}: {type(failure).__name__}: {failure}", failure
+    if is_multi_rank() and not broadcast_flag(error is None):
+        message = [error]
+        dist.broadcast_object_list(message, src=0)
+        error = message[0]
+    if error is not None:
+        raise StrategyFileError(f"save_strategy_to_file: {error}") from cause
+    _log(f"strategy saved to {path}")
 
 
 def _log(message: str) -> None:

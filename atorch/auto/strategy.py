@@ -2,7 +2,13 @@
 
 A strategy is plain data so it can be saved, shared and reused as ``load_strategy``. Pickles are
 the seed's format; they are read back with a restricted unpickler so that opening a strategy file
-never runs code (only Strategy itself, torch dtypes and nn.Module classes may appear in one).
+never runs code (only Strategy itself, torch dtypes and nn.Module classes may appear in one), and
+never imports anything: a class named in a file is looked up, without calling any code, in the
+modules the process has already imported, or the load is refused.
+
+Saving serialises first (a value a strategy file cannot hold is a ``StrategyFileError`` naming the
+item, and the file is not touched), then writes a temporary file beside the target and
+``os.replace``s it, so a failed save leaves the previous file as it was.
 
 Configs are kept as given; the strategy ``auto_accelerate`` returns holds each method's normalized
 config (a ``MethodConfig`` dataclass). Pickles and JSON store a dataclass as plain data, the dict
@@ -11,11 +17,13 @@ into an equal dataclass. Two strategies are equal when they would be saved alike
 """
 from __future__ import annotations
 
-import importlib
+import inspect
 import io
 import json
 import os
 import pickle
+import secrets
+import stat
 import sys
 from typing import Any, Iterable, Iterator, NamedTuple
 
@@ -26,8 +34,12 @@ from atorch.utils.config import MethodConfig
 
 _FORMAT = "atorch-strategy"
 _VERSION = 1
-# Modules a JSON strategy may name classes from even when the user has not imported them yet.
-_IMPORTABLE_PREFIXES = ("torch", "atorch", "transformers")
+# The torch dtypes a file may name, fixed at import: looking a name up here runs no code (torch's
+# module ``__getattr__`` would import its lazy submodules or call deprecated factories).
+_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+_MISSING = object()
+# the scalar types a config may hold (exact types: a subclass would be pickled by reference)
+_SCALARS = (type(None), bool, int, float, str, bytes)
 
 
 class StrategyItem(NamedTuple):
@@ -111,6 +123,16 @@ class Strategy:
         """(name, config, tunable) with dataclass configs as the dict of their non-default fields."""
         return [(item.name, _plain(item.config), item.tunable) for item in self._items]
 
+    def _check_savable(self) -> None:
+        """StrategyFileError naming the first item whose config a strategy file cannot hold."""
+        for index, (name, config, _) in enumerate(self._plain_items()):
+            try:
+                _check_savable(config, f"item {index} ({name!r}): config")
+            except RecursionError as error:
+                raise StrategyFileError(
+                    f"cannot save strategy: item {index} ({name!r}): config is nested too deeply or contains itself"
+                ) from error
+
     # --- pickle (seed format) ----------------------------------------------------------------
     def __getstate__(self) -> dict:
         # plain tuples only, so the restricted unpickler needs no other class
@@ -122,24 +144,46 @@ class Strategy:
         self._items = [_to_item(entry) for entry in state["items"]]
 
     def to_bytes(self) -> bytes:
+        """The pickle (seed format); a config value that could not be loaded back is a
+        StrategyFileError naming the item."""
+        self._check_savable()
         return pickle.dumps(self, protocol=4)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Strategy":
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise StrategyFileError(f"strategy data must be bytes, not {type(data).__name__}")
+        data = bytes(data)
+        if not data:
+            raise StrategyFileError("empty file: the strategy data is 0 bytes, expected a pickled Strategy")
+        stream = io.BytesIO(data)
         try:
-            loaded = _SafeUnpickler(io.BytesIO(data)).load()
-        except UnsafeStrategyError:
+            loaded = _SafeUnpickler(stream).load()
+        except StrategyFileError:  # UnsafeStrategyError included
             raise
+        except StrategyError as error:  # a malformed entry inside the pickled state
+            raise StrategyFileError(f"strategy pickle holds a malformed method entry: {error}") from error
         except Exception as error:  # truncated or foreign data
-            raise StrategyFileError(f"cannot read strategy bytes: {error}") from error
+            reason = str(error) or type(error).__name__
+            if stream.tell() >= len(data):  # the data ran out before the pickle's STOP
+                raise StrategyFileError(
+                    f"truncated pickle data: the {len(data)} bytes end before the pickle is complete ({reason})"
+                ) from error
+            if isinstance(error, KeyError) and isinstance(error.args[0], int):  # no such opcode
+                reason = f"invalid opcode byte {error.args[0]:#04x} at offset {stream.tell() - 1}"
+            raise StrategyFileError(f"not a strategy pickle: {type(error).__name__}: {reason}") from error
         if isinstance(loaded, list):  # a bare list of methods pickled directly
-            loaded = Strategy(loaded)
+            try:
+                loaded = Strategy(loaded)
+            except StrategyError as error:
+                raise StrategyFileError(f"strategy pickle holds a malformed method entry: {error}") from error
         if not isinstance(loaded, Strategy):
             raise StrategyFileError(f"pickle holds a {type(loaded).__name__}, not a Strategy")
         return loaded
 
     # --- JSON --------------------------------------------------------------------------------
     def to_json(self) -> str:
+        self._check_savable()
         methods = [
             {"name": name, "config": _encode(config, name), "tunable": tunable}
             for name, config, tunable in self._plain_items()
@@ -148,45 +192,81 @@ class Strategy:
 
     @classmethod
     def from_json(cls, text: str) -> "Strategy":
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise StrategyFileError(f"strategy JSON must be text, not {type(text).__name__}")
+        if not text.strip():
+            raise StrategyFileError("empty file: the strategy JSON is empty, expected an atorch strategy")
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
             raise StrategyFileError(f"strategy JSON is not valid JSON: {error}") from error
-        if isinstance(data, list):
-            return Strategy(_decode(entry) for entry in data)
-        if not isinstance(data, dict) or data.get("format") != _FORMAT:
-            raise StrategyFileError(f"JSON is not an atorch strategy (expected format {_FORMAT!r})")
-        items = []
-        for entry in data.get("methods", []):
-            if not isinstance(entry, dict) or "name" not in entry:
-                raise StrategyFileError(f"strategy JSON method entry must have a 'name': {entry!r}")
-            items.append((entry["name"], _decode(entry.get("config")), bool(entry.get("tunable", False))))
-        return Strategy(items)
+        except RecursionError as error:
+            raise StrategyFileError("strategy JSON is nested too deeply") from error
+        try:
+            if isinstance(data, list):
+                return Strategy(_decode(entry) for entry in data)
+            if not isinstance(data, dict) or data.get("format") != _FORMAT:
+                raise StrategyFileError(f"JSON is not an atorch strategy (expected format {_FORMAT!r})")
+            methods = data.get("methods", [])
+            if not isinstance(methods, list):
+                raise StrategyFileError(f"strategy JSON 'methods' must be a list, got {type(methods).__name__}")
+            items = []
+            for entry in methods:
+                if not isinstance(entry, dict) or "name" not in entry:
+                    raise StrategyFileError(f"strategy JSON method entry must have a 'name': {entry!r}")
+                items.append((entry["name"], _decode(entry.get("config")), bool(entry.get("tunable", False))))
+            return Strategy(items)
+        except StrategyFileError:
+            raise
+        except StrategyError as error:
+            raise StrategyFileError(f"strategy JSON holds a malformed method entry: {error}") from error
+        except RecursionError as error:
+            raise StrategyFileError("strategy JSON is nested too deeply") from error
 
     # --- files -------------------------------------------------------------------------------
+    def serialize(self, path: str | os.PathLike) -> bytes:
+        """The file content ``save(path)`` writes (JSON for ``.json``, else a pickle), checked to
+        load back; a StrategyFileError naming the item when a config cannot be saved."""
+        as_json = _file_path(path).endswith(".json")
+        data = (self.to_json() + "\n").encode("utf-8") if as_json else self.to_bytes()
+        try:  # belt and braces: what is written must read back in this process
+            Strategy.from_json(data.decode("utf-8")) if as_json else Strategy.from_bytes(data)
+        except StrategyFileError as error:
+            raise StrategyFileError(f"cannot save strategy: it would not load back: {error}") from error
+        return data
+
     def save(self, path: str | os.PathLike) -> None:
-        """Readable JSON for ``.json``; a pickle (the seed's format) for any other suffix."""
-        path = os.fspath(path)
-        directory = os.path.dirname(path)
-        if directory:
-            os.makedirs(directory, exist_ok=True)
-        if path.endswith(".json"):
-            with open(path, "w") as handle:
-                handle.write(self.to_json() + "\n")
-        else:
-            with open(path, "wb") as handle:
-                handle.write(self.to_bytes())
+        """Readable JSON for ``.json``; a pickle (the seed's format) for any other suffix.
+
+        Atomic: the strategy is serialised first (the file is untouched when that fails), then
+        written to a temporary file in the same directory, fsynced and ``os.replace``d onto
+        ``path``. A failure is a StrategyFileError and leaves any previous file byte-identical.
+        """
+        path = _file_path(path)
+        _write_atomic(path, self.serialize(path))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Strategy":
-        path = os.fspath(path)
+        path = _file_path(path)
         if not os.path.isfile(path):
             raise StrategyFileError(f"strategy file not found: {path!r}")
-        with open(path, "rb") as handle:
-            data = handle.read()
-        if path.endswith(".json") or data.lstrip()[:1] in (b"{", b"["):
-            return cls.from_json(data.decode("utf-8"))
-        return cls.from_bytes(data)
+        try:
+            with open(path, "rb") as handle:
+                data = handle.read()
+        except OSError as error:
+            raise StrategyFileError(f"cannot read strategy file {path!r}: {error}") from error
+        try:
+            if not data.strip():
+                raise StrategyFileError(f"empty file: the strategy file is {len(data)} bytes")
+            if path.endswith(".json") or data.lstrip()[:1] in (b"{", b"["):
+                try:
+                    text = data.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    raise StrategyFileError(f"strategy JSON is not UTF-8 text: {error}") from error
+                return cls.from_json(text)
+            return cls.from_bytes(data)
+        except StrategyFileError as error:  # the same type (UnsafeStrategyError stays one), with the path
+            raise type(error)(f"strategy file {path!r}: {error}") from error
 
     @classmethod
     def from_any(cls, value: Any) -> "Strategy":
@@ -237,6 +317,119 @@ def _short_repr(value: Any) -> str:
     return repr(value)
 
 
+# --- saving ----------------------------------------------------------------------------------
+def _file_path(path: Any) -> str:
+    try:
+        return os.fsdecode(os.fspath(path))
+    except TypeError as error:
+        raise StrategyFileError(f"a strategy file path must be a str or os.PathLike, not {type(path).__name__}") from error
+
+
+def _check_savable(value: Any, where: str) -> None:
+    """Raise StrategyFileError unless ``value`` is what the loaders rebuild: plain data (exact
+    builtin types), torch dtypes and module-level nn.Module classes."""
+    kind = type(value)
+    if kind in _SCALARS or kind is torch.dtype:
+        return
+    if kind in (list, tuple):
+        for index, inner in enumerate(value):
+            _check_savable(inner, f"{where}[{index}]")
+        return
+    if kind in (set, frozenset):
+        for inner in value:
+            _check_savable(inner, f"{where} element {inner!r}")
+        return
+    if kind is dict:
+        for key, inner in value.items():
+            _check_savable(key, f"{where} key {key!r}")
+            _check_savable(inner, f"{where}[{key!r}]")
+        return
+    if isinstance(value, type):
+        _check_savable_class(value, where)
+        return
+    raise StrategyFileError(
+        f"cannot save strategy: {where} is {_describe(value)}, which a strategy file cannot hold; "
+        "configs in a file may hold only plain data (None, bool, int, float, str, list, tuple, dict, "
+        "set), torch dtypes and nn.Module classes defined at module level"
+    )
+
+
+def _check_savable_class(cls: type, where: str) -> None:
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if not issubclass(cls, torch.nn.Module):
+        reason = "not an nn.Module class; the only classes a strategy file may name are nn.Module classes"
+    elif "<locals>" in cls.__qualname__:
+        reason = ("defined inside a function, so it cannot be found again by its module and name when the "
+                  "file is loaded; define it at module level")
+    elif _lookup(cls.__module__, cls.__qualname__) is not cls:
+        reason = (f"not reachable as {cls.__module__}:{cls.__qualname__} (created dynamically or replaced "
+                  "since), so the file could not name it")
+    else:
+        return
+    raise StrategyFileError(f"cannot save strategy: {where} is the class {name}, {reason}")
+
+
+def _describe(value: Any) -> str:
+    kind = type(value)
+    qualname = getattr(value, "__qualname__", None) if callable(value) else None
+    if isinstance(qualname, str):
+        what = "a lambda" if qualname.endswith("<lambda>") else "a function"
+        return f"{what} ({getattr(value, '__module__', '?')}.{qualname})"
+    described = f"an object of type {kind.__module__}.{kind.__qualname__}"
+    for plain in (dict, list, tuple, set, frozenset, int, float, str, bytes):
+        if isinstance(value, plain):
+            return f"{described} (a subclass of {plain.__name__}: use a plain {plain.__name__})"
+    return described
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path``, fsync it, and ``os.replace`` it onto
+    ``path`` (the target of a symlink, which stays a link); the temporary file never outlives a
+    failure, and the previous file is untouched unless the replace succeeds."""
+    target = os.path.realpath(path) if os.path.islink(path) else path
+    directory = os.path.dirname(os.path.abspath(target))
+    temporary = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        if os.path.isdir(target):
+            raise IsADirectoryError(f"{target!r} is a directory")
+        temporary = os.path.join(directory, f".{os.path.basename(target)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        with open(descriptor, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        try:  # keep the previous file's permissions
+            os.chmod(temporary, stat.S_IMODE(os.stat(target).st_mode))
+        except FileNotFoundError:
+            pass
+        os.replace(temporary, target)
+        temporary = None
+        _fsync_directory(directory)
+    except OSError as error:
+        raise StrategyFileError(f"cannot write strategy file {path!r}: {error}") from error
+    finally:
+        if temporary is not None:
+            try:
+                os.unlink(temporary)
+            except OSError:
+                pass
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make the rename durable (best effort: not every platform can open a directory)."""
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
 # --- JSON value encoding ---------------------------------------------------------------------
 def _encode(value: Any, method: str) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -246,7 +439,8 @@ def _encode(value: Any, method: str) -> Any:
     if isinstance(value, tuple):
         return {"__tuple__": [_encode(v, method) for v in value]}
     if isinstance(value, (set, frozenset)):
-        return {"__set__": [_encode(v, method) for v in sorted(value, key=repr)]}
+        tag = "__frozenset__" if isinstance(value, frozenset) else "__set__"
+        return {tag: [_encode(v, method) for v in sorted(value, key=repr)]}
     if isinstance(value, torch.dtype):
         return {"__dtype__": str(value).replace("torch.", "")}
     if isinstance(value, type):
@@ -267,45 +461,69 @@ def _decode(value: Any) -> Any:
         return value
     if len(value) == 1:
         (key, inner), = value.items()
+        if key in ("__tuple__", "__set__", "__frozenset__", "__dict__") and not isinstance(inner, list):
+            raise StrategyFileError(f"strategy JSON {key} must hold a list, got {inner!r}")
+        if key in ("__dtype__", "__class__") and not isinstance(inner, str):
+            raise StrategyFileError(f"strategy JSON {key} must hold a string, got {inner!r}")
         if key == "__tuple__":
             return tuple(_decode(v) for v in inner)
         if key == "__set__":
-            return set(_decode(v) for v in inner)
+            return _hashable(key, set, [_decode(v) for v in inner])
+        if key == "__frozenset__":
+            return _hashable(key, frozenset, [_decode(v) for v in inner])
         if key == "__dtype__":
             return _dtype(inner)
         if key == "__class__":
             module, _, qualname = inner.partition(":")
             return _module_class(module, qualname)
         if key == "__dict__":
-            return {_decode(k): _decode(v) for k, v in inner}
+            if not all(isinstance(pair, list) and len(pair) == 2 for pair in inner):
+                raise StrategyFileError(f"strategy JSON __dict__ must hold [key, value] pairs, got {inner!r}")
+            return _hashable(key, dict, [(_decode(k), _decode(v)) for k, v in inner])
     return {k: _decode(v) for k, v in value.items()}
 
 
+def _hashable(key: str, build: type, values: list) -> Any:
+    try:
+        return build(values)
+    except TypeError as error:  # an unhashable member (a list as a set element or dict key)
+        raise StrategyFileError(f"strategy JSON {key} holds an unhashable value: {error}") from error
+
+
 def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, str(name), None)
-    if not isinstance(dtype, torch.dtype):
-        raise UnsafeStrategyError(f"torch.{name} is not a torch dtype")
-    return dtype
+    """A torch dtype by name, from the fixed table (never an attribute lookup on torch)."""
+    if name not in _DTYPES:
+        raise UnsafeStrategyError(f"torch.{name} is not a torch dtype; refusing to load it")
+    return _DTYPES[name]
+
+
+def _lookup(module: str, qualname: str) -> Any:
+    """``module.qualname`` found without running code: only in modules already in ``sys.modules``,
+    through their ``__dict__`` (no module ``__getattr__``, no descriptors, no import)."""
+    target = sys.modules.get(module)
+    if target is None or not qualname:
+        return _MISSING
+    for part in qualname.split("."):
+        target = inspect.getattr_static(target, part, _MISSING)
+        if target is _MISSING:
+            return _MISSING
+    return target
 
 
 def _module_class(module: str, qualname: str) -> type:
-    """Resolve an nn.Module class without importing arbitrary modules."""
-    if module not in sys.modules:
-        if not module.split(".")[0] in _IMPORTABLE_PREFIXES:
-            raise UnsafeStrategyError(
-                f"strategy names {module}.{qualname}, but module {module!r} is not imported; "
-                "import the module that defines your model before loading its strategy"
-            )
-        try:
-            importlib.import_module(module)
-        except ImportError as error:
-            raise UnsafeStrategyError(f"cannot import {module!r} for {qualname}: {error}") from error
-    target: Any = sys.modules[module]
-    for part in qualname.split("."):
-        target = getattr(target, part, None)
-    if not (isinstance(target, type) and issubclass(target, torch.nn.Module)):
+    """An nn.Module class named by a file, resolved against the modules already imported; never
+    imports. Anything else is an UnsafeStrategyError naming the global."""
+    if sys.modules.get(module) is None:
         raise UnsafeStrategyError(
-            f"strategy names {module}.{qualname}, which is not an nn.Module class; refusing to load it"
+            f"strategy names the global {module}.{qualname} (module {module!r}, name {qualname!r}), but "
+            f"module {module!r} is not imported; atorch never imports a module named by a strategy file: "
+            "import the module that defines your model before loading its strategy"
+        )
+    target = _lookup(module, qualname)
+    if not (issubclass(type(target), type) and issubclass(target, torch.nn.Module)):
+        raise UnsafeStrategyError(
+            f"strategy names the global {module}.{qualname} (module {module!r}, name {qualname!r}), which is "
+            "not an nn.Module class; refusing to load it"
         )
     return target
 
@@ -315,7 +533,8 @@ class _SafeUnpickler(pickle._Unpickler):  # the pure-Python unpickler lets us ve
 
     Any opcode that would call a function (REDUCE, INST, OBJ, NEWOBJ_EX, extensions, persistent
     ids) is refused; NEWOBJ/BUILD are allowed for Strategy alone; globals are limited to Strategy,
-    torch dtypes, builtins set/frozenset and nn.Module classes (which are only referenced, never called).
+    torch dtypes, builtins set/frozenset and nn.Module classes of modules already imported (which are
+    only referenced, never called). Globals are resolved without importing or calling anything.
     """
 
     dispatch = dict(pickle._Unpickler.dispatch)
@@ -323,9 +542,9 @@ class _SafeUnpickler(pickle._Unpickler):  # the pure-Python unpickler lets us ve
     def find_class(self, module: str, name: str) -> Any:
         if module == __name__ and name == "Strategy":
             return Strategy
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module == "builtins" and name in ("set", "frozenset"):
+        if module == "torch" and name in _DTYPES:
+            return _DTYPES[name]
+        if module in ("builtins", "__builtin__") and name in ("set", "frozenset"):
             return {"set": set, "frozenset": frozenset}[name]
         return _module_class(module, name)
 

@@ -54,7 +54,7 @@ SCHEDULES = {"1F1B": "Schedule1F1B", "PreferBackward": "Schedule1F1B", "GPipe": 
 @dataclass(frozen=True)
 class PipelineParallelConfig(MethodConfig):
     schedule: Literal[tuple(SCHEDULES)] = option("1F1B", doc="pipeline schedule (PreferBackward = 1F1B, "
-                                                 "PreferForward = GPipe, as EPL names them)")
+                                                 "PreferForward = GPipe are accepted aliases)")
     num_micro_batch: Optional[int] = option(None, doc="micro-batches per step; None: 2 x the pipeline size, at most "
                                             "the per-rank batch", minimum=1)
     pivots: Optional[tuple[str, ...]] = option(None, doc="the first block of every stage but the first; None: "

@@ -105,10 +105,10 @@ def _seconds(karg: str, value: Any) -> Optional[float]:
 
 
 def _positive_seconds(karg: str, value: Any) -> float:
-    seconds = _seconds(karg, value)
-    if seconds is None:
-        raise InputError(f"{karg}=None is not valid: give seconds as a positive number (int or float)")
-    return seconds
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value > 0):
+        raise InputError(f"{karg}={value!r} is not valid: give seconds as a positive number (int or float)")
+    return float(value)
 
 
 def _positive_int(karg: str, value: Any) -> int:
