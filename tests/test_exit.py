@@ -1,9 +1,9 @@
 """A finished two-rank zero1 job exits with status 0, every time.
 
-Before atorch drained its gloo groups at exit (``atorch/distributed/shutdown.py``), a gloo worker
-thread could free a Python-owned tensor during interpreter shutdown and abort the process with
-SIGABRT after all work had finished (3 of 20 runs succeeded here), so torchrun reported the job
-failed. 20 consecutive torchrun launches must all succeed.
+Before atorch released the GIL at exit (``atorch/distributed/shutdown.py``), a gloo worker thread
+could free a Python-owned tensor during interpreter finalisation and abort the process with SIGABRT
+after all work had finished (3 of 20 runs succeeded here), so torchrun reported the job failed.
+20 consecutive torchrun launches must all succeed.
 """
 from __future__ import annotations
 

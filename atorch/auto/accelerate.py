@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import logging
+import os
 from collections import namedtuple
 from typing import Any, Callable, Optional
 
@@ -17,6 +19,7 @@ from atorch.auto.strategy import Strategy
 from atorch.distributed.agreement import broadcast_flag, is_main_rank, is_multi_rank
 from atorch.distributed.init import init_distributed
 from atorch.errors import DryRunError, InputError, StrategyFileError
+from atorch.utils.batch import loss_value
 
 logger = logging.getLogger("atorch")
 
@@ -26,6 +29,10 @@ AutoAccelerateResult = namedtuple(
 # the search's kargs (also ``verbose`` and ``dryrun_steps`` for semi-automatic mode) are validated,
 # with their defaults, by SearchOptions.from_kargs; find_unused_parameters goes to DDP
 KARGS = ("find_unused_parameters", *SEARCH_KARGS)
+# kargs that only the search reads: refused in semi-automatic mode rather than ignored
+SEARCH_ONLY_KARGS = ("time_limit", "search_topk", "report_dir", "use_profile_cache", "search_exhaustive")
+# kargs of semi-automatic mode's dry run: refused when the dry run is skipped rather than ignored
+DRY_RUN_KARGS = ("dryrun_steps", "dryrun_collective_timeout", "memory_limit")
 
 
 def auto_accelerate(
@@ -57,9 +64,12 @@ def auto_accelerate(
     rank; a search in which no candidate trains within the limits returns ``(False, None, None)``
     and logs the report.
     """
-    unknown = sorted(set(kargs) - set(KARGS))
-    if unknown:
-        raise InputError(f"unknown keyword argument(s) {unknown}; supported kargs: {list(KARGS)}")
+    _check_arguments(load_strategy, excluded, included, finetune_strategy, save_strategy_to_file,
+                     ignore_dryrun_on_load_strategy, kargs)
+    searching = load_strategy is None or finetune_strategy
+    options = SearchOptions.from_kargs(kargs, excluded, included if searching else None)  # every value, both modes
+    if not searching:
+        _refuse_unused_in_semi_automatic_mode(included, ignore_dryrun_on_load_strategy, kargs)
     if kargs.get("verbose"):
         _enable_verbose_logging()
     init_distributed()
@@ -75,7 +85,7 @@ def auto_accelerate(
         )
 
     ctx = make_context(model)  # checks the inputs before anything else happens
-    if load_strategy is None or finetune_strategy:
+    if searching:
         found = _search(model, make_context, load_strategy, finetune_strategy, excluded, included, kargs)
         if found.strategy is None:
             logger.error("auto_accelerate: no candidate strategy trained within the limits:\n%s", found.table)
@@ -87,21 +97,100 @@ def auto_accelerate(
         strategy = resolve_strategy(Strategy.from_any(load_strategy), excluded=excluded)
         _log(f"auto_accelerate strategy:\n{strategy}")
         if not ignore_dryrun_on_load_strategy:
-            options = SearchOptions.from_kargs(kargs)  # same checks and defaults as the search's
             report = dry_run_strategy(lambda: make_context(copy.deepcopy(model)), strategy, options.dryrun_steps,
                                       options.collective_timeout_s)
             _log(str(report))
             if not report.ok:
                 raise DryRunError(f"the loaded strategy failed its dry run: {report.error}")
+            limit = options.memory_limit
+            if limit is not None and report.peak_memory_bytes > limit:  # the peak is the max over ranks: all agree
+                raise DryRunError(
+                    f"the loaded strategy's dry run peaked at {report.peak_memory_bytes / 2**20:.1f} MiB per rank, "
+                    f"above memory_limit={kargs['memory_limit']!r} ({limit / 2**20:.1f} MiB); raise memory_limit or "
+                    "load a strategy that uses less memory (fsdp, checkpoint, amp_native)")
             ctx.args.dryrun = report
 
     if save_strategy_to_file:  # before the model is wrapped: a strategy that cannot be saved fails first
         _save(strategy, save_strategy_to_file)
     apply_strategy(ctx, strategy)
+    checked_loss = None if ctx.loss_func is None else LossCheckedOnce(ctx.loss_func)
     result = AutoAccelerateResult(
-        ctx.model, ctx.optim, ctx.dataloader, ctx.loss_func, ctx.prepare_input, ctx.lr_scheduler, ctx.args
+        ctx.model, ctx.optim, ctx.dataloader, checked_loss, ctx.prepare_input, ctx.lr_scheduler, ctx.args
     )
     return True, result, strategy
+
+
+def _check_arguments(load_strategy: Any, excluded: Any, included: Any, finetune_strategy: Any,
+                     save_strategy_to_file: Any, ignore_dryrun: Any, kargs: dict) -> None:
+    """The checks of auto_accelerate's own arguments that no other layer makes (the search options'
+    values are SearchOptions.from_kargs's, the training inputs ModelContext's)."""
+    unknown = sorted(set(kargs) - set(KARGS))
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(str(name), KARGS, n=1, cutoff=0.5)
+            hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise InputError(f"unknown keyword argument(s) {unknown}: {', '.join(hints)}; supported kargs: {list(KARGS)}")
+    for name, value in (("finetune_strategy", finetune_strategy), ("ignore_dryrun_on_load_strategy", ignore_dryrun),
+                        ("find_unused_parameters", kargs.get("find_unused_parameters", False))):
+        if not isinstance(value, bool):
+            raise InputError(f"{name}={value!r} is not valid: give True or False")
+    for name, value in (("excluded", excluded), ("included", included)):
+        if value is None:
+            continue
+        if not isinstance(value, (list, tuple, set, frozenset)):
+            raise InputError(f"{name} must be a list of method names, got {type(value).__name__}: {value!r}")
+        for entry in value:
+            if name == "excluded" and not isinstance(entry, str):
+                raise InputError(f"excluded must be a list of method names (str), got the entry {entry!r}")
+            if name == "included" and not (isinstance(entry, str) or (
+                    isinstance(entry, (list, tuple)) and entry and isinstance(entry[0], str))):
+                raise InputError(f"included must be a list of method names or (name, config) pairs, got the entry "
+                                 f"{entry!r}")
+    if finetune_strategy and load_strategy is None:
+        raise InputError("finetune_strategy=True needs load_strategy: the search starts from the loaded strategy")
+    if save_strategy_to_file is not None and not (
+            isinstance(save_strategy_to_file, (str, os.PathLike)) and os.fspath(save_strategy_to_file)):
+        raise InputError(f"save_strategy_to_file must be a file path (str or pathlib.Path; .json for JSON, any other "
+                         f"suffix for a pickle) or None, got {save_strategy_to_file!r}")
+
+
+def _refuse_unused_in_semi_automatic_mode(included: Any, ignore_dryrun: bool, kargs: dict) -> None:
+    """Arguments that a loaded strategy (no search) would silently ignore are refused instead."""
+    given = [name for name in kargs if kargs[name] is not None]
+    if included:
+        raise InputError(f"included={included!r} applies to the search only; with load_strategy (and "
+                         "finetune_strategy=False) put the methods in load_strategy, or pass finetune_strategy=True")
+    search_only = [name for name in SEARCH_ONLY_KARGS if name in given]
+    if search_only:
+        raise InputError(f"{search_only} apply to the search only (load_strategy=None, or finetune_strategy=True); "
+                         "with load_strategy they would be ignored: drop them")
+    dry_run_only = [name for name in DRY_RUN_KARGS if name in given]
+    if ignore_dryrun and dry_run_only:
+        bound = " (memory_limit then bounds its peak memory)" if "memory_limit" in dry_run_only else ""
+        raise InputError(f"{dry_run_only} configure the dry run of the loaded strategy, which "
+                         "ignore_dryrun_on_load_strategy=True skips: pass ignore_dryrun_on_load_strategy=False to "
+                         f"dry-run it{bound}, or drop {dry_run_only}")
+
+
+class LossCheckedOnce:
+    """``result.loss_func``: the strategy's loss_func, whose FIRST value is checked to be a scalar
+    tensor (or a list/tuple starting with one), so that a wrong loss is an InputError naming
+    loss_func at the first step, not a raw autograd error. Every value is returned unchanged."""
+
+    def __init__(self, loss_func: Callable):
+        self.loss_func = loss_func
+        self.checked = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        value = self.loss_func(*args, **kwargs)
+        if not self.checked:
+            if isinstance(value, (list, tuple)) and not value:
+                raise InputError(f"loss_func must return a scalar tensor (or a list/tuple starting with one), got an "
+                                 f"empty {type(value).__name__}")
+            loss_value(value)  # InputError: "loss_func must return a scalar tensor ..."
+            self.checked = True
+        return value
 
 
 def _search(model, make_context, load_strategy, finetune_strategy, excluded, included, kargs):

@@ -22,29 +22,48 @@ from atorch.distributed import mesh
 from atorch.distributed.shutdown import register_exit_drain
 from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.distributed.agreement import world_size as current_world_size
-from atorch.errors import InputError, RequirementError
+from atorch.errors import InputError, MethodConfigError, RequirementError
 
 logger = logging.getLogger("atorch")
+
+
+# The parallel_mode dimensions a method works on: without them (size above 1) it would do nothing,
+# so on several ranks a strategy naming it without them is refused, not trained as plain DDP.
+REQUIRED_DIMS = {
+    "tensor_parallel": ("tensor",),
+    "sequence_parallel": ("tensor",),
+    "pipeline_parallel": ("pipeline",),
+    "mixed_parallel": ("tensor", "pipeline"),
+}
 
 
 def resolve_strategy(strategy: Strategy, excluded: Optional[list] = None) -> Strategy:
     """Validate names and configs for this process layout; returns the strategy that will run.
 
-    Distributed-only methods are dropped (logged) in a single process; under several ranks a missing parallel_mode is added
-    (data parallel over all ranks); parallel_mode is fitted to the world size.
+    Every config is validated, also those of distributed-only methods, which are then dropped
+    (logged) in a single process (a dropped parallel_mode is checked for its structure only: there
+    is no world size to fit it to). Under several ranks a missing parallel_mode is added (data
+    parallel over all ranks); parallel_mode is fitted to the world size, and the dimensions that
+    tensor / sequence / pipeline / mixed parallelism work on must be in it.
     """
     world_size = current_world_size()
     distributed = dist.is_initialized()
     items: list[StrategyItem] = []
+    checked: list[tuple[str, object]] = []  # every item, normalized (dropped ones too): compatibility
     dropped = []
     for item in strategy:
         method = opt_lib.get_optimization(item.name)
         if excluded and item.name in excluded:
             raise InputError(f"method {item.name!r} is both in load_strategy and in excluded")
         if method.distributed_only and not distributed:
+            if item.name == "parallel_mode":
+                checked.append((item.name, mesh.parse_parallel_config(item.config)))
+            else:  # no other distributed-only normalize depends on the world size
+                checked.append((item.name, method.normalize(item.config)))
             dropped.append(item.name)
             continue
         config = method.normalize(item.config)
+        checked.append((item.name, config))
         reason = method.requirements(config)
         if reason:
             if method.ignored_when_unavailable:
@@ -52,14 +71,36 @@ def resolve_strategy(strategy: Strategy, excluded: Optional[list] = None) -> Str
                 continue
             raise RequirementError(f"{item.name} cannot run here: {reason}")
         items.append(StrategyItem(item.name, config, item.tunable))
+    check_compatible(checked)
     if dropped:
         logger.warning("single process: dropping distributed-only method(s) %s", dropped)
     if distributed and world_size > 1 and "parallel_mode" not in [i.name for i in items]:
         logger.info("%d ranks and no parallel_mode in the strategy: adding data parallel over all ranks", world_size)
         items.insert(0, StrategyItem("parallel_mode", opt_lib.get_optimization("parallel_mode").normalize(None), True))
     _log_parallel_adjustment(strategy, items, world_size)
+    if distributed and world_size > 1:
+        _check_required_dims(items, world_size)
     check_compatible([(i.name, i.config) for i in items])
     return Strategy(items)
+
+
+def _check_required_dims(items: list[StrategyItem], world_size: int) -> None:
+    layout = next(i.config for i in items if i.name == "parallel_mode")
+    lacking = {item.name: [d for d in REQUIRED_DIMS.get(item.name, ()) if layout.size(d) <= 1] for item in items}
+    lacking = {name: dims for name, dims in lacking.items() if dims}
+    if lacking:
+        (first, missing), *others = lacking.items()
+        also = f" ({', '.join(name for name, _ in others)} too)" if others else ""
+        raise MethodConfigError(first, missing_dims_message(missing, list(layout.dims), world_size) + also)
+
+
+def missing_dims_message(missing: list[str], dims: list, world_size: int) -> str:
+    """What to tell a user whose parallel_mode lacks dimensions a method works on."""
+    add = ", ".join(f"({d!r}, N)" for d in missing)
+    example = [(d, 2) for d in missing]
+    return (f"needs the {' and '.join(repr(d) for d in missing)} dimension(s) of parallel_mode above 1, but "
+            f"parallel_mode is {dims} on {world_size} rank(s), so it would do nothing; add {add} to parallel_mode "
+            f"(N ranks each, dividing the world size), e.g. (\"parallel_mode\", ({example}, None))")
 
 
 def apply_strategy(ctx: ModelContext, strategy: Strategy) -> ModelContext:

@@ -8,17 +8,20 @@ order of ``STAGES``. Every fact one method leaves for another is a declared attr
 """
 from __future__ import annotations
 
+import collections.abc
+import difflib
+import inspect
 import logging
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from atorch.errors import IncompatibleMethodsError, InputError
+from atorch.errors import AtorchError, IncompatibleMethodsError, InputError
 from atorch.distributed import mesh
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.utils.batch import cast_floating, move_to_device
@@ -91,6 +94,10 @@ RECORD_TIME_FACTS = {
 }
 
 MODEL_INPUT_FORMATS = (None, "unpack_sequence", "unpack_dict")
+# the keys dataloader_args may hold: DataLoader's own arguments but the dataset (auto_accelerate's
+# ``dataset``) and batch_sampler (the per-rank batch comes from ``batch_size``, the global batch)
+DATALOADER_KEYS = tuple(name for name in inspect.signature(DataLoader.__init__).parameters
+                        if name not in ("self", "dataset", "batch_sampler"))
 Wrapper = Callable[["ModelContext"], None]
 
 
@@ -158,12 +165,12 @@ class ModelContext:
         self.loss_func = loss_func
         self.user_prepare_input = prepare_input
         self.model_input_format = model_input_format
-        self.optim_args = dict(optim_args or {})
+        self.optim_args = _as_dict("optim_args", optim_args)
         self.optim_param_func = optim_param_func
-        self.dataloader_args = dict(dataloader_args or {})
+        self.dataloader_args = _as_dict("dataloader_args", dataloader_args)
         self.distributed_sampler_cls = distributed_sampler_cls
         self.lr_scheduler_cls = lr_scheduler_cls
-        self.lr_scheduler_args = dict(lr_scheduler_args or {})
+        self.lr_scheduler_args = _as_dict("lr_scheduler_args", lr_scheduler_args)
         self.find_unused_parameters = find_unused_parameters
         self.device: torch.device = device or default_device()
         self.local = local  # this process alone: the search's single-rank measurement
@@ -196,6 +203,8 @@ class ModelContext:
 
     # --- input checks ------------------------------------------------------------------------
     def check_inputs(self) -> None:
+        """Everything that can be checked without a training step, before anything is applied: each
+        bad argument raises InputError naming it and what is valid."""
         if not isinstance(self.model, torch.nn.Module):
             raise InputError(f"model must be a torch.nn.Module, got {type(self.model).__name__}")
         if self.model_input_format not in MODEL_INPUT_FORMATS:
@@ -204,25 +213,74 @@ class ModelContext:
             )
         if self.optim_func is not None and not callable(self.optim_func):
             raise InputError("optim_func must be callable: an optimizer class or fn(parameters, **optim_args)")
-        if self.dataset is not None:
-            if not isinstance(self.dataset, (Dataset, IterableDataset)) and not (
-                hasattr(self.dataset, "__getitem__") and hasattr(self.dataset, "__len__")
-            ):
-                raise InputError(f"dataset must be a torch Dataset, got {type(self.dataset).__name__}")
-            if self.loss_func is None or not callable(self.loss_func):
-                raise InputError(
-                    "a dataset was given but loss_func is not callable: auto_accelerate needs "
-                    "loss_func(input, output) -> loss to run (and dry-run) training steps"
-                )
+        self._check_dataset()
         for name in ("prepare_input", "optim_param_func"):
             value = self.user_prepare_input if name == "prepare_input" else self.optim_param_func
             if value is not None and not callable(value):
                 raise InputError(f"{name} must be callable, got {type(value).__name__}")
-        if self.lr_scheduler_cls is not None and self.optim_func is None:
+        self._check_lr_scheduler()
+        if self.optim_func is None and self.optim_args:
+            raise InputError(f"optim_args {sorted(self.optim_args)} were given without optim_func: pass optim_func "
+                             "(an optimizer class or fn(parameters, **optim_args)), or drop optim_args")
+        if self.optim_func is not None:
+            check_call_keywords("optim_args", self.optim_args, self.optim_func, "optim_func")
+        self._check_dataloader_args()
+
+    def _check_dataset(self) -> None:
+        if self.dataset is None:
+            return
+        if not isinstance(self.dataset, (Dataset, IterableDataset)) and not (
+            hasattr(self.dataset, "__getitem__") and hasattr(self.dataset, "__len__")
+        ):
+            raise InputError(f"dataset must be a torch Dataset (map-style with __getitem__ and __len__, or an "
+                             f"IterableDataset), got {type(self.dataset).__name__}")
+        if self.loss_func is None or not callable(self.loss_func):
+            raise InputError(
+                "a dataset was given but loss_func is not callable: auto_accelerate needs "
+                "loss_func(input, output) -> loss to run (and dry-run) training steps"
+            )
+        if isinstance(self.dataset, IterableDataset):
+            return
+        length = dataset_length(self.dataset)
+        if length is None:
+            raise InputError(f"dataset {type(self.dataset).__name__} is map-style (a torch Dataset without "
+                             "__iter__) but has no __len__: the data-parallel sampler needs its length; give it "
+                             "__len__, or make it a torch.utils.data.IterableDataset")
+        if length == 0:
+            raise InputError(f"dataset {type(self.dataset).__name__} is empty (len 0): there is nothing to train on")
+
+    def _check_lr_scheduler(self) -> None:
+        if self.lr_scheduler_cls is None:
+            if self.lr_scheduler_args:
+                raise InputError(f"lr_scheduler_args {sorted(self.lr_scheduler_args)} were given without "
+                                 "lr_scheduler_cls: pass lr_scheduler_cls (e.g. torch.optim.lr_scheduler.StepLR), or "
+                                 "drop lr_scheduler_args")
+            return
+        if not callable(self.lr_scheduler_cls):
+            raise InputError(f"lr_scheduler_cls must be a scheduler class (e.g. torch.optim.lr_scheduler.StepLR) "
+                             f"built as lr_scheduler_cls(optimizer, **lr_scheduler_args), got {self.lr_scheduler_cls!r}")
+        if self.optim_func is None:
             raise InputError("lr_scheduler_cls needs optim_func: a scheduler wraps the optimizer")
-        batch_size = self.dataloader_args.get("batch_size", 1)
+        check_call_keywords("lr_scheduler_args", self.lr_scheduler_args, self.lr_scheduler_cls, "lr_scheduler_cls")
+
+    def _check_dataloader_args(self) -> None:
+        given = self.dataloader_args
+        if "batch_sampler" in given:
+            raise InputError("dataloader_args['batch_sampler'] is not supported: the per-rank batch comes from "
+                             "dataloader_args['batch_size'] (the global batch); give a sampler, or "
+                             "distributed_sampler_cls to shard data over data-parallel ranks")
+        if "dataset" in given:
+            raise InputError("dataloader_args['dataset'] is not valid: pass the dataset as auto_accelerate's dataset "
+                             "argument")
+        check_keys("dataloader_args", given, DATALOADER_KEYS, "torch.utils.data.DataLoader's arguments")
+        batch_size = given.get("batch_size", 1)
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise InputError(f"dataloader_args['batch_size'] must be a positive int, got {batch_size!r}")
+        sampler_cls = self.distributed_sampler_cls
+        if sampler_cls is not None and not callable(sampler_cls):  # a class (or a factory such as a partial)
+            raise InputError(
+                f"distributed_sampler_cls must be a sampler class (not an instance) with DistributedSampler's "
+                f"signature (dataset, num_replicas=, rank=, shuffle=, drop_last=), got {sampler_cls!r}")
 
     # --- recording ---------------------------------------------------------------------------
     def add_wrapper(self, stage: str, method: str, wrapper: Wrapper) -> None:
@@ -266,27 +324,43 @@ class ModelContext:
 
     def optimizer_params(self) -> Any:
         if self.optim_param_func is not None:
-            return self.optim_param_func(self.model)
+            return check_param_groups(self.optim_param_func(self.model))
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def _build_optimizer(self) -> None:
         if self.optim_func is None:
             return
-        if self.optimizer_factory is not None:
-            built = self.optimizer_factory(self, self.optimizer_params())
-        else:
-            built = self.optim_func(self.optimizer_params(), **self.optim_args)
+        params = self.optimizer_params()
+        try:
+            if self.optimizer_factory is not None:
+                built = self.optimizer_factory(self, params)
+            else:
+                built = self.optim_func(params, **self.optim_args)
+        except (TypeError, ValueError) as error:  # e.g. a learning rate the optimizer refuses
+            if isinstance(error, AtorchError):
+                raise
+            raise InputError(f"building the optimizer, optim_func(parameters, **optim_args) with optim_args="
+                             f"{self.optim_args}, raised {type(error).__name__}: {error}") from error
         if isinstance(built, AtorchOptimizer):
             self.optim = built
             self.raw_optim = built.torch_optimizer
-        else:
-            self.raw_optim = built
-            self.optim = AtorchOptimizer(built, self.sync_toggles, self.grad_partition_group,
-                                         backward_in_forward=self.backward_in_forward)
+            return
+        if not isinstance(built, torch.optim.Optimizer):
+            raise InputError(f"optim_func must return a torch.optim.Optimizer (it is called as "
+                             f"optim_func(parameters, **optim_args)), got {type(built).__name__}")
+        self.raw_optim = built
+        self.optim = AtorchOptimizer(built, self.sync_toggles, self.grad_partition_group,
+                                     backward_in_forward=self.backward_in_forward)
 
     def _build_lr_scheduler(self) -> None:
         if self.lr_scheduler_cls is not None and self.raw_optim is not None:
-            self.lr_scheduler = self.lr_scheduler_cls(self.raw_optim, **self.lr_scheduler_args)
+            try:
+                self.lr_scheduler = self.lr_scheduler_cls(self.raw_optim, **self.lr_scheduler_args)
+            except (TypeError, ValueError, KeyError) as error:
+                if isinstance(error, AtorchError):
+                    raise
+                raise InputError(f"lr_scheduler_cls(optimizer, **lr_scheduler_args) with lr_scheduler_args="
+                                 f"{self.lr_scheduler_args} raised {type(error).__name__}: {error}") from error
 
     def plan_batches(self) -> None:
         """The one place the per-rank batch is derived from the global batch (needs the mesh)."""
@@ -310,20 +384,52 @@ class ModelContext:
         args = dict(self.dataloader_args)
         args.pop("batch_size", None)
         if self.data_parallel_size > 1 and not isinstance(self.dataset, IterableDataset):
-            if args.get("sampler") is not None or args.get("batch_sampler") is not None:
+            if args.get("sampler") is not None:
                 raise InputError(
-                    "dataloader_args 'sampler'/'batch_sampler' cannot shard data over data-parallel ranks; "
+                    "dataloader_args 'sampler' cannot shard data over data-parallel ranks; "
                     "pass distributed_sampler_cls instead"
                 )
             sampler_cls = self.distributed_sampler_cls or DistributedSampler
-            args["sampler"] = sampler_cls(
-                self.dataset,
-                num_replicas=self.data_parallel_size,
-                rank=mesh.data_parallel_rank(),
-                shuffle=bool(args.pop("shuffle", False)),
-                drop_last=bool(args.get("drop_last", False)),
-            )
-        self.dataloader = DataLoader(self.dataset, batch_size=self.per_rank_batch_size, **args)
+            try:
+                args["sampler"] = sampler_cls(
+                    self.dataset,
+                    num_replicas=self.data_parallel_size,
+                    rank=mesh.data_parallel_rank(),
+                    shuffle=bool(args.pop("shuffle", False)),
+                    drop_last=bool(args.get("drop_last", False)),
+                )
+            except TypeError as error:
+                raise InputError(f"distributed_sampler_cls {getattr(sampler_cls, '__name__', sampler_cls)} must "
+                                 "take DistributedSampler's arguments (dataset, num_replicas=, rank=, shuffle=, "
+                                 f"drop_last=): {error}") from error
+        try:
+            self.dataloader = DataLoader(self.dataset, batch_size=self.per_rank_batch_size, **args)
+        except (TypeError, ValueError) as error:
+            raise InputError(f"dataloader_args={self.dataloader_args} are not valid for torch.utils.data.DataLoader: "
+                             f"{error}") from error
+        self._check_batches()
+
+    def _check_batches(self) -> None:
+        """0 batches per epoch (a global batch above the dataset with drop_last) is refused here,
+        not found as an empty loop later."""
+        if isinstance(self.dataset, IterableDataset):
+            return
+        try:
+            batches = len(self.dataloader)
+        except TypeError:  # a sampler without __len__
+            return
+        if batches:
+            return
+        length = dataset_length(self.dataset) or 0
+        largest = length // self.data_parallel_size * self.data_parallel_size
+        fix = (f"lower dataloader_args['batch_size'] to at most {largest}, or set drop_last=False" if largest
+               else "set drop_last=False")
+        raise InputError(
+            f"dataloader_args['batch_size']={self.global_batch_size} (the global batch: {self.per_rank_batch_size} per "
+            f"rank over a data-parallel size of {self.data_parallel_size}) with drop_last="
+            f"{bool(self.dataloader_args.get('drop_last', False))} gives 0 batches per epoch over the dataset's "
+            f"{length} samples; {fix}"
+        )
 
     # --- running a step (used by dry runs; mirrors the user's loop) --------------------------
     def prepare_input(self, data: Any, device: Optional[torch.device] = None) -> Any:
@@ -342,6 +448,106 @@ class ModelContext:
         if self.model_input_format == "unpack_dict":
             return model(**data)
         return model(data)
+
+
+def _as_dict(argument: str, value: Any) -> dict:
+    """A copy of a user's mapping argument (None: empty); InputError unless it is a dict."""
+    if value is None:
+        return {}
+    if not isinstance(value, collections.abc.Mapping):
+        raise InputError(f"{argument} must be a dict of keyword arguments (or None), got {type(value).__name__}: "
+                         f"{value!r}")
+    bad = [key for key in value if not isinstance(key, str)]
+    if bad:
+        raise InputError(f"{argument} keys must be argument names (str), got {bad}")
+    return dict(value)
+
+
+def check_keys(argument: str, given: Iterable[str], valid: Iterable[str], what: str) -> None:
+    """InputError naming each unknown key of ``argument``, its nearest valid key and every valid one."""
+    valid = list(valid)
+    unknown = [key for key in given if key not in valid]
+    if not unknown:
+        return
+    parts = []
+    for key in unknown:
+        close = nearest(key, valid)
+        parts.append(f"{key!r}" + (f" (did you mean {close!r}?)" if close else ""))
+    noun = "key" if len(unknown) == 1 else "keys"
+    raise InputError(f"{argument}: unknown {noun} {', '.join(parts)}; valid keys ({what}): {', '.join(valid)}")
+
+
+def nearest(name: str, valid: Iterable[str]) -> Optional[str]:
+    """The valid name a misspelt or abbreviated ``name`` most likely meant ('learning_rate' -> 'lr',
+    'wd' -> 'weight_decay', 'shuffel' -> 'shuffle'), or None."""
+    valid = list(valid)
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    if close:
+        return close[0]
+
+    def initials(text: str) -> str:
+        return "".join(part[0] for part in text.split("_") if part)
+
+    return next((v for v in valid if len(v) > 1 and (initials(name) == v or initials(v) == name)), None)
+
+
+def check_call_keywords(argument: str, given: dict, function: Callable, function_argument: str) -> None:
+    """``given`` must fit ``function(first, **given)``: no unknown key (unless it takes **kwargs), no
+    required one missing. Functions without an inspectable signature are not checked."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return
+    params = list(signature.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not positional and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise InputError(f"{function_argument} {_name(function)} takes no positional argument, but atorch calls it "
+                         f"as {function_argument}(first, **{argument})")
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+             and not (positional and p is positional[0])]
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        check_keys(argument, given, [p.name for p in named], f"the arguments of {function_argument} "
+                   f"{_name(function)}")
+    missing = [p.name for p in named if p.default is p.empty and p.name not in given]
+    if missing:
+        raise InputError(f"{argument} misses {missing}, required by {function_argument} {_name(function)}"
+                         f"{signature}")
+
+
+def check_param_groups(params: Any) -> list:
+    """What ``optim_param_func(model)`` returned, as a list: parameters, (name, parameter) pairs or
+    param-group dicts with a 'params' key."""
+    expected = ("optim_param_func(model) must return an iterable of parameters, of (name, parameter) pairs, or of "
+                "param-group dicts each with a 'params' key")
+    if params is None or isinstance(params, (torch.Tensor, str, bytes, collections.abc.Mapping)) or not isinstance(
+            params, collections.abc.Iterable):
+        raise InputError(f"{expected}; got {type(params).__name__}")
+    params = list(params)
+    if not params:
+        raise InputError(f"{expected}; it returned no parameters (an empty iterable)")
+    for index, item in enumerate(params):
+        if isinstance(item, torch.Tensor):
+            continue
+        if isinstance(item, collections.abc.Mapping) and "params" in item:
+            continue
+        if isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], torch.Tensor):
+            continue
+        shown = f"dict with keys {sorted(item)} (no 'params')" if isinstance(item, collections.abc.Mapping) else (
+            type(item).__name__)
+        raise InputError(f"{expected}; item {index} is a {shown}")
+    return params
+
+
+def dataset_length(dataset: Any) -> Optional[int]:
+    """len(dataset), or None when it has none."""
+    try:
+        return len(dataset)
+    except (TypeError, NotImplementedError):
+        return None
+
+
+def _name(function: Any) -> str:
+    return getattr(function, "__qualname__", None) or type(function).__name__
 
 
 def default_device() -> torch.device:

@@ -75,7 +75,8 @@ def balance_stages(costs: list[float], num_stages: int) -> list[int]:
     largest stage cost (exact dynamic programme; the lists are short)."""
     n = len(costs)
     if num_stages > n:
-        raise MethodConfigError("pipeline_parallel", f"{n} blocks cannot fill {num_stages} pipeline stages")
+        raise MethodConfigError("pipeline_parallel", f"{n} repeated blocks cannot fill {num_stages} pipeline stages: "
+                                "each stage needs at least one; lower the 'pipeline' size of parallel_mode")
     prefix = [0.0]
     for cost in costs:
         prefix.append(prefix[-1] + cost)
@@ -112,11 +113,7 @@ class StageSplit:
 
 
 def plan_stages(model: nn.Module, num_stages: int) -> StageSplit:
-    blocks_found, _ = repeated_blocks(model)
-    if not blocks_found:
-        raise MethodConfigError("pipeline_parallel", "found no repeated block (transformer layer) to cut the model at; pass pivots")
-    block_type = next(iter(blocks_found))
-    blocks = [(n, m) for n, m in model.named_modules() if type(m).__name__ == block_type]
+    blocks = _blocks(model, num_stages)
     costs = [float(module_cost(m)) for _, m in blocks]
     head = float(module_cost(model) - sum(costs))  # embeddings are free; the LM head is not
     costs_with_ends = list(costs)
@@ -222,7 +219,13 @@ def stages_per_rank(config: PipelineParallelConfig, method: str) -> int:
 def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     pp = mesh.parallel_group_size("pipeline")
     if pp <= 1:
-        logger.warning("pipeline_parallel: parallel_mode has no pipeline dimension above 1; nothing split")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:  # resolve_strategy refuses this first; a wrapper applied without it still must not no-op
+            dims = list(mesh.parallel_config().dims) if mesh.parallel_config() else None
+            raise MethodConfigError("pipeline_parallel", f"needs the 'pipeline' dimension of parallel_mode above 1, "
+                                    f"but parallel_mode is {dims} on {world} ranks; add ('pipeline', N) to "
+                                    "parallel_mode")
+        logger.warning("pipeline_parallel: one process: nothing to split")
         return
     if ctx.amp_dtype == torch.float16:
         raise MethodConfigError("pipeline_parallel", "fp16 amp's loss scaling inside the schedule is not supported; use bf16")
@@ -231,7 +234,7 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     group = mesh.parallel_group("pipeline")
     per_rank = stages_per_rank(config, "pipeline_parallel")
     num_stages = pp * per_rank
-    blocks = _blocks(ctx.model)
+    blocks = _blocks(ctx.model, num_stages, f" ({pp} pipeline ranks x {per_rank} per rank)")
     if config.pivots:
         starts = _starts_from_pivots(blocks, config.pivots, num_stages)
     else:
@@ -265,12 +268,23 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
                                   "schedule": config.schedule, "blocks_per_stage": [b - a for a, b in bounds]}
 
 
-def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def _blocks(model: nn.Module, num_stages: int = 1, detail: str = "") -> list[tuple[str, nn.Module]]:
+    """The model's repeated blocks, in order; MethodConfigError unless there are ``num_stages`` (one
+    per stage at least)."""
     found, _ = repeated_blocks(model)
-    if not found:
-        raise MethodConfigError("pipeline_parallel", "found no repeated block (transformer layer) to cut the model at")
-    block_type = next(iter(found))
-    return [(n, m) for n, m in model.named_modules() if type(m).__name__ == block_type]
+    blocks = []
+    if found:
+        block_type = next(iter(found))
+        blocks = [(n, m) for n, m in model.named_modules() if type(m).__name__ == block_type]
+    if len(blocks) < max(num_stages, 1):
+        what = f"{len(blocks)} ({type(blocks[0][1]).__name__})" if blocks else "none"
+        raise MethodConfigError(
+            "pipeline_parallel",
+            f"needs at least one repeated block per stage to cut the model at (a module class with parameters that "
+            f"occurs at least twice: the transformer layers): {num_stages} stage(s){detail}, found {what}; lower the "
+            f"'pipeline' size of parallel_mode, or use a model with at least {num_stages} repeated blocks (pivots, the "
+            "first block of every stage but the first, choose among the blocks found)")
+    return blocks
 
 
 def _starts_from_pivots(blocks: list, pivots: tuple, num_stages: int) -> list[int]:

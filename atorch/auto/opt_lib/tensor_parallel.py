@@ -25,6 +25,7 @@ from functools import partial
 from typing import Literal, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -298,7 +299,12 @@ def apply_tensor_parallel(ctx, config: TensorParallelConfig) -> Optional[TPPlan]
     device_mesh = mesh.device_mesh()
     tp = mesh.parallel_group_size("tensor")
     if device_mesh is None or tp <= 1:
-        logger.warning("tensor_parallel: parallel_mode has no tensor dimension above 1; nothing split")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:  # resolve_strategy refuses this first; a wrapper applied without it still must not no-op
+            dims = list(mesh.parallel_config().dims) if mesh.parallel_config() else None
+            raise MethodConfigError("tensor_parallel", f"needs the 'tensor' dimension of parallel_mode above 1, but "
+                                    f"parallel_mode is {dims} on {world} ranks; add ('tensor', N) to parallel_mode")
+        logger.warning("tensor_parallel: one process: nothing to split")
         return None
     tp_mesh = device_mesh["tensor"] if len(device_mesh.mesh_dim_names) > 1 else device_mesh
     targets = list(getattr(ctx.model, "stage_modules", None) or [ctx.model])  # pipeline stages, or the model
