@@ -11,16 +11,17 @@ left as it is. The tables come from ``atorch/auto/model_context.py``, so they ca
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a checkout without installing atorch
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared marker helper beside this file
 
+import markers  # noqa: E402
 from atorch.auto.model_context import RECORD_TIME_FACTS, STAGE_CONTRACT  # noqa: E402
 
-MARKERS = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.DOTALL)
+MARKERS = markers.marker_pattern("table")
 
 
 def _code(names) -> str:
@@ -46,17 +47,7 @@ def all_tables() -> dict[str, str]:
 
 def rewrite(text: str, tables: dict[str, str]) -> tuple[str, list[str], list[str]]:
     """(new text, tables written, marker names that are no table)."""
-    written, unknown = [], []
-
-    def replace(match: re.Match) -> str:
-        name = match.group("name")
-        if name not in tables:
-            unknown.append(name)
-            return match.group(0)
-        written.append(name)
-        return match.group(1) + tables[name] + match.group(4)
-
-    return MARKERS.sub(replace, text), written, unknown
+    return markers.rewrite(text, tables, MARKERS)
 
 
 def main(argv: list[str] | None = None) -> int:

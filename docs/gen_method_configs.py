@@ -11,16 +11,17 @@ The tables come from the methods' config dataclasses (``atorch.utils.config``), 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a checkout without installing atorch
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared marker helper beside this file
 
+import markers  # noqa: E402
 from atorch.auto.opt_lib import BUILTIN_METHODS  # noqa: E402
 
-MARKERS = re.compile(r"(<!-- config:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /config:(?P=name) -->)", re.DOTALL)
+MARKERS = markers.marker_pattern("config")
 
 
 def config_table(method) -> str:
@@ -41,17 +42,7 @@ def all_tables() -> dict[str, str]:
 
 def rewrite(text: str, tables: dict[str, str]) -> tuple[str, list[str], list[str]]:
     """(new text, methods whose table was written, marker names that are no built-in method)."""
-    written, unknown = [], []
-
-    def replace(match: re.Match) -> str:
-        name = match.group("name")
-        if name not in tables:
-            unknown.append(name)
-            return match.group(0)
-        written.append(name)
-        return match.group(1) + tables[name] + match.group(4)
-
-    return MARKERS.sub(replace, text), written, unknown
+    return markers.rewrite(text, tables, MARKERS)
 
 
 def main(argv: list[str] | None = None) -> int:
