@@ -14,7 +14,7 @@ import inspect
 import logging
 import os
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 import torch
@@ -23,6 +23,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from atorch.errors import AtorchError, IncompatibleMethodsError, InputError
 from atorch.distributed import mesh
+from atorch.distributed.distributed import get_data_partition_rank_and_size  # noqa: F401  (ATorch's import path)
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.utils.batch import cast_floating, move_to_device
 
@@ -112,6 +113,33 @@ class TrainingArgs:
     per_rank_batch_size: Optional[int] = None
     dryrun: Any = None  # DryRunResult when a dry run ran (step time, peak memory)
     extras: dict = field(default_factory=dict)
+
+    # mapping access, as ATorch's ``args`` is a dict: args["use_optim_backward"], "x" in args, .get, keys
+    def keys(self) -> list[str]:
+        return [f.name for f in fields(self)]
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.keys():
+            raise KeyError(f"result.args has no key {key!r}; valid keys: {self.keys()}")
+        return getattr(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys()
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key) if key in self.keys() else default
+
+    def items(self) -> list[tuple[str, Any]]:
+        return [(key, getattr(self, key)) for key in self.keys()]
+
+    def values(self) -> list[Any]:
+        return [getattr(self, key) for key in self.keys()]
 
 
 class ModelContext:

@@ -78,6 +78,12 @@ def run_isolated(fn: Callable[[], Any], collective_timeout_s: float = DEFAULT_DR
     return Outcome(True, value)
 
 
+def forget_process_group() -> None:
+    """Drop the remembered root store (``reset_distributed``: the next process group brings its own)."""
+    _state["root_store"] = None
+    _state["generation"] = 0
+
+
 def _remember_root_store() -> None:
     """The store of the process group as first seen: every rebuilt group is a prefix of it."""
     if _state["root_store"] is None:

@@ -1,0 +1,1 @@
+"""ATorch's ``atorch.common`` import paths, kept for scripts written against ATorch."""
