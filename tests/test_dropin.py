@@ -132,3 +132,75 @@ def test_names_on_two_ranks_and_reset():
         assert with_mesh == (rank, 2)
         assert names == (rank, rank, 2, str(rank))
         assert after == (False, True, None, 1)
+
+
+# --- sample_batch / batch_size: dry runs and the search without a dataset ----------------------------
+
+class TupleModel(torch.nn.Module):
+    """Takes the whole (x, y) batch, as ATorch's toy model does."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, batch):
+        return self.net(batch[0])
+
+
+def _mse(batch, output):
+    return torch.nn.functional.mse_loss(output, batch[1])
+
+
+def _sample(rows=3):
+    return (torch.randn(rows, 4), torch.randn(rows, 2))
+
+
+def test_sample_rows_dataset_repeats_the_rows():
+    from atorch.utils.batch import SampleRowsDataset
+    sample = {"x": torch.arange(6).view(3, 2), "tag": "t"}
+    data = SampleRowsDataset(sample, 7)
+    assert len(data) == 7 and data[4]["x"].tolist() == [2, 3] and data[4]["tag"] == "t"
+    batch = next(iter(torch.utils.data.DataLoader(data, batch_size=5)))
+    assert batch["x"][:, 0].tolist() == [0, 2, 4, 0, 2]
+    with pytest.raises(IndexError):
+        data[7]
+
+
+def test_sample_batch_dry_run_in_semi_automatic_mode():
+    ok, result, _ = auto_accelerate(TupleModel(), torch.optim.SGD, None, _mse, optim_args={"lr": 0.1}, load_strategy=[],
+                                    ignore_dryrun_on_load_strategy=False, sample_batch=_sample(3), batch_size=8)
+    assert ok and result.dataloader is None
+    assert result.args.dryrun is not None and result.args.dryrun.ok
+    assert result.args["per_rank_batch_size"] == 8
+    batch = _sample()
+    loss = result.loss_func(batch, result.model(batch))  # the model trains as usual
+    loss.backward()
+    result.optim.step()
+
+
+def test_sample_batch_drives_the_search():
+    ok, result, strategy = auto_accelerate(TupleModel(), torch.optim.SGD, None, _mse, optim_args={"lr": 0.1},
+                                           sample_batch=_sample(4), time_limit=60)
+    assert ok and result.dataloader is None and strategy is not None
+    assert result.args.per_rank_batch_size == 4  # the sample's rows: the default batch_size
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"batch_size": 4}, "give sample_batch with it"),
+    ({"sample_batch": _sample(), "dataset": [1]}, "drop sample_batch"),
+    ({"sample_batch": _sample(), "loss_func": None}, "loss_func"),
+    ({"sample_batch": _sample(), "batch_size": 0}, "positive int"),
+    ({"sample_batch": _sample(), "batch_size": 4, "dataloader_args": {"batch_size": 6}}, "disagree"),
+    ({"sample_batch": {"a": "no tensor"}}, "at least one tensor"),
+    ({"sample_batch": (torch.zeros(2, 4), torch.zeros(3, 2))}, "first .batch. dimension"),
+])
+def test_sample_batch_bad_inputs(kwargs, match):
+    args = {"loss_func": _mse, "dataset": None, "load_strategy": [], "ignore_dryrun_on_load_strategy": False}
+    args.update(kwargs)
+    with pytest.raises(InputError, match=match):
+        auto_accelerate(_model(), torch.optim.SGD, optim_args={"lr": 0.1}, **args)
+
+
+def test_sample_batch_refused_when_the_dry_run_is_skipped():
+    with pytest.raises(InputError, match="ignore_dryrun_on_load_strategy"):
+        auto_accelerate(_model(), torch.optim.SGD, None, _mse, load_strategy=[], sample_batch=_sample())

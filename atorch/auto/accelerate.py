@@ -19,7 +19,7 @@ from atorch.auto.strategy import Strategy
 from atorch.distributed.agreement import broadcast_flag, is_main_rank, is_multi_rank
 from atorch.distributed.init import init_distributed
 from atorch.errors import DryRunError, InputError, StrategyFileError
-from atorch.utils.batch import loss_value
+from atorch.utils.batch import SampleRowsDataset, batch_size_of, loss_value
 
 logger = logging.getLogger("atorch")
 
@@ -28,11 +28,11 @@ AutoAccelerateResult = namedtuple(
 )
 # the search's kargs (also ``verbose`` and ``dryrun_steps`` for semi-automatic mode) are validated,
 # with their defaults, by SearchOptions.from_kargs; find_unused_parameters goes to DDP
-KARGS = ("find_unused_parameters", *SEARCH_KARGS)
+KARGS = ("find_unused_parameters", "sample_batch", "batch_size", *SEARCH_KARGS)
 # kargs that only the search reads: refused in semi-automatic mode rather than ignored
 SEARCH_ONLY_KARGS = ("time_limit", "search_topk", "report_dir", "use_profile_cache", "search_exhaustive")
 # kargs of semi-automatic mode's dry run: refused when the dry run is skipped rather than ignored
-DRY_RUN_KARGS = ("dryrun_steps", "dryrun_collective_timeout", "memory_limit")
+DRY_RUN_KARGS = ("dryrun_steps", "dryrun_collective_timeout", "memory_limit", "sample_batch", "batch_size")
 
 
 def auto_accelerate(
@@ -70,21 +70,27 @@ def auto_accelerate(
     options = SearchOptions.from_kargs(kargs, excluded, included if searching else None)  # every value, both modes
     if not searching:
         _refuse_unused_in_semi_automatic_mode(included, ignore_dryrun_on_load_strategy, kargs)
+    trial_dataset, dataloader_args = _sample_batch_plan(kargs, dataset, dataloader_args, optim_func, loss_func,
+                                                        options.dryrun_steps)
     if kargs.get("verbose"):
         _enable_verbose_logging()
     init_distributed()
 
-    def make_context(target: torch.nn.Module, local: bool = False, batch_size: Optional[int] = None) -> ModelContext:
+    def make_context(target: torch.nn.Module, local: bool = False, batch_size: Optional[int] = None,
+                     trial: bool = True) -> ModelContext:
         """A fresh context on ``target``; ``local=True`` measures this rank alone with a per-rank
-        batch of ``batch_size`` (the search's single-rank profiles)."""
+        batch of ``batch_size`` (the search's single-rank profiles). Dry runs and the search train
+        on ``sample_batch``'s rows when it is given (``trial``); the result's context does not."""
         return ModelContext(
-            target, optim_func, dataset, loss_func, prepare_input, model_input_format, optim_args,
-            optim_param_func, dataloader_args, distributed_sampler_cls, lr_scheduler_cls, lr_scheduler_args,
-            find_unused_parameters=bool(kargs.get("find_unused_parameters", False)), local=local,
+            target, optim_func, trial_dataset if trial else dataset, loss_func, prepare_input, model_input_format,
+            optim_args, optim_param_func, dataloader_args, distributed_sampler_cls, lr_scheduler_cls,
+            lr_scheduler_args, find_unused_parameters=bool(kargs.get("find_unused_parameters", False)), local=local,
             per_rank_batch_size=batch_size,
         )
 
-    ctx = make_context(model)  # checks the inputs before anything else happens
+    if trial_dataset is not dataset:
+        make_context(model)  # the sample's rows checked like a dataset, before anything else happens
+    ctx = make_context(model, trial=False)  # checks the inputs before anything else happens
     if searching:
         found = _search(model, make_context, load_strategy, finetune_strategy, excluded, included, kargs)
         if found.strategy is None:
@@ -153,6 +159,39 @@ def _check_arguments(load_strategy: Any, excluded: Any, included: Any, finetune_
             isinstance(save_strategy_to_file, (str, os.PathLike)) and os.fspath(save_strategy_to_file)):
         raise InputError(f"save_strategy_to_file must be a file path (str or pathlib.Path; .json for JSON, any other "
                          f"suffix for a pickle) or None, got {save_strategy_to_file!r}")
+
+
+def _sample_batch_plan(kargs: dict, dataset: Any, dataloader_args: Optional[dict], optim_func: Any,
+                       loss_func: Any, dryrun_steps: int) -> tuple[Any, Optional[dict]]:
+    """``sample_batch`` / ``batch_size`` (ATorch's kargs for a run without a dataset): (the dataset
+    dry runs and the search train on, the dataloader_args every context gets). Without
+    ``sample_batch``: (dataset, dataloader_args) unchanged. With it: the sample's rows repeated into
+    a dataset of enough global batches of ``batch_size`` rows (default: the sample's rows, or
+    dataloader_args['batch_size']) for every dry-run step; the result then has no dataloader."""
+    sample, batch_size = kargs.get("sample_batch"), kargs.get("batch_size")
+    if sample is None:
+        if batch_size is not None:
+            raise InputError("batch_size is the global batch of sample_batch's dry runs: give sample_batch with it, "
+                             "or set dataloader_args['batch_size'] for a dataset")
+        return dataset, dataloader_args
+    if dataset is not None:
+        raise InputError("sample_batch stands in for a dataset in dry runs and the search; with a dataset given, "
+                         "drop sample_batch (the dataset's batches are used)")
+    if optim_func is None or not callable(loss_func):
+        raise InputError("sample_batch is trained on by dry runs and the search, which need optim_func and a callable "
+                         "loss_func(batch, output): give both, or drop sample_batch")
+    given = (dataloader_args or {}).get("batch_size") if isinstance(dataloader_args, dict) else None
+    if batch_size is None:
+        batch_size = given if given is not None else batch_size_of(sample)
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise InputError(f"batch_size must be a positive int (the global batch of the dry runs), got {batch_size!r}")
+    if given is not None and given != batch_size:
+        raise InputError(f"batch_size={batch_size} and dataloader_args['batch_size']={given!r} disagree: give one")
+    args = dict(dataloader_args) if isinstance(dataloader_args, dict) else {} if dataloader_args is None else None
+    if args is None:
+        raise InputError(f"dataloader_args must be a dict of DataLoader arguments, got {dataloader_args!r}")
+    args["batch_size"] = batch_size
+    return SampleRowsDataset(sample, batch_size * (dryrun_steps + 2)), args
 
 
 def _refuse_unused_in_semi_automatic_mode(included: Any, ignore_dryrun: bool, kargs: dict) -> None:

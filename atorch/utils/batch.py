@@ -65,3 +65,33 @@ def loss_value(output: Any) -> torch.Tensor:
             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
         )
     return loss
+
+
+class SampleRowsDataset(torch.utils.data.Dataset):
+    """A map-style dataset of ``length`` rows made by repeating the rows of one sample batch: row
+    ``i`` is row ``i % rows`` of every tensor in ``sample`` (non-tensor leaves are kept as they
+    are). auto_accelerate's ``sample_batch``: what dry runs and the search train on when no dataset
+    is given; DataLoader's default collate turns the rows back into batches of the sample's structure."""
+
+    def __init__(self, sample: Any, length: int):
+        found = tensors(sample)
+        if not found:
+            raise InputError("sample_batch must hold at least one tensor (a tensor, or a dict / list / tuple of them)")
+        firsts = {tuple(t.shape[:1]) for t in found}
+        if any(t.dim() == 0 for t in found) or len(firsts) != 1:
+            raise InputError(f"sample_batch's tensors must share their first (batch) dimension; their shapes are "
+                             f"{[tuple(t.shape) for t in found]}")
+        self.sample = map_tensors(lambda t: t.detach(), sample)
+        self.rows = found[0].shape[0]
+        if self.rows < 1:
+            raise InputError("sample_batch has 0 rows: give a batch with at least one row")
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> Any:
+        if not 0 <= index < self.length:
+            raise IndexError(index)
+        row = index % self.rows
+        return map_tensors(lambda t: t[row], self.sample)
