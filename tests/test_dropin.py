@@ -204,3 +204,102 @@ def test_sample_batch_bad_inputs(kwargs, match):
 def test_sample_batch_refused_when_the_dry_run_is_skipped():
     with pytest.raises(InputError, match="ignore_dryrun_on_load_strategy"):
         auto_accelerate(_model(), torch.optim.SGD, None, _mse, load_strategy=[], sample_batch=_sample())
+
+
+# --- a script in ATorch's style, end to end on 2 gloo ranks --------------------------------------------
+
+class NumpyPairs(torch.utils.data.Dataset):
+    """Tuple rows (x, y) of numpy arrays, as ATorch's example datasets give them."""
+
+    def __init__(self, size=64):
+        import numpy as np
+        rng = np.random.default_rng(0)
+        self.x = rng.standard_normal((size, 8)).astype(np.float32)
+        self.y = (self.x[:, :4] * 0.5).astype(np.float32)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index]
+
+
+class ToyBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x)) + x
+
+
+class ToyModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([ToyBlock() for _ in range(3)])
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, batch):
+        x = batch[0]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def toy_loss(batch, output):
+    return torch.nn.functional.mse_loss(output, batch[1])
+
+
+def _atorch_style_script(strategy_file):
+    import pickle
+
+    from atorch.auto.model_context import get_data_partition_rank_and_size
+    from atorch.common.util_func import data_to_device
+    assert atorch.init_distributed("nccl", set_cuda_device_using_local_rank=True)  # already up: True
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    parallel_config = ([("data", 8)], None)  # written for 8 ranks; fitted to 2
+    fsdp_config = {"sync_module_states": True, "limit_all_gathers": True, "forward_prefetch": True,
+                   "atorch_wrap_cls": (ToyBlock,)}
+    strategy = pickle.dumps(atorch.Strategy([("parallel_mode", parallel_config), ("fsdp", fsdp_config)]))
+    dataset = NumpyPairs()
+    status, res, best = auto_accelerate(
+        ToyModel(), torch.optim.AdamW, dataset, toy_loss, data_to_device, None, {"lr": 0.01}, None,
+        {"batch_size": 16, "shuffle": False}, None, None, None, strategy, None, None, False, strategy_file, True)
+    assert status
+    model, optim, dataloader, loss_func, prepare_input = (res.model, res.optim, res.dataloader, res.loss_func,
+                                                          res.prepare_input)
+    losses = []
+    for _ in range(3):
+        for batch in dataloader:
+            optim.zero_grad()
+            batch = prepare_input(batch, device)
+            loss = loss_func(batch, model(batch))
+            optim.backward(loss) if res.args["use_optim_backward"] else loss.backward()
+            optim.step()
+            losses.append(loss.item())
+    assert atorch.rank() is None or atorch.rank() in (0, 1)  # ATorch's example's logging test
+    names = (atorch.rank(), atorch.local_rank(), atorch.world_size(), get_data_partition_rank_and_size(),
+             type(model).__name__)
+    # the saved strategy, reused with only a model
+    status2, res2, best2 = auto_accelerate(ToyModel(), load_strategy=strategy_file)
+    assert status2 and res2.optim is None and res2.dataloader is None
+    out = res2.model((torch.ones(2, 8, device=device), None))
+    atorch.reset_distributed()
+    after = (dist.is_initialized(), mesh.parallel_state() is None, atorch.rank())
+    return losses, names, [str(item) for item in best2], tuple(out.shape), after
+
+
+@pytest.mark.multirank
+def test_atorch_style_script_on_two_ranks(tmp_path):
+    path = str(tmp_path / "strategy.pkl")
+    values = run_distributed(_atorch_style_script, 2, path, timeout_s=300)
+    for rank, (losses, names, reused, shape, after) in enumerate(values):
+        assert len(losses) == 3 * (64 // 16)
+        assert losses[-1] < losses[0]
+        assert names[:4] == (rank, rank, 2, (rank, 2))
+        assert "FSDP" in names[4]
+        assert any("fsdp" in item for item in reused) and any("parallel_mode" in item for item in reused)
+        assert shape == (2, 4)
+        assert after == (False, True, None)
+    assert os.path.exists(path)
