@@ -95,3 +95,23 @@ def test_loss_func_that_cannot_run_fails_the_dry_run_with_its_reason():
 def test_bad_load_strategy_type():
     with pytest.raises(StrategyError, match="load_strategy must be"):
         accelerate(12)
+
+
+def test_loss_value_refuses_an_empty_list_with_a_typed_error():
+    from atorch.utils.batch import loss_value
+
+    with pytest.raises(InputError, match="empty list"):
+        loss_value([])
+
+
+def test_verbose_logs_each_line_once_when_the_root_logger_is_configured():
+    from atorch.auto.accelerate import _enable_verbose_logging, logger
+
+    saved = (list(logger.handlers), logger.propagate, logger.level)
+    logger.handlers.clear()
+    try:
+        _enable_verbose_logging()
+        assert logger.handlers and logger.propagate is False  # atorch's handler alone prints its lines
+    finally:  # other tests capture the "atorch" logger through the root logger
+        logger.handlers[:] = saved[0]
+        logger.propagate, logger.level = saved[1], saved[2]

@@ -273,8 +273,11 @@ def _log(message: str) -> None:
 
 
 def _enable_verbose_logging() -> None:
+    """atorch's own stderr handler; the "atorch" logger then stops propagating, so a program that
+    already configured the root logger (``logging.basicConfig``) sees each line once, not twice."""
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[atorch %(levelname)s] %(message)s"))
         logger.addHandler(handler)
+        logger.propagate = False
     logger.setLevel(logging.INFO)

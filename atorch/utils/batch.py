@@ -58,6 +58,9 @@ def select_rows(data: Any, index: torch.Tensor) -> Any:
 
 def loss_value(output: Any) -> torch.Tensor:
     """``loss_func`` may return the loss or a list/tuple whose first item is the loss."""
+    if isinstance(output, (list, tuple)) and not output:
+        raise InputError(f"loss_func must return a scalar tensor (or a list/tuple starting with one), got an empty "
+                         f"{type(output).__name__}")
     loss = output[0] if isinstance(output, (list, tuple)) else output
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise InputError(
