@@ -2,7 +2,14 @@
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from typing import Iterable, Optional
+
+
+def nearest_name(name: object, valid: Iterable[str]) -> Optional[str]:
+    """The valid name closest to a misspelt one, or None: the one "did you mean" rule that every
+    unknown-name message (methods, config keys, keyword arguments) uses."""
+    close = difflib.get_close_matches(str(name), list(valid), n=1, cutoff=0.5)
+    return close[0] if close else None
 
 
 class AtorchError(Exception):
@@ -18,9 +25,9 @@ class UnknownMethodError(StrategyError, KeyError):
 
     def __init__(self, name: str, valid: Iterable[str]):
         valid = sorted(valid)
-        close = difflib.get_close_matches(str(name), valid, n=1, cutoff=0.5)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        self.name, self.valid, self.suggestion = name, valid, (close[0] if close else None)
+        close = nearest_name(name, valid)
+        hint = f" Did you mean {close!r}?" if close else ""
+        self.name, self.valid, self.suggestion = name, valid, close
         super().__init__(f"unknown optimization method {name!r}.{hint} Valid methods: {', '.join(valid)}")
 
     def __str__(self) -> str:  # KeyError would otherwise quote the whole message
@@ -73,7 +80,7 @@ def check_choice(method: str, key: str, value: object, choices: Iterable[object]
 __all__ = [
     "AtorchError", "StrategyError", "UnknownMethodError", "MethodConfigError", "IncompatibleMethodsError",
     "ParallelModeError", "StrategyFileError", "UnsafeStrategyError", "InputError", "RequirementError",
-    "DryRunError", "check_choice",
+    "DryRunError", "check_choice", "nearest_name",
 ]
 
 

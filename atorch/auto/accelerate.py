@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import difflib
 import logging
 import os
 from collections import namedtuple
@@ -18,7 +17,7 @@ from atorch.auto.search.planner import search
 from atorch.auto.strategy import Strategy
 from atorch.distributed.agreement import broadcast_flag, is_main_rank, is_multi_rank
 from atorch.distributed.init import init_distributed
-from atorch.errors import DryRunError, InputError, StrategyFileError
+from atorch.errors import DryRunError, InputError, StrategyFileError, nearest_name
 from atorch.utils.batch import SampleRowsDataset, batch_size_of, loss_value
 
 logger = logging.getLogger("atorch")
@@ -134,8 +133,8 @@ def _check_arguments(load_strategy: Any, excluded: Any, included: Any, finetune_
     if unknown:
         hints = []
         for name in unknown:
-            close = difflib.get_close_matches(str(name), KARGS, n=1, cutoff=0.5)
-            hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            close = nearest_name(name, KARGS)
+            hints.append(f"{name!r}" + (f" (did you mean {close!r}?)" if close else ""))
         raise InputError(f"unknown keyword argument(s) {unknown}: {', '.join(hints)}; supported kargs: {list(KARGS)}")
     for name, value in (("finetune_strategy", finetune_strategy), ("ignore_dryrun_on_load_strategy", ignore_dryrun),
                         ("find_unused_parameters", kargs.get("find_unused_parameters", False))):

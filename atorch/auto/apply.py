@@ -19,7 +19,7 @@ from atorch.auto.opt_lib import data_parallel
 from atorch.auto.opt_lib.compat import check_compatible
 from atorch.auto.strategy import Strategy, StrategyItem
 from atorch.distributed import mesh
-from atorch.distributed.shutdown import register_exit_drain
+from atorch.distributed.shutdown import register_gil_release_at_exit
 from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.distributed.agreement import world_size as current_world_size
 from atorch.errors import InputError, MethodConfigError, RequirementError
@@ -107,7 +107,7 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy) -> ModelContext:
     """Record every method's wrappers (DDP when no method claims data parallelism), then apply
     them in the canonical order of ``STAGES``."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        register_exit_drain()  # gloo: no abort at exit after collectives on Python-owned tensors
+        register_gil_release_at_exit()  # gloo: no abort at exit after collectives on Python-owned tensors
     for item in strategy:
         opt_lib.get_optimization(item.name).transform(ctx, item.config)
     if ctx.data_parallel_wrapper is None:

@@ -9,7 +9,6 @@ order of ``STAGES``. Every fact one method leaves for another is a declared attr
 from __future__ import annotations
 
 import collections.abc
-import difflib
 import inspect
 import logging
 import os
@@ -21,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from atorch.errors import AtorchError, IncompatibleMethodsError, InputError
+from atorch.errors import AtorchError, IncompatibleMethodsError, InputError, nearest_name
 from atorch.distributed import mesh
 from atorch.distributed.distributed import get_data_partition_rank_and_size  # noqa: F401  (ATorch's import path)
 from atorch.auto.optimizer import AtorchOptimizer
@@ -509,9 +508,9 @@ def nearest(name: str, valid: Iterable[str]) -> Optional[str]:
     """The valid name a misspelt or abbreviated ``name`` most likely meant ('learning_rate' -> 'lr',
     'wd' -> 'weight_decay', 'shuffel' -> 'shuffle'), or None."""
     valid = list(valid)
-    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    close = nearest_name(name, valid)
     if close:
-        return close[0]
+        return close
 
     def initials(text: str) -> str:
         return "".join(part[0] for part in text.split("_") if part)

@@ -22,7 +22,7 @@ _SLICE_S = 0.01
 _state = {"registered": False}
 
 
-def register_exit_drain() -> None:
+def register_gil_release_at_exit() -> None:
     """Idempotent: let gloo worker threads finish with Python-owned tensors before finalisation."""
     if not _state["registered"]:
         _state["registered"] = True

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
-import difflib
 import functools
 import types
 import typing
@@ -28,7 +27,7 @@ from typing import Any, Literal, Mapping, NamedTuple, Optional, TypeVar, Union
 
 import torch
 
-from atorch.errors import MethodConfigError
+from atorch.errors import MethodConfigError, nearest_name
 
 DTYPE_NAMES = {
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
@@ -239,10 +238,10 @@ def _convert_scalar(path: str, value: Any, tp: Any) -> Any:
 def _unknown_keys(unknown: list, valid: list[str], prefix: str) -> str:
     parts = []
     for key in unknown:
-        close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.5)
+        close = nearest_name(key, valid)
         parts.append(repr(prefix + key) if isinstance(key, str) else repr(key))
         if close:
-            parts[-1] += f" (did you mean {prefix + close[0]!r}?)"
+            parts[-1] += f" (did you mean {prefix + close!r}?)"
     noun = "key" if len(unknown) == 1 else "keys"
     listed = ", ".join(prefix + v for v in valid) or "none (this method takes no config)"
     return f"unknown {noun} {', '.join(parts)}; valid keys: {listed}"
