@@ -1,40 +1,260 @@
-"""Small HF transformers models (no downloads) shaped like SMALL_GPT's data: vocab 64, seq 16.
+"""The model zoo of the conformance matrix: tiny random-weight configs of the model families users
+bring (no downloads), and two plain PyTorch models written here.
 
-Module-level builders so spawned ranks can unpickle them. ``hf_loss`` reads the loss the model
-computes from ``labels`` (causal LMs shift them internally; BERT predicts them in place)."""
+Every entry is a ``ZooModel``: how to build it, what a batch looks like (``make_dataset``), how the
+model is called (``input_format``, auto_accelerate's ``model_input_format``) and the loss. Builders
+are module-level so spawned ranks can unpickle them. Token models share SMALL_GPT's data shape
+(vocab 64, sequence 16); HF models compute their loss from ``labels`` (causal LMs shift them
+internally; BERT predicts them in place) and ``hf_loss`` reads it.
+
+Losses are per-sample means, so a global batch split over ranks or micro-batches gives the same
+update: CLIP is trained on the paired-embedding similarity (its contrastive loss depends on the whole
+batch, which no data-parallel method can keep), and the CNN's BatchNorm normalises per forward, so its
+reference runs the per-rank chunks one after another (``norm_chunks``).
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
 import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+VOCAB, SEQ = 64, 16
 
 
-def tiny_gpt2() -> torch.nn.Module:
+# --- HF families -----------------------------------------------------------------------------------
+def tiny_gpt2(tie: bool = True) -> nn.Module:
     import transformers
 
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16, resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                                     tie_word_embeddings=tie)
     return transformers.GPT2LMHeadModel._from_config(config)
 
 
-def tiny_llama() -> torch.nn.Module:
+def tiny_gpt2_untied() -> nn.Module:
+    return tiny_gpt2(tie=False)
+
+
+def _decoder_config(cls_name: str, **extra: Any):
     import transformers
 
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=16,
-                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    return transformers.LlamaForCausalLM._from_config(config)
+    return getattr(transformers, cls_name)(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                           max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                                           tie_word_embeddings=False, **extra)
 
 
-def tiny_bert() -> torch.nn.Module:
+def tiny_llama() -> nn.Module:
+    import transformers
+
+    return transformers.LlamaForCausalLM._from_config(_decoder_config("LlamaConfig"))
+
+
+def tiny_qwen2() -> nn.Module:
+    import transformers
+
+    return transformers.Qwen2ForCausalLM._from_config(_decoder_config("Qwen2Config"))
+
+
+def tiny_mistral() -> nn.Module:
+    import transformers
+
+    return transformers.MistralForCausalLM._from_config(_decoder_config("MistralConfig", sliding_window=None))
+
+
+def tiny_bert() -> nn.Module:
     import transformers
 
     config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                     vocab_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                     vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
                                      attention_probs_dropout_prob=0.0, pad_token_id=0)
     return transformers.BertForMaskedLM._from_config(config)
 
 
-HF_BUILDERS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "bert": tiny_bert}
+def tiny_t5() -> nn.Module:
+    import transformers
+
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                   dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return transformers.T5ForConditionalGeneration._from_config(config)
+
+
+def tiny_vit() -> nn.Module:
+    import transformers
+
+    config = transformers.ViTConfig(image_size=16, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, intermediate_size=64, num_labels=4, hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0)
+    return transformers.ViTForImageClassification._from_config(config)
+
+
+def tiny_clip() -> nn.Module:
+    import transformers
+
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    vision = dict(image_size=16, patch_size=8, num_channels=3, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=4)
+    config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    return transformers.CLIPModel._from_config(config)
+
+
+# --- plain PyTorch models --------------------------------------------------------------------------
+class ResidualBlock(nn.Module):
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class ResidualMLP(nn.Module):
+    """Called as ``model(x)``: a Linear input layer, residual blocks, a Linear head."""
+
+    def __init__(self, in_dim: int = 32, dim: int = 64, depth: int = 2, out_dim: int = 8):
+        super().__init__()
+        self.input = nn.Linear(in_dim, dim)
+        self.blocks = nn.ModuleList(ResidualBlock(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.input(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, channels: int = 8):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+class SmallResNet(nn.Module):
+    """Called as ``model(images)``: a stem, residual Conv / BatchNorm / ReLU blocks, pooling, a head."""
+
+    def __init__(self, channels: int = 8, depth: int = 2, classes: int = 4):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())
+        self.layers = nn.Sequential(*(ConvBlock(channels) for _ in range(depth)))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(channels, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(self.layers(self.stem(images))), 1))
+
+
+# --- data and losses -------------------------------------------------------------------------------
+class RowsDataset(Dataset):
+    """Fixed rows generated from a seed (a dict per row, or a tensor per row)."""
+
+    def __init__(self, rows: list):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.rows[index]
+
+
+def token_dataset(num_samples: int, seed: int = 0) -> Dataset:
+    from atorch.models import SyntheticTokenDataset
+
+    return SyntheticTokenDataset(num_samples=num_samples, seq_len=SEQ, vocab_size=VOCAB, seed=seed)
+
+
+def t5_dataset(num_samples: int, seed: int = 0) -> Dataset:
+    tokens = token_dataset(num_samples, seed)
+    return RowsDataset([{"input_ids": tokens.inputs[i], "labels": tokens.labels[i, : SEQ // 2].flip(0)}
+                        for i in range(num_samples)])
+
+
+def image_dataset(num_samples: int, seed: int = 0) -> Dataset:
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.randn(num_samples, 3, 16, 16, generator=generator)
+    labels = (images.mean(dim=(1, 2, 3)) > 0).long() + 2 * (images[:, 0].mean(dim=(1, 2)) > 0).long()
+    return RowsDataset([{"pixel_values": images[i], "labels": labels[i]} for i in range(num_samples)])
+
+
+def clip_dataset(num_samples: int, seed: int = 0) -> Dataset:
+    tokens, images = token_dataset(num_samples, seed), image_dataset(num_samples, seed)
+    return RowsDataset([{"input_ids": tokens.inputs[i], "pixel_values": images[i]["pixel_values"]}
+                        for i in range(num_samples)])
+
+
+def vector_dataset(num_samples: int, seed: int = 0) -> Dataset:
+    generator = torch.Generator().manual_seed(seed)
+    return RowsDataset(list(torch.randn(num_samples, 32, generator=generator)))
+
+
+def picture_dataset(num_samples: int, seed: int = 0) -> Dataset:
+    return RowsDataset([row["pixel_values"] for row in image_dataset(num_samples, seed)])
 
 
 def hf_loss(batch: dict, output) -> torch.Tensor:
     return output.loss
+
+
+def clip_pair_loss(batch: dict, output) -> torch.Tensor:
+    """Per-sample: pull each image's embedding towards its own caption's (negative cosine)."""
+    return -(output.image_embeds * output.text_embeds).sum(-1).mean()
+
+
+def mlp_loss(batch: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """Regress the first 8 input features, squared (a target the MLP can learn)."""
+    return ((output - batch[:, :8].pow(2)) ** 2).mean()
+
+
+def cnn_loss(batch: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    labels = (batch.mean(dim=(1, 2, 3)) > 0).long() + 2 * (batch[:, 0].mean(dim=(1, 2)) > 0).long()
+    return torch.nn.functional.cross_entropy(output, labels)
+
+
+# --- the zoo ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ZooModel:
+    name: str
+    build: Callable[[], nn.Module]
+    make_dataset: Callable[[int, int], Dataset]
+    loss_func: Callable
+    input_format: Optional[str]
+    block: str                  # the repeated block class (checkpoint / fsdp wrap class)
+    kind: str                   # decoder, encoder, encoder-decoder, vision, multimodal, plain
+    norm_chunks: bool = False   # BatchNorm: statistics per forward, so the reference runs per-rank chunks
+    hf: bool = True
+
+    @property
+    def transformer(self) -> bool:
+        return self.kind != "plain"
+
+
+ZOO: dict[str, ZooModel] = {m.name: m for m in (
+    ZooModel("gpt2", tiny_gpt2, token_dataset, hf_loss, "unpack_dict", "GPT2Block", "decoder"),
+    ZooModel("gpt2_untied", tiny_gpt2_untied, token_dataset, hf_loss, "unpack_dict", "GPT2Block", "decoder"),
+    ZooModel("llama", tiny_llama, token_dataset, hf_loss, "unpack_dict", "LlamaDecoderLayer", "decoder"),
+    ZooModel("qwen2", tiny_qwen2, token_dataset, hf_loss, "unpack_dict", "Qwen2DecoderLayer", "decoder"),
+    ZooModel("mistral", tiny_mistral, token_dataset, hf_loss, "unpack_dict", "MistralDecoderLayer", "decoder"),
+    ZooModel("bert", tiny_bert, token_dataset, hf_loss, "unpack_dict", "BertLayer", "encoder"),
+    ZooModel("t5", tiny_t5, t5_dataset, hf_loss, "unpack_dict", "T5Block", "encoder-decoder"),
+    ZooModel("vit", tiny_vit, image_dataset, hf_loss, "unpack_dict", "ViTLayer", "vision"),
+    ZooModel("clip", tiny_clip, clip_dataset, clip_pair_loss, "unpack_dict", "CLIPEncoderLayer", "multimodal"),
+    ZooModel("mlp", ResidualMLP, vector_dataset, mlp_loss, None, "ResidualBlock", "plain", hf=False),
+    ZooModel("cnn", SmallResNet, picture_dataset, cnn_loss, None, "ConvBlock", "plain", norm_chunks=True, hf=False),
+)}
+
+# the names earlier tests use
+HF_BUILDERS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "bert": tiny_bert}

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from atorch.auto.accelerate import auto_accelerate
 from atorch.auto.gradients import clip_grad_norm_
-from atorch.testing.hf_models import HF_BUILDERS, hf_loss
+from atorch.testing.hf_models import ZOO
 from atorch.distributed import mesh
 from atorch.utils.memory import training_state_bytes
 from atorch.utils.modules import full_state_dict
@@ -36,6 +36,7 @@ def train_gpt(
     measure_state: bool = False,
     clip_via: str = "optimizer",
     hf_model: Optional[str] = None,
+    interleaved_chunks: int = 1,
     **auto_kwargs: Any,
 ) -> dict:
     """Run ``steps`` steps of the seed's loop; returns the global mean loss per step, the full final
@@ -49,20 +50,29 @@ def train_gpt(
     by it, the optimizer told of the boundary as the seed says), which is the same update as one
     step on the whole batch. ``max_grad_norm`` clips by the global norm before each step.
     ``measure_state`` records this rank's parameter / gradient / optimizer-state bytes after the last
-    step, before its gradients are cleared."""
+    step, before its gradients are cleared.
+
+    ``hf_model`` names a model of the zoo (``atorch.testing.hf_models.ZOO``: HF families and plain
+    PyTorch models) trained on its own data and loss instead of the repo GPT. ``interleaved_chunks``
+    (single process only) runs each global batch as that many forwards over rows ``r::chunks``, the
+    rows rank ``r`` sees under data parallelism: the reference for models whose BatchNorm normalises
+    per forward."""
     config = config or SMALL_GPT
-    loss_func = gpt_loss
+    loss_func, input_format = gpt_loss, "unpack_dict"
     if hf_model is not None:
+        zoo = ZOO[hf_model]
         torch.manual_seed(seed)
-        model, loss_func = HF_BUILDERS[hf_model](), hf_loss
+        model, loss_func, input_format = zoo.build(), zoo.loss_func, zoo.input_format
+        dataset = zoo.make_dataset(global_batch * steps, 0)
     else:
         model = build_gpt(seed, config)
-    dataset = SyntheticTokenDataset(num_samples=global_batch * steps, seq_len=config.block_size, vocab_size=config.vocab_size)
+        dataset = SyntheticTokenDataset(num_samples=global_batch * steps, seq_len=config.block_size,
+                                        vocab_size=config.vocab_size)
     if global_batch % accumulation:
         raise ValueError(f"global_batch {global_batch} does not split into {accumulation} micro-batches")
     status, result, strategy = auto_accelerate(
         model, optim_func, dataset, loss_func, optim_args=optim_args or {"lr": lr, "momentum": 0.9},
-        dataloader_args={"batch_size": global_batch // accumulation}, model_input_format="unpack_dict",
+        dataloader_args={"batch_size": global_batch // accumulation}, model_input_format=input_format,
         load_strategy=load_strategy, **auto_kwargs,
     )
     assert status, "auto_accelerate failed"
@@ -73,14 +83,16 @@ def train_gpt(
         for micro in range(accumulation):
             if result.args.requires_set_gradient_accumulation_boundary:
                 result.optim.set_gradient_accumulation_boundary(micro == accumulation - 1)
-            batch = result.prepare_input(next(batches))
-            output = result.model(**batch)
-            loss = result.loss_func(batch, output) / accumulation
-            if result.args.use_optim_backward:
-                result.optim.backward(loss)
-            else:
-                loss.backward()
-            step_loss += global_mean(loss.detach().float())
+            full_batch = result.prepare_input(next(batches))
+            for chunk in range(interleaved_chunks):
+                batch = full_batch if interleaved_chunks == 1 else every_nth_row(full_batch, chunk, interleaved_chunks)
+                output = call_model(result.model, batch, input_format)
+                loss = result.loss_func(batch, output) / accumulation / interleaved_chunks
+                if result.args.use_optim_backward:
+                    result.optim.backward(loss)
+                else:
+                    loss.backward()
+                step_loss += global_mean(loss.detach().float())
         if max_grad_norm is not None:
             if clip_via == "model":  # atorch.clip_grad_norm_ on the returned model
                 norm = clip_grad_norm_(result.model, max_grad_norm)
@@ -96,6 +108,21 @@ def train_gpt(
         "losses": losses, "grad_norms": norms, "weights": full_state_dict(result.model),
         "strategy": strategy, "result": result, "state_bytes": state if measure_state else None,
     }
+
+
+def call_model(model: Any, batch: Any, input_format: Optional[str]) -> Any:
+    """The seed's call for each model_input_format."""
+    if input_format == "unpack_dict":
+        return model(**batch)
+    if input_format == "unpack_sequence":
+        return model(*batch)
+    return model(batch)
+
+
+def every_nth_row(batch: Any, start: int, step: int) -> Any:
+    if isinstance(batch, dict):
+        return {k: every_nth_row(v, start, step) for k, v in batch.items()}
+    return batch[start::step] if isinstance(batch, torch.Tensor) else batch
 
 
 def global_mean(value: torch.Tensor) -> float:
