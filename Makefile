@@ -11,7 +11,7 @@ CONSTRAINTS := constraints.txt
 KEEP_TORCH := $(VENV)/constraints-keep-torch.txt
 NPROC ?= 2
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench conformance clean
 
 $(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 	@if [ ! -x $(PY) ]; then \
@@ -37,6 +37,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -rs tests
+
+# every method on every model of the zoo; rewrites docs/models.md (the suite checks it is current)
+conformance: $(STAMP)
+	$(PY) -m atorch.testing.conformance --write docs/models.md
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py

@@ -36,6 +36,14 @@ logger = logging.getLogger("atorch")
 RANKS_REACH_RECOVERY_S = 10.0  # beyond the collective cap: how long a live rank may take to notice
 _PREFIX = "atorch/fault"
 _state: dict[str, Any] = {"generation": 0, "root_store": None}
+_rebuild_callbacks: list[Callable[[], None]] = []
+
+
+def register_rebuild_callback(callback: Callable[[], None]) -> None:
+    """``callback()`` runs after the process group is rebuilt: libraries that cache groups of the
+    aborted one (DeepSpeed) forget them there."""
+    if callback not in _rebuild_callbacks:
+        _rebuild_callbacks.append(callback)
 
 
 @dataclass
@@ -148,3 +156,5 @@ def _wait_for_every_rank(store: Any, key: str, world: int, timeout_s: float) -> 
 def _rebuild_process_group(store: Any, generation: int, rank: int, world: int) -> None:
     prefixed = dist.PrefixStore(f"{_PREFIX}/pg/{generation}", store)
     dist.init_process_group(_state["backend"], store=prefixed, rank=rank, world_size=world, timeout=_state["timeout"])
+    for callback in _rebuild_callbacks:
+        callback()

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from atorch.models import SyntheticTokenDataset
+
 VOCAB, SEQ = 64, 16
 
 
@@ -28,7 +30,7 @@ VOCAB, SEQ = 64, 16
 def tiny_gpt2(tie: bool = True) -> nn.Module:
     import transformers
 
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
+    config = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
                                      tie_word_embeddings=tie)
     return transformers.GPT2LMHeadModel._from_config(config)
@@ -41,7 +43,7 @@ def tiny_gpt2_untied() -> nn.Module:
 def _decoder_config(cls_name: str, **extra: Any):
     import transformers
 
-    return getattr(transformers, cls_name)(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+    return getattr(transformers, cls_name)(num_hidden_layers=4, hidden_size=32, intermediate_size=64,
                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                                            max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0,
                                            tie_word_embeddings=False, **extra)
@@ -68,7 +70,7 @@ def tiny_mistral() -> nn.Module:
 def tiny_bert() -> nn.Module:
     import transformers
 
-    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+    config = transformers.BertConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                      vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
                                      attention_probs_dropout_prob=0.0, pad_token_id=0)
     return transformers.BertForMaskedLM._from_config(config)
@@ -77,7 +79,7 @@ def tiny_bert() -> nn.Module:
 def tiny_t5() -> nn.Module:
     import transformers
 
-    config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=4, num_heads=4,
                                    dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
     return transformers.T5ForConditionalGeneration._from_config(config)
 
@@ -85,7 +87,7 @@ def tiny_t5() -> nn.Module:
 def tiny_vit() -> nn.Module:
     import transformers
 
-    config = transformers.ViTConfig(image_size=16, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2,
+    config = transformers.ViTConfig(image_size=16, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=4,
                                     num_attention_heads=4, intermediate_size=64, num_labels=4, hidden_dropout_prob=0.0,
                                     attention_probs_dropout_prob=0.0)
     return transformers.ViTForImageClassification._from_config(config)
@@ -94,10 +96,10 @@ def tiny_vit() -> nn.Module:
 def tiny_clip() -> nn.Module:
     import transformers
 
-    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                 max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=1, pad_token_id=0)
     vision = dict(image_size=16, patch_size=8, num_channels=3, hidden_size=32, intermediate_size=64,
-                  num_hidden_layers=2, num_attention_heads=4)
+                  num_hidden_layers=4, num_attention_heads=4)
     config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
     return transformers.CLIPModel._from_config(config)
 
@@ -118,7 +120,7 @@ class ResidualBlock(nn.Module):
 class ResidualMLP(nn.Module):
     """Called as ``model(x)``: a Linear input layer, residual blocks, a Linear head."""
 
-    def __init__(self, in_dim: int = 32, dim: int = 64, depth: int = 2, out_dim: int = 8):
+    def __init__(self, in_dim: int = 32, dim: int = 64, depth: int = 4, out_dim: int = 8):
         super().__init__()
         self.input = nn.Linear(in_dim, dim)
         self.blocks = nn.ModuleList(ResidualBlock(dim) for _ in range(depth))
@@ -146,7 +148,7 @@ class ConvBlock(nn.Module):
 class SmallResNet(nn.Module):
     """Called as ``model(images)``: a stem, residual Conv / BatchNorm / ReLU blocks, pooling, a head."""
 
-    def __init__(self, channels: int = 8, depth: int = 2, classes: int = 4):
+    def __init__(self, channels: int = 8, depth: int = 4, classes: int = 4):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())
         self.layers = nn.Sequential(*(ConvBlock(channels) for _ in range(depth)))
@@ -172,8 +174,6 @@ class RowsDataset(Dataset):
 
 
 def token_dataset(num_samples: int, seed: int = 0) -> Dataset:
-    from atorch.models import SyntheticTokenDataset
-
     return SyntheticTokenDataset(num_samples=num_samples, seq_len=SEQ, vocab_size=VOCAB, seed=seed)
 
 
@@ -210,8 +210,9 @@ def hf_loss(batch: dict, output) -> torch.Tensor:
 
 
 def clip_pair_loss(batch: dict, output) -> torch.Tensor:
-    """Per-sample: pull each image's embedding towards its own caption's (negative cosine)."""
-    return -(output.image_embeds * output.text_embeds).sum(-1).mean()
+    """Per-sample: raise each image's scaled similarity to its own caption (the diagonal of CLIP's
+    logits, which uses every parameter, logit_scale included)."""
+    return -torch.diagonal(output.logits_per_image).mean() / 10
 
 
 def mlp_loss(batch: torch.Tensor, output: torch.Tensor) -> torch.Tensor:

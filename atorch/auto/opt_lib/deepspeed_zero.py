@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from typing import Any, Optional
 
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from atorch.errors import MethodConfigError, RequirementError
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.distributed import mesh
+from atorch.distributed.fault import register_rebuild_callback
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,20 @@ def deepspeed_unavailable_reason() -> Optional[str]:
     except Exception as error:  # ImportError, or an accelerator that cannot start here
         return f"DeepSpeed is not usable here ({type(error).__name__}: {error}); install it with pip install 'atorch[deepspeed]'"
     return None
+
+
+def forget_deepspeed_groups() -> None:
+    """After atorch rebuilt the process group (a failed dry run, see ``atorch.distributed.fault``),
+    DeepSpeed's cached groups belong to the aborted one: drop them so its next engine makes new ones."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    for name, value in list(vars(groups).items()):
+        if name.startswith("_") and name.endswith("_GROUP"):
+            setattr(groups, name, {} if isinstance(value, dict) else None)
+
+
+register_rebuild_callback(forget_deepspeed_groups)
 
 
 def use_deepspeed_zero(ctx, method: str, stage: int) -> None:
@@ -58,6 +74,11 @@ def _build_engine(ctx, params: Any, method: str, stage: int) -> "DeepSpeedOptimi
         raise MethodConfigError(method, f"use_ds_zero supports pure data parallelism (data size {dp_size} != world size {dist.get_world_size()})")
     if ctx.amp_dtype == torch.float16:
         raise MethodConfigError(method, "use_ds_zero with amp_native fp16 is not supported (DeepSpeed keeps its own loss scale); use bf16")
+    scalars = [name for name, p in ctx.model.named_parameters() if p.dim() == 0]
+    if scalars:
+        raise MethodConfigError(method, f"use_ds_zero: DeepSpeed ZeRO flattens parameters into byte buffers and cannot "
+                                f"take 0-dim ones {scalars} (e.g. CLIP's logit_scale); use atorch's own {method} "
+                                "(without use_ds_zero), which keeps scalars replicated")
     bucket = int(min(5e8, max(1e6, sum(p.numel() for p in ctx.model.parameters()))))
     config = {
         "train_micro_batch_size_per_gpu": ctx.per_rank_batch_size,

@@ -177,13 +177,19 @@ def _size_based_blocks(model: torch.nn.Module, min_num_params: int) -> list[torc
 
 
 def _ignored_params(model: torch.nn.Module, config: FSDPConfig) -> set[torch.nn.Parameter]:
+    """Parameters left replicated: those of ``atorch_ignored_cls`` modules, and every 0-dim parameter
+    (fully_shard cannot shard a scalar such as CLIP's ``logit_scale``; it costs nothing to replicate)."""
+    scalars = {p for p in model.parameters() if p.dim() == 0}
+    if scalars:
+        names = [n for n, p in model.named_parameters() if p.dim() == 0]
+        logger.info("fsdp: scalar parameter(s) %s stay replicated (fully_shard shards along a dimension)", names)
     targets = config.atorch_ignored_cls
     if not targets:
-        return set()
+        return scalars
     modules = matching_modules(model, targets)
     if not modules:
         raise MethodConfigError("fsdp", f"atorch_ignored_cls {targets!r} matches no submodule")
-    return {p for module in modules for p in module.parameters()}
+    return scalars | {p for module in modules for p in module.parameters()}
 
 
 def _mixed_precision(ctx) -> MixedPrecisionPolicy:

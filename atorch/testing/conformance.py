@@ -1,0 +1,338 @@
+"""The conformance matrix: every method and model-parallel layout on every model of the zoo.
+
+Each cell trains a zoo model (``atorch.testing.hf_models.ZOO``) for a few steps under one strategy
+on real gloo ranks and compares the losses and final weights with single-process PyTorch on the
+same data and global batch. A cell is:
+
+- ``pass``: relative difference within the column's tolerance (fp32 data parallel and single-process
+  methods 1e-5, fp32 model parallel 1e-4, bf16 / fp16 anywhere 2e-2);
+- ``refused``: atorch raised one of its typed errors (``atorch.errors.AtorchError``: a method that
+  does not apply to this model, a backend this machine lacks), with the reason;
+- ``ignored``: the run trained but the strategy that ran lacks a method the column names (the
+  contract's "ignored with a warning", e.g. fp8 without a GPU that has it), so nothing was shown;
+- ``fail``: anything else: an exception from inside torch or transformers, a parity miss, a hang.
+
+One launch per column covers every model (process start-up is most of a small cell's cost); inside
+it each cell runs under ``run_isolated`` so that a cell failing on one rank fails on all of them and
+the next cell starts on a healthy process group. ``python -m atorch.testing.conformance`` runs the
+matrix and prints it; ``--write docs/models.md`` regenerates the page (``make conformance``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from atorch import errors
+from atorch.distributed.fault import Outcome, describe, run_isolated
+from atorch.testing.hf_models import ZOO, ZooModel
+from atorch.testing.launcher import DistributedRunError, run_distributed
+from atorch.testing.training import relative_difference, train_gpt, weight_difference
+
+STEPS, GLOBAL_BATCH, LR = 3, 8, 0.05
+DP_TOL, MP_TOL, LOW_TOL = 1e-5, 1e-4, 2e-2
+COLLECTIVE_TIMEOUT_S = 60.0
+BF16 = ("amp_native", {"dtype": torch.bfloat16})
+
+
+def _mode(*dims: tuple[str, int]) -> tuple:
+    return ("parallel_mode", (list(dims), None))
+
+
+@dataclass(frozen=True)
+class Column:
+    """One strategy of the matrix. ``strategy(model)`` builds the load_strategy list for a zoo model;
+    ``data_parallel`` is the number of batch shards (the CNN's BatchNorm reference runs them apart)."""
+
+    key: str
+    label: str
+    world: int
+    strategy: Callable[[ZooModel], list]
+    tolerance: float
+    data_parallel: int = 1
+
+
+def _fixed(*items: Any) -> Callable[[ZooModel], list]:
+    return lambda model: list(items)
+
+
+COLUMNS: list[Column] = [
+    # one process
+    Column("amp_bf16", "amp_native bf16", 1, _fixed(BF16), LOW_TOL),
+    Column("half_bf16", "half bf16", 1, _fixed(("half", "bf16")), LOW_TOL),
+    Column("checkpoint", "checkpoint", 1, lambda m: [("checkpoint", (m.block,))], DP_TOL),
+    Column("module_replace", "module_replace", 1, _fixed("module_replace"), DP_TOL),
+    Column("native_dynamo", "native_dynamo", 1, _fixed("native_dynamo"), DP_TOL),
+    Column("fp8", "fp8", 1, _fixed("fp8"), LOW_TOL),
+    # 2 processes: data parallel and sharding
+    Column("ddp", "DDP (data 2)", 2, _fixed(_mode(("data", 2))), DP_TOL, 2),
+    Column("zero1", "zero1", 2, _fixed("zero1"), DP_TOL, 2),
+    Column("zero2", "zero2", 2, _fixed("zero2"), DP_TOL, 2),
+    Column("fsdp", "fsdp", 2, lambda m: [("fsdp", {"atorch_wrap_cls": (m.block,)})], DP_TOL, 2),
+    Column("ds_zero1", "DeepSpeed zero1", 2, _fixed(("zero1", {"use_ds_zero": True})), DP_TOL, 2),
+    Column("ds_zero2", "DeepSpeed zero2", 2, _fixed(("zero2", {"use_ds_zero": True})), DP_TOL, 2),
+    # 2 processes: model parallel
+    Column("tp2", "tensor 2", 2, _fixed(_mode(("tensor", 2)), "tensor_parallel"), MP_TOL),
+    Column("tp2_sp", "tensor 2 + sequence", 2, _fixed(_mode(("tensor", 2)), "tensor_parallel", "sequence_parallel"),
+           MP_TOL),
+    Column("pp2_1f1b", "pipeline 2 1F1B", 2,
+           _fixed(_mode(("pipeline", 2)), ("pipeline_parallel", {"num_micro_batch": 4})), MP_TOL),
+    Column("pp2_gpipe", "pipeline 2 GPipe", 2,
+           _fixed(_mode(("pipeline", 2)), ("pipeline_parallel", {"schedule": "GPipe", "num_micro_batch": 4})), MP_TOL),
+    Column("pp2_interleaved", "pipeline 2 Interleaved1F1B", 2,
+           _fixed(_mode(("pipeline", 2)), ("pipeline_parallel", {"schedule": "Interleaved1F1B", "num_micro_batch": 4})),
+           MP_TOL),
+    Column("ds_3d_pp2", "ds_3d_parallel pipeline 2", 2,
+           _fixed(_mode(("pipeline", 2)), ("ds_3d_parallel", {"num_micro_batch": 4})), MP_TOL),
+    # 4 processes: composed
+    Column("mixed_tp2_pp2", "mixed tensor 2 x pipeline 2", 4,
+           _fixed(_mode(("tensor", 2), ("pipeline", 2)), ("mixed_parallel", {"pipeline": {"num_micro_batch": 4}})),
+           MP_TOL),
+    Column("tp2_dp2_zero1", "tensor 2 x data 2 + zero1", 4,
+           _fixed(_mode(("tensor", 2), ("data", 2)), "tensor_parallel", "zero1"), MP_TOL, 2),
+    Column("pp2_dp2", "pipeline 2 x data 2", 4,
+           _fixed(_mode(("pipeline", 2), ("data", 2)), ("pipeline_parallel", {"schedule": "GPipe"})), MP_TOL, 2),
+]
+COLUMN_BY_KEY = {c.key: c for c in COLUMNS}
+
+
+@dataclass
+class Cell:
+    status: str                    # pass / refused / ignored / fail
+    detail: str = ""               # the refusal's reason, the failure
+    loss_diff: Optional[float] = None
+    weight_diff: Optional[float] = None
+    seconds: float = 0.0
+
+    @property
+    def max_diff(self) -> Optional[float]:
+        diffs = [d for d in (self.loss_diff, self.weight_diff) if d is not None]
+        return max(diffs) if diffs else None
+
+
+# --- on the ranks ----------------------------------------------------------------------------------
+def _typed_error_names() -> set[str]:
+    def subclasses(cls: type) -> set[str]:
+        return {cls.__name__}.union(*(subclasses(c) for c in cls.__subclasses__()))
+
+    return subclasses(errors.AtorchError)
+
+
+def run_column(column_key: str, models: list[str], progress: Optional[str] = None) -> dict:
+    """On every rank of one launch: train each model under the column's strategy. Rank 0 returns the
+    losses and full weights; a cell that raised on any rank reports the first error on all of them."""
+    column = COLUMN_BY_KEY[column_key]
+    out = {}
+    for name in models:
+        start = time.monotonic()
+        _progress(progress, f"{column_key} {name} start")
+
+        def cell() -> dict:
+            try:
+                run = train_gpt(column.strategy(ZOO[name]), hf_model=name, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR)
+            except Exception:
+                print(f"[conformance] {column_key} x {name} raised:\n{traceback.format_exc()}", file=sys.stderr)
+                raise
+            return {"losses": run["losses"], "weights": run["weights"], "applied": run["strategy"].names()}
+
+        outcome = run_isolated(cell, collective_timeout_s=COLLECTIVE_TIMEOUT_S) if column.world > 1 else _run_here(cell)
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        if outcome.ok:
+            out[name] = {"ok": True, **(outcome.value if rank0 else {"losses": outcome.value["losses"]})}
+        else:
+            out[name] = {"ok": False, "error": outcome.error}
+        out[name]["seconds"] = time.monotonic() - start
+        _progress(progress, f"{column_key} {name} {'ok' if outcome.ok else 'error'} {out[name]['seconds']:.1f}s")
+    return out
+
+
+def _run_here(fn: Callable[[], Any]):
+    try:
+        return Outcome(True, fn())
+    except Exception as error:
+        return Outcome(False, error=describe(error))
+
+
+def _progress(path: Optional[str], line: str) -> None:
+    if path:
+        with open(path, "a") as handle:
+            handle.write(line + "\n")
+
+
+# --- in the parent ---------------------------------------------------------------------------------
+_REFERENCES: dict = {}
+
+
+def reference(name: str, chunks: int) -> dict:
+    """Single-process PyTorch on the same data and global batch (the CNN: per-shard forwards)."""
+    chunks = chunks if ZOO[name].norm_chunks else 1
+    if (name, chunks) not in _REFERENCES:
+        run = train_gpt([], hf_model=name, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR, interleaved_chunks=chunks)
+        _REFERENCES[(name, chunks)] = {"losses": run["losses"], "weights": run["weights"]}
+    return _REFERENCES[(name, chunks)]
+
+
+def judge(column: Column, name: str, ran: dict, typed: set[str]) -> Cell:
+    if not ran["ok"]:
+        error = ran["error"] or "unknown error"
+        kind = error.split(":", 1)[0]
+        status = "refused" if kind in typed else "fail"
+        return Cell(status, error, seconds=ran["seconds"])
+    named = [item if isinstance(item, str) else item[0] for item in column.strategy(ZOO[name])]
+    dropped = [method for method in named if method != "parallel_mode" and method not in ran.get("applied", named)]
+    if dropped:
+        return Cell("ignored", f"{', '.join(dropped)} not applied on this machine (ignored with a warning, as the "
+                    "method contract says); the run trained without it", seconds=ran["seconds"])
+    ref = reference(name, column.data_parallel)
+    weights, ref_weights = _comparable(ran["weights"], name), _comparable(ref["weights"], name)
+    loss_diff = relative_difference(ran["losses"], ref["losses"])
+    try:
+        weight_diff = weight_difference(weights, ref_weights)
+    except AssertionError as error:
+        return Cell("fail", str(error), loss_diff, None, ran["seconds"])
+    cell = Cell("pass", "", loss_diff, weight_diff, ran["seconds"])
+    if not all(math.isfinite(d) and d < column.tolerance for d in (loss_diff, weight_diff)):
+        cell.status, cell.detail = "fail", f"parity: losses {loss_diff:.1e}, weights {weight_diff:.1e} (tolerance {column.tolerance:g})"
+    return cell
+
+
+def _comparable(weights: dict, name: str) -> dict:
+    """BatchNorm running statistics follow each rank's own batches (DDP keeps rank 0's); the trained
+    parameters are what parity is about."""
+    if not ZOO[name].norm_chunks:
+        return weights
+    return {k: v for k, v in weights.items() if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))}
+
+
+def run_matrix(columns: Optional[list[str]] = None, models: Optional[list[str]] = None,
+               timeout_s: float = 900.0, verbose: bool = True) -> dict[tuple[str, str], Cell]:
+    """Every cell of the matrix (one launch per column), judged against the references."""
+    models = models or list(ZOO)
+    typed = _typed_error_names()
+    cells: dict[tuple[str, str], Cell] = {}
+    for column in [COLUMN_BY_KEY[k] for k in (columns or [c.key for c in COLUMNS])]:
+        started = time.monotonic()
+        with tempfile.NamedTemporaryFile("r", suffix=".progress") as progress:
+            try:
+                per_rank = run_distributed(run_column, column.world, column.key, models, progress.name, timeout_s=timeout_s)
+                ran = per_rank[0]
+            except DistributedRunError as error:
+                ran = _partial_after_crash(progress.name, models, error)
+        for name in models:
+            cells[(column.key, name)] = judge(column, name, ran[name], typed)
+        if verbose:
+            summary = ", ".join(f"{n} {_symbol(cells[(column.key, n)])}" for n in models)
+            print(f"[conformance] {column.label} ({time.monotonic() - started:.0f}s): {summary}", file=sys.stderr, flush=True)
+    return cells
+
+
+def _partial_after_crash(progress: str, models: list[str], error: Exception) -> dict:
+    """A launch that died or hung: the cell it was in fails with the launcher's reason; later cells
+    did not run."""
+    with open(progress) as handle:
+        started = [line for line in handle.read().splitlines() if line.endswith(" start")]
+    current = started[-1].split()[1] if started else models[0]
+    out = {}
+    for name in models:
+        if name == current:
+            out[name] = {"ok": False, "error": f"launch died or hung: {str(error)[-300:]}", "seconds": 0.0}
+        elif models.index(name) > models.index(current):
+            out[name] = {"ok": False, "error": f"not run: the launch ended in {current}", "seconds": 0.0}
+        else:
+            out[name] = {"ok": False, "error": "result lost with the launch", "seconds": 0.0}
+    return out
+
+
+# --- the table -------------------------------------------------------------------------------------
+def _symbol(cell: Cell) -> str:
+    return {"pass": "✔", "refused": "refused", "ignored": "ignored", "fail": "✗"}[cell.status]
+
+
+def render(cells: dict[tuple[str, str], Cell], numbers: bool = True) -> str:
+    """Markdown: one row per model, one column per strategy; refusals and failures are numbered notes."""
+    columns = [c for c in COLUMNS if any(k == c.key for k, _ in cells)]
+    models = [m for m in ZOO if any(n == m for _, n in cells)]
+    notes: dict[str, int] = {}
+    lines = ["| model | " + " | ".join(c.label for c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for name in models:
+        row = [name]
+        for column in columns:
+            cell = cells[(column.key, name)]
+            if cell.status == "pass":
+                row.append(f"✔ {cell.max_diff:.0e}" if numbers else "✔")
+            else:
+                number = notes.setdefault(_note_text(cell), len(notes) + 1)
+                row.append(f"{_symbol(cell)} [{number}](#note-{number})")
+        lines.append("| " + " | ".join(row) + " |")
+    totals = _totals(cells)
+    lines += ["", f"Totals: {totals['pass']} ✔, {totals['refused']} refused, {totals['ignored']} ignored, "
+              f"{totals['fail']} ✗ ({len(cells)} cells).", ""]
+    for text, number in notes.items():
+        lines.append(f"<a id=\"note-{number}\"></a>{number}. {text}")
+    return "\n".join(lines) + "\n"
+
+
+def _note_text(cell: Cell) -> str:
+    detail = " ".join(cell.detail.split())
+    prefix = {"refused": "refused: ", "ignored": "ignored: ", "fail": "✗ "}[cell.status]
+    return prefix + detail[:400] + ("…" if len(detail) > 400 else "")
+
+
+def _totals(cells: dict) -> dict[str, int]:
+    totals = {"pass": 0, "refused": 0, "ignored": 0, "fail": 0}
+    for cell in cells.values():
+        totals[cell.status] += 1
+    return totals
+
+
+PAGE_HEAD = """# Models: the conformance matrix
+
+Generated by `make conformance` (`python -m atorch.testing.conformance --write docs/models.md`);
+never edit by hand. Each cell trains a tiny random-weight model of that family for {steps} steps
+(global batch {batch}, SGD with momentum) on gloo CPU processes and compares the losses and the
+final weights with single-process PyTorch on the same data: ✔ with the largest relative
+difference, *refused* when atorch declines the combination with a typed error (the reason is in
+the notes), *ignored* when the method does not apply on the machine that generated the page (CPU:
+fp8 needs a recent GPU) and the run trained without it, ✗ when it fails. Tolerances: data parallel and single-process fp32 methods 1e-5, model
+parallel fp32 1e-4, bf16 2e-2. The models are built in `atorch/testing/hf_models.py`; the columns
+in `atorch/testing/conformance.py`. The CNN's BatchNorm normalises each forward's batch, so its
+reference runs the per-process shards apart; its running statistics are not compared.
+
+"""
+
+
+def page(cells: dict) -> str:
+    return PAGE_HEAD.format(steps=STEPS, batch=GLOBAL_BATCH) + render(cells)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--columns", nargs="*", help=f"subset of {[c.key for c in COLUMNS]}")
+    parser.add_argument("--models", nargs="*", help=f"subset of {list(ZOO)}")
+    parser.add_argument("--write", help="write the page (e.g. docs/models.md); only with the whole matrix")
+    parser.add_argument("--json", help="also write the cells as JSON")
+    args = parser.parse_args(argv)
+    cells = run_matrix(args.columns, args.models)
+    print(render(cells))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({f"{c}|{m}": vars(cell) for (c, m), cell in cells.items()}, handle, indent=1)
+    if args.write:
+        if args.columns or args.models:
+            parser.error("--write needs the whole matrix (no --columns / --models)")
+        with open(args.write, "w") as handle:
+            handle.write(page(cells))
+    return 1 if _totals(cells)["fail"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
