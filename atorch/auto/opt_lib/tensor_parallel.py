@@ -3,18 +3,31 @@
 The plan is found on the unchanged model (``find_tp_plan``): in every attention block the q/k/v
 projections (separate, or fused like GPT-2's ``c_attn``) are split column-wise and the output
 projection row-wise, so each rank holds a share of the heads; in every MLP the up/gate projections
-are split column-wise and the down projection row-wise. One all-reduce per block half in forward
-(and one in backward) restores full activations. The token embedding is split on the vocabulary
-(each rank looks up its rows, one all-reduce) and so is the LM head (column-wise, its logits
-all-gathered, so any loss_func sees the full logits); weights tied between them stay tied. Norms,
-position embeddings and anything else stay replicated (logged). ``parallelize_module`` applies the
-plan on the ``tensor`` dimension of the mesh;
-GPT-2's ``Conv1D`` (a Linear with its weight transposed) gets the same styles with the dims swapped.
-Under pipeline parallelism each stage is split the same way.
+are split column-wise and the down projection row-wise (fc1/fc2, c_fc/c_proj, gate/up/down, T5's
+wi/wo and wi_0/wi_1/wo, BERT / ViT intermediate/output dense). One all-reduce per block half in
+forward (and one in backward) restores full activations. The token embedding is split on the
+vocabulary (each rank looks up its rows, one all-reduce) and so is the LM head (column-wise, its
+logits all-gathered, so any loss_func sees the full logits); weights tied between them stay tied.
+Norms, position embeddings and anything else stay replicated (logged). ``parallelize_module``
+applies the plan on the ``tensor`` dimension of the mesh; GPT-2's ``Conv1D`` (a Linear with its
+weight transposed) gets the same styles with the dims swapped. Under pipeline parallelism each stage
+is split the same way.
+
+Heads: an embedding of an attention with one column per head (T5's ``relative_attention_bias``)
+is split on its columns with the heads, and the attention's head-count attributes that describe the
+split projections (``n_heads``, ``num_heads``, ``num_attention_heads``, ``inner_dim``,
+``all_head_size``, ...; only those equal to a split head count or width) become the per-rank values,
+so code that reads them (T5's zero position bias for cross attention) builds local-head tensors.
+Checked on GPT-2 (tied and untied), Llama, Qwen2, Mistral, BERT, T5, ViT, CLIP (both towers and
+their projections replicated) and plain fc1/fc2 blocks.
+
+Refused with a MethodConfigError: a head count not divisible by the tensor size (naming the module
+and the sizes); a model with no attention projections and no MLP Linear pair (a CNN), since every
+rank would compute the whole model. With ``ctx.sequence_parallel`` the residual stream between the
+split projections is sequence-sharded (``atorch.auto.opt_lib.sequence_parallel``).
 
 Config: None (detect), or ``{"plan": {"<module-name glob>": "colwise" | "rowwise", ...}}`` which
-replaces detection. A head count not divisible by the tensor size is a MethodConfigError naming the
-module and the sizes.
+replaces detection.
 """
 from __future__ import annotations
 
