@@ -133,11 +133,12 @@ def find_tp_plan(model: nn.Module, tp: int) -> TPPlan:
 def _refuse_nothing_to_split(model: nn.Module) -> None:
     """The reason, with what the model does hold, so a user sees why (a CNN has no Linear pairs)."""
     linears = [n for n, m in model.named_modules() if _is_linear(m)]
-    held = f"its Linear layers ({', '.join(linears[:4])}{', ...' if len(linears) > 4 else ''})" if linears else "no Linear"
+    held = (f"its Linear layers ({', '.join(linears[:4])}{', ...' if len(linears) > 4 else ''}) form none"
+            if linears else "it holds no Linear")
     raise MethodConfigError(
         "tensor_parallel", f"{type(model).__name__} has no attention q/k/v projections and no MLP up/down Linear pair "
-        f"({held} form no such pair): with nothing to split every rank would hold and compute the whole model; "
-        "name the projections with {'plan': {...}} or use data parallelism")
+        f"({held}): with nothing to split every rank would hold and compute the whole model; name the projections "
+        "with {'plan': {...}} or use data parallelism")
 
 
 def _head_bias(attention: nn.Module, prefix: str, heads: int) -> list[str]:
