@@ -13,6 +13,7 @@ from atorch.auto.opt_lib.pipeline_parallel import balance_stages, plan_stages
 from atorch.models import GPT, GPTConfig
 from atorch.testing import run_distributed
 from atorch.testing.training import relative_difference, train_gpt, weight_difference
+from atorch.utils.modules import full_state_dict
 from tests.parity import case_parts, run_suite
 
 pytestmark = pytest.mark.multirank
@@ -23,6 +24,15 @@ TP2 = ("parallel_mode", ([("tensor", 2)], None))
 PP2 = ("parallel_mode", ([("pipeline", 2)], None))
 MIXED = ("parallel_mode", ([("tensor", 2), ("pipeline", 2)], None))
 FOUR_BLOCKS = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
+SP = [TP2, "tensor_parallel", "sequence_parallel"]
+# the model zoo (atorch.testing.hf_models), 3 short steps each: tensor_parallel on the families the cases
+# above do not cover, sequence_parallel on every transformer; the CNN and the 2-D residual MLP are refused
+ZOO_TP = ("gpt2_untied", "qwen2", "mistral", "vit", "t5", "clip", "mlp", "cnn")
+ZOO_SP = ("gpt2", "gpt2_untied", "llama", "qwen2", "mistral", "bert", "vit", "t5", "clip", "mlp")
+REFUSED = {  # case -> what the MethodConfigError must say
+    "zoo_tp_cnn": ("tensor_parallel", "SmallResNet", "no attention q/k/v projections and no MLP up/down Linear pair"),
+    "zoo_sp_mlp": ("sequence_parallel", "blocks.0 receives a [8, 64] tensor", "no sequence dimension"),
+}
 
 CASES_2 = {
     "tp": [TP2, "tensor_parallel"],
@@ -39,6 +49,8 @@ CASES_2 = {
     "pp_interleaved": {"strategy": [PP2, ("pipeline_parallel", {"schedule": "Interleaved1F1B", "num_micro_batch": 4})],
                        "config": FOUR_BLOCKS},
     "pp_pivots": {"strategy": [PP2, ("pipeline_parallel", {"pivots": ["blocks.3"], "num_micro_batch": 2})], "config": FOUR_BLOCKS},
+    **{f"zoo_tp_{m}": {"strategy": [TP2, "tensor_parallel"], "hf_model": m, "steps": 3, "lr": 0.05} for m in ZOO_TP},
+    **{f"zoo_sp_{m}": {"strategy": SP, "hf_model": m, "steps": 3, "lr": 0.05} for m in ZOO_SP},
 }
 CASES_4 = {
     "mixed_2x2": [MIXED, ("mixed_parallel", {"pipeline": {"num_micro_batch": 4}})],
@@ -50,16 +62,22 @@ CASES_4 = {
 _REFERENCES: dict = {}
 
 
+REFERENCE_KEYS = ("hf_model", "max_grad_norm", "config", "steps", "lr")
+
+
 def reference_for(case) -> dict:
     _, kwargs = case_parts(case)
-    key = (kwargs.get("hf_model"), kwargs.get("max_grad_norm"), id(kwargs.get("config")) if kwargs.get("config") else None)
+    same = {k: v for k, v in kwargs.items() if k in REFERENCE_KEYS}
+    key = tuple(sorted((k, id(v) if k == "config" else v) for k, v in same.items()))
     if key not in _REFERENCES:
-        _REFERENCES[key] = train_gpt([], **{k: v for k, v in kwargs.items() if k in ("hf_model", "max_grad_norm", "config")})
+        _REFERENCES[key] = train_gpt([], **same)
     return _REFERENCES[key]
 
 
 def _check(results: list, cases: dict) -> None:
     for key, case in cases.items():
+        if key in REFUSED:
+            continue
         reference = reference_for(case)
         for rank, per_rank in enumerate(results):
             run = per_rank[key]
@@ -113,6 +131,60 @@ def inspect_parallel_layouts() -> dict:
     return out
 
 
+def inspect_zoo_layouts() -> dict:
+    """What the zoo parity numbers cannot show: HF norms run on a sequence shard (ViT's 5 tokens
+    unevenly, T5's decoder on its own length), and T5's relative position bias is split with the heads."""
+    norms = {"llama": "model.layers.0.input_layernorm", "vit": "vit.layers.0.layernorm_before",
+             "t5": "decoder.block.0.layer.0.layer_norm"}
+    out: dict = {"norm_input": {}}
+    for hf_model, norm in norms.items():
+        result = train_gpt(SP, hf_model=hf_model, steps=1)["result"]
+        seen = []
+        result.model.get_submodule(norm).register_forward_pre_hook(lambda module, args: seen.append(args[0].to_local().shape))
+        result.model(**result.prepare_input(next(iter(result.dataloader))))
+        out["norm_input"][hf_model] = tuple(seen[0])
+    attention = result.model.get_submodule("encoder.block.0.layer.0.SelfAttention")
+    out["t5"] = {"bias": tuple(attention.relative_attention_bias.weight.to_local().shape), "n_heads": attention.n_heads,
+                 "wi": tuple(result.model.get_submodule("encoder.block.0.layer.1.DenseReluDense.wi").weight.to_local().shape)}
+    return out
+
+
+def sequence_mlp_loss(batch: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    return ((output - batch[..., :8].pow(2)) ** 2).mean()
+
+
+def residual_blocks_on_sequences(steps: int = 3) -> dict:
+    """The zoo's plain residual blocks (norm, fc1, act, fc2) fed [batch, 5 tokens, features] under
+    tensor + sequence parallelism, against the same loop on the unsplit model in this process."""
+    from atorch.auto.accelerate import auto_accelerate
+    from atorch.testing.hf_models import ResidualMLP, RowsDataset
+
+    data = RowsDataset(list(torch.randn(4 * steps, 5, 32, generator=torch.Generator().manual_seed(0))))
+    runs = {}
+    for label, strategy in (("reference", None), ("sp", SP)):
+        torch.manual_seed(0)
+        model, batches = ResidualMLP(), iter(torch.utils.data.DataLoader(data, batch_size=4))
+        optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if strategy:
+            _, result, _ = auto_accelerate(model, torch.optim.SGD, data, sequence_mlp_loss, load_strategy=strategy,
+                                           optim_args={"lr": 0.05, "momentum": 0.9}, dataloader_args={"batch_size": 4},
+                                           model_input_format=None)
+            model, optim, batches = result.model, result.optim, (result.prepare_input(b) for b in result.dataloader)
+            seen = []
+            model.blocks[0].norm.register_forward_pre_hook(lambda module, args: seen.append(args[0].to_local().shape))
+        losses = []
+        for _ in range(steps):
+            batch = next(batches)
+            loss = sequence_mlp_loss(batch, model(batch))
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(float(loss.detach()))
+        runs[label] = {"losses": losses, "weights": full_state_dict(model)}
+    return {"losses": relative_difference(runs["sp"]["losses"], runs["reference"]["losses"]),
+            "weights": weight_difference(runs["sp"]["weights"], runs["reference"]["weights"]), "norm_input": tuple(seen[0])}
+
+
 DS_3D = [PP2, ("ds_3d_parallel", {"num_micro_batch": 4})]
 
 
@@ -141,7 +213,8 @@ def deepspeed_pipeline() -> dict:
 
 
 def launch_2(cases: dict) -> dict:
-    return {"suite": run_suite(cases), "layouts": inspect_parallel_layouts(), "deepspeed": deepspeed_pipeline()}
+    return {"suite": run_suite(cases), "layouts": inspect_parallel_layouts(), "deepspeed": deepspeed_pipeline(),
+            "zoo": inspect_zoo_layouts(), "residual_sequences": residual_blocks_on_sequences()}
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +253,36 @@ def test_sequence_parallel_shards_the_norm_inputs(two_ranks):
     layouts = two_ranks[0]["layouts"]
     batch, seq = layouts["full_seq"]
     assert layouts["sp_norm_input"] == (batch, seq // 2, 32)
+
+
+def test_refusals_name_the_model_and_the_reason(two_ranks):
+    """The CNN has no Linear pairs to split; the zoo's residual MLP gets [batch, features] rows, which
+    have no sequence dimension (the same blocks on sequences run, see below)."""
+    for rank, per_rank in enumerate(two_ranks):
+        for key, words in REFUSED.items():
+            error = per_rank["suite"][key].get("error", "no error")
+            assert error.startswith("MethodConfigError") and all(w in error for w in words), (rank, key, error)
+
+
+def test_sequence_parallel_shards_hf_norm_inputs(two_ranks):
+    """Llama's 16 tokens split 8 + 8, ViT's 5 (4 patches and the class token) 3 + 2, T5's decoder its
+    own 8 tokens 4 + 4: the norms see only this rank's part of the sequence."""
+    expected = {"llama": [(8, 8, 32)] * 2, "vit": [(8, 3, 32), (8, 2, 32)], "t5": [(8, 4, 32)] * 2}
+    for rank, per_rank in enumerate(two_ranks):
+        for hf_model, shapes in expected.items():
+            assert per_rank["zoo"]["norm_input"][hf_model] == shapes[rank], (rank, hf_model, per_rank["zoo"])
+
+
+def test_t5_relative_position_bias_is_split_with_the_heads(two_ranks):
+    """Each rank keeps the bias columns of its 2 of the 4 heads and its attention counts 2 heads."""
+    assert two_ranks[0]["zoo"]["t5"] == {"bias": (32, 2), "n_heads": 2, "wi": (32, 32)}, two_ranks[0]["zoo"]["t5"]
+
+
+def test_residual_blocks_on_sequences_match_the_unsplit_model(two_ranks):
+    for rank, per_rank in enumerate(two_ranks):
+        diffs = per_rank["residual_sequences"]
+        assert diffs["losses"] < TOL and diffs["weights"] < TOL, (rank, diffs)
+        assert diffs["norm_input"] == [(4, 3, 64), (4, 2, 64)][rank], (rank, diffs)  # 5 tokens: 3 + 2
 
 
 def test_pipeline_stage_holds_only_its_blocks(two_ranks):

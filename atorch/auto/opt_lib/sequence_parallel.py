@@ -1,19 +1,55 @@
-"""sequence_parallel: with tensor_parallel, shard the norm / dropout regions on the sequence dimension.
+"""sequence_parallel: with tensor_parallel, shard the residual stream on the sequence dimension.
 
-The residual stream between the split attention and MLP projections is kept as a sequence shard, so
-activations there (norm inputs and outputs, residual sums) take 1/tensor of the memory; the
-all-reduce of plain tensor parallelism becomes a reduce-scatter plus an all-gather of the same
-volume. Applied by tensor_parallel's wrapper (``atorch.auto.opt_lib.tensor_parallel``), on models
-whose repeated blocks hold norms and the split attention / MLP as direct children (the repo GPT,
-Megatron-style blocks). Needs ``tensor_parallel`` in the strategy.
+Between the split attention and MLP projections the residual stream (norm inputs and outputs,
+residual sums) is kept as a sequence shard, so those activations take 1/tensor of the memory; the
+all-reduce of plain tensor parallelism becomes an all-gather plus a reduce-scatter of the same
+volume. Applied by tensor_parallel's wrapper (``atorch.auto.opt_lib.tensor_parallel``, which calls
+``plan_sequence_parallel`` and ``apply_sequence_parallel``). Needs ``tensor_parallel`` in the strategy.
+
+Where the shards live, per region (the repeated blocks held in one ModuleList / Sequential: GPT-2's
+``h``, Llama's ``layers``, BERT's ``encoder.layer``, T5's encoder and decoder ``block`` lists, CLIP's
+text and vision ``layers``):
+
+- the first block of a region shards its hidden states (its first positional argument or the
+  ``hidden_states`` keyword) and the last block gathers them (its output, or the first item of an
+  output tuple), so the model around the blocks is unchanged. Every other input of a block
+  (attention masks, position embeddings (cos, sin), T5's position bias, caches, encoder states)
+  is passed on untouched: it stays full on every rank;
+- each module holding the column-split projections of one attention or MLP (Llama's ``self_attn``,
+  BERT's ``attention.self`` and ``intermediate``, T5's ``SelfAttention`` and ``DenseReluDense``)
+  gathers its hidden-states input into a replicated DTensor, so it runs on the whole sequence
+  (masks and position embeddings fit) and the backward reduce-scatters its gradient. Where the
+  projections are direct children of the block (a plain residual block: norm, fc1, act, fc2), the
+  column-split projection gathers its own input;
+- row-split projections reduce-scatter their output to a sequence shard;
+- LayerNorm / RMSNorm modules on the residual stream run on the shard with replicated weights
+  (their gradients are summed over the ranks by DTensor).
+
+Sequence lengths that do not divide by the tensor size are sharded unevenly (ViT's 5 tokens: 3 + 2).
+
+Refused (MethodConfigError, with the reason): a model without repeated blocks in a ModuleList /
+Sequential; a split projection outside those blocks (its output would leave the sharded region); a
+module on the residual stream with parameters that is neither a norm nor a split projection (its
+weight would see only this rank's tokens); hidden states without a sequence dimension (the zoo's
+residual MLP called on [batch, features] rows: there is nothing to shard), found at the first forward.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
 from atorch.auto.opt_lib.base import Optimization
+from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig
+from atorch.utils.modules import repeated_blocks
+
+NORM_SUFFIXES = ("LayerNorm", "RMSNorm")
+CONTAINERS = (nn.ModuleList, nn.Sequential)
 
 
 @dataclass(frozen=True)
@@ -32,3 +68,159 @@ class SequenceParallelOptimization(Optimization):
 
     def transform(self, ctx, config: SequenceParallelConfig) -> None:
         ctx.sequence_parallel = True
+
+
+# --- the plan ------------------------------------------------------------------------------------------
+@dataclass
+class SequenceRegion:
+    """Consecutive blocks of one container; ``length`` is the full sequence length of the forward
+    running now (set by the first block, read to give uneven shards their global shape)."""
+
+    blocks: list[str]
+    length: int = 0
+
+
+@dataclass
+class SequencePlan:
+    regions: list[SequenceRegion] = field(default_factory=list)
+    gathers: dict[str, SequenceRegion] = field(default_factory=dict)   # module -> region: input gathered
+    norms: dict[str, SequenceRegion] = field(default_factory=dict)     # norm -> region: runs on the shard
+
+
+def plan_sequence_parallel(model: nn.Module, split: dict[str, str]) -> SequencePlan:
+    """Find the regions, the gather points and the norms for the ``split`` projections (module name
+    -> "colwise" / "rowwise"), refusing what cannot run on a sequence shard. Changes nothing, so a
+    refusal leaves the model as it was."""
+    plan = SequencePlan(regions=block_regions(model))
+    if not plan.regions:
+        raise MethodConfigError("sequence_parallel", f"{type(model).__name__} has no repeated blocks (transformer "
+                                "layers) held in a ModuleList / Sequential: they delimit the sequence-sharded region")
+    region_of = {block: region for region in plan.regions for block in region.blocks}
+    for name, style in split.items():
+        block = next((b for b in region_of if name.startswith(b + ".")), None)
+        if block is None:
+            raise MethodConfigError("sequence_parallel", f"{name} is split by tensor_parallel but lies outside the "
+                                    f"repeated blocks ({_summary(region_of)}): its output would leave the sharded region")
+        if style == "colwise":
+            parent = name.rsplit(".", 1)[0]
+            plan.gathers[name if parent == block else parent] = region_of[block]
+    for block, region in region_of.items():
+        _classify(model.get_submodule(block), block, region, split, plan)
+    return plan
+
+
+def block_regions(model: nn.Module) -> list[SequenceRegion]:
+    """The outermost repeated blocks that sit in a ModuleList / Sequential, one region per container
+    (T5's encoder and decoder, CLIP's two towers are separate regions with their own lengths)."""
+    classes = set(repeated_blocks(model)[0])
+    listed = {f"{name}.{child_name}" if name else child_name
+              for name, module in model.named_modules() if isinstance(module, CONTAINERS)
+              for child_name, child in module.named_children() if type(child).__name__ in classes}
+    outer = [n for n in listed if not any(n.startswith(o + ".") for o in listed)]
+    regions: dict[str, SequenceRegion] = {}
+    for name, _ in model.named_modules():  # model order
+        if name in outer:
+            regions.setdefault(name.rpartition(".")[0], SequenceRegion([])).blocks.append(name)
+    return list(regions.values())
+
+
+def _classify(module: nn.Module, name: str, region: SequenceRegion, split: dict[str, str], plan: SequencePlan) -> None:
+    """Walk a block's residual stream (not into gather points): norms run on the shard, split
+    projections are handled by their styles, anything else holding parameters is refused."""
+    for child_name, child in module.named_children():
+        full = f"{name}.{child_name}"
+        if full in plan.gathers or full in split:
+            continue
+        if type(child).__name__.endswith(NORM_SUFFIXES):
+            plan.norms[full] = region
+        elif any(True for _ in child.parameters(recurse=False)):
+            raise MethodConfigError(
+                "sequence_parallel", f"{full} ({type(child).__name__}) holds parameters on the sequence-sharded residual "
+                "stream but is neither a LayerNorm / RMSNorm nor a projection tensor_parallel splits: its weight would "
+                "see only this rank's tokens")
+        else:
+            _classify(child, full, region, split, plan)
+
+
+def _summary(region_of: dict) -> str:
+    names = list(region_of)
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+# --- applying it ---------------------------------------------------------------------------------------
+def apply_sequence_parallel(model: nn.Module, plan: SequencePlan, device_mesh) -> None:
+    """Register the shard / gather hooks and replicate the norms (after parallelize_module, so each
+    gather runs before the projection style's own input handling)."""
+    for region in plan.regions:
+        first, last = (model.get_submodule(n) for n in (region.blocks[0], region.blocks[-1]))
+        first.register_forward_pre_hook(partial(_map_hidden, partial(_shard, device_mesh, region), region.blocks[0]),
+                                        with_kwargs=True, prepend=True)
+        last.register_forward_hook(partial(_gather_output, device_mesh, region, region.blocks[-1]))
+    for name, region in plan.gathers.items():
+        model.get_submodule(name).register_forward_pre_hook(
+            partial(_map_hidden, partial(_gather, device_mesh, region), name), with_kwargs=True, prepend=True)
+    for name, region in plan.norms.items():
+        distribute_module(model.get_submodule(name), device_mesh, _replicate_params, partial(_norm_input, region),
+                          _norm_output)
+
+
+def _map_hidden(fn: Callable, where: str, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Apply ``fn`` to the hidden states only (first positional argument, or the ``hidden_states``
+    keyword HF attention modules are called with); every other input passes untouched."""
+    if args and isinstance(args[0], torch.Tensor):
+        return (fn(args[0], where), *args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"], where)}
+    raise MethodConfigError("sequence_parallel", f"{where} ({type(module).__name__}) was called without hidden states "
+                            f"(a tensor as first argument or hidden_states=); keywords given: {sorted(kwargs)}")
+
+
+def _shard(device_mesh, region: SequenceRegion, hidden: torch.Tensor, where: str) -> torch.Tensor:
+    """Replicated hidden states -> this rank's sequence chunk; the backward all-gathers."""
+    if hidden.dim() < 3:
+        raise MethodConfigError("sequence_parallel", f"{where} receives a {list(hidden.shape)} tensor: there is no "
+                                "sequence dimension to shard (sequence_parallel shards dim 1 of [batch, sequence, "
+                                "hidden] activations); use tensor_parallel alone")
+    region.length = hidden.shape[1]
+    replicated = DTensor.from_local(hidden, device_mesh, [Replicate()], run_check=False)
+    return replicated.redistribute(device_mesh, [Shard(1)]).to_local()
+
+
+def _sharded(device_mesh, region: SequenceRegion, local: torch.Tensor) -> DTensor:
+    """A local sequence chunk as a DTensor with the true global shape (chunks may be uneven)."""
+    shape = torch.Size((local.shape[0], region.length, *local.shape[2:]))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, device_mesh, [Shard(1)], run_check=False, shape=shape, stride=stride)
+
+
+def _gather(device_mesh, region: SequenceRegion, local: torch.Tensor, where: str) -> DTensor:
+    """The whole sequence as a replicated DTensor: the split projections consume it directly, so
+    their partial input gradients are reduce-scattered back to the shard."""
+    return _sharded(device_mesh, region, local).redistribute(device_mesh, [Replicate()])
+
+
+def _gather_output(device_mesh, region: SequenceRegion, where: str, module: nn.Module, args: tuple, output: Any) -> Any:
+    """The last block hands the whole sequence (a plain tensor) to the rest of the model."""
+    def full(local: torch.Tensor) -> torch.Tensor:
+        return _gather(device_mesh, region, local, where).to_local()
+
+    if isinstance(output, torch.Tensor):
+        return full(output)
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (full(output[0]), *output[1:])
+    raise MethodConfigError("sequence_parallel", f"{where} returned {type(output).__name__}; expected its hidden states "
+                            "as a tensor or as the first item of a tuple")
+
+
+def _norm_input(region: SequenceRegion, module: nn.Module, inputs: tuple, device_mesh) -> tuple:
+    return (_sharded(device_mesh, region, inputs[0]), *inputs[1:])
+
+
+def _norm_output(module: nn.Module, output: DTensor, device_mesh) -> torch.Tensor:
+    return output.to_local()
+
+
+def _replicate_params(name: str, module: nn.Module, device_mesh) -> None:
+    for pname, param in list(module.named_parameters(recurse=False)):
+        module.register_parameter(pname, nn.Parameter(distribute_tensor(param, device_mesh, [Replicate()]),
+                                                      requires_grad=param.requires_grad))

@@ -3,18 +3,31 @@
 The plan is found on the unchanged model (``find_tp_plan``): in every attention block the q/k/v
 projections (separate, or fused like GPT-2's ``c_attn``) are split column-wise and the output
 projection row-wise, so each rank holds a share of the heads; in every MLP the up/gate projections
-are split column-wise and the down projection row-wise. One all-reduce per block half in forward
-(and one in backward) restores full activations. The token embedding is split on the vocabulary
-(each rank looks up its rows, one all-reduce) and so is the LM head (column-wise, its logits
-all-gathered, so any loss_func sees the full logits); weights tied between them stay tied. Norms,
-position embeddings and anything else stay replicated (logged). ``parallelize_module`` applies the
-plan on the ``tensor`` dimension of the mesh;
-GPT-2's ``Conv1D`` (a Linear with its weight transposed) gets the same styles with the dims swapped.
-Under pipeline parallelism each stage is split the same way.
+are split column-wise and the down projection row-wise (fc1/fc2, c_fc/c_proj, gate/up/down, T5's
+wi/wo and wi_0/wi_1/wo, BERT / ViT intermediate/output dense). One all-reduce per block half in
+forward (and one in backward) restores full activations. The token embedding is split on the
+vocabulary (each rank looks up its rows, one all-reduce) and so is the LM head (column-wise, its
+logits all-gathered, so any loss_func sees the full logits); weights tied between them stay tied.
+Norms, position embeddings and anything else stay replicated (logged). ``parallelize_module``
+applies the plan on the ``tensor`` dimension of the mesh; GPT-2's ``Conv1D`` (a Linear with its
+weight transposed) gets the same styles with the dims swapped. Under pipeline parallelism each stage
+is split the same way.
+
+Heads: an embedding of an attention with one column per head (T5's ``relative_attention_bias``)
+is split on its columns with the heads, and the attention's head-count attributes that describe the
+split projections (``n_heads``, ``num_heads``, ``num_attention_heads``, ``inner_dim``,
+``all_head_size``, ...; only those equal to a split head count or width) become the per-rank values,
+so code that reads them (T5's zero position bias for cross attention) builds local-head tensors.
+Checked on GPT-2 (tied and untied), Llama, Qwen2, Mistral, BERT, T5, ViT, CLIP (both towers and
+their projections replicated) and plain fc1/fc2 blocks.
+
+Refused with a MethodConfigError: a head count not divisible by the tensor size (naming the module
+and the sizes); a model with no attention projections and no MLP Linear pair (a CNN), since every
+rank would compute the whole model. With ``ctx.sequence_parallel`` the residual stream between the
+split projections is sequence-sharded (``atorch.auto.opt_lib.sequence_parallel``).
 
 Config: None (detect), or ``{"plan": {"<module-name glob>": "colwise" | "rowwise", ...}}`` which
-replaces detection. A head count not divisible by the tensor size is a MethodConfigError naming the
-module and the sizes.
+replaces detection.
 """
 from __future__ import annotations
 
@@ -28,15 +41,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel, parallelize_module,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
+from atorch.auto.opt_lib.sequence_parallel import apply_sequence_parallel, plan_sequence_parallel
 from atorch.distributed import mesh
 from atorch.utils.config import MethodConfig, option
-from atorch.utils.modules import repeated_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +55,11 @@ QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k
 FUSED_QKV_NAMES = ("c_attn", "qkv", "qkv_proj", "Wqkv", "query_key_value")
 OUT_NAMES = ("o_proj", "out_proj", "c_proj", "o", "out_lin", "dense")
 MLP_PAIRS = ((("gate_proj", "up_proj"), "down_proj"), (("up_proj",), "down_proj"), (("fc1",), "fc2"),
-             (("c_fc",), "c_proj"), (("w1", "w3"), "w2"), (("lin1",), "lin2"))
-HEAD_ATTRS = ("head_dim", "attention_head_size", "head_size")
+             (("c_fc",), "c_proj"), (("w1", "w3"), "w2"), (("lin1",), "lin2"), (("wi_0", "wi_1"), "wo"), (("wi",), "wo"))
+HEAD_ATTRS = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim")
+# per-attention counts that describe the split projections' width: they become the local (per-rank) values
+HEAD_COUNT_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads", "num_key_value_heads", "inner_dim",
+                    "all_head_size")
 Style = Literal["colwise", "rowwise"]
 
 
@@ -63,6 +77,8 @@ class TPPlan:
     replicated: list[str] = field(default_factory=list)         # parameter-holding leaves left whole
     vocab: dict[str, str] = field(default_factory=dict)         # module name -> "embedding" / "head" (vocab split)
     tied_head: Optional[tuple[str, str]] = None                 # (head, embedding) sharing one weight
+    head_bias: list[str] = field(default_factory=list)          # per-head embeddings (T5 relative bias): column split
+    head_counts: dict[str, set] = field(default_factory=dict)   # attention -> its head counts / widths (made local)
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -75,7 +91,8 @@ def _out_features(module: nn.Module) -> int:
 
 # --- finding the plan ------------------------------------------------------------------------------
 def find_tp_plan(model: nn.Module, tp: int) -> TPPlan:
-    """Detect attention and MLP projections; check that heads divide by ``tp``."""
+    """Detect attention and MLP projections; check that heads divide by ``tp``. A model with none
+    is refused: tensor_parallel would silently leave every rank computing the whole model."""
     plan = TPPlan()
     for name, module in model.named_modules():
         children = {n: c for n, c in module.named_children() if _is_linear(c)}
@@ -83,7 +100,10 @@ def find_tp_plan(model: nn.Module, tp: int) -> TPPlan:
         qkv = next((t for t in QKV_NAMES if all(n in children for n in t)), None)
         fused = next((n for n in FUSED_QKV_NAMES if n in children), None)
         if qkv or fused:
-            _check_heads(name, module, [children[n] for n in (qkv or (fused,))], tp, fused=bool(fused) and not qkv)
+            heads = _check_heads(name, module, [children[n] for n in (qkv or (fused,))], tp, fused=bool(fused) and not qkv)
+            if heads:
+                plan.head_counts[name] = {v for pair in heads for v in pair}
+                plan.head_bias += _head_bias(module, prefix, heads[0][1])
             for n in qkv or (fused,):
                 plan.styles[prefix + n] = "colwise"
             if fused and not qkv:
@@ -99,13 +119,33 @@ def find_tp_plan(model: nn.Module, tp: int) -> TPPlan:
                 plan.styles[prefix + down] = "rowwise"
                 break
     _bert_style_outputs(model, plan)
-    if plan.styles:
-        _find_vocab_parallel(model, tp, plan)
+    if not plan.styles:
+        _refuse_nothing_to_split(model)
+    _find_vocab_parallel(model, tp, plan)
+    split = {*plan.styles, *plan.vocab, *plan.head_bias}
     for name, module in model.named_modules():
         leaf = not list(module.children())
-        if leaf and any(True for _ in module.parameters(recurse=False)) and name not in plan.styles and name not in plan.vocab:
+        if leaf and any(True for _ in module.parameters(recurse=False)) and name not in split:
             plan.replicated.append(name)
     return plan
+
+
+def _refuse_nothing_to_split(model: nn.Module) -> None:
+    """The reason, with what the model does hold, so a user sees why (a CNN has no Linear pairs)."""
+    linears = [n for n, m in model.named_modules() if _is_linear(m)]
+    held = (f"its Linear layers ({', '.join(linears[:4])}{', ...' if len(linears) > 4 else ''}) form none"
+            if linears else "it holds no Linear")
+    raise MethodConfigError(
+        "tensor_parallel", f"{type(model).__name__} has no attention q/k/v projections and no MLP up/down Linear pair "
+        f"({held}): with nothing to split every rank would hold and compute the whole model; name the projections "
+        "with {'plan': {...}} or use data parallelism")
+
+
+def _head_bias(attention: nn.Module, prefix: str, heads: int) -> list[str]:
+    """Embeddings of an attention with one column per head (T5's relative_attention_bias): split
+    with the heads, so each rank adds the bias of its own heads."""
+    return [prefix + n for n, child in attention.named_children()
+            if isinstance(child, nn.Embedding) and child.embedding_dim == heads]
 
 
 def _find_vocab_parallel(model: nn.Module, tp: int, plan: TPPlan) -> None:
@@ -161,10 +201,13 @@ def _bert_style_outputs(model: nn.Module, plan: TPPlan) -> None:
             plan.styles[prefix + "output.dense"] = "rowwise"
 
 
-def _check_heads(name: str, module: nn.Module, projections: list, tp: int, fused: bool) -> None:
+def _check_heads(name: str, module: nn.Module, projections: list, tp: int, fused: bool) -> list[tuple[int, int]]:
+    """(width, heads) of each projection, [] when the module names no head size; refuses head
+    counts that do not divide by ``tp`` (a rank would hold part of a head)."""
     head_dim = next((getattr(module, a) for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)), None)
     if head_dim is None:
-        return
+        return []
+    found = []
     for projection in projections:
         width = _out_features(projection) // (3 if fused else 1)
         heads = width // head_dim
@@ -174,6 +217,8 @@ def _check_heads(name: str, module: nn.Module, projections: list, tp: int, fused
                 f"{name or type(module).__name__} has {heads} heads of size {head_dim} ({width} features), "
                 f"which do not divide over tensor size {tp}",
             )
+        found.append((width, heads))
+    return found
 
 
 def plan_from_patterns(model: nn.Module, patterns: dict) -> TPPlan:
@@ -253,38 +298,6 @@ def _interleaved_order(width: int, tp: int) -> torch.Tensor:
     return torch.tensor([part * third + rank * share + i for rank in range(tp) for part in range(3) for i in range(share)])
 
 
-# --- sequence parallel -------------------------------------------------------------------------------
-def sequence_parallel_styles(model: nn.Module, plan: TPPlan) -> dict:
-    """Between the split projections the residual stream is sharded on the sequence dimension:
-    norms run on a sequence shard (SequenceParallel), each attention / MLP gathers its input
-    (all-gather) and its row-wise output is reduce-scattered back to a shard. The first repeated
-    block shards its input and the last gathers its output, so the model around them is unchanged."""
-
-    blocks_found, _ = repeated_blocks(model)
-    if not blocks_found:
-        raise MethodConfigError("sequence_parallel", "found no repeated block (transformer layer) to run sequence-parallel")
-    block_type = next(iter(blocks_found))
-    blocks = [(n, m) for n, m in model.named_modules() if type(m).__name__ == block_type]
-    if len(blocks) < 2:
-        raise MethodConfigError("sequence_parallel", "needs at least two repeated blocks")
-    styles: dict = {}
-    for block_name, block in blocks:
-        for child_name, child in block.named_children():
-            full = f"{block_name}.{child_name}"
-            if type(child).__name__.endswith(("LayerNorm", "RMSNorm")):
-                styles[full] = SequenceParallel()
-            elif any(k.startswith(full + ".") for k in plan.styles):
-                styles[full] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-            elif list(child.parameters()):
-                raise MethodConfigError("sequence_parallel", f"{full} ({type(child).__name__}) is neither a norm nor split by "
-                                        "tensor_parallel; sequence sharding around it is not supported")
-    styles[blocks[0][0]] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                              use_local_output=True)
-    styles[blocks[-1][0]] = PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),),
-                                                use_local_output=True)
-    return styles
-
-
 # --- the method ----------------------------------------------------------------------------------------
 class TensorParallelOptimization(Optimization):
     name = "tensor_parallel"
@@ -317,22 +330,33 @@ def apply_tensor_parallel(ctx, config: TensorParallelConfig) -> Optional[TPPlan]
 
 def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mesh, sequence: bool) -> TPPlan:
     plan = plan_from_patterns(model, dict(config.plan)) if config.plan is not None else find_tp_plan(model, tp)
-    if not plan.styles:
-        logger.warning("tensor_parallel: no attention or MLP projection found; the model stays replicated")
-        return plan
+    sequence_plan = plan_sequence_parallel(model, plan.styles) if sequence else None  # refusals before any change
     for fused, attention in plan.fused_qkv.items():
         _interleave_fused_qkv(model, fused, attention, tp)
     row_output = Shard(1) if sequence else Replicate()
     styles = {name: (ConvColwise() if style == "colwise" else ConvRowwise(output_layouts=row_output))
               for name, style in plan.styles.items()}
-    if sequence:
-        styles.update(sequence_parallel_styles(model, plan))
     styles.update({name: RowwiseParallel(input_layouts=Replicate()) if role == "embedding"
                    else ColwiseParallel(output_layouts=Replicate()) for name, role in plan.vocab.items()})
+    styles.update({name: ColwiseParallel() for name in plan.head_bias})  # [.., heads] -> this rank's heads
     parallelize_module(model, tp_mesh, styles)
     if plan.tied_head:  # both sides are sharded Shard(0) on the vocabulary: tie the DTensor again
         head, embedding = (model.get_submodule(n) for n in plan.tied_head)
         head.weight = embedding.weight
+    for attention, counts in plan.head_counts.items():
+        _localize_head_counts(model.get_submodule(attention) if attention else model, counts, tp)
+    if sequence_plan is not None:
+        apply_sequence_parallel(model, sequence_plan, tp_mesh)
     logger.info("tensor_parallel: split %d projections and %s on the vocabulary over %d ranks; replicated: %s",
                 len(plan.styles), list(plan.vocab) or "nothing", tp, ", ".join(plan.replicated) or "nothing")
     return plan
+
+
+def _localize_head_counts(attention: nn.Module, counts: set, tp: int) -> None:
+    """Attention code that reads its head count (T5's n_heads for the zero position bias, older
+    code's num_heads / all_head_size in views) must see this rank's share. Only attributes whose
+    value is one of the split projections' head counts or widths are divided."""
+    for attr in HEAD_COUNT_ATTRS:
+        value = getattr(attention, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value in counts:
+            setattr(attention, attr, value // tp)

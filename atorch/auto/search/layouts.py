@@ -71,13 +71,10 @@ def _tensor_facts(model: nn.Module, sizes: list[int], facts: LayoutFacts) -> set
     for t in sizes:
         try:
             plan = find_tp_plan(model, t)
-        except AtorchError as error:
+        except AtorchError as error:  # the method's own refusal: heads not dividing, nothing to split
             facts.unsupported[f"tp{t}"] = str(error)
             continue
-        if not plan.styles:
-            facts.unsupported[f"tp{t}"] = "no attention or MLP projection to split"
-            continue
-        split_ids = {id(p) for name in (*plan.styles, *plan.vocab) for p in model.get_submodule(name).parameters()}
+        split_ids = {id(p) for name in (*plan.styles, *plan.vocab, *plan.head_bias) for p in model.get_submodule(name).parameters()}
     facts.split_share = sum(_bytes_of(p) for p in model.parameters() if id(p) in split_ids) / max(facts.param_bytes, 1)
     return split_ids
 
