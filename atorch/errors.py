@@ -70,6 +70,11 @@ class DryRunError(AtorchError, RuntimeError):
     """A dry run of a strategy failed on at least one rank."""
 
 
+class UnsupportedAttentionError(AtorchError, ValueError):
+    """atorch's attention was asked for something it does not compute (attention weights, or a term
+    added to the scores such as a position bias, a soft cap or sink logits)."""
+
+
 def check_choice(method: str, key: str, value: object, choices: Iterable[object]) -> None:
     """Raise MethodConfigError unless ``value`` is one of ``choices``."""
     choices = list(choices)
@@ -80,7 +85,7 @@ def check_choice(method: str, key: str, value: object, choices: Iterable[object]
 __all__ = [
     "AtorchError", "StrategyError", "UnknownMethodError", "MethodConfigError", "IncompatibleMethodsError",
     "ParallelModeError", "StrategyFileError", "UnsafeStrategyError", "InputError", "RequirementError",
-    "DryRunError", "check_choice", "nearest_name",
+    "DryRunError", "UnsupportedAttentionError", "check_choice", "nearest_name",
 ]
 
 

@@ -13,7 +13,12 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from atorch.errors import UnsupportedAttentionError
+
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+# keyword arguments some transformers models pass to their attention function to change the scores:
+# a kernel that ignored them would silently compute different attention
+SCORE_TERMS = ("position_bias", "softcap", "s_aux", "sinks")
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,11 +111,23 @@ def hf_attention_forward(
     boolean mask or None (sdpa: causality then comes from ``module.is_causal``). All are honoured.
     Returns (batch, seq, heads, head_dim) as HF expects, and no attention weights.
     """
-    if kwargs.get("output_attentions"):
-        raise ValueError("module_replace attention does not return attention weights; drop output_attentions")
+    _check_hf_call(module, kwargs)
     if attention_mask is not None and attention_mask.dim() == 4:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
     causal = bool(causal) and attention_mask is None and query.shape[2] > 1
     out = attention(query, key, value, attention_mask, dropout_p=dropout, is_causal=causal, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _check_hf_call(module: torch.nn.Module, kwargs: dict) -> None:
+    """Refuse what this function would otherwise drop silently: attention weights, and terms the
+    model adds to the scores (T5's position bias, Gemma's soft cap, sink logits)."""
+    if kwargs.get("output_attentions"):
+        raise UnsupportedAttentionError("module_replace attention does not return attention weights; drop output_attentions")
+    terms = [name for name in SCORE_TERMS if kwargs.get(name) is not None]
+    if terms:
+        raise UnsupportedAttentionError(
+            f"{type(module).__name__} passes {terms} to its attention function, which atorch's attention does not "
+            "compute; leave this model out of module_replace's hf_attention pair"
+        )

@@ -2,10 +2,16 @@
 
 Built-in pairs:
 
-- ``hf_attention``: HF transformers attention (``BertSelfAttention`` — the core of ``BertAttention``
-  —, ``GPT2Attention``, ``CLIPAttention``, ``LlamaAttention``): the module keeps its projections and
-  is given atorch's attention function (``atorch.kernels.hf_attention_forward``: flash-attn when
-  installed and supported, else SDPA) through transformers' own ``AttentionInterface``.
+- ``hf_attention``: the attention modules of any HF transformers model whose attention goes through
+  transformers' attention interface, found from the model rather than from class names: a module
+  holding the config that picks ``_attn_implementation`` whose class looks up
+  ``ALL_ATTENTION_FUNCTIONS``, in a modeling file whose PreTrainedModel declares
+  ``_supports_attention_backend`` (GPT-2, Llama, Qwen2, Mistral, BERT, ViT, CLIP, ...). The module
+  keeps its projections (same parameters and keys) and is given atorch's attention function
+  (``atorch.kernels.hf_attention_forward``: flash-attn when installed and supported, else SDPA)
+  through transformers' own ``AttentionInterface``. Attention modules that compute attention
+  themselves, or whose model does not declare that support (T5: it hands its attention function a
+  relative position bias), are left as is and named, with the reason, in the log.
 - ``repo_attention``: the repo GPT's ``CausalSelfAttention`` → the same dispatch.
 - ``fused_layernorm``: ``nn.LayerNorm`` → ``atorch.kernels.FusedLayerNorm`` where a faster kernel
   exists (flash-attn's Triton LayerNorm on CUDA); elsewhere PyTorch's LayerNorm is already one
@@ -16,13 +22,17 @@ Users add pairs with ``register_replace_pair(name, supported_dtypes, pair_cls)``
 optimized module is made by, in order: ``optimized.from_original(module)`` if defined; a class swap
 when ``optimized`` subclasses the original (same parameters, same keys); else ``optimized(module)``.
 A pair applies only when the training dtype (fp32, or the amp / half dtype) is in its
-``supported_dtypes``. Config: None (every registered pair), a list of pair names or ``{"pairs": [...]}``.
+``supported_dtypes``; a pair may also say why it leaves a module as is (``declines``), which is logged
+with the classes each pair replaced. Config: None (every registered pair), a list of pair names or ``{"pairs": [...]}``.
 """
 from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import logging
+import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -39,20 +49,23 @@ from atorch.utils.config import MethodConfig, option
 logger = logging.getLogger(__name__)
 
 ALL_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
-HF_ATTENTION_CLASSES = ("BertSelfAttention", "GPT2Attention", "CLIPAttention", "LlamaAttention")
+ATTENTION_REGISTRY = "ALL_ATTENTION_FUNCTIONS"  # what transformers attention modules dispatch through
 ATORCH_ATTENTION = "atorch"
 
 
 @dataclass
 class ReplacePair:
     """One replacement: which modules it matches, how it builds the optimized one, which dtypes it
-    supports and, optionally, why it cannot run on a device (None when it can)."""
+    supports and, optionally, why it cannot run on a device (None when it can) and why it leaves a
+    module it could have been meant for as is (``declines``: a reason, or None), so nothing the user
+    may expect replaced is skipped silently."""
 
     name: str
     supported_dtypes: frozenset
     matches: Callable[[nn.Module], bool]
     build: Callable[[nn.Module], nn.Module]
     unavailable: Callable[[torch.device], Optional[str]] = field(default=lambda device: None)
+    declines: Callable[[nn.Module], Optional[str]] = field(default=lambda module: None)
 
 
 _PAIRS: dict[str, ReplacePair] = {}
@@ -66,6 +79,7 @@ def register_replace_pair(
     matches: Optional[Callable[[nn.Module], bool]] = None,
     build: Optional[Callable[[nn.Module], nn.Module]] = None,
     unavailable: Optional[Callable[[torch.device], Optional[str]]] = None,
+    declines: Optional[Callable[[nn.Module], Optional[str]]] = None,
     replace: bool = False,
 ) -> ReplacePair:
     """Register a replacement (the seed's form: ``pair_cls=(original, optimized)``)."""
@@ -80,7 +94,7 @@ def register_replace_pair(
         build = build or functools.partial(_build_from_class, optimized)
     if matches is None or build is None:
         raise ValueError("register_replace_pair needs pair_cls=(original, optimized) or both matches= and build=")
-    pair = ReplacePair(name, dtypes, matches, build, unavailable or (lambda device: None))
+    pair = ReplacePair(name, dtypes, matches, build, unavailable or (lambda device: None), declines or (lambda module: None))
     _PAIRS[name] = pair
     return pair
 
@@ -125,12 +139,88 @@ def _atorch_subclass(cls: type) -> type:
     return type(f"Atorch{cls.__name__}", (cls,), {"__module__": cls.__module__, "atorch_replaced": True})
 
 
+def _picks_attention_implementation(module: nn.Module) -> bool:
+    """Holds the transformers config whose ``_attn_implementation`` chooses the attention function
+    (a model itself holds one too but only routes calls, so PreTrainedModels are not counted)."""
+    if not hasattr(getattr(module, "config", None), "_attn_implementation"):
+        return False
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return not isinstance(module, PreTrainedModel)
+
+
+def _code_names(obj: Any) -> tuple[str, ...]:
+    code = getattr(inspect.unwrap(obj), "__code__", None) if callable(obj) else None
+    return code.co_names if code is not None else ()
+
+
+@functools.lru_cache(maxsize=None)
+def _dispatches_via_attention_interface(cls: type) -> bool:
+    """Whether the class's own methods look up ``ALL_ATTENTION_FUNCTIONS``, the registry transformers'
+    attention modules call the configured attention function from. Read from the compiled code (the
+    global names it loads), so no source file and no class names are needed, and subclasses of a
+    transformers attention class are found too."""
+    own_classes = (c for c in cls.__mro__ if not c.__module__.startswith("torch."))
+    return any(ATTENTION_REGISTRY in _code_names(f) for c in own_classes for f in vars(c).values())
+
+
+@functools.lru_cache(maxsize=None)
+def _model_classes_beside(cls: type) -> tuple[type, ...]:
+    """The PreTrainedModel classes of the modeling file that defines ``cls`` (or its nearest base class
+    that has some): their flags say what that file's attention modules pass to the attention function."""
+    from transformers import PreTrainedModel
+
+    for base in cls.__mro__:
+        namespace = vars(sys.modules[base.__module__]) if base.__module__ in sys.modules else {}
+        found = tuple(v for v in namespace.values() if isinstance(v, type) and issubclass(v, PreTrainedModel)
+                      and v.__module__ == base.__module__)
+        if found:
+            return found
+    return ()
+
+
+def _hf_attention_refusal(module: nn.Module) -> Optional[str]:
+    """Why an attention module of a transformers model cannot be given atorch's attention (None: it can).
+
+    It can when it dispatches through the attention interface and its model declares
+    ``_supports_attention_backend`` (transformers' promise that any registered attention function gets
+    the standard arguments: q, k, v, mask, dropout, scale). T5 dispatches too, but hands the function
+    its relative position bias, which a generic kernel cannot take, so it does not declare it."""
+    name = type(module).__name__
+    if not _dispatches_via_attention_interface(type(module)):
+        return f"{name} computes attention itself (no call through transformers' attention interface)"
+    models = _model_classes_beside(type(module))
+    unsupported = [m for m in models if not getattr(m, "_supports_attention_backend", False)]
+    if not models or unsupported:
+        roots = sorted(m.__name__ for m in unsupported if not any(b in unsupported for b in m.__mro__[1:]))
+        owner = f"{', '.join(roots)} does not" if roots else "no PreTrainedModel beside it does"
+        return (f"{name} computes attention itself ({owner} declare _supports_attention_backend: its attention "
+                "takes terms of its own model, such as T5's relative position bias)")
+    return None
+
+
+def _is_hf_attention_module(module: nn.Module) -> bool:
+    """An attention module of a transformers model: it dispatches on the config's attention
+    implementation, or (reported when left as is) it is named for attention and holds none that does."""
+    if not _picks_attention_implementation(module):
+        return False
+    if getattr(module, "atorch_replaced", False) or _dispatches_via_attention_interface(type(module)):
+        return True
+    return "Attention" in type(module).__name__ and not any(
+        _dispatches_via_attention_interface(type(m)) for m in module.modules() if m is not module)
+
+
 def _is_hf_attention(module: nn.Module) -> bool:
-    return (
-        type(module).__name__ in HF_ATTENTION_CLASSES
-        and not getattr(module, "atorch_replaced", False)
-        and hasattr(getattr(module, "config", None), "_attn_implementation")
-    )
+    return (_is_hf_attention_module(module) and not getattr(module, "atorch_replaced", False)
+            and _hf_attention_refusal(module) is None)
+
+
+def _hf_attention_left(module: nn.Module) -> Optional[str]:
+    if not _is_hf_attention_module(module) or getattr(module, "atorch_replaced", False):
+        return None
+    return _hf_attention_refusal(module)
 
 
 def _replace_hf_attention(module: nn.Module) -> nn.Module:
@@ -157,8 +247,7 @@ def _use_atorch_masks(model: nn.Module) -> None:
         config = getattr(module, "config", None)
         if not hasattr(module, "set_attn_implementation") or not hasattr(config, "_attn_implementation"):
             continue
-        attention_modules = [m for m in module.modules() if type(m).__name__ in HF_ATTENTION_CLASSES
-                             or getattr(m, "atorch_replaced", False)]
+        attention_modules = [m for m in module.modules() if _is_hf_attention_module(m)]
         if attention_modules and all(getattr(m, "atorch_replaced", False) for m in attention_modules):
             config._attn_implementation = ATORCH_ATTENTION
 
@@ -188,7 +277,8 @@ def _layernorm_unavailable(device: torch.device) -> Optional[str]:
 
 
 def _register_builtins() -> None:
-    register_replace_pair("hf_attention", ALL_DTYPES, matches=_is_hf_attention, build=_replace_hf_attention)
+    register_replace_pair("hf_attention", ALL_DTYPES, matches=_is_hf_attention, build=_replace_hf_attention,
+                          declines=_hf_attention_left)
     register_replace_pair("repo_attention", ALL_DTYPES, matches=_is_repo_attention, build=_replace_repo_attention)
     register_replace_pair(
         "fused_layernorm", ALL_DTYPES, (nn.LayerNorm, FusedLayerNorm), unavailable=_layernorm_unavailable
@@ -230,8 +320,10 @@ def training_dtype(ctx) -> torch.dtype:
 
 
 def replace_modules(model: nn.Module, names: Optional[tuple], dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Apply the chosen pairs to every matching submodule; returns the (possibly new) root."""
-    counts: dict[str, int] = {}
+    """Apply the chosen pairs to every matching submodule; returns the (possibly new) root.
+
+    Logs, per pair, the classes replaced (and how many of each) and the classes left as is with why."""
+    replaced: dict[str, Counter] = {}
     for pair in (_PAIRS[n] for n in (names or registered_pairs())):
         if dtype not in pair.supported_dtypes:
             logger.info("module_replace: %s skipped, %s is not among its dtypes", pair.name, dtype)
@@ -240,20 +332,27 @@ def replace_modules(model: nn.Module, names: Optional[tuple], dtype: torch.dtype
         if reason:
             logger.info("module_replace: %s skipped: %s", pair.name, reason)
             continue
-        model, counts[pair.name] = _apply_pair(model, pair)
-    if counts.get("hf_attention"):
+        model, replaced[pair.name], declined = _apply_pair(model, pair)
+        for reason in declined.values():
+            logger.info("module_replace: %s: %s; left as is", pair.name, reason)
+    if replaced.get("hf_attention"):
         _use_atorch_masks(model)
-    logger.info("module_replace: replaced %s", {k: v for k, v in counts.items() if v} or "nothing")
+    logger.info("module_replace: replaced %s", {k: dict(v) for k, v in replaced.items() if v} or "nothing")
     return model
 
 
-def _apply_pair(model: nn.Module, pair: ReplacePair) -> tuple[nn.Module, int]:
-    replaced = 0
+def _apply_pair(model: nn.Module, pair: ReplacePair) -> tuple[nn.Module, Counter, dict[str, str]]:
+    """Returns the root, the count of replaced modules per class and the declined classes' reasons."""
+    replaced: Counter = Counter()
+    declined: dict[str, str] = {}
     for qualname, module in list(model.named_modules()):
         if not pair.matches(module):
+            reason = pair.declines(module)
+            if reason:
+                declined.setdefault(type(module).__name__, reason)
             continue
+        replaced[type(module).__name__] += 1
         new = pair.build(module)
-        replaced += 1
         if new is module:
             continue
         if not qualname:
@@ -261,4 +360,4 @@ def _apply_pair(model: nn.Module, pair: ReplacePair) -> tuple[nn.Module, int]:
             continue
         parent_name, _, child = qualname.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-    return model, replaced
+    return model, replaced, declined
