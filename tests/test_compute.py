@@ -117,8 +117,9 @@ def test_module_replace_on_hf_attention_matches_original(name, with_mask):
     torch.manual_seed(0)
     original = build()
     replaced = replace_modules(copy.deepcopy(original), ("hf_attention",), torch.float32, torch.device("cpu"))
+    layers = sum(type(m).__name__ == attention_class for m in original.modules())
     swapped = [m for m in replaced.modules() if type(m).__name__ == f"Atorch{attention_class}"]
-    assert len(swapped) == 2, [type(m).__name__ for m in replaced.modules()]
+    assert layers >= 2 and len(swapped) == layers, [type(m).__name__ for m in replaced.modules()]
     assert replaced.state_dict().keys() == original.state_dict().keys()
     ids = torch.randint(0, 64, (2, 12))
     mask = None
@@ -128,7 +129,7 @@ def test_module_replace_on_hf_attention_matches_original(name, with_mask):
     want_out, want_grads = _forward_backward(original, ids, mask)
     with mock.patch.object(attention_kernels, "attention", wraps=attention_kernels.attention) as spy:
         got_out, got_grads = _forward_backward(replaced, ids, mask)
-    assert spy.call_count == 2, "atorch's attention dispatch was not used"
+    assert spy.call_count == layers, "atorch's attention dispatch was not used"
     if not with_mask:  # no mask is materialised for plain causal / full attention: flash kernels can run
         assert all(call.args[3] is None for call in spy.call_args_list), [type(c.args[3]) for c in spy.call_args_list]
     torch.testing.assert_close(got_out, want_out, rtol=TOL, atol=TOL)

@@ -30,8 +30,9 @@ Sequence lengths that do not divide by the tensor size are sharded unevenly (ViT
 Refused (MethodConfigError, with the reason): a model without repeated blocks in a ModuleList /
 Sequential; a split projection outside those blocks (its output would leave the sharded region); a
 module on the residual stream with parameters that is neither a norm nor a split projection (its
-weight would see only this rank's tokens); hidden states without a sequence dimension (the zoo's
-residual MLP called on [batch, features] rows: there is nothing to shard), found at the first forward.
+weight would see only this rank's tokens); hidden states with a single dimension (no tokens).
+The token dimension is the one before the features: the sequence of [batch, sequence, hidden], the
+rows of [rows, features] (a plain residual MLP called as ``model(x)`` shards its rows).
 """
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ class SequenceRegion:
 
     blocks: list[str]
     length: int = 0
+    dim: int = 1  # the token dimension: -2 of the hidden states, set at the first forward
 
 
 @dataclass
@@ -176,21 +178,25 @@ def _map_hidden(fn: Callable, where: str, module: nn.Module, args: tuple, kwargs
 
 
 def _shard(device_mesh, region: SequenceRegion, hidden: torch.Tensor, where: str) -> torch.Tensor:
-    """Replicated hidden states -> this rank's sequence chunk; the backward all-gathers."""
-    if hidden.dim() < 3:
+    """Replicated hidden states -> this rank's chunk of tokens; the backward all-gathers. The token
+    dimension is the one before the features: the sequence of [batch, sequence, hidden], the rows of
+    [rows, features] (a plain MLP's tokens are its rows)."""
+    if hidden.dim() < 2:
         raise MethodConfigError("sequence_parallel", f"{where} receives a {list(hidden.shape)} tensor: there is no "
-                                "sequence dimension to shard (sequence_parallel shards dim 1 of [batch, sequence, "
-                                "hidden] activations); use tensor_parallel alone")
-    region.length = hidden.shape[1]
+                                "token dimension to shard (sequence_parallel shards the dimension before the features); "
+                                "use tensor_parallel alone")
+    region.dim, region.length = hidden.dim() - 2, hidden.shape[-2]
     replicated = DTensor.from_local(hidden, device_mesh, [Replicate()], run_check=False)
-    return replicated.redistribute(device_mesh, [Shard(1)]).to_local()
+    return replicated.redistribute(device_mesh, [Shard(region.dim)]).to_local()
 
 
 def _sharded(device_mesh, region: SequenceRegion, local: torch.Tensor) -> DTensor:
-    """A local sequence chunk as a DTensor with the true global shape (chunks may be uneven)."""
-    shape = torch.Size((local.shape[0], region.length, *local.shape[2:]))
+    """A local chunk of tokens as a DTensor with the true global shape (chunks may be uneven)."""
+    shape = list(local.shape)
+    shape[region.dim] = region.length
+    shape = torch.Size(shape)
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, device_mesh, [Shard(1)], run_check=False, shape=shape, stride=stride)
+    return DTensor.from_local(local, device_mesh, [Shard(region.dim)], run_check=False, shape=shape, stride=stride)
 
 
 def _gather(device_mesh, region: SequenceRegion, local: torch.Tensor, where: str) -> DTensor:

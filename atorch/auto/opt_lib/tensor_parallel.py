@@ -333,7 +333,7 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
     sequence_plan = plan_sequence_parallel(model, plan.styles) if sequence else None  # refusals before any change
     for fused, attention in plan.fused_qkv.items():
         _interleave_fused_qkv(model, fused, attention, tp)
-    row_output = Shard(1) if sequence else Replicate()
+    row_output = Shard(-2) if sequence else Replicate()  # the token dimension, before the features
     styles = {name: (ConvColwise() if style == "colwise" else ConvRowwise(output_layouts=row_output))
               for name, style in plan.styles.items()}
     styles.update({name: RowwiseParallel(input_layouts=Replicate()) if role == "embedding"
