@@ -14,7 +14,8 @@ from typing import Optional
 
 from torch import nn
 
-from atorch.auto.opt_lib.pipeline_parallel import check_no_shared_weights, plan_stages
+from atorch.auto.opt_lib.pipeline_layout import check_supported, held_parameters, layout_from_order
+from atorch.auto.opt_lib.pipeline_parallel import plan_stages
 from atorch.auto.opt_lib.tensor_parallel import find_tp_plan
 from atorch.errors import AtorchError
 from atorch.utils.modules import repeated_blocks
@@ -91,7 +92,7 @@ def _pipeline_facts(model: nn.Module, sizes: list[int], split_ids: set[int],
         try:
             split = plan_stages(model, p)
             blocks = [(name, model.get_submodule(name)) for name in split.block_names]
-            check_no_shared_weights(model, blocks, p)
+            check_supported(model, blocks)
         except AtorchError as error:
             facts.unsupported[f"pp{p}"] = str(error)
             continue
@@ -99,7 +100,8 @@ def _pipeline_facts(model: nn.Module, sizes: list[int], split_ids: set[int],
             facts.unsupported[f"pp{p}"] = f"{len(blocks)} blocks cannot fill {p} stages"
             continue
         bounds = list(zip(split.starts, split.starts[1:] + [len(blocks)]))
-        stages[p] = [_stage_bytes(model, blocks, range(a, b), i == 0, i == p - 1, split_ids)
+        layout = layout_from_order(model, blocks)
+        stages[p] = [_stage_bytes(model, layout, range(a, b), i == 0, i == p - 1, split_ids)
                      for i, (a, b) in enumerate(bounds)]
         facts.stage_block_share[p] = max(b - a for a, b in bounds) / len(blocks)
     return stages
@@ -109,17 +111,14 @@ def _bytes_of(param) -> int:
     return param.numel() * param.element_size()
 
 
-def _stage_bytes(model: nn.Module, blocks: list, owned: range, first: bool, last: bool,
+def _stage_bytes(model: nn.Module, layout, owned: range, first: bool, last: bool,
                  split_ids: set[int]) -> tuple[int, int]:
-    """(parameter bytes, tensor-split bytes) a stage holds: its blocks, the embeddings on the first
-    stage and the other non-block leaves (final norm, head) on the last, as ``StageModule`` keeps."""
-    held = {id(p): p for i in owned for p in blocks[i][1].parameters()}
-    in_blocks = {id(p) for _, block in blocks for p in block.parameters()}
-    for module in model.modules():
-        if (isinstance(module, nn.Embedding) and first) or (not isinstance(module, nn.Embedding) and last):
-            held.update((id(p), p) for p in module.parameters(recurse=False) if id(p) not in in_blocks)
-    total = sum(_bytes_of(p) for p in held.values())
-    return total, sum(_bytes_of(p) for key, p in held.items() if key in split_ids)
+    """(parameter bytes, tensor-split bytes) a stage holds, counted from what ``StageModule`` keeps
+    (``held_parameters``; layers around the blocks placed by registration order, as the search has
+    no sample batch to trace). A weight tied across stages counts on each stage holding a copy."""
+    held = held_parameters(model, layout, owned, first, last).values()
+    total = sum(_bytes_of(p) for p in held)
+    return total, sum(_bytes_of(p) for p in held if id(p) in split_ids)
 
 
 def micro_batches(pipeline: int, per_data_rank_batch: int) -> int:
