@@ -32,7 +32,7 @@ import copy
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Iterable, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -348,7 +348,7 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     bounds = list(zip(starts, starts[1:] + [len(blocks)]))
     holders = shared_between_stages(ctx.model, layout, bounds)
     modules = [StageModule(ctx.model if i == indices[-1] else copy.deepcopy(ctx.model), layout, i, bounds,
-                           ctx.model_input_format) for i in indices]
+                           ctx.model_input_format, holders) for i in indices]
     stages = [PipelineStage(m, i, num_stages, ctx.device, group=group) for m, i in zip(modules, indices)]
     holder: dict = {}
     loss_fn = lambda output, index: holder["module"].micro_loss(output, index)  # noqa: E731
@@ -457,7 +457,7 @@ class StageModule(nn.Module):
     """One pipeline stage of the user's model (see the module docstring)."""
 
     def __init__(self, model: nn.Module, layout: ModelLayout, index: int, bounds: list[tuple[int, int]],
-                 input_format: Optional[str]):
+                 input_format: Optional[str], tied: Iterable[str] = ()):
         super().__init__()
         self.index = index
         self.is_first, self.is_last = index == 0, index == len(bounds) - 1
@@ -471,7 +471,10 @@ class StageModule(nn.Module):
         held = held_parameters(model, layout, owned, self.is_first, self.is_last)
         self._prune(layout, owned)
         held_ids = {id(p) for p in held.values()}
-        self.names = {path: canonical[id(p)] for path, p in model.named_parameters() if id(p) in held_ids}
+        self.names = {path: canonical[id(p)] for path, p in model.named_parameters(remove_duplicate=False)
+                      if id(p) in held_ids}
+        tied = set(tied)  # modules holding a weight tied to another stage (tensor_parallel keeps them whole)
+        self.tied_modules = {f"model.{path.rpartition('.')[0]}" for path, name in self.names.items() if name in tied}
         first, last = layout.blocks[owned.start][1], layout.blocks[owned.stop - 1][1]
         if not self.is_first:
             first.register_forward_pre_hook(self._take_incoming, with_kwargs=True)
