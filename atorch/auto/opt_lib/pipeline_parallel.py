@@ -3,19 +3,40 @@
 The cut: the model's repeated blocks (transformer layers) are assigned to ``pipeline``-size
 contiguous stages so that the largest stage cost is as small as possible (``balance_stages``); the
 cost of a block is its matmul parameter count (FLOPs per token are proportional to it), the layers
-before the first block ride with the first stage and those after the last block (final norm, LM head)
-with the last. ``pivots`` (AutoDist's ``pipeline_pivots``) names the first module of every stage but
-the first instead.
+before the first block ride with the first stage and those after the last block (final norm, pooler,
+LM head) with the last. ``pivots`` (AutoDist's ``pipeline_pivots``) names the first module of every
+stage but the first instead. Which layers run before and which after the blocks is read from one
+traced forward of a dataset row (``pipeline_layout``), so an ``nn.Linear`` input layer is placed like
+an embedding.
 
-How a stage runs the user's unchanged model: each stage keeps the model's structure but only its own
-blocks' parameters (plus the embeddings on the first stage and the final layers on the last). It
-runs the model's own ``forward`` on the batch: earlier blocks are pass-throughs, the first owned
-block takes the activation received from the previous stage in place of its input (a forward
-pre-hook), and after the last owned block the stage returns that block's output (a forward hook
-ends the forward early). Masks, positions and other inputs every block needs are recomputed from
-the batch on every stage, so any model built as embeddings → repeated blocks → head works, and the
-owned blocks are real modules that tensor_parallel and checkpoint apply to as usual. Stages
-communicate through ``torch.distributed.pipelining.PipelineStage``.
+How a stage runs the user's unchanged model: each stage is a copy of the model holding only its own
+blocks' parameters (plus the layers before the blocks on the first stage and those after on the
+last); what other stages hold is a placeholder without parameters (a pass-through for a block, a
+stand-in returning zeros of the right shape for other layers; attribute reads are answered by a
+meta-device copy). It runs the model's own ``forward`` on the batch: the first owned block takes the
+activation received from the previous stage in place of its input (a forward pre-hook), and after
+the last owned block the stage returns that block's hidden state (a forward hook ends the forward
+early). Masks, positions and other inputs every block needs are recomputed from the batch on every
+stage, so any model built as layers → one chain of repeated blocks → layers works, and the owned
+blocks are real modules that tensor_parallel and checkpoint apply to as usual.
+
+Only tensors cross a stage boundary (``torch.distributed.pipelining.PipelineStage``): an inner stage
+sends its last block's hidden state; the last stage flattens whatever the model returns (an HF
+``ModelOutput``, a tuple, a dict) with ``torch.utils._pytree`` and rebuilds that object before the
+user's ``loss_func`` sees it. HF models are called with ``use_cache=False`` (when their forward takes
+it and the batch does not set it): a KV cache is no tensor and training does not use one.
+
+Tied weights (GPT-2's and BERT's input / output embeddings): the first stage holds the embedding, the
+last the head, both from the same initial weight. After each schedule the copies' gradients are
+summed over the pipeline group (stages without a use add zeros), so the copies stay equal; the
+gradient norm counts the copy on the lowest stage only, and ``full_state_dict`` returns the user's
+names, each once. Under mixed_parallel a tied weight stays whole (not split on the vocabulary).
+
+Refused, each with a ``MethodConfigError`` naming the reason: encoder-decoder models (T5: the decoder
+reads the encoder's output too, so a cut would carry two activations), models whose blocks are not
+one chain (CLIP's two towers, layers with parameters between blocks, a block run twice), BatchNorm
+(micro-batches change the batch statistics, so no schedule can match the full batch), a module shared
+between a block and the rest of the model, fp16 amp, and ``model_input_format`` "unpack_sequence".
 
 Schedules: ``"1F1B"`` (default; EPL's PreferBackward), ``"GPipe"`` (EPL's PreferForward),
 ``"Interleaved1F1B"`` (``stages_per_rank`` >= 2, needs that many blocks per rank). ``num_micro_batch``
