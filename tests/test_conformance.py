@@ -58,3 +58,20 @@ def test_models_page_is_the_generated_table(cells):
     generated = page(cells)
     assert _without_numbers(PAGE.read_text()) == _without_numbers(generated), (
         "docs/models.md is not what this run generates: run `make conformance`")
+
+
+def test_search_proposes_exactly_the_layouts_the_matrix_proves(cells):
+    """The search's layout facts come from the methods' own planners: a tensor or pipeline size is
+    offered for a model exactly when the matrix's cell for it passes (and the refusal it gives is the
+    method's own)."""
+    from atorch.auto.search.layouts import layout_facts
+    from atorch.testing.hf_models import ZOO
+
+    for name, zoo in ZOO.items():
+        facts = layout_facts(zoo.build(), 2)
+        for column, tensor, pipeline in (("tp2", 2, 1), ("pp2_1f1b", 1, 2)):
+            cell = cells[(column, name)]
+            offered = facts.reason(tensor, pipeline) is None
+            assert offered == (cell.status == "pass"), (
+                f"{name} {column}: search {'offers' if offered else 'leaves out'} the layout "
+                f"({facts.reason(tensor, pipeline)}), matrix cell is {cell.status}: {cell.detail}")

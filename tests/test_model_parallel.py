@@ -1,6 +1,6 @@
 """tensor_parallel, sequence_parallel, pipeline_parallel and mixed_parallel on real gloo ranks against
-the single-process fp32 reference with the same seed and global batch (losses over 5 steps and all
-final weights: relative difference < 1e-4). Every case trains through ``train_gpt``, which is the
+the single-process fp32 reference with the same seed and global batch (losses over 5 steps, 3 for the
+model zoo, and all final weights: relative difference < 1e-4). Every case trains through ``train_gpt``, which is the
 seed document's training loop, unchanged (``optim.backward`` when ``args.use_optim_backward``)."""
 from __future__ import annotations
 
@@ -52,11 +52,28 @@ CASES_2 = {
     **{f"zoo_tp_{m}": {"strategy": [TP2, "tensor_parallel"], "hf_model": m, "steps": 3, "lr": 0.05} for m in ZOO_TP},
     **{f"zoo_sp_{m}": {"strategy": SP, "hf_model": m, "steps": 3, "lr": 0.05} for m in ZOO_SP},
 }
+# the zoo under pipeline_parallel (pp2) and mixed_parallel (2x2): 3 steps at lr 0.05, against train_gpt([])
+ZOO_PP = ("gpt2", "gpt2_untied", "llama", "qwen2", "mistral", "bert", "vit", "mlp")
+ZOO_KW = {"steps": 3, "lr": 0.05}
+PP2_1F1B = [PP2, ("pipeline_parallel", {"num_micro_batch": 4})]
+CASES_2.update({f"pp_zoo_{name}": {"strategy": PP2_1F1B, "hf_model": name, **ZOO_KW} for name in ZOO_PP})
+CASES_2.update({
+    "pp_zoo_gpt2_gpipe_clip": {"strategy": [PP2, ("pipeline_parallel", {"schedule": "GPipe", "num_micro_batch": 4})],
+                               "hf_model": "gpt2", "max_grad_norm": 0.5, **ZOO_KW},
+    "pp_zoo_bert_gpipe": {"strategy": [PP2, ("pipeline_parallel", {"schedule": "GPipe", "num_micro_batch": 2})],
+                          "hf_model": "bert", **ZOO_KW},
+})
+# no parity possible: typed refusals naming the reason
+ZOO_REFUSED = {"t5": "encoder-decoder", "clip": "two towers", "cnn": "BatchNorm"}
+MIXED_1F1B = [MIXED, ("mixed_parallel", {"pipeline": {"num_micro_batch": 4}})]
+
 CASES_4 = {
     "mixed_2x2": [MIXED, ("mixed_parallel", {"pipeline": {"num_micro_batch": 4}})],
     "mixed_2x2_zero1": [MIXED, ("mixed_parallel", {"pipeline": {"num_micro_batch": 4}}), "zero1"],
     "tp2_data2_zero1": [("parallel_mode", ([("tensor", 2), ("data", 2)], None)), "tensor_parallel", "zero1"],
     "pp2_data2_gpipe": [("parallel_mode", ([("pipeline", 2), ("data", 2)], None)), ("pipeline_parallel", {"schedule": "GPipe"})],
+    **{f"mixed_zoo_{name}": {"strategy": MIXED_1F1B, "hf_model": name, **ZOO_KW} for name in ("gpt2", "llama", "bert")},
+    "mixed_zoo_gpt2_clip": {"strategy": MIXED_1F1B, "hf_model": "gpt2", "max_grad_norm": 0.5, **ZOO_KW},
 }
 
 _REFERENCES: dict = {}
@@ -212,9 +229,25 @@ def deepspeed_pipeline() -> dict:
     return out
 
 
+def pipeline_refusals() -> dict:
+    """The zoo models a pipeline cannot reproduce, and what the tied GPT-2 stage layout looks like."""
+    out = {}
+    for name in ZOO_REFUSED:
+        try:
+            train_gpt(PP2_1F1B, hf_model=name, steps=1)
+            out[name] = "no error"
+        except Exception as error:
+            out[name] = f"{type(error).__name__}: {error}"
+    result = train_gpt(PP2_1F1B, hf_model="gpt2", steps=1)["result"]
+    out["gpt2_extras"] = result.args.extras["pipeline"]
+    out["gpt2_params"] = sorted(n.removeprefix("model.") for n, _ in result.model.stage_modules[0].named_parameters())
+    return out
+
+
 def launch_2(cases: dict) -> dict:
     return {"suite": run_suite(cases), "layouts": inspect_parallel_layouts(), "deepspeed": deepspeed_pipeline(),
-            "zoo": inspect_zoo_layouts(), "residual_sequences": residual_blocks_on_sequences()}
+            "zoo": inspect_zoo_layouts(), "residual_sequences": residual_blocks_on_sequences(),
+            "refusals": pipeline_refusals()}
 
 
 @pytest.fixture(scope="module")
@@ -294,6 +327,27 @@ def test_pipeline_stage_holds_only_its_blocks(two_ranks):
 def test_head_count_not_divisible_is_a_clear_error(two_ranks):
     error = two_ranks[0]["layouts"]["bad_heads"]
     assert error.startswith("MethodConfigError") and "blocks.0.attn" in error and "3 heads" in error and "tensor size 2" in error
+
+
+def test_pipeline_refuses_what_stages_cannot_reproduce(two_ranks):
+    for rank, per_rank in enumerate(two_ranks):
+        refusals = per_rank["refusals"]
+        for name, reason in ZOO_REFUSED.items():
+            assert refusals[name].startswith("MethodConfigError: pipeline_parallel") and reason in refusals[name], \
+                (rank, name, refusals[name])
+
+
+def test_pipeline_places_layers_by_execution_and_ties_embeddings(two_ranks):
+    """GPT-2: embeddings run before the blocks, ln_f and lm_head after; the tied wte / lm_head weight
+    is held by both stages (stage 0 keeps the embedding, not the head)."""
+    refusals = two_ranks[0]["refusals"]
+    extras = refusals["gpt2_extras"]
+    assert extras["before_blocks"] == ["transformer.wte", "transformer.wpe"], extras
+    assert extras["after_blocks"] == ["transformer.ln_f", "lm_head"], extras
+    assert extras["tied"] == {"transformer.wte.weight": [0, 1]}, extras
+    params = refusals["gpt2_params"]
+    assert "transformer.wte.weight" in params and not any(n.startswith(("lm_head", "transformer.ln_f", "transformer.h.1."))
+                                                          for n in params), params
 
 
 @pytest.mark.parametrize("stages", [2, 4])

@@ -12,6 +12,7 @@ from atorch.auto.accelerate import auto_accelerate
 from atorch.distributed.mesh import ParallelModeConfig, parse_parallel_config
 from atorch.models import GPTConfig, SyntheticTokenDataset, gpt_loss
 from atorch.testing import run_distributed
+from atorch.testing.hf_models import SmallResNet
 from atorch.testing.training import build_gpt
 
 pytestmark = pytest.mark.multirank
@@ -242,7 +243,8 @@ def test_layout_candidates_follow_the_model_and_the_rules():
     assert parse_parallel_config(mixed.strategy(4)[0].config) == ParallelModeConfig(
         dims=(("tensor", 2), ("pipeline", 2), ("data", 1)))
     assert "mixed_parallel" in mixed.strategy(4)
-    # a model with tied input / output embeddings cannot be cut into pipeline stages
+    # tied input / output embeddings are cut into pipeline stages (each end holds a copy); BatchNorm is not
     tied = build_gpt(0, GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32, tie_weights=True))
     facts = layout_facts(tied, 2)
-    assert "tied" in facts.unsupported["pp2"] and "tp2" not in facts.unsupported
+    assert "pp2" not in facts.unsupported and "tp2" not in facts.unsupported
+    assert "BatchNorm" in layout_facts(SmallResNet(), 2).unsupported["pp2"]

@@ -14,6 +14,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
+COUNTED_ELSEWHERE = "_atorch_grad_counted_elsewhere"
+
+
+def mark_counted_elsewhere(param: torch.Tensor) -> None:
+    """Leave ``param``'s gradient out of global norms: it is a copy of one another rank or stage
+    counts (a weight tied across pipeline stages, its copies' gradients summed to be equal)."""
+    setattr(param, COUNTED_ELSEWHERE, True)
+
+
 def total_grad_norm(
     parameters: Iterable[torch.Tensor], norm_type: float = 2.0, partition_group: Optional[dist.ProcessGroup] = None
 ) -> torch.Tensor:
@@ -21,9 +30,10 @@ def total_grad_norm(
 
     DTensor gradients are reduced over their own mesh (one collective per layout). Plain gradients
     are replicated on every rank. ``partition_group`` says each rank of it holds a disjoint part of
-    the gradients (the non-FSDP zero2 path, pipeline stages): the parts are summed over it.
+    the gradients (the non-FSDP zero2 path, pipeline stages): the parts are summed over it. Copies
+    marked with ``mark_counted_elsewhere`` (tied weights on several stages) are counted once.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parameters if p.grad is not None and not getattr(p, COUNTED_ELSEWHERE, False)]
     norm_type = float(norm_type)
     by_layout: dict[tuple, list[DTensor]] = {}
     plain: list[torch.Tensor] = []

@@ -3,19 +3,40 @@
 The cut: the model's repeated blocks (transformer layers) are assigned to ``pipeline``-size
 contiguous stages so that the largest stage cost is as small as possible (``balance_stages``); the
 cost of a block is its matmul parameter count (FLOPs per token are proportional to it), the layers
-before the first block ride with the first stage and those after the last block (final norm, LM head)
-with the last. ``pivots`` (AutoDist's ``pipeline_pivots``) names the first module of every stage but
-the first instead.
+before the first block ride with the first stage and those after the last block (final norm, pooler,
+LM head) with the last. ``pivots`` (AutoDist's ``pipeline_pivots``) names the first module of every
+stage but the first instead. Which layers run before and which after the blocks is read from one
+traced forward of a dataset row (``pipeline_layout``), so an ``nn.Linear`` input layer is placed like
+an embedding.
 
-How a stage runs the user's unchanged model: each stage keeps the model's structure but only its own
-blocks' parameters (plus the embeddings on the first stage and the final layers on the last). It
-runs the model's own ``forward`` on the batch: earlier blocks are pass-throughs, the first owned
-block takes the activation received from the previous stage in place of its input (a forward
-pre-hook), and after the last owned block the stage returns that block's output (a forward hook
-ends the forward early). Masks, positions and other inputs every block needs are recomputed from
-the batch on every stage, so any model built as embeddings → repeated blocks → head works, and the
-owned blocks are real modules that tensor_parallel and checkpoint apply to as usual. Stages
-communicate through ``torch.distributed.pipelining.PipelineStage``.
+How a stage runs the user's unchanged model: each stage is a copy of the model holding only its own
+blocks' parameters (plus the layers before the blocks on the first stage and those after on the
+last); what other stages hold is a placeholder without parameters (a pass-through for a block, a
+stand-in returning zeros of the right shape for other layers; attribute reads are answered by a
+meta-device copy). It runs the model's own ``forward`` on the batch: the first owned block takes the
+activation received from the previous stage in place of its input (a forward pre-hook), and after
+the last owned block the stage returns that block's hidden state (a forward hook ends the forward
+early). Masks, positions and other inputs every block needs are recomputed from the batch on every
+stage, so any model built as layers → one chain of repeated blocks → layers works, and the owned
+blocks are real modules that tensor_parallel and checkpoint apply to as usual.
+
+Only tensors cross a stage boundary (``torch.distributed.pipelining.PipelineStage``): an inner stage
+sends its last block's hidden state; the last stage flattens whatever the model returns (an HF
+``ModelOutput``, a tuple, a dict) with ``torch.utils._pytree`` and rebuilds that object before the
+user's ``loss_func`` sees it. HF models are called with ``use_cache=False`` (when their forward takes
+it and the batch does not set it): a KV cache is no tensor and training does not use one.
+
+Tied weights (GPT-2's and BERT's input / output embeddings): the first stage holds the embedding, the
+last the head, both from the same initial weight. After each schedule the copies' gradients are
+summed over the pipeline group (stages without a use add zeros), so the copies stay equal; the
+gradient norm counts the copy on the lowest stage only, and ``full_state_dict`` returns the user's
+names, each once. Under mixed_parallel a tied weight stays whole (not split on the vocabulary).
+
+Refused, each with a ``MethodConfigError`` naming the reason: encoder-decoder models (T5: the decoder
+reads the encoder's output too, so a cut would carry two activations), models whose blocks are not
+one chain (CLIP's two towers, layers with parameters between blocks, a block run twice), BatchNorm
+(micro-batches change the batch statistics, so no schedule can match the full batch), a module shared
+between a block and the rest of the model, fp16 amp, and ``model_input_format`` "unpack_sequence".
 
 Schedules: ``"1F1B"`` (default; EPL's PreferBackward), ``"GPipe"`` (EPL's PreferForward),
 ``"Interleaved1F1B"`` (``stages_per_rank`` >= 2, needs that many blocks per rank). ``num_micro_batch``
@@ -29,19 +50,26 @@ loss (the same on every stage); ``optim.backward(loss)`` has nothing left to do
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Iterable, Literal, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
 
 from atorch.errors import MethodConfigError
+from atorch.auto.gradients import mark_counted_elsewhere
 from atorch.auto.opt_lib.base import Optimization
+from atorch.auto.opt_lib.pipeline_layout import (ModelLayout, PassThrough, StandIn, canonical_names, check_supported,
+                                                 held_parameters, layout_from_order, no_cache_kwargs, replace_everywhere,
+                                                 shared_between_stages, trace_layout)
 from atorch.distributed import mesh
-from atorch.utils.batch import first_tensor, loss_value, select_rows
+from atorch.utils.batch import first_tensor, loss_value, select_rows, tensors
 from atorch.utils.config import MethodConfig, option
 from atorch.utils.modules import full_state_dict, repeated_blocks
 
@@ -135,7 +163,8 @@ class PipelineOutput:
 class PipelineModule(nn.Module):
     """This rank's stage(s) and the schedule that drives them; ``parameters()`` are the stage's."""
 
-    def __init__(self, stage_modules: list, schedule, loss_func, input_format: Optional[str], group, is_last: bool):
+    def __init__(self, stage_modules: list, schedule, loss_func, input_format: Optional[str], group, is_last: bool,
+                 shared: Optional[SharedWeights] = None):
         super().__init__()
         self.stage_modules = nn.ModuleList(stage_modules)
         self.schedule = schedule
@@ -143,6 +172,7 @@ class PipelineModule(nn.Module):
         self.input_format = input_format
         self.group = group
         self.is_last = is_last
+        self.shared = shared
         self._batch: Any = None
 
     def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
@@ -152,8 +182,11 @@ class PipelineModule(nn.Module):
         index = torch.arange(first.shape[0], device=first.device)
         losses: list = []
         inputs = dict(batch) if self.input_format == "unpack_dict" else {"input": batch}
+        stashed = self.shared.stash() if self.shared else None
         # every stage gets the batch (its blocks may need masks or positions made from it)
-        self.schedule.step(target=index if self.is_last else None, losses=losses, **inputs)
+        self.schedule.step(target=index if self.is_last else None, losses=losses, return_outputs=False, **inputs)
+        if self.shared:
+            self.shared.sum_gradients(stashed)
         loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros((), device=index.device)
         dist.broadcast(loss, src=dist.get_global_rank(self.group, dist.get_world_size(self.group) - 1), group=self.group)
         return PipelineOutput(loss)
@@ -163,10 +196,14 @@ class PipelineModule(nn.Module):
         return dist.get_rank(self.group) == 0
 
     def micro_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
-        return loss_value(self.user_loss(select_rows(self._batch, index), output))
+        """The user's loss_func on one micro-batch, given the user's own output object (the last
+        stage sent only its tensors through the schedule)."""
+        user_output = self.stage_modules[-1].rebuild_output(output)
+        return loss_value(self.user_loss(select_rows(self._batch, index), user_output))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every stage's weights, gathered on every rank of the pipeline (names as in the user's model)."""
+        """Every stage's weights, gathered on every rank of the pipeline (names as in the user's
+        model; a weight tied across stages is equal on all of them, any copy serves)."""
         mine = {}
         for module in self.stage_modules:
             mine.update({k.removeprefix("model."): v for k, v in full_state_dict(module).items()})
@@ -176,6 +213,92 @@ class PipelineModule(nn.Module):
         for part in gathered:
             out.update(part)
         return out
+
+
+class SharedWeights:
+    """Weights that several stages hold a copy of (tied input / output embeddings): after each
+    schedule, the copies' gradients are summed over the pipeline group (a stage using its copy
+    nowhere adds zeros), so every copy gets the gradient of the one weight and the copies stay
+    equal. Only the copy on the lowest stage holding it counts in the gradient norm.
+
+    Parameters are looked up by name when first needed, after tensor parallelism or checkpointing
+    may have replaced or re-registered them."""
+
+    def __init__(self, stages: list, holders: dict[str, list[int]], group, device: torch.device):
+        self.stages = stages
+        self.names = sorted(holders)
+        self.holders = holders
+        self.group = group
+        self.device = device
+        self._copies: Optional[dict[str, list[nn.Parameter]]] = None
+        self._shapes: dict[str, torch.Size] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+    def copies(self) -> dict[str, list[nn.Parameter]]:
+        if self._copies is None:
+            self._copies = {name: [] for name in self.names}
+            for stage in self.stages:
+                for name, param in stage.current_parameters().items():
+                    if name in self._copies:
+                        self._copies[name].append(param)
+                        if stage.index != min(self.holders[name]):
+                            mark_counted_elsewhere(param)
+            self._shapes = self._agree_on_shapes()
+        return self._copies
+
+    def _agree_on_shapes(self) -> dict[str, torch.Size]:
+        mine = {name: tuple(_local(params[0]).shape) for name, params in self._copies.items() if params}
+        gathered: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, mine, group=self.group)
+        shapes: dict[str, set] = {}
+        for part in gathered:
+            for name, shape in part.items():
+                shapes.setdefault(name, set()).add(shape)
+        uneven = {name: sorted(s) for name, s in shapes.items() if len(s) > 1}
+        if uneven:
+            raise MethodConfigError("pipeline_parallel", f"weights tied between pipeline stages are laid out differently "
+                                    f"on them {uneven} (tensor parallelism split one copy and not the other); untie them")
+        return {name: torch.Size(next(iter(s))) for name, s in shapes.items()}
+
+    def stash(self) -> dict[str, list]:
+        """Set the copies' gradients aside, so only this step's contributions are summed (the
+        stashed, already equal part is added back after)."""
+        stashed = {}
+        for name, params in self.copies().items():
+            stashed[name] = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+        return stashed
+
+    @torch.no_grad()
+    def sum_gradients(self, stashed: dict[str, list]) -> None:
+        copies = self.copies()
+        parts = []
+        for name in self.names:
+            grads = [_local(p.grad) for p in copies[name] if p.grad is not None]
+            total = torch.zeros(self._shapes[name], dtype=torch.float32, device=self.device)
+            for grad in grads:
+                total += grad.float()
+            parts.append(total.flatten())
+        flat = torch.cat(parts)
+        dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for name in self.names:
+            size = self._shapes[name].numel()
+            summed = flat[offset: offset + size].view(self._shapes[name])
+            offset += size
+            for param, old in zip(copies[name], stashed[name]):
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                _local(param.grad).copy_(summed)
+                if old is not None:
+                    param.grad += old
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def pipeline_loss(batch: Any, output: Any) -> torch.Tensor:
@@ -235,12 +358,8 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     per_rank = stages_per_rank(config, "pipeline_parallel")
     num_stages = pp * per_rank
     blocks = _blocks(ctx.model, num_stages, f" ({pp} pipeline ranks x {per_rank} per rank)")
-    if config.pivots:
-        starts = _starts_from_pivots(blocks, config.pivots, num_stages)
-    else:
-        split = plan_stages(ctx.model, num_stages)
-        starts = split.starts
-        logger.info("pipeline_parallel: stages start at %s (cost imbalance max/mean %.2f)", split.split_points, split.imbalance)
+    layout = model_layout(ctx, blocks)
+    starts = _stage_starts(ctx.model, blocks, config, num_stages)
     per_rank_batch = ctx.per_rank_batch_size
     micro = config.num_micro_batch or min(2 * pp, per_rank_batch)
     if per_rank_batch % micro:
@@ -248,15 +367,17 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     rank = dist.get_rank(group)
     indices = [rank + pp * v for v in range(per_rank)]
     bounds = list(zip(starts, starts[1:] + [len(blocks)]))
-    check_no_shared_weights(ctx.model, blocks, num_stages)
-    modules = [StageModule(ctx.model if i == indices[-1] else copy.deepcopy(ctx.model), range(*bounds[i]),
-                           i == 0, i == num_stages - 1, ctx.model_input_format) for i in indices]
+    holders = shared_between_stages(ctx.model, layout, bounds)
+    modules = [StageModule(ctx.model if i == indices[-1] else copy.deepcopy(ctx.model), layout, i, bounds,
+                           ctx.model_input_format, holders) for i in indices]
     stages = [PipelineStage(m, i, num_stages, ctx.device, group=group) for m, i in zip(modules, indices)]
     holder: dict = {}
     loss_fn = lambda output, index: holder["module"].micro_loss(output, index)  # noqa: E731
     schedule_cls = getattr(schedules, SCHEDULES[config.schedule])
     schedule = schedule_cls(stages if len(stages) > 1 else stages[0], micro, loss_fn=loss_fn)
-    module = PipelineModule(modules, schedule, ctx.loss_func, ctx.model_input_format, group, (num_stages - 1) in indices)
+    shared = SharedWeights(modules, holders, group, ctx.device)
+    module = PipelineModule(modules, schedule, ctx.loss_func, ctx.model_input_format, group, (num_stages - 1) in indices,
+                            shared)
     holder["module"] = module
     ctx.model = module
     ctx.loss_func = pipeline_loss
@@ -265,7 +386,49 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     ctx.grad_partition_group = group
     ctx.args.use_optim_backward = True
     ctx.args.extras["pipeline"] = {"stages": num_stages, "stage_indices": indices, "num_micro_batch": micro,
-                                  "schedule": config.schedule, "blocks_per_stage": [b - a for a, b in bounds]}
+                                  "schedule": config.schedule, "blocks_per_stage": [b - a for a, b in bounds],
+                                  "before_blocks": layout.before, "after_blocks": layout.after,
+                                  "tied": {name: stages for name, stages in holders.items()}}
+
+
+def _stage_starts(model: nn.Module, blocks: list, config: PipelineParallelConfig, num_stages: int) -> list[int]:
+    """The first block of every stage: the pivots given, or the balanced cut."""
+    if config.pivots:
+        return _starts_from_pivots(blocks, config.pivots, num_stages)
+    split = plan_stages(model, num_stages)
+    logger.info("pipeline_parallel: stages start at %s (cost imbalance max/mean %.2f)", split.split_points, split.imbalance)
+    return split.starts
+
+
+def model_layout(ctx, blocks: list[tuple[str, nn.Module]]) -> ModelLayout:
+    """Which layers run before and after the blocks, from one traced forward of a sample row of the
+    dataset (registration order when there is no dataset to take it from)."""
+    check_supported(ctx.model, blocks)
+    sample = _sample_batch(ctx)
+    if sample is None:
+        logger.info("pipeline_parallel: no dataset to trace a forward with; layers registered before the first "
+                    "block are taken to run before it")
+        return layout_from_order(ctx.model, blocks)
+    return trace_layout(ctx.model, blocks, lambda model: call_stage_model(model, sample, ctx.model_input_format))
+
+
+def _sample_batch(ctx) -> Any:
+    """One row of the dataset, collated and prepared as the training loop's batches are."""
+    if ctx.dataset is None:
+        return None
+    if isinstance(ctx.dataset, torch.utils.data.IterableDataset):
+        row = next(iter(ctx.dataset))
+    else:
+        row = ctx.dataset[0]
+    collate = ctx.dataloader_args.get("collate_fn") or torch.utils.data.default_collate
+    return ctx.prepare_input(collate([row]))
+
+
+def call_stage_model(model: nn.Module, batch: Any, input_format: Optional[str]) -> Any:
+    """The user's model called on a batch as the user calls it, without a KV cache."""
+    if input_format == "unpack_dict":
+        return model(**batch, **no_cache_kwargs(model, batch))
+    return model(batch)
 
 
 def _blocks(model: nn.Module, num_stages: int = 1, detail: str = "") -> list[tuple[str, nn.Module]]:
@@ -300,19 +463,9 @@ def _starts_from_pivots(blocks: list, pivots: tuple, num_stages: int) -> list[in
     return starts
 
 
-def check_no_shared_weights(model: nn.Module, blocks: list, num_stages: int) -> None:
-    """Refuse weights shared outside the blocks (tied embeddings): stages would each hold a copy
-    and train them apart. Also used by the search to leave such layouts out."""
-    block_params = {id(p) for _, b in blocks for p in b.parameters()}
-    owners: dict[int, list[str]] = {}
-    for name, module in model.named_modules():
-        for pname, param in module.named_parameters(recurse=False):
-            if id(param) not in block_params:
-                owners.setdefault(id(param), []).append(f"{name}.{pname}")
-    shared = [names for names in owners.values() if len(names) > 1]
-    if shared and num_stages > 1:
-        raise MethodConfigError("pipeline_parallel", f"weights shared between the first and the last stage {shared} "
-                                "(e.g. tied input/output embeddings) are not supported; untie them")
+
+
+_TENSOR = object()  # marks where a tensor leaf of the last stage's output was
 
 
 class _StageExit(Exception):
@@ -321,54 +474,53 @@ class _StageExit(Exception):
         self.output = output
 
 
-class _PassThrough(nn.Module):
-    """Stands in for a block another stage owns: returns the hidden state it was given."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values())))
-
-
-class _ZeroEmbedding(nn.Module):
-    """Stands in for an embedding on later stages: the right shape, no parameters (the first owned
-    block's input is replaced by the received activation anyway)."""
-
-    def __init__(self, dim: int, dtype: torch.dtype):
-        super().__init__()
-        self.dim, self.dtype = dim, dtype
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
-
-
 class StageModule(nn.Module):
     """One pipeline stage of the user's model (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, owned: range, is_first: bool, is_last: bool, input_format: Optional[str]):
+    def __init__(self, model: nn.Module, layout: ModelLayout, index: int, bounds: list[tuple[int, int]],
+                 input_format: Optional[str], tied: Iterable[str] = ()):
         super().__init__()
-        blocks = _blocks(model)
+        self.index = index
+        self.is_first, self.is_last = index == 0, index == len(bounds) - 1
         self.model = model
         self.input_format = input_format
         self._incoming: Optional[torch.Tensor] = None
-        block_ids = set()
-        for index, (name, block) in enumerate(blocks):
-            block_ids.update(id(m) for m in block.modules())
-            if index not in owned:
-                _replace(model, name, _PassThrough())
-        for name, module in list(model.named_modules()):
-            if id(module) in block_ids or not name or list(module.children()):
-                continue
-            if not any(True for _ in module.parameters(recurse=False)):
-                continue
-            if isinstance(module, nn.Embedding):
-                if not is_first:
-                    _replace(model, name, _ZeroEmbedding(module.embedding_dim, module.weight.dtype))
-            elif not is_last:
-                _replace(model, name, nn.Identity())  # final norm / head: never reached on this stage
-        first, last = blocks[owned.start][1], blocks[owned.stop - 1][1]
-        if not is_first:
+        self._output_spec: Any = None
+        layout = dataclasses.replace(layout, blocks=[(name, model.get_submodule(name)) for name, _ in layout.blocks])
+        owned = range(*bounds[index])
+        canonical = canonical_names(model)
+        held = held_parameters(model, layout, owned, self.is_first, self.is_last)
+        self._prune(layout, owned)
+        held_ids = {id(p) for p in held.values()}
+        self.names = {path: canonical[id(p)] for path, p in model.named_parameters(remove_duplicate=False)
+                      if id(p) in held_ids}
+        tied = set(tied)  # modules holding a weight tied to another stage (tensor_parallel keeps them whole)
+        self.tied_modules = {f"model.{path.rpartition('.')[0]}" for path, name in self.names.items() if name in tied}
+        first, last = layout.blocks[owned.start][1], layout.blocks[owned.stop - 1][1]
+        if not self.is_first:
             first.register_forward_pre_hook(self._take_incoming, with_kwargs=True)
-        if not is_last:
+        if not self.is_last:
             last.register_forward_hook(self._leave)
+
+    def _prune(self, layout: ModelLayout, owned: range) -> None:
+        """Blocks of other stages become pass-throughs, units held elsewhere stand-ins."""
+        for position, (_, block) in enumerate(layout.blocks):
+            if position not in owned:
+                replace_everywhere(self.model, block, PassThrough(block, layout.block_output_len))
+        kept = set(layout.before if self.is_first else []) | set(layout.after if self.is_last else [])
+        for unit in dict.fromkeys(layout.before + layout.after):
+            if unit not in kept:
+                module = self.model.get_submodule(unit)
+                replace_everywhere(self.model, module, StandIn(module))
+
+    def current_parameters(self) -> dict[str, nn.Parameter]:
+        """This stage's parameters by the user's (canonical) name, as registered now."""
+        out = {}
+        for path, param in self.model.named_parameters():
+            name = self.names.get(path.replace("_checkpoint_wrapped_module.", ""))
+            if name is not None:
+                out[name] = param
+        return out
 
     def _take_incoming(self, module, args, kwargs):
         if args:
@@ -377,20 +529,29 @@ class StageModule(nn.Module):
 
     @staticmethod
     def _leave(module, args, output):
-        raise _StageExit(output[0] if isinstance(output, (tuple, list)) else output)
+        raise _StageExit(tensors(output)[0])
 
     def forward(self, *received: torch.Tensor, **inputs: Any) -> Any:
         self._incoming = received[0] if received else None
         try:
-            if self.input_format == "unpack_dict":
-                return self.model(**inputs)
-            return self.model(inputs["input"])
+            output = call_stage_model(self.model, inputs if self.input_format == "unpack_dict" else inputs["input"],
+                                      self.input_format)
         except _StageExit as exit_:
             return exit_.output
         finally:
             self._incoming = None
+        return self._flatten_output(output)
 
+    def _flatten_output(self, output: Any) -> tuple[torch.Tensor, ...]:
+        """Only tensors cross a schedule: keep the output's structure and its other leaves (None, a
+        cache object) here, to rebuild the user's object for the loss."""
+        leaves, spec = pytree.tree_flatten(output)
+        self._output_spec = (spec, [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
+        return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
+    def rebuild_output(self, flat: Any) -> Any:
+        """The user's output object from the tensors the schedule hands the loss function (a lone
+        tensor when there was one)."""
+        given = iter((flat,) if isinstance(flat, torch.Tensor) else flat)
+        spec, others = self._output_spec
+        return pytree.tree_unflatten([next(given) if other is _TENSOR else other for other in others], spec)

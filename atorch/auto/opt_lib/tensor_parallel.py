@@ -328,8 +328,23 @@ def apply_tensor_parallel(ctx, config: TensorParallelConfig) -> Optional[TPPlan]
     return plan
 
 
+def _keep_pipeline_tied_whole(model: nn.Module, plan: TPPlan) -> None:
+    """A pipeline stage's embedding or head tied to a copy on another stage stays whole: each stage
+    plans alone and cannot see whether the other copy is split, and the copies' gradients are
+    summed element by element, so both must keep the same layout."""
+    tied = set(getattr(model, "tied_modules", ()))
+    kept = sorted(tied & set(plan.vocab))
+    if not kept:
+        return
+    logger.info("tensor_parallel: %s hold weights tied to another pipeline stage; they stay replicated", kept)
+    plan.vocab = {name: role for name, role in plan.vocab.items() if name not in tied}
+    if plan.tied_head and set(plan.tied_head) & tied:
+        plan.tied_head = None
+
+
 def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mesh, sequence: bool) -> TPPlan:
     plan = plan_from_patterns(model, dict(config.plan)) if config.plan is not None else find_tp_plan(model, tp)
+    _keep_pipeline_tied_whole(model, plan)
     sequence_plan = plan_sequence_parallel(model, plan.styles) if sequence else None  # refusals before any change
     for fused, attention in plan.fused_qkv.items():
         _interleave_fused_qkv(model, fused, attention, tp)

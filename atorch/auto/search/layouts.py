@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from torch import nn
 
-from atorch.auto.opt_lib.pipeline_parallel import check_no_shared_weights, plan_stages
+from atorch.auto.opt_lib.pipeline_layout import (ModelLayout, check_supported, held_parameters, layout_from_order,
+                                                 trace_layout)
+from atorch.auto.opt_lib.pipeline_parallel import plan_stages
 from atorch.auto.opt_lib.tensor_parallel import find_tp_plan
 from atorch.errors import AtorchError
 from atorch.utils.modules import repeated_blocks
@@ -47,15 +49,17 @@ class LayoutFacts:
         return self.unsupported.get(f"tp{tensor}") or self.unsupported.get(f"pp{pipeline}")
 
 
-def layout_facts(model: nn.Module, world: int) -> LayoutFacts:
-    """Run the tensor and pipeline planners for every size that divides ``world``."""
+def layout_facts(model: nn.Module, world: int, run: Optional[Callable[[nn.Module], Any]] = None) -> LayoutFacts:
+    """Run the tensor and pipeline planners for every size that divides ``world``; ``run(model)``
+    (one forward of a sample batch) lets the pipeline planner trace which layers run before and after
+    the blocks, as the method does."""
     facts = LayoutFacts(param_bytes=sum(_bytes_of(p) for p in model.parameters()))
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     facts.hidden_size = max((m.embedding_dim for m in embeddings), default=0)
     facts.blocks = next(iter(repeated_blocks(model)[0].values()), 0)
     sizes = divisors_above_one(world)
     split_ids = _tensor_facts(model, sizes, facts)
-    stages = _pipeline_facts(model, sizes, split_ids, facts)
+    stages = _pipeline_facts(model, sizes, split_ids, facts, run)
     stages[1] = [(facts.param_bytes, facts.split_share * facts.param_bytes)]
     for t, p in layouts_for(world):
         if facts.reason(t, p) or p not in stages:
@@ -79,16 +83,19 @@ def _tensor_facts(model: nn.Module, sizes: list[int], facts: LayoutFacts) -> set
     return split_ids
 
 
-def _pipeline_facts(model: nn.Module, sizes: list[int], split_ids: set[int],
-                    facts: LayoutFacts) -> dict[int, list[tuple[int, int]]]:
+def _pipeline_facts(model: nn.Module, sizes: list[int], split_ids: set[int], facts: LayoutFacts,
+                    run: Optional[Callable[[nn.Module], Any]] = None) -> dict[int, list[tuple[int, int]]]:
     """Record which pipeline sizes the stage planner supports; returns per size the (parameter
     bytes, tensor-split bytes) of each stage."""
     stages: dict[int, list[tuple[int, int]]] = {}
+    layouts: dict[str, Any] = {}
     for p in sizes:
         try:
             split = plan_stages(model, p)
             blocks = [(name, model.get_submodule(name)) for name in split.block_names]
-            check_no_shared_weights(model, blocks, p)
+            if "layout" not in layouts:  # the same for every size: traced once
+                layouts["layout"] = _pipeline_layout(model, blocks, run)
+            layout = layouts["layout"]
         except AtorchError as error:
             facts.unsupported[f"pp{p}"] = str(error)
             continue
@@ -96,27 +103,40 @@ def _pipeline_facts(model: nn.Module, sizes: list[int], split_ids: set[int],
             facts.unsupported[f"pp{p}"] = f"{len(blocks)} blocks cannot fill {p} stages"
             continue
         bounds = list(zip(split.starts, split.starts[1:] + [len(blocks)]))
-        stages[p] = [_stage_bytes(model, blocks, range(a, b), i == 0, i == p - 1, split_ids)
+        stages[p] = [_stage_bytes(model, layout, range(a, b), i == 0, i == p - 1, split_ids)
                      for i, (a, b) in enumerate(bounds)]
         facts.stage_block_share[p] = max(b - a for a, b in bounds) / len(blocks)
     return stages
+
+
+def _pipeline_layout(model: nn.Module, blocks: list, run: Optional[Callable[[nn.Module], Any]]) -> ModelLayout:
+    """The method's own layout: refusals first, then the traced forward when a sample can be run
+    (registration order otherwise). A model the method refuses raises the method's error."""
+    check_supported(model, blocks)
+    if run is None:
+        return layout_from_order(model, blocks)
+    try:
+        return trace_layout(model, blocks, run)
+    except AtorchError:
+        raise
+    except Exception as error:  # the sample cannot run as given (device, a loss needing more): estimate without it
+        logger.info("search: no traced forward for the pipeline layout (%s: %s); using registration order",
+                    type(error).__name__, error)
+        return layout_from_order(model, blocks)
 
 
 def _bytes_of(param) -> int:
     return param.numel() * param.element_size()
 
 
-def _stage_bytes(model: nn.Module, blocks: list, owned: range, first: bool, last: bool,
+def _stage_bytes(model: nn.Module, layout, owned: range, first: bool, last: bool,
                  split_ids: set[int]) -> tuple[int, int]:
-    """(parameter bytes, tensor-split bytes) a stage holds: its blocks, the embeddings on the first
-    stage and the other non-block leaves (final norm, head) on the last, as ``StageModule`` keeps."""
-    held = {id(p): p for i in owned for p in blocks[i][1].parameters()}
-    in_blocks = {id(p) for _, block in blocks for p in block.parameters()}
-    for module in model.modules():
-        if (isinstance(module, nn.Embedding) and first) or (not isinstance(module, nn.Embedding) and last):
-            held.update((id(p), p) for p in module.parameters(recurse=False) if id(p) not in in_blocks)
-    total = sum(_bytes_of(p) for p in held.values())
-    return total, sum(_bytes_of(p) for key, p in held.items() if key in split_ids)
+    """(parameter bytes, tensor-split bytes) a stage holds, counted from what ``StageModule`` keeps
+    (``held_parameters``; layers around the blocks placed by registration order, as the search has
+    no sample batch to trace). A weight tied across stages counts on each stage holding a copy."""
+    held = held_parameters(model, layout, owned, first, last).values()
+    total = sum(_bytes_of(p) for p in held)
+    return total, sum(_bytes_of(p) for p in held if id(p) in split_ids)
 
 
 def micro_batches(pipeline: int, per_data_rank_batch: int) -> int:

@@ -257,7 +257,8 @@ class Planner:
         if first is not None and first.dim() > 1:
             profile.tokens_per_sample = first[0].numel()
         if self.world > 1:
-            profile.layouts = layout_facts(self.model, self.world)
+            run = (lambda model: probe.call_model(model, sample)) if sample is not None else None
+            profile.layouts = layout_facts(self.model, self.world, run)
         return profile
 
     def _setting_strategy(self, setting: Setting) -> Strategy:
