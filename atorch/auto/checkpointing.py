@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
@@ -52,6 +53,15 @@ from atorch.distributed.agreement import all_ranks_true, is_main_rank, is_multi_
 from atorch.errors import AtorchError, CheckpointError, StrategyError
 from atorch.utils.data import ResumableDataLoader, decode_rng, encode_rng
 from atorch.utils.modules import full_state_dict, unwrap_model
+
+try:  # optional: RNG state saved when present
+    import numpy
+except ImportError:  # pragma: no cover
+    numpy = None
+try:  # optional: export_model's format when installed
+    import safetensors.torch as safetensors_torch
+except ImportError:  # pragma: no cover
+    safetensors_torch = None
 
 if TYPE_CHECKING:  # the result type lives in the entry point's layer
     from atorch.auto.accelerate import AutoAccelerateResult
@@ -262,12 +272,9 @@ def _rng_state(dataloader: Any) -> dict:
              "torch": encode_rng(torch.get_rng_state()),
              "cuda": [encode_rng(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
              "numpy": None, "dataloader": None}
-    try:
-        import numpy
+    if numpy is not None:
         kind, keys, pos, has_gauss, cached = numpy.random.get_state()
         state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
-    except ImportError:
-        pass
     if isinstance(dataloader, ResumableDataLoader) and dataloader.rng_at_iter is not None:
         state["dataloader"] = encode_rng(dataloader.rng_at_iter)
     return state
@@ -279,13 +286,9 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(decode_rng(state["torch"]))
     if state.get("cuda") and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all([decode_rng(s) for s in state["cuda"]])
-    if state.get("numpy") is not None:
-        try:
-            import numpy
-            kind, keys, pos, has_gauss, cached = state["numpy"]
-            numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, cached))
-        except ImportError:
-            pass
+    if state.get("numpy") is not None and numpy is not None:
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, cached))
 
 
 # --- save --------------------------------------------------------------------------------------------
@@ -494,7 +497,6 @@ class SafeFileSystemReader(FileSystemReader):
         with open(path, "rb") as handle:
             metadata = _SafeMetadataUnpickler(handle).load()
         if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         if metadata.planner_data is None:
@@ -707,13 +709,9 @@ def _write_export(target: str, weights: dict[str, torch.Tensor], user_model: nn.
     if hasattr(user_model, "save_pretrained") and hasattr(user_model, "config"):
         user_model.save_pretrained(target, state_dict=weights)
         return target
-    try:
-        from safetensors.torch import save_file
-    except ImportError:
-        save_file = None
-    if save_file is not None:
+    if safetensors_torch is not None:
         file = os.path.join(target, "model.safetensors")
-        save_file({k: v.contiguous() for k, v in weights.items()}, file)  # full_state_dict's copies share no memory
+        safetensors_torch.save_file({k: v.contiguous() for k, v in weights.items()}, file)  # full_state_dict's copies share no memory
         return file
     file = os.path.join(target, "model.pt")
     torch.save(weights, file)
@@ -729,8 +727,9 @@ def load_exported(path: str | os.PathLike) -> dict[str, torch.Tensor]:
                 path = os.path.join(path, name)
                 break
     if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-        return load_file(path)
+        if safetensors_torch is None:
+            raise CheckpointError(f"{path!r} is a safetensors file: install safetensors to read it", key=path)
+        return safetensors_torch.load_file(path)
     with open(path, "rb") as handle:
         return torch.load(io.BytesIO(handle.read()), weights_only=True)
 
