@@ -88,7 +88,7 @@ def full_optimizer_state(result) -> dict[str, torch.Tensor]:
     """{'<param name>/<key>': full fp32 CPU tensor} over every rank (collective)."""
     model = model_tensors(result.model)
     local = optimizer_state_tensors(OptimizerView(result.optim), _param_names(model))
-    mine = {k.removeprefix("optim/"): (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu()
+    mine = {k.removeprefix("optim/"): (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu().clone()
             for k, v in local.items()}
     parts = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -116,7 +116,8 @@ def save_cases(cases: dict, root: str) -> dict:
         at_save = (full_state_dict(result.model), full_optimizer_state(result))
         losses = _steps(result, batches, M)
         weights = full_state_dict(result.model)
-        out[name] = {"losses": losses, "weights": weights, "saved_weights": at_save[0], "saved_optim": at_save[1]}
+        out[name] = {"losses": losses, "weights": weights, "saved_weights": at_save[0], "saved_optim": at_save[1],
+                     "lr": result.optim.param_groups[0]["lr"]}
         if not _is_rank0():
             out[name] = {"losses": losses}
     return out
@@ -184,6 +185,7 @@ def test_resume_equals_the_uninterrupted_run(saved, loaded, name):
     print(f"{name}: losses {run['losses']} vs {reference['losses']}: rel {loss_diff:.1e}; weights rel {weight_diff:.1e}")
     assert loss_diff < EXACT and weight_diff < EXACT
     assert _state_difference(run["loaded_optim"], reference["saved_optim"]) < EXACT
+    assert run["lr"] == pytest.approx(reference["lr"], rel=1e-12)
 
 
 @pytest.mark.parametrize("name", list(CROSS))
@@ -199,7 +201,7 @@ def test_checkpoint_loads_under_another_strategy_and_world_size(saved, loaded, n
           f"{loss_diff:.1e}, final weights rel {final:.1e}")
     assert weights < EXACT and optim < EXACT
     assert loss_diff < PARITY and final < PARITY
-    assert abs(run["lr"] - 0.2 * 0.8 ** N) < 1e-12  # the scheduler's position came back
+    assert run["lr"] == pytest.approx(source["lr"], rel=1e-12)  # the scheduler's position came back
 
 
 # --- atomic saves ------------------------------------------------------------------------------------

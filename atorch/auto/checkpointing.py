@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: caught by name
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
@@ -380,7 +381,7 @@ def _write(tmp: str, tensors: dict, meta: dict, rng: dict, target: str) -> None:
     _agree(_attempt(lambda: os.makedirs(os.path.join(tmp, RNG_DIR), exist_ok=True)), "save_checkpoint: creating", tmp)
     try:
         dcp.save(tensors, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True))
-    except Exception as error:  # DCP raises the same CheckpointException on every rank
+    except (Exception, CheckpointException) as error:  # DCP raises the same CheckpointException on every rank
         raise CheckpointError(f"save_checkpoint: writing the shards to {tmp!r} failed: {error}") from error
     rank = dist.get_rank() if dist.is_initialized() else 0
     _agree(_attempt(lambda: _write_json(os.path.join(tmp, RNG_DIR, f"rank-{rank}.json"), rng)), "writing rng to", tmp)
@@ -536,7 +537,7 @@ def load_checkpoint(path: str | os.PathLike, result: "AutoAccelerateResult", *, 
             dcp.load(destinations, storage_reader=SafeFileSystemReader(source))
     except AtorchError:
         raise
-    except Exception as error:
+    except (Exception, CheckpointException) as error:
         raise CheckpointError(f"load_checkpoint: reading the tensors of {source!r} failed: {error}") from error
     if view is not None:
         _load_optimizer(view, names, meta, optim_targets)
