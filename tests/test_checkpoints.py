@@ -20,11 +20,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import atorch
-from atorch.auto.checkpointing import OptimizerView, model_tensors, optimizer_state_tensors, _param_names
+from atorch.auto.checkpointing import OptimizerView, _param_names, load_exported, model_tensors, optimizer_state_tensors
 from atorch.errors import CheckpointError, ShardedStateError
 from atorch.models import SyntheticTokenDataset, gpt_loss
 from atorch.testing import run_distributed
-from atorch.testing.training import build_gpt, global_mean, relative_difference, weight_difference
+from atorch.testing.hf_models import ZOO
+from atorch.testing.training import build_gpt, global_mean, relative_difference, train_gpt, weight_difference
 from atorch.utils.modules import full_state_dict
 
 pytestmark = pytest.mark.multirank
@@ -113,13 +114,39 @@ def save_cases(cases: dict, root: str) -> dict:
         batches = iter(result.dataloader)
         _steps(result, batches, N)
         atorch.save_checkpoint(os.path.join(root, name), result, step=N, extra={"case": name})
+        guard = _state_dict_guard(result)
         at_save = (full_state_dict(result.model), full_optimizer_state(result))
         losses = _steps(result, batches, M)
         weights = full_state_dict(result.model)
         out[name] = {"losses": losses, "weights": weights, "saved_weights": at_save[0], "saved_optim": at_save[1],
-                     "lr": result.optim.param_groups[0]["lr"]}
+                     "lr": result.optim.param_groups[0]["lr"], "guard": guard}
+        if name == "fsdp":  # a plain model's export, for load_state_dict(strict=True) on one process
+            atorch.export_model(result, os.path.join(root, "export-gpt-fsdp"))
         if not _is_rank0():
             out[name] = {"losses": losses}
+    return out
+
+
+def _state_dict_guard(result) -> str | None:
+    """The error result.optim.state_dict() raises (None when it returns)."""
+    try:
+        result.optim.state_dict()
+    except ShardedStateError as error:
+        return str(error)
+    return None
+
+
+EXPORTS = {"llama-fsdp": ("llama", ["fsdp"]), "llama-tp": ("llama", [TP2, "tensor_parallel"]),
+           "gpt2-tp": ("gpt2", [TP2, "tensor_parallel"])}
+
+
+def save_and_export(cases: dict, root: str) -> dict:
+    """The 2-rank save launch: the resume cases, then HF models trained and exported."""
+    out = save_cases(cases, root)
+    for name, (zoo, strategy) in EXPORTS.items():
+        run = train_gpt(strategy, steps=2, hf_model=zoo, optim_func=torch.optim.AdamW, optim_args={"lr": 1e-2})
+        atorch.export_model(run["result"], os.path.join(root, f"export-{name}"))
+        out[f"export-{name}"] = run["weights"] if _is_rank0() else None
     return out
 
 
@@ -156,7 +183,7 @@ def run_phase(world: int, phase, cases: dict, root: str) -> dict:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("checkpoints"))
-    references = run_phase(2, save_cases, SAVED_ON_2, root)
+    references = run_phase(2, save_and_export, SAVED_ON_2, root)
     references.update(run_phase(4, save_cases, SAVED_ON_4, root))
     return root, references
 
@@ -202,6 +229,38 @@ def test_checkpoint_loads_under_another_strategy_and_world_size(saved, loaded, n
     assert weights < EXACT and optim < EXACT
     assert loss_diff < PARITY and final < PARITY
     assert run["lr"] == pytest.approx(source["lr"], rel=1e-12)  # the scheduler's position came back
+
+
+SHARDED = {"zero1", "zero2", "fsdp", "tp", "pp", "mixed"}
+
+
+@pytest.mark.parametrize("name", [*SAVED_ON_2, *SAVED_ON_4])
+def test_optimizer_state_dict_is_refused_where_the_state_is_split(saved, name):
+    guard = saved[1][name]["guard"]
+    if name in SHARDED:
+        assert guard and "atorch.save_checkpoint" in guard, guard
+    else:
+        assert guard is None
+
+
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_an_hf_model_exports_for_from_pretrained(saved, name):
+    transformers = pytest.importorskip("transformers")
+    root, references = saved
+    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, f"export-{name}"))
+    weights = {k: v.float() for k, v in model.state_dict().items()}
+    trained = references[f"export-{name}"]
+    fresh = ZOO[EXPORTS[name][0]].build().state_dict()
+    assert weights.keys() == trained.keys() == fresh.keys()
+    assert weight_difference(weights, trained) == 0.0
+
+
+def test_a_plain_model_exports_for_load_state_dict(saved):
+    root, references = saved
+    state = load_exported(os.path.join(root, "export-gpt-fsdp"))
+    model = build_gpt(1)
+    model.load_state_dict(state, strict=True)
+    assert weight_difference({k: v.float() for k, v in model.state_dict().items()}, references["fsdp"]["weights"]) == 0.0
 
 
 # --- atomic saves ------------------------------------------------------------------------------------
