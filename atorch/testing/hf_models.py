@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from atorch.models import SyntheticTokenDataset
+
 VOCAB, SEQ = 64, 16
 
 
@@ -172,8 +174,6 @@ class RowsDataset(Dataset):
 
 
 def token_dataset(num_samples: int, seed: int = 0) -> Dataset:
-    from atorch.models import SyntheticTokenDataset
-
     return SyntheticTokenDataset(num_samples=num_samples, seq_len=SEQ, vocab_size=VOCAB, seed=seed)
 
 
