@@ -78,6 +78,8 @@ def main() -> None:
     first = last = None
     start = time.perf_counter()
     for step, batch in enumerate(dataloader, start=done + 1):
+        if step > args.steps:  # a checkpoint at the end of the epoch: the loader would start the next one
+            break
         batch = result.prepare_input(batch, device)
         output = model(**batch)
         loss = result.loss_func(batch, output)
