@@ -318,3 +318,36 @@ def test_unsafe_or_incomplete_checkpoints_are_refused(tmp_path):
         atorch.load_checkpoint(path, result)
     with pytest.raises(CheckpointError, match="no checkpoint"):
         atorch.load_checkpoint(str(tmp_path / "missing"), result)
+
+
+def test_grad_scaler_and_a_user_scheduler_come_back(tmp_path):
+    """amp_native fp16's grad scaler is saved; a scheduler the user built is passed as lr_scheduler=."""
+    def build():
+        model = build_gpt(0)
+        dataset = SyntheticTokenDataset(num_samples=16, seq_len=16, vocab_size=64)
+        _, result, _ = atorch.auto_accelerate(
+            model, torch.optim.SGD, dataset, gpt_loss, optim_args={"lr": 0.1, "momentum": 0.9},
+            model_input_format="unpack_dict", dataloader_args={"batch_size": 8},
+            load_strategy=[("amp_native", {"dtype": torch.float16, "init_scale": 1024.0})])
+        return result, torch.optim.lr_scheduler.LambdaLR(result.optim.torch_optimizer, lambda step: 0.5 ** step)
+
+    result, scheduler = build()
+    _steps_without_scheduler(result, 2)
+    scheduler.step()
+    result.optim.scaler.update(new_scale=256.0)
+    atorch.save_checkpoint(str(tmp_path / "c"), result, step=2, lr_scheduler=scheduler)
+    fresh, fresh_scheduler = build()
+    atorch.load_checkpoint(str(tmp_path / "c"), fresh, lr_scheduler=fresh_scheduler)
+    assert fresh.optim.scaler.get_scale() == 256.0
+    assert fresh_scheduler.last_epoch == scheduler.last_epoch == 1
+    assert fresh.optim.param_groups[0]["lr"] == result.optim.param_groups[0]["lr"] == 0.05
+
+
+def _steps_without_scheduler(result, count: int) -> None:
+    batches = iter(result.dataloader)
+    for _ in range(count):
+        batch = result.prepare_input(next(batches))
+        loss = result.loss_func(batch, result.model(**batch))
+        result.optim.backward(loss) if result.args.use_optim_backward else loss.backward()
+        result.optim.step()
+        result.optim.zero_grad()
