@@ -45,7 +45,6 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: caught by name
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 
 from atorch.auto.opt_lib.amp import AmpOptimizer
 from atorch.auto.optimizer import AtorchOptimizer
@@ -72,7 +71,7 @@ logger = logging.getLogger("atorch")
 FORMAT, VERSION = "atorch-checkpoint", 1
 META_FILE = "atorch_checkpoint.json"
 RNG_DIR = "rng"
-WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.")
+INNER_WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.")  # anywhere: torch.compile, checkpoint_wrapper
 
 
 # --- the model's tensors under canonical names -----------------------------------------------------
@@ -86,9 +85,11 @@ def _model_roots(model: nn.Module) -> list[nn.Module]:
 
 
 def canonical_name(name: str) -> str:
-    """A state_dict key without the wrappers' prefixes (anywhere in the path: checkpoint wraps blocks)."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "") if prefix != "module." else name
+    """A state_dict key without the wrappers' parts: ``_orig_mod.`` / ``_checkpoint_wrapped_module.``
+    anywhere (blocks can be wrapped), ``module.`` (DDP, DeepSpeed) only in front, since a user's
+    own submodule may be called ``module``."""
+    for part in INNER_WRAPPER_PARTS:
+        name = name.replace(part, "")
     while name.startswith("module."):
         name = name[len("module."):]
     return name
