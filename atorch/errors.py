@@ -98,3 +98,21 @@ class RankLostError(AtorchError, RuntimeError):
 
 
 __all__.append("RankLostError")
+
+
+class CheckpointError(AtorchError, RuntimeError):
+    """A checkpoint cannot be saved or loaded: a bad path or argument, an incomplete or foreign
+    directory, or state that does not match the model (the message names the key)."""
+
+    def __init__(self, message: str, key: Optional[str] = None):
+        self.key = key
+        super().__init__(message)
+
+
+class ShardedStateError(CheckpointError):
+    """``state_dict()`` / ``load_state_dict()`` called where the strategy shards or partitions the
+    state, so the result would be partial or index-keyed shards: use atorch.save_checkpoint /
+    atorch.load_checkpoint (or atorch.export_model for the weights)."""
+
+
+__all__ += ["CheckpointError", "ShardedStateError"]

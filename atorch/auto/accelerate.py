@@ -118,6 +118,7 @@ def auto_accelerate(
     if save_strategy_to_file:  # before the model is wrapped: a strategy that cannot be saved fails first
         _save(strategy, save_strategy_to_file)
     apply_strategy(ctx, strategy)
+    ctx.args.extras["strategy"] = strategy  # save_checkpoint records the strategy that ran
     checked_loss = None if ctx.loss_func is None else LossCheckedOnce(ctx.loss_func)
     result = AutoAccelerateResult(
         ctx.model, ctx.optim, ctx.dataloader, checked_loss, ctx.prepare_input, ctx.lr_scheduler, ctx.args

@@ -25,6 +25,7 @@ from atorch.distributed import mesh
 from atorch.distributed.distributed import get_data_partition_rank_and_size  # noqa: F401  (ATorch's import path)
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.utils.batch import cast_floating, move_to_device
+from atorch.utils.data import ResumableDataLoader
 
 logger = logging.getLogger(__name__)
 
@@ -431,7 +432,7 @@ class ModelContext:
                                  "take DistributedSampler's arguments (dataset, num_replicas=, rank=, shuffle=, "
                                  f"drop_last=): {error}") from error
         try:
-            self.dataloader = DataLoader(self.dataset, batch_size=self.per_rank_batch_size, **args)
+            self.dataloader = ResumableDataLoader(self.dataset, batch_size=self.per_rank_batch_size, **args)
         except (TypeError, ValueError) as error:
             raise InputError(f"dataloader_args={self.dataloader_args} are not valid for torch.utils.data.DataLoader: "
                              f"{error}") from error

@@ -4,15 +4,20 @@ One small wrapper gives every strategy the same surface for the seed's training 
 ``backward(loss)``, ``step()``, ``zero_grad()``, ``set_gradient_accumulation_boundary(flag)`` and
 ``clip_grad_norm_(max_norm)``. Methods that change how these work (amp's grad scaler, DeepSpeed's
 engine) subclass or wrap it; everything else is delegated to the wrapped optimizer, so
-``param_groups``, ``state`` and ``state_dict`` behave as the user's own.
+``param_groups`` and ``state`` behave as the user's own. ``state_dict`` / ``load_state_dict`` are
+torch's where one process holds the whole state, and raise ShardedStateError where the strategy
+splits it (see docs/checkpoints.md): atorch.save_checkpoint covers those.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
 import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from atorch.auto.gradients import scale_grads_to_norm, total_grad_norm
+from atorch.errors import ShardedStateError
 
 SyncToggle = Callable[[bool], None]
 
@@ -91,10 +96,45 @@ class AtorchOptimizer:
         return inner
 
     def state_dict(self) -> dict:
+        """torch's ``state_dict`` where it holds the whole state; ShardedStateError where the strategy
+        splits the state over processes, so that a partial or shard-keyed dict is never mistaken for
+        the optimizer's state (a consolidated ZeroRedundancyOptimizer passes through)."""
+        inner = self.torch_optimizer
+        if not (isinstance(inner, ZeroRedundancyOptimizer) and getattr(inner, "_all_state_dicts", None)):
+            self._refuse_sharded("state_dict()")
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        """torch's ``load_state_dict``; ShardedStateError where the state is split over processes (a
+        ZeroRedundancyOptimizer takes torch's consolidated dict and passes through)."""
+        if not isinstance(self.torch_optimizer, ZeroRedundancyOptimizer):
+            self._refuse_sharded("load_state_dict()")
         self.optimizer.load_state_dict(state)
+
+    def sharded_state_reason(self) -> Optional[str]:
+        """Why this optimizer's state is split over processes, or None when one process holds it all."""
+        inner = self.torch_optimizer
+        if isinstance(inner, ZeroRedundancyOptimizer):
+            return ("zero1 partitions the optimizer state over the data-parallel processes (ZeroRedundancyOptimizer: "
+                    "consolidate_state_dict(to=0) on every process first, then state_dict() on process 0)")
+        if hasattr(inner, "owner") and hasattr(inner, "inner"):
+            return "zero1 over tensor-parallel parameters keeps each parameter's state on one process"
+        wrapper: Any = self
+        while isinstance(wrapper, AtorchOptimizer):
+            if wrapper.backward_in_forward:
+                return "under pipeline parallelism this process's optimizer holds only its stage's parameters"
+            wrapper = wrapper.optimizer
+        if any(isinstance(p, DTensor) for group in inner.param_groups for p in group["params"]):
+            return "the parameters are DTensor shards (fsdp, zero2 or tensor_parallel): the state would be shards"
+        return None
+
+    def _refuse_sharded(self, call: str) -> None:
+        reason = self.sharded_state_reason()
+        if reason is not None:
+            raise ShardedStateError(
+                f"result.optim.{call} is refused: {reason}. Use atorch.save_checkpoint(path, result) and "
+                "atorch.load_checkpoint(path, result) (every process calls them; any strategy can load the result), "
+                "or atorch.export_model(result, path) for the weights", key=call)
 
     def add_param_group(self, group: dict) -> None:
         self.optimizer.add_param_group(group)

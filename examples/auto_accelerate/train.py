@@ -3,6 +3,8 @@
 Run with ``make demo`` (2 CPU processes under torchrun), or directly:
     torchrun --standalone --nproc_per_node 2 examples/auto_accelerate/train.py --steps 30
     python examples/auto_accelerate/train.py --strategy outputs/demo_strategy.json   # one process
+    python examples/auto_accelerate/train.py --steps 30 --save-every 10                # checkpoints...
+    python examples/auto_accelerate/train.py --steps 30 --resume                       # ...and resume
 The training loop below is the seed contract's loop, unchanged for any strategy.
 """
 from __future__ import annotations
@@ -32,6 +34,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--strategy", default=None, help="a saved strategy file (.json or .pkl); default: bf16 DDP + checkpoint")
     parser.add_argument("--save-strategy", default=None, help="where to save the strategy that ran")
     parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--checkpoint-dir", default="outputs/checkpoint", help="where --save-every writes checkpoints")
+    parser.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from --checkpoint-dir (any strategy or number of processes may have written it)")
     return parser.parse_args()
 
 
@@ -64,9 +70,16 @@ def main() -> None:
 
     model, optim, dataloader = result.model, result.optim, result.dataloader
     device = next(model.parameters()).device
+    done = 0
+    if args.resume:  # before iterating: the dataloader then skips the batches already trained on
+        done = atorch.load_checkpoint(args.checkpoint_dir, result)["step"]
+        if rank == 0:
+            print(f"resumed from {args.checkpoint_dir} at step {done}")
     first = last = None
     start = time.perf_counter()
-    for step, batch in enumerate(dataloader, start=1):
+    for step, batch in enumerate(dataloader, start=done + 1):
+        if step > args.steps:  # a checkpoint at the end of the epoch: the loader would start the next one
+            break
         batch = result.prepare_input(batch, device)
         output = model(**batch)
         loss = result.loss_func(batch, output)
@@ -77,9 +90,13 @@ def main() -> None:
         first = value if first is None else first
         last = value
         if rank == 0 and (step % args.log_every == 0 or step == 1):
-            rate = step / (time.perf_counter() - start)
+            rate = (step - done) / (time.perf_counter() - start)
             print(f"step {step:4d}/{len(dataloader)}  loss {value:.4f}  ({rate:.1f} steps/s)", flush=True)
-    if rank == 0:
+        if args.save_every and step % args.save_every == 0:
+            atorch.save_checkpoint(args.checkpoint_dir, result, step=step)  # every process calls it
+    if rank == 0 and first is None:
+        print(f"nothing left to train: the checkpoint is at step {done} of {len(dataloader)}")
+    elif rank == 0:
         print(f"loss fell from {first:.4f} to {last:.4f}" if last < first else f"loss did not fall: {first:.4f} -> {last:.4f}")
         if args.save_strategy:
             print(f"strategy saved to {args.save_strategy}; reuse it with --strategy {args.save_strategy}")

@@ -1,0 +1,107 @@
+"""The dataloader auto_accelerate returns: a DataLoader that knows where it is in its epoch.
+
+A resumed run must see the batches it would have seen. ``ResumableDataLoader`` counts the batches
+each iterator has yielded and keeps the torch RNG state its current iterator started from (a
+shuffling sampler draws its permutation seed from that generator when the iterator is made).
+``position()`` is what a checkpoint stores; after ``resume_from(position)`` the next ``iter()``
+makes the same permutation and skips the batches already consumed, without loading them when it
+can (single-process loading of a map-style dataset skips sampler indices only).
+"""
+from __future__ import annotations
+
+import base64
+import itertools
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+
+def encode_rng(state: torch.Tensor) -> str:
+    """A torch RNG state (uint8 tensor) as base64 text, for JSON files."""
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
+
+
+def decode_rng(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+class ResumableDataLoader(DataLoader):
+    """A torch DataLoader (``isinstance(..., DataLoader)`` holds) whose position can be saved and
+    restored; see the module docstring. Iterate it as usual."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.iterations = 0        # how many iterators were made (epochs started)
+        self.consumed = 0          # batches the latest iterator yielded
+        self.rng_at_iter: Optional[torch.Tensor] = None  # torch RNG state when the latest iterator was made
+        self._resume: Optional[dict] = None
+
+    def __iter__(self) -> Iterator[Any]:
+        resume, self._resume = self._resume, None
+        current = torch.get_rng_state()
+        if resume is not None and resume.get("rng_at_iter") is not None:
+            torch.set_rng_state(resume["rng_at_iter"])  # the permutation of the interrupted epoch
+        self.rng_at_iter = torch.get_rng_state()
+        iterator = super().__iter__()
+        self._start_sampler(iterator)
+        if resume is not None and resume.get("rng_at_iter") is not None:
+            torch.set_rng_state(current)  # the training RNG continues from the checkpoint's state
+        self.iterations += 1
+        self.consumed = 0
+        skip = resume["consumed"] if resume is not None else 0
+        return self._counted(iterator, skip)
+
+    def _start_sampler(self, iterator: Any) -> None:
+        """Draw the first indices now: a shuffling sampler takes its seed from the torch RNG on its
+        first ``next``, which must see ``rng_at_iter`` (with workers, the iterator prefetched already)."""
+        sampler_iter = getattr(iterator, "_sampler_iter", None)
+        if self.num_workers != 0 or sampler_iter is None:
+            return
+        try:
+            first = next(sampler_iter)
+        except StopIteration:
+            return
+        iterator._sampler_iter = itertools.chain([first], sampler_iter)
+
+    def _counted(self, iterator: Any, skip: int) -> Iterator[Any]:
+        self._skip(iterator, skip)
+        self.consumed = skip
+        for batch in iterator:
+            self.consumed += 1
+            yield batch
+
+    def _skip(self, iterator: Any, count: int) -> None:
+        """Advance past ``count`` batches; by sampler indices only when no worker prefetched data."""
+        if count <= 0:
+            return
+        sampler_iter = getattr(iterator, "_sampler_iter", None)
+        if self.num_workers == 0 and not isinstance(self.dataset, IterableDataset) and sampler_iter is not None:
+            for _ in range(count):
+                next(sampler_iter)
+            iterator._num_yielded += count
+            return
+        for _ in range(count):
+            next(iterator)
+
+    # --- checkpoints ---------------------------------------------------------------------------------
+    def position(self) -> dict:
+        """Where this loader is: JSON-able, plus ``rng_at_iter`` (this rank's, a tensor or None)."""
+        sampler = self.sampler
+        return {"iterations": self.iterations, "consumed": self.consumed,
+                "sampler_epoch": getattr(sampler, "epoch", None), "rng_at_iter": self.rng_at_iter}
+
+    def resume_from(self, position: dict) -> None:
+        """The next ``iter()`` continues the saved epoch: same permutation, consumed batches skipped.
+        A saved epoch that was complete starts the next one normally."""
+        self.iterations = int(position.get("iterations", 0))
+        if position.get("sampler_epoch") is not None and hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(int(position["sampler_epoch"]))
+        consumed = int(position.get("consumed", 0))
+        try:
+            complete = consumed >= len(self)
+        except TypeError:  # no __len__: resume mid-epoch
+            complete = False
+        self._resume = None if complete or consumed == 0 and self.iterations == 0 else {
+            "consumed": consumed, "rng_at_iter": position.get("rng_at_iter")}
+        self.iterations -= 1 if self._resume is not None else 0
