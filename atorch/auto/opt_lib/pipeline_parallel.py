@@ -440,6 +440,7 @@ def _blocks(model: nn.Module, num_stages: int = 1, detail: str = "") -> list[tup
         block_type = next(iter(found))
         blocks = [(n, m) for n, m in model.named_modules() if type(m).__name__ == block_type]
     if len(blocks) < max(num_stages, 1):
+        check_supported(model, blocks)  # a model no cut can serve is refused for that, not for its block count
         what = f"{len(blocks)} ({type(blocks[0][1]).__name__})" if blocks else "none"
         raise MethodConfigError(
             "pipeline_parallel",
