@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from torch.utils.data import default_collate
+
+from atorch.auto.search.layouts import layout_facts
 from atorch.testing.conformance import page, run_matrix
+from atorch.testing.hf_models import ZOO
+from atorch.testing.training import call_model
 
 pytestmark = pytest.mark.multirank
 pytest.importorskip("transformers", reason="transformers is a test extra")
@@ -64,11 +69,9 @@ def test_search_proposes_exactly_the_layouts_the_matrix_proves(cells):
     """The search's layout facts come from the methods' own planners: a tensor or pipeline size is
     offered for a model exactly when the matrix's cell for it passes (and the refusal it gives is the
     method's own)."""
-    from atorch.auto.search.layouts import layout_facts
-    from atorch.testing.hf_models import ZOO
-
     for name, zoo in ZOO.items():
-        facts = layout_facts(zoo.build(), 2)
+        batch = default_collate([zoo.make_dataset(2, 0)[i] for i in range(2)])
+        facts = layout_facts(zoo.build(), 2, lambda model: call_model(model, batch, zoo.input_format))
         for column, tensor, pipeline in (("tp2", 2, 1), ("pp2_1f1b", 1, 2)):
             cell = cells[(column, name)]
             offered = facts.reason(tensor, pipeline) is None
