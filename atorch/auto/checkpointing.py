@@ -10,7 +10,10 @@ processes) loads under another. A checkpoint is a directory:
   prefixes; pipeline stages contribute their own names; tied weights once), and
   ``optim/<name>/<key>`` for each tensor of a parameter's optimizer state. Under zero1 each rank
   contributes the state of the parameters it owns (ZeroRedundancyOptimizer's partition): nothing
-  is consolidated.
+  is consolidated. Under DeepSpeed ZeRO-1/2 (use_ds_zero) each parameter's state is reduced from
+  the ranks' flat-partition fragments onto one owner, which writes it (``ZeroPartitions``). A
+  parameter tensor_parallel keeps permuted (GPT-2's fused q|k|v) is stored in the user's layout
+  (``PermutedLayout``), gathered whole. ds_3d_parallel is refused (CheckpointError).
 - ``atorch_checkpoint.json`` (written by process 0, last): the step, ``extra``, the strategy, the
   world size, the model keys, the optimizer's ``param_groups`` (hyperparameters and parameter
   names), the grad scaler, the lr scheduler and the dataloader position. Its presence marks the
@@ -45,8 +48,13 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: caught by name
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from atorch.auto.opt_lib.amp import AmpOptimizer
+from atorch.auto.opt_lib.deepspeed_zero import DeepSpeedOptimizer, ZeroPartitions
+from atorch.auto.opt_lib.ds_3d_parallel import EngineStepOptimizer
+from atorch.auto.opt_lib.tensor_parallel import SAVED_LAYOUTS_ATTR, PermutedLayout
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.auto.strategy import Strategy
 from atorch.distributed.agreement import all_ranks_true, is_main_rank, is_multi_rank
@@ -97,27 +105,82 @@ def canonical_name(name: str) -> str:
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's live parameters and persistent buffers by canonical name (DTensors as they are;
-    a weight tied under several names once, under its first). CheckpointError for a parameter
-    whose saved layout differs from the live one (a state_dict hook rewrites it, e.g. the fused
-    q|k|v projection that tensor_parallel reorders): loading it in place would be wrong."""
+    a weight tied under several names once, under its first). A parameter kept in a permuted
+    layout (``saved_layouts``: tensor_parallel's fused q|k|v) is returned live too; save and load
+    convert it. CheckpointError for any other parameter whose ``state_dict`` value is not the live
+    tensor (an unknown state_dict hook rewrites it): loading it in place would be wrong."""
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for root in _model_roots(model):
         live = dict(root.named_parameters(remove_duplicate=False))
         live.update(root.named_buffers(remove_duplicate=False))
+        permuted = _layouts_of(root)
         for name, value in root.state_dict(keep_vars=True).items():
             key = canonical_name(name)
             if key in out or id(value) in seen:
                 continue  # a tied weight, or a replicated buffer of a second pipeline stage
             if name in live and value is not live[name]:
-                raise CheckpointError(
-                    f"save_checkpoint/load_checkpoint: {key!r} is stored in another layout than the live parameter "
-                    "(a state_dict hook rewrites it, as tensor_parallel does for a fused q|k|v projection); this is "
-                    "not supported yet: use separate q/k/v projections, or export the weights with "
-                    "atorch.export_model", key=key)
+                if name not in permuted:
+                    raise CheckpointError(
+                        f"save_checkpoint/load_checkpoint: {key!r} is stored in another layout than the live "
+                        "parameter (a state_dict hook rewrites it) and atorch does not know that layout; export the "
+                        "weights with atorch.export_model", key=key)
+                value = live[name]
             seen.add(id(value))
             out[key] = value
     return out
+
+
+def _layouts_of(root: nn.Module) -> dict[str, PermutedLayout]:
+    """``{state_dict name: layout}`` of the parameters a module keeps permuted (``SAVED_LAYOUTS_ATTR``)."""
+    out = {}
+    for prefix, module in root.named_modules(remove_duplicate=False):
+        for attr, layout in getattr(module, SAVED_LAYOUTS_ATTR, {}).items():
+            out[f"{prefix}.{attr}" if prefix else attr] = layout
+    return out
+
+
+def saved_layouts(model: nn.Module) -> dict[str, PermutedLayout]:
+    """``{canonical name: layout}`` of the parameters stored in the user's layout, not the live one."""
+    return {canonical_name(n): layout for root in _model_roots(model) for n, layout in _layouts_of(root).items()}
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def in_saved_layout(tensors: dict[str, torch.Tensor], model: dict[str, torch.Tensor],
+                    layouts: dict[str, PermutedLayout]) -> dict[str, torch.Tensor]:
+    """``tensors`` (``model/<name>`` and ``optim/<name>/<key>``) with each permuted parameter and
+    its parameter-shaped state in the user's layout, so any strategy can load them. Such a tensor is
+    gathered whole (collective: call it on every rank in the same order) and saved replicated: the
+    permutation mixes every rank's columns, so no rank's shard is a block of the saved tensor."""
+    if not layouts:
+        return tensors
+    out = dict(tensors)
+    for key in sorted(tensors):
+        name = _param_of_key(key)
+        if name in layouts and tensors[key].shape == model[name].shape and tensors[key].dim():
+            out[key] = layouts[name].to_saved(_full(tensors[key]).detach())
+    return out
+
+
+def _param_of_key(key: str) -> str:
+    """The parameter name of ``model/<name>`` or ``optim/<name>/<state key>``."""
+    if key.startswith("model/"):
+        return key[len("model/"):]
+    return key[len("optim/"):].rsplit("/", 1)[0]
+
+
+def to_live_layout(saved: torch.Tensor, like: torch.Tensor, layout: PermutedLayout) -> torch.Tensor:
+    """A full tensor in the user's layout, permuted and cut as ``like`` (this rank's DTensor shard)."""
+    live = layout.to_live(saved)
+    if not isinstance(like, DTensor):
+        return live
+    shape, offset = compute_local_shape_and_global_offset(live.shape, like.device_mesh, like.placements)
+    local = live[tuple(slice(o, o + n) for o, n in zip(offset, shape))].to(like.device)
+    return DTensor.from_local(local.contiguous(), like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
 
 
 # --- the optimizer's parts -------------------------------------------------------------------------
@@ -130,18 +193,26 @@ class OptimizerView:
     def __init__(self, optim: Any):
         outer = optim
         self.scaler = None
+        self.deepspeed: Optional[ZeroPartitions] = None  # use_ds_zero: the state is in DeepSpeed's flat partitions
         while isinstance(outer, AtorchOptimizer):
             if isinstance(outer, AmpOptimizer) and outer.scaler is not None:
                 self.scaler = outer.scaler
-            if hasattr(outer, "engine"):
-                raise CheckpointError("save_checkpoint/load_checkpoint: DeepSpeed ZeRO (use_ds_zero) keeps its state in "
-                                      "flat partitions and is not supported yet; use zero1 / zero2 / fsdp without "
-                                      "use_ds_zero", key="use_ds_zero")
+            if isinstance(outer, EngineStepOptimizer):
+                raise CheckpointError("save_checkpoint/load_checkpoint: ds_3d_parallel is not supported: DeepSpeed's "
+                                      "pipeline engine names layers by stage index and keeps its own optimizer state; "
+                                      "use pipeline_parallel / mixed_parallel, or DeepSpeed's own "
+                                      "engine.save_checkpoint", key="ds_3d_parallel")
+            if isinstance(outer, DeepSpeedOptimizer):
+                self.deepspeed = ZeroPartitions(outer.engine.optimizer)
             outer = outer.optimizer
         self.torch_optimizer = outer
         self.full_groups: list[dict] = outer.param_groups
-        if isinstance(outer, ZeroRedundancyOptimizer):
-            self.local: Optional[torch.optim.Optimizer] = outer.optim
+        self.group_params: list[list[torch.Tensor]] = [g["params"] for g in outer.param_groups]
+        if self.deepspeed is not None:  # DeepSpeed's groups hold its flat partitions: the model's params instead
+            self.group_params = self.deepspeed.group_params
+            self.local: Optional[torch.optim.Optimizer] = None
+        elif isinstance(outer, ZeroRedundancyOptimizer):
+            self.local = outer.optim
         elif hasattr(outer, "owner") and hasattr(outer, "inner"):  # zero1 over DTensors (ShardedStateOptimizer)
             self.local = outer.inner
         else:
@@ -161,8 +232,12 @@ def _name_of(param: torch.Tensor, names: dict[int, str]) -> str:
 
 
 def optimizer_state_tensors(view: OptimizerView, names: dict[int, str]) -> dict[str, torch.Tensor]:
-    """``optim/<name>/<key>`` for every tensor of the state this rank's optimizer holds."""
+    """``optim/<name>/<key>`` for every tensor of the state this rank's optimizer holds (under
+    use_ds_zero: the full state of the parameters this rank owns, gathered from the partitions;
+    collective)."""
     out: dict[str, torch.Tensor] = {}
+    if view.deepspeed is not None:
+        return {f"optim/{_name_of(p, names)}/{key}": value for p, key, value in view.deepspeed.owned_state()}
     if view.local is None:
         return out
     for param, state in view.local.state.items():
@@ -175,8 +250,8 @@ def optimizer_state_tensors(view: OptimizerView, names: dict[int, str]) -> dict[
     return out
 
 
-def _group_record(group: dict, names: dict[int, str]) -> dict:
-    record = {"params": [_name_of(p, names) for p in group["params"]]}
+def _group_record(group: dict, params: list[torch.Tensor], names: dict[int, str]) -> dict:
+    record = {"params": [_name_of(p, names) for p in params]}
     for key, value in group.items():
         if key != "params":
             record[key] = _json_value(value, f"param_groups[{key!r}]")
@@ -217,7 +292,8 @@ def _local_metadata(result: Any, model: dict[str, torch.Tensor], optim: dict[str
     return {
         "model": {k: _tensor_info(v) for k, v in model.items()},
         "optim": {k: _tensor_info(v) for k, v in optim.items()},
-        "param_groups": [_group_record(g, names) for g in view.full_groups] if view is not None else None,
+        "param_groups": ([_group_record(g, p, names) for g, p in zip(view.full_groups, view.group_params)]
+                         if view is not None else None),
     }
 
 
@@ -312,12 +388,15 @@ def save_checkpoint(path: str | os.PathLike, result: "AutoAccelerateResult", ste
 
     def prepare() -> tuple:
         model = model_tensors(result.model)
-        names = _param_names(model)
         view = OptimizerView(result.optim) if result.optim is not None else None
-        optim = optimizer_state_tensors(view, names) if view is not None else {}
-        return model, view, optim, _local_metadata(result, model, optim, view, names)
+        return model, _param_names(model), view
 
-    model, view, optim, local = _on_every_rank(prepare)
+    model, names, view = _on_every_rank(prepare)
+    optim = _on_every_rank(lambda: optimizer_state_tensors(view, names) if view is not None else {})
+    local = _on_every_rank(lambda: _local_metadata(result, model, optim, view, names))
+    tensors = {f"model/{k}": v for k, v in model.items()}
+    tensors.update(optim)
+    tensors = in_saved_layout(tensors, model, saved_layouts(result.model))  # collective where a layout applies
     merged = _merge(_gather(local))
     meta = {
         "format": FORMAT, "version": VERSION, "step": step, "extra": extra, "strategy": _strategy_json(result),
@@ -328,8 +407,6 @@ def save_checkpoint(path: str | os.PathLike, result: "AutoAccelerateResult", ste
         "dataloader": _dataloader_position(result.dataloader), **merged,
     }
     tmp = _agreed_tmp_dir(target)
-    tensors = {f"model/{k}": v for k, v in model.items()}
-    tensors.update(optim)
     _write(tmp, tensors, meta, _rng_state(result.dataloader), target)
 
 
@@ -531,8 +608,11 @@ def load_checkpoint(path: str | os.PathLike, result: "AutoAccelerateResult", *, 
 
     model, names, view, optim_targets = _on_every_rank(prepare)
     _check_unexpected_keys(model, meta, strict, source)
+    layouts = saved_layouts(result.model)
     destinations = {f"model/{k}": v for k, v in model.items() if k in meta["model"]}
     destinations.update({key: tensor for key, (tensor, _, _) in optim_targets.items()})
+    relayout = _saved_layout_destinations(destinations, model, layouts)
+    destinations.update(relayout)
     try:
         with torch.no_grad():
             dcp.load(destinations, storage_reader=SafeFileSystemReader(source))
@@ -540,6 +620,9 @@ def load_checkpoint(path: str | os.PathLike, result: "AutoAccelerateResult", *, 
         raise
     except (Exception, CheckpointException) as error:
         raise CheckpointError(f"load_checkpoint: reading the tensors of {source!r} failed: {error}") from error
+    optim_targets = _into_live_layout(relayout, model, layouts, optim_targets)
+    if view is not None and view.deepspeed is not None:
+        view.deepspeed.sync_master_weights()
     if view is not None:
         _load_optimizer(view, names, meta, optim_targets)
         if view.scaler is not None and meta.get("scaler"):
@@ -609,19 +692,51 @@ def _check_unexpected_keys(model: dict, meta: dict, strict: bool, source: str) -
                               "model does not have; pass strict=False to ignore them", key=unexpected[0])
 
 
+def _saved_layout_destinations(destinations: dict, model: dict, layouts: dict) -> dict:
+    """Plain full tensors for DCP to read the permuted parameters (and their parameter-shaped
+    state) into, in the user's layout; ``_into_live_layout`` converts them afterwards."""
+    out = {}
+    for key, tensor in destinations.items():
+        name = _param_of_key(key)
+        if name in layouts and tensor.shape == model[name].shape and tensor.dim():
+            out[key] = torch.zeros(tensor.shape, dtype=tensor.dtype)
+    return out
+
+
+def _into_live_layout(loaded: dict, model: dict, layouts: dict, optim_targets: dict) -> dict:
+    """Copy the permuted parameters read in the user's layout into the live ones (in place) and
+    return ``optim_targets`` with their state in the live layout, laid out like the parameter."""
+    targets = dict(optim_targets)
+    for key in loaded:
+        name = _param_of_key(key)
+        live = to_live_layout(loaded[key], model[name], layouts[name])
+        if key.startswith("model/"):
+            with torch.no_grad():
+                local = model[name].to_local() if isinstance(model[name], DTensor) else model[name]
+                local.copy_(live.to_local() if isinstance(live, DTensor) else live)
+        else:
+            _, param, state_key = targets[key]
+            targets[key] = (live, param, state_key)
+    return targets
+
+
 def _optimizer_destinations(view: OptimizerView, names: dict[int, str], meta: dict) -> dict:
     """``optim/<name>/<key>`` → (a tensor DCP fills, the parameter, the state key) for the state of
-    every parameter this rank's optimizer holds (under zero1: the owned partition)."""
+    every parameter this rank's optimizer holds (under zero1: the owned partition; under
+    use_ds_zero: the parameters with a fragment in this rank's partition, read whole)."""
     out = {}
-    if view.local is None:
+    if view.deepspeed is not None:
+        params = view.deepspeed.held_params()
+    elif view.local is not None:
+        params = [p for group in view.local.param_groups for p in group["params"]]
+    else:
         return out
-    for group in view.local.param_groups:
-        for param in group["params"]:
-            name = _name_of(param, names)
-            prefix = f"optim/{name}/"
-            for key, (shape, dtype) in meta["optim"].items():
-                if key.startswith(prefix) and "/" not in key[len(prefix):]:
-                    out[key] = (_destination(param, shape, getattr(torch, dtype)), param, key[len(prefix):])
+    for param in params:
+        name = _name_of(param, names)
+        prefix = f"optim/{name}/"
+        for key, (shape, dtype) in meta["optim"].items():
+            if key.startswith(prefix) and "/" not in key[len(prefix):]:
+                out[key] = (_destination(param, shape, getattr(torch, dtype)), param, key[len(prefix):])
     return out
 
 
@@ -638,8 +753,14 @@ def _load_optimizer(view: OptimizerView, names: dict[int, str], meta: dict, targ
     its own load_state_dict (which casts and places each value as that optimizer does)."""
     saved_groups = meta.get("param_groups") or []
     group_of = {n: g for g in saved_groups for n in g["params"]}
-    for group in view.full_groups:
-        _set_hyperparameters(group, names, group_of)
+    for group, params in zip(view.full_groups, view.group_params):
+        _set_hyperparameters(group, params, names, group_of)
+    if view.deepspeed is not None:
+        loaded: dict[int, dict] = {}
+        for tensor, param, key in targets.values():
+            loaded.setdefault(id(param), {})[key] = tensor
+        view.deepspeed.load_state(loaded)
+        return
     if view.local is None:
         return
     state: dict[int, dict] = {}
@@ -648,7 +769,7 @@ def _load_optimizer(view: OptimizerView, names: dict[int, str], meta: dict, targ
     for _, (tensor, param, key) in targets.items():
         by_param.setdefault(id(param), {})[key] = tensor
     for group in view.local.param_groups:
-        _set_hyperparameters(group, names, group_of)
+        _set_hyperparameters(group, group["params"], names, group_of)
         indices = []
         for param in group["params"]:
             if id(param) in by_param:
@@ -659,10 +780,11 @@ def _load_optimizer(view: OptimizerView, names: dict[int, str], meta: dict, targ
     view.local.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _set_hyperparameters(group: dict, names: dict[int, str], group_of: dict) -> None:
-    if not group["params"]:
+def _set_hyperparameters(group: dict, params: list[torch.Tensor], names: dict[int, str], group_of: dict) -> None:
+    """The saved hyperparameters of the group that held ``params[0]`` into ``group``."""
+    if not params:
         return
-    saved = group_of.get(_name_of(group["params"][0], names))
+    saved = group_of.get(_name_of(params[0], names))
     if saved is None:
         return
     for key, value in saved.items():

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from atorch.errors import MethodConfigError, RequirementError
+from atorch.errors import CheckpointError, MethodConfigError, RequirementError
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.distributed import mesh
 from atorch.distributed.fault import register_rebuild_callback
@@ -134,3 +134,103 @@ class DeepSpeedOptimizer(AtorchOptimizer):
 
     def load_state_dict(self, state: dict) -> None:
         self.engine.optimizer.load_state_dict(state)
+
+
+# --- checkpoints: per-parameter state out of (and into) ZeRO-1/2's flat partitions --------------------
+class ZeroPartitions:
+    """Per-parameter access to a DeepSpeed ZeRO stage 1/2 optimizer (``DeepSpeedZeroOptimizer``),
+    for checkpoints in atorch's layout (the user's parameters, not DeepSpeed's flat buffers).
+
+    Each rank holds one flat fp32 partition per param group (the master weights) and the torch
+    optimizer's state of that partition; a parameter's ``_hp_mapping`` says which range of it lies
+    in this rank's partition (a parameter can span two ranks). The model's own parameters hold the
+    full weights on every rank (atorch's DeepSpeed config keeps them fp32, so they equal the master
+    weights)."""
+
+    def __init__(self, zero: Any):
+        missing = [a for a in ("bit16_groups", "single_partition_of_fp32_groups", "real_dp_process_group", "optimizer")
+                   if not hasattr(zero, a)]
+        if missing:
+            raise CheckpointError(f"use_ds_zero: the DeepSpeed optimizer {type(zero).__name__} has no {missing}: "
+                                  "checkpoints support ZeRO stages 1 and 2 (DeepSpeedZeroOptimizer)", key="use_ds_zero")
+        self.zero = zero
+        self.groups: list[dict] = zero.optimizer.param_groups  # hyperparameters; params are the flat partitions
+        self.group_params: list[list[torch.Tensor]] = [list(g) for g in zero.bit16_groups]
+
+    def held_params(self) -> list[torch.Tensor]:
+        """The parameters with a fragment in this rank's partition (whose state it loads)."""
+        return [p for _, params, _ in self._partitions() for p in params if getattr(p, "_hp_mapping", None) is not None]
+
+    def owned_state(self) -> list[tuple[torch.Tensor, str, torch.Tensor]]:
+        """(parameter, state key, full state tensor) for the parameters this rank writes (collective).
+
+        Parameters are dealt round-robin to the ranks of their group; each one's state is summed
+        from the ranks' fragments onto its owner (one ``reduce`` per parameter and key), so no rank
+        holds more than its share of the full state. Scalars (Adam's ``step``: one per partition,
+        equal on every rank) are written under each parameter, as torch optimizers keep them."""
+        rank, out, index = dist.get_rank(), [], 0
+        for flat, params, group in self._partitions():
+            state = self.zero.optimizer.state.get(flat, {})
+            size = dist.get_world_size(group)
+            for param in params:
+                owner = dist.get_global_rank(group, index % size)
+                index += 1
+                for key in sorted(state):
+                    full = self._full(param, state[key], flat, group, owner)
+                    if rank == owner:
+                        out.append((param, key, full))
+        return out
+
+    def load_state(self, loaded: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Copy each parameter's loaded full state (``{id(param): {key: tensor}}``) into this rank's
+        fragment of the flat partition state, creating that state when no step ran yet; then let
+        DeepSpeed re-link its per-parameter views of it."""
+        for flat, params, _ in self._partitions():
+            state = self.zero.optimizer.state[flat]
+            for param in params:
+                mapping = getattr(param, "_hp_mapping", None)
+                if mapping is None:
+                    continue  # no part of it in this rank's partition
+                for key, value in loaded.get(id(param), {}).items():
+                    if value.dim() and value.shape == param.shape:
+                        if key not in state or state[key].shape != flat.shape:
+                            state[key] = torch.zeros_like(flat, dtype=value.dtype)
+                        self._fragment(state[key], mapping).copy_(self._lp_fragment(value, mapping))
+                    else:
+                        state[key] = value.detach().clone()
+        self.zero._hp_optimizer_states_linked = False
+        self.zero._lazy_init_hp_params_optimizer_state()
+
+    def sync_master_weights(self) -> None:
+        """After the model's parameters were loaded in place, copy them into the fp32 master
+        partition: ZeRO's step updates the master copy and overwrites the parameters from it."""
+        with torch.no_grad():
+            for _, params, _ in self._partitions():
+                for param in params:
+                    mapping = getattr(param, "_hp_mapping", None)
+                    if mapping is not None:
+                        mapping.hp_fragment.copy_(self._lp_fragment(param.detach(), mapping))
+
+    def _partitions(self) -> list[tuple[torch.Tensor, list[torch.Tensor], Any]]:
+        return list(zip(self.zero.single_partition_of_fp32_groups, self.group_params, self.zero.real_dp_process_group))
+
+    def _full(self, param: torch.Tensor, value: torch.Tensor, flat: torch.Tensor, group: Any, owner: int) -> torch.Tensor:
+        if not (value.dim() and value.shape == flat.shape):
+            return value.detach().clone()
+        buffer = torch.zeros(param.numel(), dtype=value.dtype, device=value.device)
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is not None:
+            address = mapping.lp_fragment_address
+            buffer.narrow(0, address.start, address.numel).copy_(self._fragment(value, mapping))
+        dist.reduce(buffer, dst=owner, group=group)
+        return buffer.view(param.shape)
+
+    @staticmethod
+    def _fragment(flat_state: torch.Tensor, mapping: Any) -> torch.Tensor:
+        address = mapping.hp_fragment_address
+        return flat_state.narrow(0, address.start, address.numel)
+
+    @staticmethod
+    def _lp_fragment(full: torch.Tensor, mapping: Any) -> torch.Tensor:
+        address = mapping.lp_fragment_address
+        return full.reshape(-1).narrow(0, address.start, address.numel)

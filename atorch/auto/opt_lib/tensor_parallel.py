@@ -267,9 +267,31 @@ def _distribute(style, module, device_mesh, weight, bias):
 
 
 # --- fused q|k|v -------------------------------------------------------------------------------------
+SAVED_LAYOUTS_ATTR = "atorch_saved_layouts"  # module attribute: {param attr: PermutedLayout} (checkpointing reads it)
+
+
+@dataclass(frozen=True)
+class PermutedLayout:
+    """A parameter whose live layout is its saved (user's) layout with dimension ``dim`` permuted:
+    ``live.index_select(dim, i) == saved.index_select(dim, order[i])``. Kept on the module so that
+    ``state_dict`` and checkpoints store the user's layout, which any other strategy can load."""
+
+    order: torch.Tensor
+    dim: int
+
+    def to_saved(self, live: torch.Tensor) -> torch.Tensor:
+        """The user's layout of a full (unsharded) live-layout tensor."""
+        return live.index_select(self.dim, torch.argsort(self.order).to(live.device))
+
+    def to_live(self, saved: torch.Tensor) -> torch.Tensor:
+        """The live layout (full, unsharded) of a tensor in the user's layout."""
+        return saved.index_select(self.dim, self.order.to(saved.device))
+
+
 def _interleave_fused_qkv(model: nn.Module, fused_name: str, attention_name: str, tp: int) -> None:
     """Reorder the fused [q | k | v] output columns so rank r's contiguous share is [q_r | k_r | v_r],
-    tell the attention its local split size, and restore the original layout in state_dict."""
+    tell the attention its local split size, and restore the original layout in state_dict (and,
+    through ``SAVED_LAYOUTS_ATTR``, in checkpoints)."""
     proj = model.get_submodule(fused_name)
     attention = model.get_submodule(attention_name) if attention_name else model
     out_dim = 1 if type(proj).__name__ == "Conv1D" else 0
@@ -280,14 +302,16 @@ def _interleave_fused_qkv(model: nn.Module, fused_name: str, attention_name: str
             proj.bias.copy_(proj.bias.index_select(0, order))
     if hasattr(attention, "split_size"):
         attention.split_size //= tp
-    inverse = torch.argsort(order)
+    layouts = {"weight": PermutedLayout(order, out_dim)}
+    if proj.bias is not None:
+        layouts["bias"] = PermutedLayout(order, 0)
+    setattr(proj, SAVED_LAYOUTS_ATTR, layouts)
 
     def restore(module, state, prefix, local_metadata):
-        for key, dim in (("weight", out_dim), ("bias", 0)):
+        for key, layout in layouts.items():
             value = state.get(prefix + key)
             if value is not None:
-                value = value.full_tensor() if isinstance(value, DTensor) else value
-                state[prefix + key] = value.index_select(dim, inverse.to(value.device))
+                state[prefix + key] = layout.to_saved(value.full_tensor() if isinstance(value, DTensor) else value)
         return state
 
     proj._register_state_dict_hook(restore)
