@@ -42,6 +42,7 @@ STAGES = (
     "compile",          # native_dynamo, after the parallel wrappers
     "optimizer",        # build the optimizer (zero1 swaps its factory)
     "amp",              # autocast + grad scaler
+    "micro_batch",      # one call runs the per-rank batch as micro-steps (wraps the finished model / loss / optim)
     "dataloader",
 )
 
@@ -78,6 +79,9 @@ STAGE_CONTRACT = (
                    "grad_partition_group", "backward_in_forward", "per_rank_batch_size", "amp_dtype"),
                   ("optim", "raw_optim", "model", "loss_func", "args")),
     StageContract("amp", ("amp_native",), ("model", "loss_func", "optim", "amp_dtype", "device"),
+                  ("model", "loss_func", "optim", "args")),
+    StageContract("micro_batch", ("micro_batch",),
+                  ("model", "loss_func", "optim", "model_input_format", "per_rank_batch_size", "backward_in_forward"),
                   ("model", "loss_func", "optim", "args")),
     StageContract("dataloader", ("context",),
                   ("dataset", "dataloader_args", "distributed_sampler_cls", "per_rank_batch_size",
