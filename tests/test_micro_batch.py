@@ -8,7 +8,7 @@ import torch
 
 from atorch.auto.accelerate import auto_accelerate
 from atorch.errors import IncompatibleMethodsError, MethodConfigError
-from atorch.models import SyntheticTokenDataset, gpt_loss
+from atorch.models import GPTConfig, SyntheticTokenDataset, gpt_loss
 from atorch.testing import run_distributed
 from atorch.testing.training import build_gpt, train_gpt
 from tests.parity import assert_matches, run_suite
@@ -73,3 +73,50 @@ def test_refusals_name_the_reason():
         auto_accelerate(build_gpt(), torch.optim.SGD, SyntheticTokenDataset(16, 16, 64), gpt_loss,
                         optim_args={"lr": 0.1}, dataloader_args={"batch_size": 8}, model_input_format="unpack_dict",
                         load_strategy=["pipeline_parallel", MB2])
+
+
+SEARCH_GPT = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)
+
+
+def test_search_splits_a_batch_whose_activations_do_not_fit(tmp_path, monkeypatch):
+    """A memory limit between the predicted peaks of the unsplit batch and of 2 micro-batches: the
+    unsplit candidates are over it, the search picks a split, and the chosen strategy trains."""
+    from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates
+    from atorch.auto.search.cost import estimate
+    from atorch.auto.search.options import SearchOptions
+    from atorch.auto.search.planner import Planner
+
+    monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))  # the probe's measurement is reused by the search
+    kwargs = dict(optim_args={"lr": 0.1}, dataloader_args={"batch_size": 16}, model_input_format="unpack_dict")
+    dataset = SyntheticTokenDataset(96, SEARCH_GPT.block_size, SEARCH_GPT.vocab_size)
+    excluded = ["amp_native", "checkpoint", "module_replace", "native_dynamo"]
+
+    def make_context(model, local=False, batch_size=None):
+        from atorch.auto.model_context import ModelContext
+        return ModelContext(model, torch.optim.SGD, dataset, gpt_loss, local=local, per_rank_batch_size=batch_size,
+                            **kwargs)
+
+    probe = Planner(build_gpt(0, SEARCH_GPT), make_context, SearchOptions(excluded=excluded))
+    probe.analyse()
+    probe.measure()
+    variant = probe.variants[("fp32", False)]
+    whole, split = (estimate(Candidate(micro=k), variant, 1, probe.profile, probe.hardware).memory_bytes for k in (1, 2))
+    limit = (whole + split) // 2
+    status, result, strategy = auto_accelerate(build_gpt(0, SEARCH_GPT), torch.optim.SGD, dataset, gpt_loss,
+                                               memory_limit=limit, excluded=excluded, **kwargs)
+    found = result.args.extras["search"]
+    rows = {r.label: r for r in found.rows}
+    chosen = next(r for r in found.rows if r.chosen)
+    assert status and "micro_batch" in strategy.names(), found.table
+    assert rows["ddp+fp32"].status == "predicted over limit", found.table
+    assert chosen.label.startswith("ddp+fp32+mb") and chosen.measured_memory <= limit, found.table
+    assert rows["ddp+fp32+mb4"].reason == "the batch fits in 2 micro-batches", found.table
+    losses = []
+    for batch in result.dataloader:
+        batch = result.prepare_input(batch)
+        loss = result.loss_func(batch, result.model(**batch))
+        result.optim.backward(loss)
+        result.optim.step()
+        result.optim.zero_grad()
+        losses.append(float(loss))
+    assert len(losses) == 6 and losses[-1] < losses[0], losses

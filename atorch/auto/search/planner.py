@@ -27,7 +27,7 @@ from atorch.auto import opt_lib
 from atorch.auto.apply import apply_strategy, resolve_strategy
 from atorch.auto.dryrun import DryRunResult, dry_run
 from atorch.auto.search.analyser import ModelProfile, analyse_model
-from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates, refinements
+from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates, needless_split, refinements
 from atorch.auto.search.cost import estimate
 from atorch.auto.search.layouts import layout_facts
 from atorch.auto.search.measure import (
@@ -150,7 +150,8 @@ class Planner:
             if guess.memory_bytes > self.hardware.memory_limit:
                 row.status = "predicted over limit"
             self.rows.append(row)
-        fitting = [i for i, r in enumerate(self.rows) if r.status == "not tried"]
+        self._skip_needless_splits()
+        fitting = [i for i, r in enumerate(self.rows) if r.status == "not tried" and not r.reason]
         self.order = sorted(fitting, key=lambda i: (round(self.rows[i].predicted_time_s, 4),
                                                      len(self.rows[i].label.split("+"))))
 
@@ -242,6 +243,14 @@ class Planner:
                             self.hardware, self.dry_runs.get(chosen), files, table, self.phases.seconds)
 
     # --- helpers ---------------------------------------------------------------------------------------
+    def _skip_needless_splits(self) -> None:
+        """A micro-batched candidate is not dry-run when fewer micro-batches are predicted to fit: it
+        would only add per-micro-step overhead (``candidates.needless_split``)."""
+        fits = {c.label: r.status == "not tried" for c, r in zip(self.candidates, self.rows)}
+        for candidate, row in zip(self.candidates, self.rows):
+            if candidate.micro > 1 and row.status == "not tried":
+                row.reason = needless_split(candidate, lambda c: fits.get(c.label, False)) or ""
+
     def _profile(self, probe) -> ModelProfile:
         """The static profile, FLOPs on one sample batch, the sequence length and the layout facts."""
         sample = None
