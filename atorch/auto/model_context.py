@@ -59,7 +59,8 @@ class StageContract(NamedTuple):
 STAGE_CONTRACT = (
     StageContract("parallel_mode", ("parallel_mode",), ("device", "global_batch_size", "local"),
                   ("data_parallel_size", "per_rank_batch_size")),
-    StageContract("module_replace", ("module_replace",), ("model", "device", "amp_dtype", "half_dtype"), ("model",)),
+    StageContract("module_replace", ("module_replace",), ("model", "device", "amp_dtype", "half_dtype"),
+                  ("model", "args")),
     StageContract("fp8", ("fp8",), ("model",), ("model",)),
     StageContract("half", ("half",), ("model",), ("model", "input_dtype")),
     StageContract("pipeline", ("pipeline_parallel", "mixed_parallel"),
