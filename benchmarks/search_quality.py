@@ -8,9 +8,15 @@ Prints (a) the chosen strategy's throughput over the exhaustive best (goal >= 0.
 pass picks the best, then the chosen and the best are re-measured side by side in alternating
 rounds (single dry runs on a 2-core machine differ by 20% from noise alone), and (b) the search's
 wall time over the exhaustive wall time (goal <= 0.25). native_dynamo is left out of both (each
-compile costs ~20 s on this CPU).
+compile costs ~20 s on this CPU). Micro-batched candidates are left out of the exhaustive pass: without
+a memory limit a split only adds overhead.
 
-    .venv/bin/python benchmarks/search_quality.py [--steps 4]
+3. Under a memory limit the unsplit batch exceeds (between the predicted peaks of the whole batch and
+   of 2 micro-batches), with checkpointing allowed: what the search picks, its measured peak, and its
+   step time beside the unsplit batch and beside checkpointing (side by side, alternating rounds);
+   the measured cost of one extra micro-step next to the cost model's ``MICRO_STEP_OVERHEAD``.
+
+    .venv/bin/python benchmarks/search_quality.py [--steps 4] [--split-only]
 """
 from __future__ import annotations
 
@@ -80,6 +86,7 @@ def _every_candidate(name: str) -> tuple[list, dict, "torch.nn.Module"]:
     profile.layouts = layout_facts(model, world)
     space = SearchSpace(world, torch.device("cpu"), profile, frozenset(EXCLUDED), per_rank_batch=GLOBAL_BATCH // world)
     base, _ = enumerate_candidates(space)
+    base = [c for c in base if c.micro == 1]
     every = base + [dataclasses.replace(c, compute=("module_replace",)) for c in base]
     return every, arguments, model
 
@@ -135,11 +142,73 @@ def measure(steps: int) -> dict:
     return out
 
 
+SPLIT_BATCH = 32  # global batch of the memory-limited line: activations dominate the step's peak
+
+
+def memory_limited_split(steps: int) -> dict:
+    """The search under a limit only a split (or checkpointing) meets, and the candidates side by side."""
+    import statistics
+
+    from atorch.auto.model_context import ModelContext
+    from atorch.auto.search.candidates import Candidate
+    from atorch.auto.search.cost import estimate
+    from atorch.auto.search.options import SearchOptions
+    from atorch.auto.search.planner import Planner, dry_run_candidate
+
+    arguments = {**_arguments("repo GPT 4x128"), "dataloader_args": {"batch_size": SPLIT_BATCH},
+                 "dataset": SyntheticTokenDataset(SPLIT_BATCH * 8, 64, 512)}
+    model = arguments.pop("model")
+    excluded = EXCLUDED + ["amp_native", "module_replace"]
+
+    def make_context(target, local=False, batch_size=None):
+        return ModelContext(target, **arguments, local=local, per_rank_batch_size=batch_size)
+
+    probe = Planner(model, make_context, SearchOptions(excluded=excluded, use_cache=False))
+    probe.analyse()
+    probe.measure()
+    world, variant = dist.get_world_size(), probe.variants[("fp32", False)]
+    whole, split = (estimate(Candidate(micro=k), variant, world, probe.profile, probe.hardware).memory_bytes
+                    for k in (1, 2))
+    limit = (whole + split) // 2
+    status, result, _ = auto_accelerate(model, **arguments, memory_limit=limit, excluded=excluded)
+    found = result.args.extras["search"]
+    chosen = next(r for r in found.rows if r.chosen)
+    candidates = {"ddp+fp32": Candidate(), "ddp+fp32+mb2": Candidate(micro=2), "ddp+fp32+mb4": Candidate(micro=4),
+                  "ddp+fp32+ckpt": Candidate(checkpoint=True, block=probe.profile.main_block),
+                  chosen.label: found.candidate}
+    times: dict = {label: [] for label in candidates}
+    for r in range(3):
+        for label in (list(candidates) if r % 2 == 0 else list(candidates)[::-1]):
+            run = dry_run_candidate(model, make_context, candidates[label], steps)
+            times[label].append(run.step_time_s if run.ok else float("inf"))
+    return {"limit": limit, "chosen": chosen.label, "chosen_peak": chosen.measured_memory, "table": found.table,
+            "times": {label: statistics.median(v) for label, v in times.items()}}
+
+
+def print_split(r: dict) -> None:
+    from atorch.auto.search.cost import MICRO_STEP_OVERHEAD
+
+    t = r["times"]
+    overhead = [(t[f"ddp+fp32+mb{k}"] / t["ddp+fp32"] - 1) / (k - 1) for k in (2, 4)]
+    print(f"\nmemory-limited (repo GPT 4x128, global batch {SPLIT_BATCH}, limit {r['limit'] / 2**20:.1f} MiB/rank): "
+          f"chosen {r['chosen']} (peak {r['chosen_peak'] / 2**20:.1f} MiB); step ms side by side: "
+          + ", ".join(f"{label} {v * 1000:.1f}" for label, v in t.items()))
+    print(f"  ddp+fp32+ckpt / chosen step time {t['ddp+fp32+ckpt'] / t[r['chosen']]:.3f} (> 1: the chosen is faster); "
+          f"measured overhead per extra micro-step: mb2 {overhead[0]:+.3f}, mb4 {overhead[1]:+.3f} of the unsplit step "
+          f"(cost model: MICRO_STEP_OVERHEAD {MICRO_STEP_OVERHEAD:.3f})")
+    print(r["table"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per candidate in the exhaustive pass")
+    parser.add_argument("--split-only", action="store_true", help="only the memory-limited micro-batch line")
     args = parser.parse_args()
-    results = run_distributed(measure, 2, args.steps, timeout_s=3000)[0]
+    if args.split_only:
+        print_split(run_distributed(memory_limited_split, 2, args.steps, timeout_s=3000)[0])
+        return
+    results, split = zip(*run_distributed(_both, 2, args.steps, timeout_s=3000))
+    results, split = results[0], split[0]
     print(f"{'model':<18}{'chosen':<22}{'best (exhaustive)':<22}{'single pass':>12}{'side by side':>13}"
           f"{'search s':>10}{'exh. s':>9}{'time ratio':>11}")
     for name, r in results.items():
@@ -156,6 +225,11 @@ def main() -> None:
         for label, t in sorted(r["times"].items(), key=lambda kv: kv[1] or float("inf")):
             print(f"  {label:<40}{t * 1000 if t else float('nan'):>9.1f}")
         print(f"\n{name}: the search's report\n{r['table']}")
+    print_split(split)
+
+
+def _both(steps: int) -> tuple[dict, dict]:
+    return measure(steps), memory_limited_split(steps)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ NON_DEFAULT = {
     "pipeline_parallel": {"schedule": "Interleaved1F1B", "num_micro_batch": 4, "pivots": ["blocks.2"], "stages_per_rank": 2},
     "mixed_parallel": {"pipeline": {"schedule": "GPipe", "num_micro_batch": 8}, "tensor": {"plan": {"blocks.*.mlp.fc": "colwise"}}},
     "ds_3d_parallel": {"num_micro_batch": 4, "partition_method": "uniform"},
+    "micro_batch": {"num_micro_batch": 4},
 }
 
 

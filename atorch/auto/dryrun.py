@@ -7,8 +7,9 @@ the dry run on every rank within seconds and leaves a usable process group behin
 from __future__ import annotations
 
 import logging
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -35,6 +36,8 @@ class DryRunResult:
     step_time_s: Optional[float] = None   # mean of the timed steps, max over ranks
     peak_memory_bytes: Optional[int] = None  # max over ranks
     error: Optional[str] = None
+    step_time_spread_s: Optional[float] = None  # standard deviation of the timed steps, max over ranks (noise)
+    extras: dict = field(default_factory=dict)  # the applied context's ``args.extras`` (what methods reported)
 
     def __str__(self) -> str:
         if not self.ok:
@@ -74,14 +77,15 @@ def dry_run(ctx: ModelContext, warmup_steps: int = 1, timed_steps: int = DEFAULT
     if not outcome.ok:
         where = f" (rank {outcome.failed_rank})" if is_multi_rank() else ""
         return DryRunResult(False, error=f"{outcome.error}{where}")
-    step_time, peak = max_over_ranks(outcome.value)
-    return DryRunResult(True, step_time, int(peak))
+    step_time, peak, spread = max_over_ranks(outcome.value)
+    return DryRunResult(True, step_time, int(peak), step_time_spread_s=spread, extras=dict(ctx.args.extras))
 
 
 def _timed_steps(ctx: ModelContext, warmup_steps: int, timed_steps: int) -> list[float]:
-    """[mean seconds per timed step, peak bytes] on this rank; raises on any failure."""
+    """[mean seconds per timed step, peak bytes, standard deviation of the timed steps] on this rank;
+    raises on any failure. The spread is the noise a comparison of two step times must exceed."""
     batches = iter(ctx.dataloader)
-    elapsed = 0.0
+    times: list[float] = []
     with PeakMemoryTracker(ctx.device, roots=[ctx.model, ctx.raw_optim]) as tracker:
         for step in range(warmup_steps + timed_steps):
             try:
@@ -96,8 +100,9 @@ def _timed_steps(ctx: ModelContext, warmup_steps: int, timed_steps: int) -> list
             train_step(ctx, batch)
             _sync(ctx.device)
             if step >= warmup_steps:
-                elapsed += time.perf_counter() - start
-    return [elapsed / max(timed_steps, 1), float(tracker.stats.peak_bytes)]
+                times.append(time.perf_counter() - start)
+    spread = statistics.stdev(times) if len(times) > 1 else 0.0
+    return [sum(times) / max(timed_steps, 1), float(tracker.stats.peak_bytes), spread]
 
 
 def _sync(device: torch.device) -> None:

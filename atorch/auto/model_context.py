@@ -42,6 +42,7 @@ STAGES = (
     "compile",          # native_dynamo, after the parallel wrappers
     "optimizer",        # build the optimizer (zero1 swaps its factory)
     "amp",              # autocast + grad scaler
+    "micro_batch",      # one call runs the per-rank batch as micro-steps (wraps the finished model / loss / optim)
     "dataloader",
 )
 
@@ -58,7 +59,8 @@ class StageContract(NamedTuple):
 STAGE_CONTRACT = (
     StageContract("parallel_mode", ("parallel_mode",), ("device", "global_batch_size", "local"),
                   ("data_parallel_size", "per_rank_batch_size")),
-    StageContract("module_replace", ("module_replace",), ("model", "device", "amp_dtype", "half_dtype"), ("model",)),
+    StageContract("module_replace", ("module_replace",), ("model", "device", "amp_dtype", "half_dtype"),
+                  ("model", "args")),
     StageContract("fp8", ("fp8",), ("model",), ("model",)),
     StageContract("half", ("half",), ("model",), ("model", "input_dtype")),
     StageContract("pipeline", ("pipeline_parallel", "mixed_parallel"),
@@ -78,6 +80,9 @@ STAGE_CONTRACT = (
                    "grad_partition_group", "backward_in_forward", "per_rank_batch_size", "amp_dtype"),
                   ("optim", "raw_optim", "model", "loss_func", "args")),
     StageContract("amp", ("amp_native",), ("model", "loss_func", "optim", "amp_dtype", "device"),
+                  ("model", "loss_func", "optim", "args")),
+    StageContract("micro_batch", ("micro_batch",),
+                  ("model", "loss_func", "optim", "model_input_format", "per_rank_batch_size", "backward_in_forward"),
                   ("model", "loss_func", "optim", "args")),
     StageContract("dataloader", ("context",),
                   ("dataset", "dataloader_args", "distributed_sampler_cls", "per_rank_batch_size",

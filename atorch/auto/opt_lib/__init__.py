@@ -16,6 +16,7 @@ from atorch.auto.opt_lib.ds_3d_parallel import DS3DParallelOptimization
 from atorch.auto.opt_lib.fp8 import FP8Optimization
 from atorch.auto.opt_lib.fsdp import FSDPOptimization
 from atorch.auto.opt_lib.half import HalfOptimization
+from atorch.auto.opt_lib.micro_batch import MicroBatchOptimization
 from atorch.auto.opt_lib.mixed_parallel import MixedParallelOptimization
 from atorch.auto.opt_lib.module_replace import ModuleReplaceOptimization
 from atorch.auto.opt_lib.native_dynamo import NativeDynamoOptimization
@@ -63,7 +64,7 @@ BUILTIN_METHODS = (
     ParallelModeOptimization, AmpNativeOptimization, HalfOptimization, CheckpointOptimization,
     Zero1Optimization, Zero2Optimization, FSDPOptimization, ModuleReplaceOptimization, FP8Optimization,
     NativeDynamoOptimization, TensorParallelOptimization, SequenceParallelOptimization,
-    PipelineParallelOptimization, MixedParallelOptimization, DS3DParallelOptimization,
+    PipelineParallelOptimization, MixedParallelOptimization, DS3DParallelOptimization, MicroBatchOptimization,
 )
 for _method in BUILTIN_METHODS:
     register_optimization(_method)

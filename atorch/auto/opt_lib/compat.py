@@ -12,6 +12,8 @@ EXCLUSIVE_SETS: tuple[tuple[frozenset, str], ...] = (
     (frozenset({"zero1", "zero2", "fsdp", "ds_3d_parallel"}), "choose one sharding level"),
     (frozenset({"tensor_parallel", "mixed_parallel", "ds_3d_parallel"}), "mixed_parallel already includes tensor parallel"),
     (frozenset({"pipeline_parallel", "mixed_parallel", "ds_3d_parallel"}), "mixed_parallel already includes pipeline parallel"),
+    (frozenset({"micro_batch", "pipeline_parallel", "mixed_parallel", "ds_3d_parallel"}),
+     "a pipeline splits the batch into micro-batches itself: set its num_micro_batch"),
 )
 
 

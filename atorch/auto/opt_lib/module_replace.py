@@ -310,7 +310,10 @@ class ModuleReplaceOptimization(Optimization):
 
     def transform(self, ctx, config: ModuleReplaceConfig) -> None:
         def wrap(ctx) -> None:
-            ctx.model = replace_modules(ctx.model, config.pairs, training_dtype(ctx), ctx.device)
+            replaced: dict = {}
+            ctx.model = replace_modules(ctx.model, config.pairs, training_dtype(ctx), ctx.device, replaced)
+            # what was replaced, for the user and for the search (a method that changed nothing is not kept)
+            ctx.args.extras["module_replace"] = {"replaced": replaced}
 
         ctx.add_wrapper("module_replace", self.name, wrap)
 
@@ -319,10 +322,12 @@ def training_dtype(ctx) -> torch.dtype:
     return ctx.amp_dtype or getattr(ctx, "half_dtype", None) or torch.float32
 
 
-def replace_modules(model: nn.Module, names: Optional[tuple], dtype: torch.dtype, device: torch.device) -> nn.Module:
+def replace_modules(model: nn.Module, names: Optional[tuple], dtype: torch.dtype, device: torch.device,
+                    report: Optional[dict] = None) -> nn.Module:
     """Apply the chosen pairs to every matching submodule; returns the (possibly new) root.
 
-    Logs, per pair, the classes replaced (and how many of each) and the classes left as is with why."""
+    Logs, per pair, the classes replaced (and how many of each) and the classes left as is with why;
+    ``report``, when given, receives ``{pair: {class name: count}}`` for the pairs that replaced any."""
     replaced: dict[str, Counter] = {}
     for pair in (_PAIRS[n] for n in (names or registered_pairs())):
         if dtype not in pair.supported_dtypes:
@@ -337,7 +342,10 @@ def replace_modules(model: nn.Module, names: Optional[tuple], dtype: torch.dtype
             logger.info("module_replace: %s: %s; left as is", pair.name, reason)
     if replaced.get("hf_attention"):
         _use_atorch_masks(model)
-    logger.info("module_replace: replaced %s", {k: dict(v) for k, v in replaced.items() if v} or "nothing")
+    done = {k: dict(v) for k, v in replaced.items() if v}
+    logger.info("module_replace: replaced %s", done or "nothing")
+    if report is not None:
+        report.update(done)
     return model
 
 

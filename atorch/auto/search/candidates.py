@@ -1,8 +1,9 @@
 """The candidate strategies for this world size, model and machine, and the rules that prune them.
 
-A candidate is a point in five dimensions: the parallel layout (tensor and pipeline sizes, the rest
+A candidate is a point in six dimensions: the parallel layout (tensor and pipeline sizes, the rest
 data parallel), sharding over the data dimension (ddp / zero1 / zero2 / fsdp), precision (fp32 /
-amp bf16 / amp fp16 / half), activation checkpointing (off / on the main repeated block) and compute
+amp bf16 / amp fp16 / half), activation checkpointing (off / on the main repeated block), micro-
+batches per per-rank batch (1 / 2 / 4 / 8, gradient accumulation inside one step) and compute
 methods (module_replace, native_dynamo). Every rule that removes a point lives in ``RULES`` below,
 with the reason the report shows.
 """
@@ -32,7 +33,9 @@ PRECISION_METHODS = {"amp_bf16": ("amp_native", {"dtype": torch.bfloat16}),
                      "amp_fp16": ("amp_native", {"dtype": torch.float16}),
                      "half_bf16": ("half", "bf16")}
 LAYOUT_METHODS = ("tensor_parallel", "pipeline_parallel", "mixed_parallel")
-SEARCHED = {"zero1", "zero2", "fsdp", "amp_native", "half", "checkpoint", *COMPUTE_METHODS, *LAYOUT_METHODS}
+MICRO_BATCHES = (1, 2, 4, 8)  # micro-steps per per-rank batch (micro_batch's num_micro_batch; 1: unsplit)
+SEARCHED = {"zero1", "zero2", "fsdp", "amp_native", "half", "checkpoint", "micro_batch", *COMPUTE_METHODS,
+            *LAYOUT_METHODS}
 
 
 @dataclass(frozen=True)
@@ -45,10 +48,12 @@ class Candidate:
     block: Optional[str] = field(default=None, compare=False)
     tensor: int = 1    # tensor-parallel size
     pipeline: int = 1  # pipeline-parallel size
+    micro: int = 1     # micro-batches per per-rank batch (micro_batch); 1: the batch in one piece
 
     @property
     def label(self) -> str:
-        parts = [self.sharding, self.precision] + (["ckpt"] if self.checkpoint else []) + list(self.compute)
+        parts = [self.sharding, self.precision] + (["ckpt"] if self.checkpoint else [])
+        parts += [f"mb{self.micro}"] * (self.micro > 1) + list(self.compute)
         parts += [f"tp{self.tensor}"] * (self.tensor > 1) + [f"pp{self.pipeline}"] * (self.pipeline > 1)
         parts += [item.name for item in self.forced]
         return "+".join(parts)
@@ -67,6 +72,7 @@ class Candidate:
     def methods(self) -> set[str]:
         """The method names this candidate uses (for excluded / included)."""
         used = {self.sharding, *self.compute} | ({"checkpoint"} if self.checkpoint else set())
+        used |= {"micro_batch"} if self.micro > 1 else set()
         if self.precision != "fp32":
             used.add(PRECISION_METHODS[self.precision][0])
         if self.layout_method:
@@ -89,6 +95,8 @@ class Candidate:
             items.append(self.sharding)
         if self.layout_method:
             items.append(self.layout_method)
+        if self.micro > 1:
+            items.append(("micro_batch", {"num_micro_batch": self.micro}))
         items.extend(self.compute)
         items.extend(self.forced)
         return Strategy(items)
@@ -163,6 +171,26 @@ def _rule_layout(c: Candidate, space: SearchSpace) -> Optional[str]:
     return None
 
 
+def _rule_micro_batch(c: Candidate, space: SearchSpace) -> Optional[str]:
+    """Micro-batches on pure data parallelism only, and only counts that divide the per-rank batch."""
+    if c.micro == 1:
+        return None
+    if c.tensor * c.pipeline > 1:
+        return "micro_batch is searched on pure data parallelism (a pipeline splits its batch itself)"
+    if space.per_rank_batch % c.micro:
+        return f"the per-rank batch {space.per_rank_batch} does not split into {c.micro} micro-batches"
+    return None
+
+
+def needless_split(c: Candidate, fits: Callable[[Candidate], bool]) -> Optional[str]:
+    """Why a split need not be dry-run: the same candidate with fewer micro-batches is predicted to fit
+    (a split only adds per-micro-step overhead then). Applied after the estimate, with its predictions."""
+    fewer = next((m for m in MICRO_BATCHES if m < c.micro and fits(dataclasses.replace(c, micro=m))), None)
+    if fewer is None:
+        return None
+    return "the batch fits unsplit" if fewer == 1 else f"the batch fits in {fewer} micro-batches"
+
+
 def _rule_checkpoint_needs_block(c: Candidate, space: SearchSpace) -> Optional[str]:
     if c.checkpoint and not space.profile.main_block:
         return "no repeated block to checkpoint"
@@ -182,7 +210,7 @@ def _rule_compatible(c: Candidate, space: SearchSpace) -> Optional[str]:
 
 
 RULES: tuple[Rule, ...] = (_rule_single_process, _rule_excluded, _rule_included, _rule_checkpoint_needs_block,
-                           _rule_layout, _rule_compatible)
+                           _rule_layout, _rule_micro_batch, _rule_compatible)
 
 
 def enumerate_candidates(space: SearchSpace) -> tuple[list[Candidate], dict[str, str]]:
@@ -201,8 +229,9 @@ def enumerate_candidates(space: SearchSpace) -> tuple[list[Candidate], dict[str,
     forced_compute = tuple(m for m in compute if m in included_names)
     candidates = []
     layouts = layouts_for(space.world_size) if space.world_size > 1 else [(1, 1)]
-    for (tensor, pipeline), sharding, precision, ckpt in itertools.product(layouts, shardings, precision_names, (False, True)):
-        candidate = Candidate(sharding, precision, ckpt, forced_compute, forced, block, tensor, pipeline)
+    for (tensor, pipeline), sharding, precision, ckpt, micro in itertools.product(
+            layouts, shardings, precision_names, (False, True), MICRO_BATCHES):
+        candidate = Candidate(sharding, precision, ckpt, forced_compute, forced, block, tensor, pipeline, micro)
         reason = next((why for rule in RULES if (why := rule(candidate, space))), None)
         if reason:
             skipped[candidate.label] = reason

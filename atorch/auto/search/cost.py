@@ -11,6 +11,9 @@ the per-rank batch, and each candidate is modelled from that:
                         + what the sharding adds while it works     (gathered units, comm buffers)
     time(candidate)   = step_time_alone + communication bytes / measured bandwidth
 
+With ``micro_batch`` (k micro-steps per per-rank batch) the activations are a micro-batch's (1/k of
+the measured ones) and each extra micro-step adds ``MICRO_STEP_OVERHEAD`` of the step (``_split``).
+
 Parameters, gradients and optimizer state are measured too (``state_bytes`` after a step), so the
 optimizer's state coefficient (AutoDist's ``opt_resident_coef``) is observed, not assumed.
 
@@ -42,6 +45,10 @@ from atorch.auto.search.measure import HardwareProfile, VariantProfile
 REPLICATED_ACTIVATION_SHARE = 0.85
 # A pipeline stage holds the micro-batches in flight plus one being received / recomputed.
 EXTRA_MICRO_BATCHES_IN_FLIGHT = 1
+# micro_batch: each extra micro-step costs this share of the unsplit step (another forward / backward
+# launch over a smaller batch, the loss, the accumulation). Calibrated on the repo GPT 4x128 on 2 CPU
+# ranks (measured +0.14 to +0.23; benchmarks/search_quality.py prints the measured value beside it).
+MICRO_STEP_OVERHEAD = 0.2
 
 
 @dataclass
@@ -93,10 +100,29 @@ def estimate(candidate: Candidate, variant: VariantProfile, world: int, profile:
             else:  # fsdp
                 memory = P / n + 3 * compute * unit + (G + O) / n + act_sharded
                 comm, collectives = shed * (G + 2 * P), 3 * units
-    time_s = (variant.step_time_s + comm / max(hardware.bandwidth_bytes_per_s, 1.0)
-              + collectives * hardware.latency_s)
+    if candidate.micro > 1:
+        memory, comm, collectives = _split(candidate, memory, comm, collectives, act, P, G, n, units)
+    time_s = (variant.step_time_s * (1 + MICRO_STEP_OVERHEAD * (candidate.micro - 1))
+              + comm / max(hardware.bandwidth_bytes_per_s, 1.0) + collectives * hardware.latency_s)
     detail = f"alone {variant.peak_bytes / 2**20:.1f} MiB, P/G/O {P / 2**20:.1f}/{G / 2**20:.1f}/{O / 2**20:.1f} MiB"
     return Estimate(int(memory), time_s, detail)
+
+
+def _split(candidate: Candidate, memory: float, comm: float, collectives: int, act: float, P: float, G: float,
+           n: int, units: int) -> tuple[float, float, int]:
+    """micro_batch with k micro-steps: the batch's activations shrink to 1/k (autocast's weight
+    copies do not scale with the batch); inside the window FSDP keeps its gradients unsharded (in the
+    compute dtype) and gathers every unit again for each micro-step's forward and backward (zero2's
+    parameters stay gathered through the window; DDP and zero1 communicate once, at its end)."""
+    k, amp = candidate.micro, candidate.precision.startswith("amp")
+    batch_act = max(act - (0.5 * P if amp and not candidate.checkpoint else 0.0), 0.0)
+    memory -= (1 - 1 / k) * batch_act
+    if candidate.sharding == "fsdp" and n > 1:
+        shed = 1.0 - 1.0 / n
+        memory += (0.5 if amp else 1.0) * G * shed
+        comm += (k - 1) * shed * 2 * P
+        collectives += (k - 1) * 2 * units
+    return memory, comm, collectives
 
 
 def _estimate_layout(candidate: Candidate, variant: VariantProfile, world: int, profile: ModelProfile,

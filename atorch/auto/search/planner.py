@@ -27,7 +27,7 @@ from atorch.auto import opt_lib
 from atorch.auto.apply import apply_strategy, resolve_strategy
 from atorch.auto.dryrun import DryRunResult, dry_run
 from atorch.auto.search.analyser import ModelProfile, analyse_model
-from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates, refinements
+from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates, needless_split, refinements
 from atorch.auto.search.cost import estimate
 from atorch.auto.search.layouts import layout_facts
 from atorch.auto.search.measure import (
@@ -150,7 +150,8 @@ class Planner:
             if guess.memory_bytes > self.hardware.memory_limit:
                 row.status = "predicted over limit"
             self.rows.append(row)
-        fitting = [i for i, r in enumerate(self.rows) if r.status == "not tried"]
+        self._skip_needless_splits()
+        fitting = [i for i, r in enumerate(self.rows) if r.status == "not tried" and not r.reason]
         self.order = sorted(fitting, key=lambda i: (round(self.rows[i].predicted_time_s, 4),
                                                      len(self.rows[i].label.split("+"))))
 
@@ -203,11 +204,13 @@ class Planner:
             if result.ok:
                 rows[index].samples.append(result.step_time_s)
                 rows[index].measured_time_s = statistics.median(rows[index].samples)
+                rows[index].spread_s = max(rows[index].spread_s, result.step_time_spread_s or 0.0)
         return min((first, second), key=lambda i: rows[i].measured_time_s)
 
     def refine(self, chosen: int) -> int:
         """Try the winner with each compute method (their effect cannot be predicted from the alone
-        profile); keep one only when it measures faster. Returns the chosen index."""
+        profile); keep one only when it changed the model and measures faster by more than the
+        measured noise (a method picked by noise would be kept for nothing). Returns the chosen index."""
         for candidate in refinements(self.space, self.candidates[chosen]):
             if self._out_of_time():
                 break
@@ -219,14 +222,25 @@ class Planner:
             self._try(len(self.candidates) - 1)
             self._say(f"search refine {row.label}: {row.status}"
                       + (f", {row.measured_time_s * 1000:.1f} ms/step" if row.status == "ok" else f" ({row.reason})"))
-            if row.status != "ok":
-                continue
-            winner = self.confirm_finalists(indices=[chosen, len(self.candidates) - 1])
-            if winner != chosen:
+            index = len(self.candidates) - 1
+            if row.status == "ok" and self._keeps(chosen, index, candidate.compute[-1]):
                 self.rows[chosen].chosen = False
                 row.chosen = True
-                chosen = winner
+                chosen = index
         return chosen
+
+    def _keeps(self, chosen: int, index: int, method: str) -> bool:
+        """Whether refinement ``index`` (the chosen candidate plus ``method``) replaces the chosen one:
+        it changed some module, and after the close-call re-measurement it is faster by more than the
+        noise. Otherwise its row says why it was not added."""
+        row = self.rows[index]
+        row.reason = unchanged_by(self.dry_runs[index], method)
+        if row.reason:
+            return False
+        if self.confirm_finalists(indices=[chosen, index]) != index:
+            return False
+        row.reason = self._within_noise(chosen, index)
+        return not row.reason
 
     def report(self, chosen: Optional[int]) -> SearchResult:
         """The result; the table is logged and kept in it, and written to files only under
@@ -242,6 +256,27 @@ class Planner:
                             self.hardware, self.dry_runs.get(chosen), files, table, self.phases.seconds)
 
     # --- helpers ---------------------------------------------------------------------------------------
+    def _within_noise(self, base: int, faster: int) -> str:
+        """Why ``faster`` does not beat ``base`` by more than the noise, or "" when it does. The noise is
+        the larger spread measured for either: the standard deviation of a dry run's timed steps, or
+        of the repeated dry runs' step times."""
+        rows = self.rows
+        noise = max(_spread(rows[base]), _spread(rows[faster]))
+        gain = rows[base].measured_time_s - rows[faster].measured_time_s
+        if gain > noise:
+            return ""
+        base_time = rows[base].measured_time_s
+        return (f"not added: {gain / base_time:.1%} faster, within the measured noise "
+                f"{noise / base_time:.1%}")
+
+    def _skip_needless_splits(self) -> None:
+        """A micro-batched candidate is not dry-run when fewer micro-batches are predicted to fit: it
+        would only add per-micro-step overhead (``candidates.needless_split``)."""
+        fits = {c.label: r.status == "not tried" for c, r in zip(self.candidates, self.rows)}
+        for candidate, row in zip(self.candidates, self.rows):
+            if candidate.micro > 1 and row.status == "not tried":
+                row.reason = needless_split(candidate, lambda c: fits.get(c.label, False)) or ""
+
     def _profile(self, probe) -> ModelProfile:
         """The static profile, FLOPs on one sample batch, the sequence length and the layout facts."""
         sample = None
@@ -288,6 +323,7 @@ class Planner:
             return
         row.measured_memory, row.measured_time_s = result.peak_memory_bytes, result.step_time_s
         row.samples.append(result.step_time_s)
+        row.spread_s = result.step_time_spread_s or 0.0
         row.status = "over memory limit" if result.peak_memory_bytes > self.hardware.memory_limit else "ok"
 
     def _out_of_time(self) -> bool:
@@ -311,6 +347,20 @@ def dry_run_candidate(model: torch.nn.Module, make_context: ContextFactory, cand
     del ctx, setup  # free this candidate's model and optimizer before the next one is built
     gc.collect()
     return result
+
+
+def unchanged_by(result: DryRunResult, method: str) -> str:
+    """Why ``method`` is not kept although it trained: it reported that it changed no module
+    (module_replace's ``replaced`` is empty on every rank), or "" when it did change something."""
+    report = result.extras.get(method)
+    changed = not (isinstance(report, dict) and report.get("replaced") == {})
+    return "" if all_ranks_true(changed) else "not added: changed no module"
+
+
+def _spread(row: Row) -> float:
+    """A row's measured noise: within one dry run's steps, or between its repeated dry runs."""
+    between = statistics.stdev(row.samples) if len(row.samples) > 1 else 0.0
+    return max(row.spread_s, between)
 
 
 def _apply_candidate(ctx: Any, candidate: Candidate) -> None:

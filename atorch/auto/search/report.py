@@ -28,6 +28,7 @@ class Row:
     reason: str = ""
     chosen: bool = False
     samples: list = field(default_factory=list)  # every measured step time (confirmation rounds add more)
+    spread_s: float = 0.0  # the largest standard deviation of one dry run's timed steps (the noise)
 
     @property
     def memory_error(self) -> Optional[float]:

@@ -1,0 +1,152 @@
+"""micro_batch: each per-rank batch runs as ``num_micro_batch`` micro-steps with gradient accumulation.
+
+Why: a per-rank batch whose activations do not fit otherwise forces checkpointing (recompute, about
+a third more compute) or sharding (communication). Splitting it into micro-batches keeps the global
+batch and the numerics (the mean of equal micro-batch means is the batch mean; gradients add up
+before the one optimizer step) and holds only one micro-batch's activations at a time, for a small
+per-micro-step overhead. DeepSpeed's autotuner tunes the same pair (micro-batch size, accumulation).
+
+How the seed's loop runs unchanged (as under pipeline_parallel): the dataloader yields the same
+per-rank batches; ``model(**batch)`` runs every micro-step (forward, the user's loss on the
+micro-batch divided by ``num_micro_batch``, backward; gradient communication only after the last
+one, through the data-parallel wrapper's accumulation switch) and returns a ``MicroBatchOutput``;
+``loss_func(batch, output)`` returns the batch's mean loss; ``optim.backward(loss)`` has nothing
+left to do (``result.args.use_optim_backward`` is True); ``optim.step()`` steps once. Without
+gradients (``torch.no_grad()`` or ``model.eval()``) the model runs the whole batch and returns the
+user's own output, and ``loss_func`` is the user's.
+
+The loss must be a mean over rows of equal weight (the usual cross-entropy over equal-length rows):
+a loss summed over rows, or normalised by a count that differs between micro-batches, would be
+weighted differently. Layers that mix rows (BatchNorm) see micro-batches, as under pipelines.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from atorch.errors import MethodConfigError
+from atorch.auto.opt_lib.base import Optimization
+from atorch.auto.optimizer import AtorchOptimizer
+from atorch.utils.batch import batch_size_of, loss_value, map_tensors
+from atorch.utils.config import MethodConfig, option
+
+
+@dataclass(frozen=True)
+class MicroBatchConfig(MethodConfig):
+    num_micro_batch: int = option(2, doc="micro-steps per per-rank batch; it must divide the per-rank batch",
+                                  minimum=1)
+
+
+@dataclass
+class MicroBatchOutput:
+    """What ``model(...)`` returns under micro_batch: the micro-steps already ran (forward and backward)."""
+
+    loss: torch.Tensor  # the batch's mean loss, detached
+
+
+class MicroBatchOptimizer(AtorchOptimizer):
+    """``backward`` is a no-op (the model ran it per micro-step); the user's own accumulation
+    boundary is remembered so micro-steps communicate only at the user's boundary."""
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        return None
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self.is_gradient_accumulation_boundary = bool(is_boundary)  # applied to the last micro-step
+
+
+class MicroBatchModule(nn.Module):
+    """Runs ``num_micro_batch`` forward / loss / backward micro-steps on one per-rank batch."""
+
+    def __init__(self, model: nn.Module, loss_func: Any, optim: Optional[AtorchOptimizer], outer: Any,
+                 num_micro_batch: int, input_format: Optional[str]):
+        super().__init__()
+        self.module = model
+        self.user_loss, self.optim, self.outer = loss_func, optim, outer
+        self.num_micro_batch, self.input_format = num_micro_batch, input_format
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not (torch.is_grad_enabled() and self.training):
+            return self.module(*args, **kwargs)  # evaluation: the whole batch, the user's output
+        batch = kwargs if self.input_format == "unpack_dict" else (args if self.input_format == "unpack_sequence"
+                                                                     else args[0])
+        rows, k = batch_size_of(batch), self.num_micro_batch
+        if rows % k:
+            raise MethodConfigError("micro_batch", f"the batch of {rows} rows does not split into {k} micro-batches "
+                                    f"(num_micro_batch must divide the per-rank batch)")
+        losses = []
+        for index in range(k):
+            micro = map_tensors(lambda t: t.narrow(0, index * rows // k, rows // k), batch)
+            self._set_sync(index == k - 1)
+            loss = loss_value(self.user_loss(micro, self._call(micro))) / k
+            self._backward(loss)
+            losses.append(loss.detach().float())
+        return MicroBatchOutput(torch.stack(losses).sum())
+
+    def _call(self, micro: Any) -> Any:
+        if self.input_format == "unpack_dict":
+            return self.module(**micro)
+        if self.input_format == "unpack_sequence":
+            return self.module(*micro)
+        return self.module(micro)
+
+    def _set_sync(self, last: bool) -> None:
+        """Gradients are communicated on the last micro-step of the user's boundary only (the
+        data-parallel wrapper's switch: DDP's no_sync, FSDP's requires_gradient_sync)."""
+        if self.optim is not None:
+            self.optim.set_gradient_accumulation_boundary(last and self.outer.is_gradient_accumulation_boundary)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self.optim is not None:
+            self.optim.backward(loss)  # amp's grad scaler scales it
+        else:
+            loss.backward()
+
+
+def micro_batch_loss(user_loss: Any):
+    """The loss function returned with the model: the micro-steps' mean, or the user's own loss on
+    a whole-batch output (evaluation)."""
+
+    def loss_func(batch: Any, output: Any) -> Any:
+        if isinstance(output, MicroBatchOutput):
+            return output.loss
+        return user_loss(batch, output)
+
+    return loss_func
+
+
+class MicroBatchOptimization(Optimization):
+    name = "micro_batch"
+    config_class = MicroBatchConfig
+
+    def normalize(self, config: Any) -> MicroBatchConfig:
+        """Also accepts the count alone: ``("micro_batch", 4)``."""
+        if isinstance(config, int) and not isinstance(config, bool):
+            config = {"num_micro_batch": config}
+        return super().normalize(config)
+
+    def transform(self, ctx, config: MicroBatchConfig) -> None:
+        ctx.add_wrapper("micro_batch", self.name, lambda ctx: apply_micro_batch(ctx, config))
+
+
+def apply_micro_batch(ctx, config: MicroBatchConfig) -> None:
+    """Wrap the finished model, loss and optimizer (after amp) so one call runs every micro-step."""
+    k = config.num_micro_batch
+    batch = ctx.per_rank_batch_size
+    if batch is not None and batch % k:
+        raise MethodConfigError("micro_batch", f"num_micro_batch={k} does not divide the per-rank batch {batch}; "
+                                f"choose one of {[d for d in range(1, batch + 1) if batch % d == 0]}")
+    if ctx.backward_in_forward:
+        raise MethodConfigError("micro_batch", "the model already runs backward inside forward (a pipeline "
+                                "schedule, which splits the batch into micro-batches itself): set the pipeline's "
+                                "num_micro_batch instead")
+    outer = MicroBatchOptimizer(ctx.optim) if ctx.optim is not None else None
+    ctx.model = MicroBatchModule(ctx.model, ctx.loss_func, ctx.optim, outer, k, ctx.model_input_format)
+    ctx.loss_func = micro_batch_loss(ctx.loss_func)
+    ctx.optim = outer
+    ctx.args.use_optim_backward = True
+    ctx.args.extras["micro_batch"] = {"num_micro_batch": k,
+                                      "micro_batch_size": batch // k if batch is not None else None}

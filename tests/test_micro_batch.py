@@ -1,0 +1,122 @@
+"""micro_batch: the per-rank batch as k micro-steps with gradient accumulation trains exactly like the
+unsplit batch (fp32 losses and final weights within 1e-5) in one process and on 2 gloo ranks under
+DDP, zero2 and fsdp; its config, its refusals, and the seed's loop (evaluation included) work unchanged."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atorch.auto.accelerate import auto_accelerate
+from atorch.errors import IncompatibleMethodsError, MethodConfigError
+from atorch.models import GPTConfig, SyntheticTokenDataset, gpt_loss
+from atorch.testing import run_distributed
+from atorch.testing.training import build_gpt, train_gpt
+from tests.parity import assert_matches, run_suite
+
+MB2 = ("micro_batch", {"num_micro_batch": 2})
+MB4 = ("micro_batch", 4)
+CASES_2 = {
+    "ddp": ["parallel_mode", MB4],
+    "zero2": ["parallel_mode", "zero2", MB2],
+    "fsdp": ["parallel_mode", ("fsdp", {"atorch_wrap_cls": ("GPTBlock",)}), MB2],
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_gpt([])
+
+
+def test_one_process_matches_the_unsplit_batch(reference):
+    for strategy in ([MB2], [MB4], [MB2, ("checkpoint", ("GPTBlock",))]):
+        run = train_gpt(strategy)
+        assert_matches(run, reference, strategy, f"1 process {strategy}")
+        expected = 2 if strategy[0] is MB2 else 4
+        assert run["result"].args.extras["micro_batch"]["num_micro_batch"] == expected
+
+
+@pytest.mark.multirank
+def test_two_ranks_match_the_unsplit_batch(reference):
+    results = run_distributed(run_suite, 2, CASES_2)
+    for rank, per_rank in enumerate(results):
+        for key, strategy in CASES_2.items():
+            assert_matches(per_rank[key], reference, strategy, f"2 ranks, rank {rank}, {key}")
+
+
+def test_the_seed_loop_and_evaluation_run_unchanged():
+    status, result, _ = auto_accelerate(
+        build_gpt(), torch.optim.SGD, SyntheticTokenDataset(16, 16, 64), gpt_loss, optim_args={"lr": 0.1},
+        dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", load_strategy=[MB4])
+    assert status and result.args.use_optim_backward
+    assert result.args.extras["micro_batch"] == {"num_micro_batch": 4, "micro_batch_size": 2}
+    batch = result.prepare_input(next(iter(result.dataloader)))
+    loss = result.loss_func(batch, result.model(**batch))
+    result.optim.backward(loss)  # already done inside the model: a no-op
+    result.optim.step()
+    result.optim.zero_grad()
+    result.model.eval()
+    with torch.no_grad():
+        output = result.model(**batch)  # the user's own output on the whole batch
+    assert torch.allclose(result.loss_func(batch, output), gpt_loss(batch, output))
+
+
+def test_refusals_name_the_reason():
+    from atorch.auto.opt_lib import get_optimization
+
+    with pytest.raises(MethodConfigError, match="num_micro_batch=0 is out of range"):
+        get_optimization("micro_batch").normalize({"num_micro_batch": 0})
+    with pytest.raises(MethodConfigError, match=r"does not divide the per-rank batch 8; choose one of \[1, 2, 4, 8\]"):
+        auto_accelerate(build_gpt(), torch.optim.SGD, SyntheticTokenDataset(16, 16, 64), gpt_loss,
+                        optim_args={"lr": 0.1}, dataloader_args={"batch_size": 8}, model_input_format="unpack_dict",
+                        load_strategy=[("micro_batch", 3)])
+    with pytest.raises(IncompatibleMethodsError, match="pipeline splits the batch"):
+        auto_accelerate(build_gpt(), torch.optim.SGD, SyntheticTokenDataset(16, 16, 64), gpt_loss,
+                        optim_args={"lr": 0.1}, dataloader_args={"batch_size": 8}, model_input_format="unpack_dict",
+                        load_strategy=["pipeline_parallel", MB2])
+
+
+SEARCH_GPT = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)
+
+
+def test_search_splits_a_batch_whose_activations_do_not_fit(tmp_path, monkeypatch):
+    """A memory limit between the predicted peaks of the unsplit batch and of 2 micro-batches: the
+    unsplit candidates are over it, the search picks a split, and the chosen strategy trains."""
+    from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates
+    from atorch.auto.search.cost import estimate
+    from atorch.auto.search.options import SearchOptions
+    from atorch.auto.search.planner import Planner
+
+    monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))  # the probe's measurement is reused by the search
+    kwargs = dict(optim_args={"lr": 0.1}, dataloader_args={"batch_size": 16}, model_input_format="unpack_dict")
+    dataset = SyntheticTokenDataset(96, SEARCH_GPT.block_size, SEARCH_GPT.vocab_size)
+    excluded = ["amp_native", "checkpoint", "module_replace", "native_dynamo"]
+
+    def make_context(model, local=False, batch_size=None):
+        from atorch.auto.model_context import ModelContext
+        return ModelContext(model, torch.optim.SGD, dataset, gpt_loss, local=local, per_rank_batch_size=batch_size,
+                            **kwargs)
+
+    probe = Planner(build_gpt(0, SEARCH_GPT), make_context, SearchOptions(excluded=excluded))
+    probe.analyse()
+    probe.measure()
+    variant = probe.variants[("fp32", False)]
+    whole, split = (estimate(Candidate(micro=k), variant, 1, probe.profile, probe.hardware).memory_bytes for k in (1, 2))
+    limit = (whole + split) // 2
+    status, result, strategy = auto_accelerate(build_gpt(0, SEARCH_GPT), torch.optim.SGD, dataset, gpt_loss,
+                                               memory_limit=limit, excluded=excluded, **kwargs)
+    found = result.args.extras["search"]
+    rows = {r.label: r for r in found.rows}
+    chosen = next(r for r in found.rows if r.chosen)
+    assert status and "micro_batch" in strategy.names(), found.table
+    assert rows["ddp+fp32"].status == "predicted over limit", found.table
+    assert chosen.label.startswith("ddp+fp32+mb") and chosen.measured_memory <= limit, found.table
+    assert rows["ddp+fp32+mb4"].reason == "the batch fits in 2 micro-batches", found.table
+    losses = []
+    for batch in result.dataloader:
+        batch = result.prepare_input(batch)
+        loss = result.loss_func(batch, result.model(**batch))
+        result.optim.backward(loss)
+        result.optim.step()
+        result.optim.zero_grad()
+        losses.append(float(loss))
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
