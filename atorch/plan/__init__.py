@@ -78,7 +78,7 @@ def plan(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     facts = keep_tensor_in_node(spec_layout_facts(spec, world), Topology(cluster.nodes, cluster.gpus_per_node))
     profile = _profile(spec, facts)
     space = SearchSpace(world, torch.device("meta"), profile, frozenset(excluded), Strategy(),
-                        max(global_batch // world, 1))
+                        max(global_batch // world, 1), cluster.gpus_per_node if cluster.nodes > 1 else 0)
     candidates, skipped = enumerate_candidates(space)
     kept = []
     for candidate in candidates:
