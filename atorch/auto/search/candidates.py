@@ -49,10 +49,12 @@ class Candidate:
     tensor: int = 1    # tensor-parallel size
     pipeline: int = 1  # pipeline-parallel size
     micro: int = 1     # micro-batches per per-rank batch (micro_batch); 1: the batch in one piece
+    shard: int = 0     # fsdp over this many ranks (a node), replicated across: hybrid sharding; 0: all data ranks
 
     @property
     def label(self) -> str:
-        parts = [self.sharding, self.precision] + (["ckpt"] if self.checkpoint else [])
+        sharding = f"hsdp{self.shard}" if self.shard else self.sharding
+        parts = [sharding, self.precision] + (["ckpt"] if self.checkpoint else [])
         parts += [f"mb{self.micro}"] * (self.micro > 1) + list(self.compute)
         parts += [f"tp{self.tensor}"] * (self.tensor > 1) + [f"pp{self.pipeline}"] * (self.pipeline > 1)
         parts += [item.name for item in self.forced]
@@ -84,7 +86,10 @@ class Candidate:
         items: list = []
         if world_size > 1:
             dims = [(n, s) for n, s in (("tensor", self.tensor), ("pipeline", self.pipeline)) if s > 1]
-            items.append(("parallel_mode", (dims + [("data", self.data_size(world_size))], None)) if dims else "parallel_mode")
+            data = [("data", self.data_size(world_size))]
+            if self.shard:  # zero first: its ranks are neighbours (one node)
+                data = [("zero", self.shard), ("data", self.data_size(world_size) // self.shard)]
+            items.append(("parallel_mode", (dims + data, None)) if dims or self.shard else "parallel_mode")
         if self.precision in PRECISION_METHODS:
             items.append(PRECISION_METHODS[self.precision])
         if self.checkpoint:
@@ -110,6 +115,7 @@ class SearchSpace:
     excluded: frozenset = frozenset()
     included: Strategy = field(default_factory=Strategy)  # every candidate has these methods
     per_rank_batch: int = 1  # under pure data parallelism
+    ranks_per_node: int = 0  # 0: one node; else hybrid sharding (shard in a node, replicate across) is a candidate
 
 
 def _method_unavailable(name: str) -> Optional[str]:
@@ -237,9 +243,20 @@ def enumerate_candidates(space: SearchSpace) -> tuple[list[Candidate], dict[str,
             skipped[candidate.label] = reason
         else:
             candidates.append(candidate)
+    candidates += [h for h in hybrid_candidates(candidates, space.world_size, space.ranks_per_node)
+                   if not any(rule(h, space) for rule in RULES)]
     if not candidates:
         raise InputError(f"no candidate strategy is valid for world size {space.world_size}: {skipped}")
     return candidates, skipped
+
+
+def hybrid_candidates(candidates: list[Candidate], world: int, ranks_per_node: int) -> list[Candidate]:
+    """fsdp sharded inside a node and replicated across nodes, for each pure data-parallel fsdp candidate
+    (several nodes only): all-gathers stay on the fast links, only gradients cross the network."""
+    if not ranks_per_node or world <= ranks_per_node or world % ranks_per_node:
+        return []
+    return [dataclasses.replace(c, shard=ranks_per_node) for c in candidates
+            if c.sharding == "fsdp" and c.tensor * c.pipeline == 1 and not c.shard]
 
 
 def refinements(space: SearchSpace, winner: Candidate) -> list[Candidate]:

@@ -31,6 +31,9 @@ SEARCH_KARGS: dict[str, str] = {
     "use_profile_cache": "use_cache",
     "search_exhaustive": "exhaustive",
     "dryrun_collective_timeout": "collective_timeout_s",
+    "ranks_per_node": "ranks_per_node",
+    "intra_node_bandwidth": "intra_node_bandwidth",
+    "inter_node_bandwidth": "inter_node_bandwidth",
 }
 
 _MEMORY_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -56,6 +59,9 @@ class SearchOptions:
     exhaustive: bool = False                  # dry-run every candidate predicted to fit (benchmarks)
     refine: bool = True                       # then try the winner with each compute method
     collective_timeout_s: float = DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S  # a dry run's collectives give up after it
+    ranks_per_node: Optional[int] = None      # None: LOCAL_WORLD_SIZE from the launcher (one node without it)
+    intra_node_bandwidth: Optional[float] = None  # bytes/s per rank; None: the measured all-reduce bandwidth
+    inter_node_bandwidth: Optional[float] = None  # bytes/s per rank; None: the measured all-reduce bandwidth
 
     def __post_init__(self) -> None:
         # constructed directly (tests, benchmarks): accept any iterable of names and any strategy form
@@ -123,6 +129,19 @@ def _flag(karg: str, value: Any) -> bool:
     raise InputError(f"{karg}={value!r} is not valid: give True or False")
 
 
+def _optional_positive_int(karg: str, value: Any) -> Optional[int]:
+    return None if value is None else _positive_int(karg, value)
+
+
+def _bandwidth(karg: str, value: Any) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        return float(value)
+    raise InputError(f"{karg}={value!r} is not valid: give bytes per second as a positive number (e.g. 50e9), or "
+                     "None for the measured bandwidth")
+
+
 def _directory(karg: str, value: Any) -> Optional[str]:
     if value is None:
         return None
@@ -138,7 +157,8 @@ def _memory(karg: str, value: Any) -> Optional[int]:
 
 _CHECKS = {"time_limit": _seconds, "memory_limit": _memory, "topk": _positive_int, "dryrun_steps": _positive_int,
            "report_dir": _directory, "verbose": _flag, "use_cache": _flag, "exhaustive": _flag,
-           "collective_timeout_s": _positive_seconds}
+           "collective_timeout_s": _positive_seconds, "ranks_per_node": _optional_positive_int,
+           "intra_node_bandwidth": _bandwidth, "inter_node_bandwidth": _bandwidth}
 
 
 def _methods(excluded: Optional[Iterable[str]], included: Optional[Iterable[Any]]) -> tuple[frozenset, Strategy]:

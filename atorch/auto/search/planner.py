@@ -28,7 +28,7 @@ from atorch.auto.apply import apply_strategy, resolve_strategy
 from atorch.auto.dryrun import DryRunResult, dry_run
 from atorch.auto.search.analyser import ModelProfile, analyse_model
 from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates, needless_split, refinements
-from atorch.auto.search.cost import estimate
+from atorch.auto.search.topology import Links, keep_tensor_in_node, topology_estimate, topology_for
 from atorch.auto.search.layouts import layout_facts
 from atorch.auto.search.measure import (
     HardwareProfile, Setting, VariantProfile, cache_key, load_cached, measure_hardware, measure_variant,
@@ -84,6 +84,8 @@ class Planner:
     def __init__(self, model: torch.nn.Module, make_context: ContextFactory, options: SearchOptions):
         self.model, self.make_context, self.options = model, make_context, options
         self.world = world_size()
+        self.topology = topology_for(self.world, options.ranks_per_node)
+        self.links = Links(options.intra_node_bandwidth, options.inter_node_bandwidth)
         self.started = time.perf_counter()
         self.phases = _Phases()
         self.per_rank_batch = 1  # under pure data parallelism
@@ -115,7 +117,8 @@ class Planner:
         self.per_rank_batch = probe.dataloader_args.get("batch_size", 1) // self.world
         self.profile = self._profile(probe)
         self.space = SearchSpace(self.world, probe.device, self.profile, self.options.excluded,
-                                 self.options.included, self.per_rank_batch)
+                                 self.options.included, self.per_rank_batch,
+                                 self.topology.ranks_per_node if self.topology.nodes > 1 else 0)
         self.candidates, _ = enumerate_candidates(self.space)
         self._say(f"search: {len(self.candidates)} candidate strategies for {self.world} rank(s); model "
                   f"{self.profile.param_count / 1e6:.2f} M parameters, repeated block {self.profile.main_block}")
@@ -145,7 +148,7 @@ class Planner:
             if variant.error:
                 self.rows.append(Row(candidate.label, 0, float("inf"), "failed", reason=f"alone: {variant.error}"))
                 continue
-            guess = estimate(candidate, variant, self.world, self.profile, self.hardware)
+            guess = self._estimate(candidate, variant)
             row = Row(candidate.label, guess.memory_bytes, guess.step_time_s)
             if guess.memory_bytes > self.hardware.memory_limit:
                 row.status = "predicted over limit"
@@ -215,7 +218,7 @@ class Planner:
             if self._out_of_time():
                 break
             variant = self.variants[(candidate.precision, candidate.checkpoint)]
-            guess = estimate(candidate, variant, self.world, self.profile, self.hardware)
+            guess = self._estimate(candidate, variant)
             row = Row(candidate.label, guess.memory_bytes, guess.step_time_s)
             self.rows.append(row)
             self.candidates.append(candidate)
@@ -293,8 +296,11 @@ class Planner:
             profile.tokens_per_sample = first[0].numel()
         if self.world > 1:
             run = (lambda model: probe.call_model(model, sample)) if sample is not None else None
-            profile.layouts = layout_facts(self.model, self.world, run)
+            profile.layouts = keep_tensor_in_node(layout_facts(self.model, self.world, run), self.topology)
         return profile
+
+    def _estimate(self, candidate: Candidate, variant: VariantProfile):
+        return topology_estimate(candidate, variant, self.world, self.profile, self.hardware, self.topology, self.links)
 
     def _setting_strategy(self, setting: Setting) -> Strategy:
         """The precision / checkpoint methods of a setting, normalised as a rank alone applies them

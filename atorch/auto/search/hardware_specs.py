@@ -1,0 +1,153 @@
+"""Accelerators and clusters as data, for planning without the hardware.
+
+The search measures the machine it runs on (``measure.py``); the planner (``atorch.plan``) predicts
+for a machine it does not have, so it needs the machine's numbers written down: peak dense FLOP/s,
+memory, memory bandwidth and the two link speeds (NVLink inside a node, the network between
+nodes). They live here as one table of frozen dataclasses, so a prediction can always be traced
+to the numbers it used, and a user adds a device by giving the same fields (a dict or a JSON file)
+instead of editing code.
+
+Bandwidths are per GPU and per direction, in bytes/s (NVLink 4 on H100: 900 GB/s bidirectional is
+450e9 here; 400 Gb/s InfiniBand per GPU is 50e9). Memory is what ``torch.cuda`` reports as the
+device's total, in bytes.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+from atorch.errors import InputError, nearest_name
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator model. ``efficiency`` is the share of ``bf16_flops`` that dense training
+    matmuls reach (calibrated from published runs: see ``benchmarks/plan_vs_published.py``)."""
+
+    name: str
+    memory_bytes: int
+    bf16_flops: float
+    fp8_flops: float = 0.0            # 0: no fp8 tensor cores
+    hbm_bytes_per_s: float = 0.0
+    nvlink_bytes_per_s: float = 0.0   # per GPU, one direction, inside a node
+    network_bytes_per_s: float = 0.0  # per GPU, one direction, between nodes
+    efficiency: float = 0.6
+    source: str = ""                  # where the numbers come from
+
+    @property
+    def fp32_flops(self) -> float:
+        """fp32 training runs on TF32 tensor cores: half the bf16 rate."""
+        return self.bf16_flops / 2
+
+
+# Vendor datasheets (dense, no sparsity). Efficiency: A100 from ATorch's Llama2-7B FSDP row on 8 A100
+# (65.6 % HFU), Hopper from torchtitan's Llama 3.1 8B FSDP row on 8 H100-96GB (500 W parts: the 700 W
+# H100-80GB and H200 likely do better; no published row here tests them). benchmarks/plan_vs_published.py
+# prints both calibration rows and the held-out ones.
+DEVICES: dict[str, DeviceSpec] = {spec.name: spec for spec in (
+    DeviceSpec("A100-40GB", int(39.4 * GIB), 312e12, 0.0, 1.555e12, 300e9, 25e9, 0.66,
+               "NVIDIA A100 datasheet (SXM4 40GB), HDR InfiniBand 200 Gb/s per GPU"),
+    DeviceSpec("A100-80GB", int(79.2 * GIB), 312e12, 0.0, 2.039e12, 300e9, 25e9, 0.66,
+               "NVIDIA A100 datasheet (SXM4 80GB), HDR InfiniBand 200 Gb/s per GPU"),
+    DeviceSpec("H100-80GB", int(79.1 * GIB), 989e12, 1979e12, 3.35e12, 450e9, 50e9, 0.34,
+               "NVIDIA H100 SXM5 datasheet, NDR InfiniBand 400 Gb/s per GPU"),
+    DeviceSpec("H100-96GB", int(94.5 * GIB), 989e12, 1979e12, 2.4e12, 450e9, 50e9, 0.34,
+               "torchtitan's Grand Teton H100 (96 GB HBM2e, 2.4 TB/s, 500 W; SXM peak used as in its MFU), "
+               "400 Gb/s RDMA per GPU"),
+    DeviceSpec("H200", int(139.8 * GIB), 989e12, 1979e12, 4.8e12, 450e9, 50e9, 0.34,
+               "NVIDIA H200 SXM datasheet, NDR InfiniBand 400 Gb/s per GPU"),
+)}
+
+_FIELDS = {f.name for f in fields(DeviceSpec)}
+_CLUSTER_TEXT = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(\d+)\s*x\s*(.+?)\s*$", re.I)
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """``nodes`` machines of ``gpus_per_node`` identical devices."""
+
+    nodes: int
+    gpus_per_node: int
+    device: DeviceSpec
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def label(self) -> str:
+        return f"{self.nodes}x{self.gpus_per_node}x{self.device.name}"
+
+    def link_bytes_per_s(self, group_size: int, stride: int = 1) -> float:
+        """Per-GPU bandwidth of a ring over ``group_size`` ranks spaced ``stride`` apart: NVLink while
+        the group fits in one node, the network as soon as it crosses one."""
+        inside = group_size * stride <= self.gpus_per_node or group_size == 1
+        return self.device.nvlink_bytes_per_s if inside else self.device.network_bytes_per_s
+
+
+def device_spec(value: Union[str, Mapping[str, Any], DeviceSpec]) -> DeviceSpec:
+    """A device by table name, or a user's own from a dict (the ``DeviceSpec`` fields; ``base`` names
+    a table entry to start from)."""
+    if isinstance(value, DeviceSpec):
+        return value
+    if isinstance(value, str):
+        if value in DEVICES:
+            return DEVICES[value]
+        close = nearest_name(value, DEVICES)
+        hint = f" Did you mean {close!r}?" if close else ""
+        raise InputError(f"unknown device {value!r}.{hint} Known devices: {sorted(DEVICES)}; or give a dict "
+                         f"with the fields {sorted(_FIELDS)}")
+    if isinstance(value, Mapping):
+        data = dict(value)
+        base = data.pop("base", None)
+        unknown = sorted(set(data) - _FIELDS)
+        if unknown:
+            raise InputError(f"device: unknown key(s) {unknown}; valid keys: {sorted(_FIELDS | {'base'})}")
+        if base is not None:
+            return replace(device_spec(base), **data)
+        missing = sorted({"name", "memory_bytes", "bf16_flops"} - set(data))
+        if missing:
+            raise InputError(f"device: missing key(s) {missing} (or give 'base', a known device: {sorted(DEVICES)})")
+        return DeviceSpec(**data)
+    raise InputError(f"device {value!r} is not valid: give a name among {sorted(DEVICES)} or a dict of "
+                     f"{sorted(_FIELDS)}")
+
+
+def cluster_spec(value: Union[str, Mapping[str, Any], ClusterSpec]) -> ClusterSpec:
+    """A cluster from ``"8xH100-96GB"`` (one node), ``"4x8xA100-80GB"`` (nodes x GPUs per node x
+    device), a dict ``{"nodes", "gpus_per_node", "device"}`` (device: a name or a dict), or the path of
+    a JSON file holding that dict."""
+    if isinstance(value, ClusterSpec):
+        return value
+    if isinstance(value, str) and value.endswith(".json"):
+        try:
+            value = json.loads(Path(value).read_text())
+        except (OSError, ValueError) as error:
+            raise InputError(f"cluster file {value!r} cannot be read: {error}") from error
+    if isinstance(value, str):
+        match = _CLUSTER_TEXT.match(value)
+        if not match:
+            raise InputError(f"cluster {value!r} is not valid: write GPUSxDEVICE or NODESxGPUSxDEVICE, e.g. "
+                             f"'8xH100-96GB' or '4x8xA100-80GB'; devices: {sorted(DEVICES)}")
+        nodes, gpus, device = match.groups()
+        return _checked(int(nodes or 1), int(gpus), device_spec(device))
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"nodes", "gpus_per_node", "device"})
+        if unknown:
+            raise InputError(f"cluster: unknown key(s) {unknown}; valid keys: ['device', 'gpus_per_node', 'nodes']")
+        if "device" not in value or "gpus_per_node" not in value:
+            raise InputError("cluster: 'device' and 'gpus_per_node' are required ('nodes' defaults to 1)")
+        return _checked(value.get("nodes", 1), value["gpus_per_node"], device_spec(value["device"]))
+    raise InputError(f"cluster {value!r} is not valid: give e.g. '8xH100-96GB', '4x8xA100-80GB' or a dict")
+
+
+def _checked(nodes: Any, gpus: Any, device: DeviceSpec) -> ClusterSpec:
+    for key, number in (("nodes", nodes), ("gpus_per_node", gpus)):
+        if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+            raise InputError(f"cluster: {key}={number!r} is not valid: give a positive int")
+    return ClusterSpec(nodes, gpus, device)

@@ -1,0 +1,181 @@
+"""Decoder-only transformers described by their shape, for planning without building them.
+
+The search profiles the model it is given (``analyser.py``); the planner predicts for models far
+too large for this machine, so it reads their shape instead: from a transformers ``config.json``
+(a path, or the dict), from a built-in name (a few well-known configs written below, so nothing is
+downloaded), or from an ``nn.Module`` built on the meta device (its own parameters are counted).
+From the shape follow exactly the numbers the cost model needs: parameter counts (per block, the
+embeddings, the head), FLOPs per token, and activation elements per token and block.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+from torch import nn
+
+from atorch.errors import InputError, nearest_name
+from atorch.utils.modules import repeated_blocks
+
+# transformers config.json contents of well-known models (the shape keys only)
+_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "tie_word_embeddings": False}
+BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama2-7b": {**_LLAMA, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000},
+    "llama2-13b": {**_LLAMA, "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
+                   "num_attention_heads": 40, "num_key_value_heads": 40, "vocab_size": 32000},
+    "llama2-70b": {**_LLAMA, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                   "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000},
+    "llama3-8b": {**_LLAMA, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256},
+    "llama3-70b": {**_LLAMA, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                   "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256},
+}
+BUILTIN_CONFIGS["llama3.1-8b"] = BUILTIN_CONFIGS["llama3-8b"]    # same shape, longer RoPE context
+BUILTIN_CONFIGS["llama3.1-70b"] = BUILTIN_CONFIGS["llama3-70b"]
+
+# model types whose MLP is gated (gate, up, down: three matrices)
+GATED_MODEL_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2"}
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+_ALIASES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+            "n_inner": "intermediate_size"}
+
+
+@dataclass(frozen=True)
+class TransformerSpec:
+    """The shape of a decoder-only transformer."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied: bool = False
+    gated: bool = True
+    block: str = "Block"            # class name of the repeated block (checkpoint / FSDP unit)
+    param_count_override: int = 0   # a real module's exact count, when known
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def block_params(self) -> int:
+        attention = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_dim
+        return attention + (3 if self.gated else 2) * self.hidden * self.ffn + 2 * self.hidden
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def head_params(self) -> int:
+        return 0 if self.tied else self.vocab * self.hidden
+
+    @property
+    def param_count(self) -> int:
+        if self.param_count_override:
+            return self.param_count_override
+        return self.layers * self.block_params + self.embedding_params + self.head_params + self.hidden
+
+    def model_flops_per_token(self, seq_len: int) -> float:
+        """Forward + backward FLOPs per token as MFU is usually counted (torchtitan, PaLM): 6 per
+        non-embedding parameter plus attention's 12 * layers * hidden * sequence."""
+        return 6.0 * (self.param_count - self.embedding_params) + 12.0 * self.layers * self.hidden * seq_len
+
+    def recompute_flops_per_token(self, seq_len: int) -> float:
+        """One more forward of every block (full activation checkpointing)."""
+        return 2.0 * self.layers * self.block_params + 4.0 * self.layers * self.hidden * seq_len
+
+    def block_activation_elements(self) -> int:
+        """Elements a block saves for backward, per token, with fused (flash / SDPA) attention: norm
+        inputs and outputs, q / k / v, the attention output, and the MLP's intermediate tensors."""
+        mlp = (4 if self.gated else 2) * self.ffn
+        return 6 * self.hidden + 2 * self.kv_dim + mlp
+
+    def split_activation_elements(self) -> int:
+        """The part of ``block_activation_elements`` that tensor parallelism splits (heads, MLP width)."""
+        mlp = (4 if self.gated else 2) * self.ffn
+        return 2 * self.hidden + 2 * self.kv_dim + mlp
+
+
+def model_spec(value: Union[str, Mapping[str, Any], nn.Module, TransformerSpec]) -> TransformerSpec:
+    """A built-in name, a config.json path or directory, a config dict, or a (meta) ``nn.Module``."""
+    if isinstance(value, TransformerSpec):
+        return value
+    if isinstance(value, nn.Module):
+        return from_module(value)
+    if isinstance(value, Mapping):
+        return from_hf_config(value)
+    if isinstance(value, (str, Path)):
+        text = str(value)
+        if text in BUILTIN_CONFIGS:
+            return from_hf_config(BUILTIN_CONFIGS[text], name=text)
+        path = Path(text)
+        if path.is_dir():
+            path = path / "config.json"
+        if path.is_file():
+            try:
+                return from_hf_config(json.loads(path.read_text()), name=path.parent.name or path.stem)
+            except ValueError as error:
+                raise InputError(f"model config {text!r} is not valid JSON: {error}") from error
+        close = nearest_name(text, BUILTIN_CONFIGS)
+        hint = f" Did you mean {close!r}?" if close else ""
+        raise InputError(f"model {text!r} is neither a built-in name nor a config.json file.{hint} Built-in: "
+                         f"{sorted(BUILTIN_CONFIGS)}")
+    raise InputError(f"model {value!r} is not valid: give a built-in name, a config.json path, a dict or an nn.Module")
+
+
+def from_hf_config(config: Mapping[str, Any], name: str = "") -> TransformerSpec:
+    """The shape keys of a transformers config (GPT-2's n_embd / n_layer / n_head are accepted too)."""
+    data = {_ALIASES.get(k, k): v for k, v in config.items()}
+    missing = [k for k in _REQUIRED if not isinstance(data.get(k), int)]
+    if missing:
+        raise InputError(f"model config: missing or non-integer key(s) {missing}; required: {list(_REQUIRED)}")
+    hidden, model_type = data["hidden_size"], str(data.get("model_type", ""))
+    arch = (data.get("architectures") or [""])[0]
+    gated = model_type in GATED_MODEL_TYPES
+    return TransformerSpec(
+        name=name or data.get("_name_or_path") or model_type or "model", hidden=hidden,
+        layers=data["num_hidden_layers"], heads=data["num_attention_heads"],
+        kv_heads=data.get("num_key_value_heads") or data["num_attention_heads"],
+        ffn=data.get("intermediate_size") or 4 * hidden, vocab=data["vocab_size"],
+        tied=bool(data.get("tie_word_embeddings", not gated)), gated=gated,
+        block=arch.replace("ForCausalLM", "DecoderLayer") if arch.endswith("ForCausalLM") else "Block")
+
+
+def from_module(model: nn.Module) -> TransformerSpec:
+    """Shape of a module (meta tensors are fine): a transformers model through its ``config``; any
+    other from its embedding, its repeated blocks and its exact parameter count."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        spec = from_hf_config(config.to_dict(), name=type(model).__name__)
+        return _with_block(spec, model)
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    blocks, block_bytes = repeated_blocks(model)
+    if not embeddings or not blocks:
+        raise InputError(f"{type(model).__name__}: the planner needs a token embedding and repeated blocks "
+                         "(a transformer); give its transformers config instead")
+    hidden, vocab = embeddings[0].embedding_dim, embeddings[0].num_embeddings
+    block, layers = next(iter(blocks.items()))
+    module = next(m for m in model.modules() if type(m).__name__ == block)
+    block_params = sum(p.numel() for p in module.parameters())
+    heads = next((getattr(m, a) for m in module.modules() for a in ("num_heads", "n_head", "num_attention_heads")
+                  if isinstance(getattr(m, a, None), int)), max(hidden // 64, 1))
+    ffn = max((block_params - 4 * hidden * hidden) // (2 * hidden), hidden)
+    return TransformerSpec(type(model).__name__, hidden, layers, heads, heads, ffn, vocab, gated=False, block=block,
+                           param_count_override=sum(p.numel() for p in model.parameters()))
+
+
+def _with_block(spec: TransformerSpec, model: nn.Module) -> TransformerSpec:
+    blocks, _ = repeated_blocks(model)
+    block = next(iter(blocks), spec.block)
+    return replace(spec, block=block, param_count_override=sum(p.numel() for p in model.parameters()))

@@ -1,0 +1,156 @@
+"""``atorch.plan``: rank the search's candidate strategies for a cluster you do not have.
+
+The automatic search (``atorch/auto/search``) measures the machine it runs on, so it cannot tell
+you, before you rent 64 H100s, which strategy to train a 70B model with or whether it fits. The
+planner answers from the model's shape and the cluster's datasheet alone: it enumerates the same
+candidates as the search (``candidates.enumerate_candidates``, with every pruning rule), predicts
+each one's per-GPU memory and throughput analytically (``analytic.py``, which reuses ``cost.py``'s
+sharding formulas), and ranks those that fit by tokens/s per GPU. The top plan is a ``Strategy``
+that ``auto_accelerate(load_strategy=...)`` accepts. Nothing is allocated and no GPU is needed.
+
+    python -m atorch.plan --model llama3-8b --cluster 8xH100-96GB --global-batch 16 --seq-len 8192
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from atorch.auto.search.analyser import ModelProfile
+from atorch.auto.search.analytic import Prediction, Workload, predict, spec_layout_facts
+from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates
+from atorch.auto.search.hardware_specs import ClusterSpec, DeviceSpec, cluster_spec
+from atorch.auto.search.model_specs import TransformerSpec, model_spec
+from atorch.auto.search.topology import Topology, keep_tensor_in_node
+from atorch.auto.strategy import Strategy
+from atorch.errors import InputError
+
+logger = logging.getLogger("atorch")
+
+GIB = 2**30
+
+
+@dataclass
+class Plan:
+    """Every candidate's prediction, best first (those that fit, by tokens/s per GPU), and why the
+    others were not candidates."""
+
+    model: TransformerSpec
+    cluster: ClusterSpec
+    workload: Workload
+    predictions: list[Prediction]
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def best(self) -> Optional[Prediction]:
+        return next((p for p in self.predictions if p.fits), None)
+
+    @property
+    def strategy(self) -> Optional[Strategy]:
+        """The top plan as a strategy for ``auto_accelerate(load_strategy=...)``; None if none fits."""
+        best = self.best
+        return best.candidate.strategy(self.cluster.world_size) if best else None
+
+    def table(self, limit: Optional[int] = None) -> str:
+        return format_plan(self, limit)
+
+
+def plan(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
+         cluster: Union[str, Mapping[str, Any], ClusterSpec], global_batch: int, seq_len: int,
+         excluded: Iterable[str] = (), device: Optional[Union[str, Mapping[str, Any], DeviceSpec]] = None) -> Plan:
+    """Rank the candidate strategies for ``model`` on ``cluster`` (see the module doc).
+
+    ``model``: a built-in name (``llama3-8b``, ...), a transformers config.json path or dict, or an
+    ``nn.Module`` built on the meta device. ``cluster``: ``"8xH100-96GB"``, ``"4x8xA100-80GB"`` or a
+    dict (its device may be a dict of your own numbers). ``excluded``: method names to leave out.
+    """
+    spec, cluster = model_spec(model), cluster_spec(cluster)
+    if device is not None:
+        cluster = cluster_spec({"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node, "device": device})
+    _check_positive("global_batch", global_batch)
+    _check_positive("seq_len", seq_len)
+    work = Workload(global_batch, seq_len)
+    world = cluster.world_size
+    facts = keep_tensor_in_node(spec_layout_facts(spec, world), Topology(cluster.nodes, cluster.gpus_per_node))
+    profile = _profile(spec, facts)
+    space = SearchSpace(world, torch.device("meta"), profile, frozenset(excluded), Strategy(),
+                        max(global_batch // world, 1), cluster.gpus_per_node if cluster.nodes > 1 else 0)
+    candidates, skipped = enumerate_candidates(space)
+    kept = []
+    for candidate in candidates:
+        data = candidate.data_size(world)
+        if global_batch % data:
+            skipped[candidate.label] = f"the global batch {global_batch} does not split over {data} data ranks"
+        else:
+            kept.append(candidate)
+    predictions = [predict(c, spec, cluster, work, facts) for c in kept]
+    # fitting plans by throughput (equal throughput: less memory first), then the rest by memory
+    predictions.sort(key=lambda p: (not p.fits, -round(p.tokens_per_s_per_gpu) if p.fits else 0, p.memory_bytes))
+    return Plan(spec, cluster, work, predictions, skipped)
+
+
+def format_plan(result: Plan, limit: Optional[int] = None) -> str:
+    spec, cluster, work = result.model, result.cluster, result.workload
+    head = (f"model {spec.name}: {spec.param_count / 1e9:.2f} B parameters; cluster {cluster.label} "
+            f"({cluster.device.memory_bytes / GIB:.1f} GiB per GPU); global batch {work.global_batch} x "
+            f"{work.seq_len} tokens")
+    header = f"{'#':>3}  {'candidate':<34}{'tp':>4}{'pp':>4}{'dp':>5}{'GiB/GPU':>9}{'step s':>9}{'tok/s/GPU':>11}{'MFU':>7}  fits"
+    lines = [head, header, "-" * len(header)]
+    rows = result.predictions[:limit] if limit else result.predictions
+    for i, p in enumerate(rows, 1):
+        c = p.candidate
+        lines.append(f"{i:>3}  {c.label:<34}{c.tensor:>4}{c.pipeline:>4}{c.data_size(cluster.world_size):>5}"
+                     f"{p.memory_bytes / GIB:>9.1f}{p.step_time_s:>9.3f}{p.tokens_per_s_per_gpu:>11.0f}"
+                     f"{p.mfu * 100:>6.1f}%  {'yes' if p.fits else 'no'}")
+    if limit and len(result.predictions) > limit:
+        lines.append(f"... {len(result.predictions) - limit} more")
+    best = result.strategy
+    lines.append(f"top plan (load_strategy): {_compact(best) if best is not None else 'none fits in memory'}")
+    return "\n".join(lines)
+
+
+def plot_plan(result: Plan, path: Union[str, Path]) -> Optional[Path]:
+    """Tokens/s per GPU against memory per GPU, when matplotlib is installed (``.[plot]``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.info("matplotlib is not installed: no plan plot")
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for p in result.predictions:
+        ax.scatter(p.memory_bytes / GIB, p.tokens_per_s_per_gpu, marker="o" if p.fits else "x")
+        ax.annotate(p.candidate.label, (p.memory_bytes / GIB, p.tokens_per_s_per_gpu), fontsize=6)
+    ax.axvline(result.cluster.device.memory_bytes / GIB, linestyle="--", color="grey")
+    ax.set_xlabel("predicted memory per GPU (GiB)")
+    ax.set_ylabel("predicted tokens/s per GPU")
+    ax.set_title(f"atorch plan: {result.model.name} on {result.cluster.label}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def _compact(strategy: Strategy) -> str:
+    return "[" + ", ".join(item.name if item.config is None else f"({item.name!r}, {item.config!r})"
+                           for item in strategy) + "]"
+
+
+def _profile(spec: TransformerSpec, facts) -> ModelProfile:
+    n = spec.param_count
+    return ModelProfile(n, 4 * n, n, 4 * n, 0, {spec.block: spec.layers}, {spec.block: 4 * spec.block_params}, {},
+                        layouts=facts)
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InputError(f"{name}={value!r} is not valid: give a positive int")
+
+
+__all__ = ["Plan", "plan", "format_plan", "plot_plan", "Candidate"]

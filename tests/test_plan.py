@@ -1,0 +1,112 @@
+"""atorch.plan: the search's candidates ranked for a cluster that is not here, from a config alone.
+
+No GPU, no real memory: models are shapes (a transformers config.json, a built-in name, or a module on
+the meta device), devices are rows of a table. The command line is run in a subprocess as a user
+would; the top plan is applied with ``load_strategy`` to a small real model."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import atorch
+from atorch.auto import auto_accelerate
+from atorch.auto.search.hardware_specs import DEVICES, cluster_spec, device_spec
+from atorch.auto.search.model_specs import BUILTIN_CONFIGS, model_spec
+from atorch.errors import InputError
+from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA3_8B_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+                    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                    "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False,
+                    "rope_theta": 500000.0, "torch_dtype": "bfloat16"}
+
+
+def test_cli_prints_the_ranked_table_for_a_transformers_config(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA3_8B_CONFIG))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, "-m", "atorch.plan", "--model", str(config), "--cluster", "8xH100-96GB",
+                           "--global-batch", "16", "--seq-len", "8192", "--strategy-out", str(tmp_path / "top.json")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    print(done.stdout)
+    assert "8.03 B parameters" in done.stdout and "tok/s/GPU" in done.stdout and "MFU" in done.stdout
+    first = next(line for line in done.stdout.splitlines() if line.strip().startswith("1 "))
+    assert first.rstrip().endswith("yes") and "amp_bf16" in first
+    saved = atorch.Strategy.load(tmp_path / "top.json")
+    assert "parallel_mode" in saved.names()
+
+
+def test_cli_names_a_bad_cluster_and_the_valid_devices():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "atorch.plan", "--model", "llama3-8b", "--cluster", "8xH100-69GB",
+                           "--global-batch", "16", "--seq-len", "8192"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "H100-96GB" in done.stderr and "Did you mean" in done.stderr
+
+
+def test_builtin_shapes_have_their_published_parameter_counts():
+    counts = {name: model_spec(name).param_count / 1e9 for name in BUILTIN_CONFIGS}
+    assert counts["llama2-7b"] == pytest.approx(6.74, abs=0.01)
+    assert counts["llama3-8b"] == pytest.approx(8.03, abs=0.01)
+    assert counts["llama3-70b"] == pytest.approx(70.55, abs=0.05)
+
+
+def test_plan_ranks_fitting_plans_by_throughput_and_reports_memory():
+    result = atorch.plan("llama3-8b", "8xH100-96GB", global_batch=16, seq_len=8192)
+    fitting = [p for p in result.predictions if p.fits]
+    assert fitting and result.best is fitting[0]
+    assert [p.tokens_per_s_per_gpu for p in fitting] == sorted((p.tokens_per_s_per_gpu for p in fitting), reverse=True)
+    assert all(0 < p.mfu < 1 for p in result.predictions)
+    assert all(not p.fits for p in result.predictions if p.memory_bytes > DEVICES["H100-96GB"].memory_bytes)
+    # plain data parallelism of an 8B model with Adam needs ~16 bytes per parameter on every GPU
+    ddp = next(p for p in result.predictions if p.candidate.label == "ddp+amp_bf16")
+    assert not ddp.fits and ddp.memory_bytes > 8e9 * 16
+
+
+def test_user_device_from_a_dict_and_typed_errors():
+    mine = device_spec({"base": "A100-80GB", "name": "A100-80GB-fast-net", "network_bytes_per_s": 100e9})
+    assert mine.bf16_flops == DEVICES["A100-80GB"].bf16_flops and mine.network_bytes_per_s == 100e9
+    assert cluster_spec({"nodes": 2, "gpus_per_node": 8, "device": "H200"}).world_size == 16
+    with pytest.raises(InputError, match="valid keys"):
+        device_spec({"base": "H200", "flops": 1})
+    with pytest.raises(InputError, match="unknown key"):
+        cluster_spec({"gpus": 8, "device": "H200"})
+    with pytest.raises(InputError, match="required"):
+        model_spec({"hidden_size": 64})
+    with pytest.raises(InputError, match="llama3-8b"):
+        model_spec("llama3-8")
+
+
+def test_tensor_groups_stay_inside_a_node():
+    result = atorch.plan("llama3-8b", "2x4xH100-80GB", global_batch=16, seq_len=4096)
+    assert max(p.candidate.tensor for p in result.predictions) == 4
+    assert "span nodes" in result.skipped.get("ddp+amp_bf16+tp8", "") or any(
+        "span nodes" in why for why in result.skipped.values())
+
+
+def test_meta_module_and_the_top_plan_runs_with_load_strategy():
+    config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    with torch.device("meta"):
+        meta = GPT(config)
+    result = atorch.plan(meta, "1xA100-80GB", global_batch=8, seq_len=16)
+    assert result.model.param_count == sum(p.numel() for p in meta.parameters())
+    strategy = result.strategy
+    assert strategy is not None and "checkpoint" not in strategy.names()  # a tiny model needs no recompute
+    torch.manual_seed(0)
+    status, out, applied = auto_accelerate(GPT(config), torch.optim.SGD, SyntheticTokenDataset(16, 16, 64), gpt_loss,
+                                           optim_args={"lr": 0.1}, dataloader_args={"batch_size": 8},
+                                           model_input_format="unpack_dict", load_strategy=strategy)
+    assert status
+    batch = out.prepare_input(next(iter(out.dataloader)))
+    loss = out.loss_func(batch, out.model(**batch))
+    loss.backward()
+    out.optim.step()
+    assert torch.isfinite(loss)
