@@ -31,7 +31,7 @@ def _refine(monkeypatch, base_runs: list, refined_runs: list) -> Row:
     model = build_gpt()
     runs = {"ddp+fp32": list(base_runs), "ddp+fp32+module_replace": list(refined_runs)}
     monkeypatch.setattr(planner_module, "dry_run_candidate", lambda m, f, c, *a: runs[c.label].pop(0))
-    monkeypatch.setattr(planner_module, "estimate", lambda *a: Estimate(2**20, 0.1))
+    monkeypatch.setattr(planner_module, "topology_estimate", lambda *a: Estimate(2**20, 0.1))
     planner = planner_module.Planner(model, None, SearchOptions(excluded={"native_dynamo"}))
     planner.space = SearchSpace(1, torch.device("cpu"), analyse_model(model), frozenset({"native_dynamo"}))
     planner.candidates = [Candidate()]

@@ -40,6 +40,10 @@ SELECTIVE_ACTIVATION_SHARE = 0.48
 # the selective share above was fitted with it, so no second constant is taken from the same row.
 ALLOCATOR_OVERHEAD = 1.0
 AC_MODES = ("none", "selective", "full")
+# micro_batch on a GPU: each extra micro-step runs smaller matmuls at lower efficiency. Not calibrated
+# (no published row splits the batch); small, so a split is chosen only when the whole batch does not
+# fit, as the search does with its CPU-calibrated cost.MICRO_STEP_OVERHEAD.
+MICRO_STEP_SLOWDOWN = 0.02
 
 
 @dataclass(frozen=True)
@@ -186,6 +190,8 @@ def compute_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cluste
     if candidate.pipeline > 1:
         micro = micro_batches(candidate.pipeline, max(work.global_batch // candidate.data_size(cluster.world_size), 1))
         seconds *= (micro + candidate.pipeline - 1) / micro
+    if candidate.micro > 1:  # smaller matmuls and one more launch round per micro-step
+        seconds *= 1 + MICRO_STEP_SLOWDOWN * (candidate.micro - 1)
     return seconds
 
 
