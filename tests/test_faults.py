@@ -175,7 +175,8 @@ def test_the_search_completes_with_the_failing_candidates_marked_failed(searched
         for place, found in out.items():
             print(f"rank {rank} search with a fault in {place}: {found['seconds']:.1f} s, chose {found['strategy']}")
             assert found["status"], (rank, place, found)
-            sharded = {label: row for label, row in found["rows"].items() if label.startswith(("fsdp", "zero2"))}
+            sharded = {label: row for label, row in found["rows"].items()  # micro-batch splits the unsplit batch
+                       if label.startswith(("fsdp", "zero2")) and row[0] != "not tried"}  # made needless are not run
             assert sharded, found["rows"]
             for label, (status, reason) in sharded.items():
                 assert status == "failed" and "injected fault on rank 1" in reason, (rank, place, label, status, reason)

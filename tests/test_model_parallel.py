@@ -338,15 +338,15 @@ def test_pipeline_refuses_what_stages_cannot_reproduce(two_ranks):
 
 
 def test_pipeline_places_layers_by_execution_and_ties_embeddings(two_ranks):
-    """GPT-2: embeddings run before the blocks, ln_f and lm_head after; the tied wte / lm_head weight
-    is held by both stages (stage 0 keeps the embedding, not the head)."""
+    """GPT-2 (4 blocks): embeddings run before the blocks, ln_f and lm_head after; the tied wte / lm_head
+    weight is held by both stages (stage 0 keeps the embedding and blocks 0-1, not the head)."""
     refusals = two_ranks[0]["refusals"]
     extras = refusals["gpt2_extras"]
     assert extras["before_blocks"] == ["transformer.wte", "transformer.wpe"], extras
     assert extras["after_blocks"] == ["transformer.ln_f", "lm_head"], extras
     assert extras["tied"] == {"transformer.wte.weight": [0, 1]}, extras
     params = refusals["gpt2_params"]
-    assert "transformer.wte.weight" in params and not any(n.startswith(("lm_head", "transformer.ln_f", "transformer.h.1."))
+    assert "transformer.wte.weight" in params and not any(n.startswith(("lm_head", "transformer.ln_f", "transformer.h.2.", "transformer.h.3."))
                                                           for n in params), params
 
 

@@ -28,6 +28,7 @@ place only when complete, so a crash mid-save leaves the previous checkpoint loa
 """
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import logging
@@ -36,6 +37,7 @@ import os
 import pickle
 import random
 import shutil
+import sys
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Optional
@@ -62,10 +64,6 @@ from atorch.errors import AtorchError, CheckpointError, StrategyError
 from atorch.utils.data import ResumableDataLoader, decode_rng, encode_rng
 from atorch.utils.modules import full_state_dict, unwrap_model
 
-try:  # optional: RNG state saved when present
-    import numpy
-except ImportError:  # pragma: no cover
-    numpy = None
 try:  # optional: export_model's format when installed
     import safetensors.torch as safetensors_torch
 except ImportError:  # pragma: no cover
@@ -350,6 +348,7 @@ def _rng_state(dataloader: Any) -> dict:
              "torch": encode_rng(torch.get_rng_state()),
              "cuda": [encode_rng(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
              "numpy": None, "dataloader": None}
+    numpy = sys.modules.get("numpy")  # atorch does not depend on numpy: its RNG is saved when the job uses it
     if numpy is not None:
         kind, keys, pos, has_gauss, cached = numpy.random.get_state()
         state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
@@ -358,13 +357,22 @@ def _rng_state(dataloader: Any) -> dict:
     return state
 
 
+def _numpy_if_installed() -> Any:
+    """numpy, for a checkpoint that saved its RNG (the resumed job may import it only later)."""
+    try:
+        return importlib.import_module("numpy")
+    except ImportError:
+        return None
+
+
 def _set_rng_state(state: dict) -> None:
     python = state["python"]
     random.setstate((python[0], tuple(python[1]), python[2]))
     torch.set_rng_state(decode_rng(state["torch"]))
     if state.get("cuda") and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all([decode_rng(s) for s in state["cuda"]])
-    if state.get("numpy") is not None and numpy is not None:
+    numpy = _numpy_if_installed() if state.get("numpy") is not None else None
+    if numpy is not None:
         kind, keys, pos, has_gauss, cached = state["numpy"]
         numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, cached))
 
