@@ -73,7 +73,8 @@ def test_the_launch_is_two_nodes_of_two_ranks(ranks):
 
 @pytest.mark.parametrize("case, tolerance", [("dp", DATA_PARALLEL_TOL), ("fsdp", DATA_PARALLEL_TOL),
                                              ("hsdp", DATA_PARALLEL_TOL), ("tensor", MODEL_PARALLEL_TOL),
-                                             ("pipeline", MODEL_PARALLEL_TOL), ("search", MODEL_PARALLEL_TOL)])
+                                             ("pipeline", MODEL_PARALLEL_TOL), ("search", MODEL_PARALLEL_TOL),
+                                             ("search_tensor", MODEL_PARALLEL_TOL)])
 def test_losses_match_the_single_process_reference(ranks, case, tolerance):
     run = ranks[0]["cases"][case]
     assert "error" not in run, run["error"]
@@ -109,3 +110,19 @@ def test_the_search_measures_both_links_and_keeps_tensor_groups_in_a_node(ranks)
     assert "intra-node" in found["table"] and "measured" in found["table"]
     for record in ranks[1:]:
         assert record["cases"]["search"]["strategy"] == ranks[0]["cases"]["search"]["strategy"]
+
+
+def test_the_search_with_tensor_parallelism_keeps_each_tensor_group_in_a_node(ranks):
+    """Every candidate has tensor_parallel: tp4 would span both nodes, so the only sizes are 2 (inside a node), and
+    the applied strategy's live tensor groups are a node's ranks. The inter-node bandwidth was given, not measured."""
+    found = ranks[0]["cases"]["search_tensor"]["search"]
+    print(found["table"])
+    assert found["labels"] and all("tp2" in label for label in found["labels"]), found["labels"]
+    assert dict(found["parallel_mode"])["tensor"] == PER_NODE, found["parallel_mode"]
+    for record in ranks:
+        group = record["cases"]["search_tensor"]["groups"]["tensor"]
+        assert {_node(r) for r in group} == {record["node"]}, (record["rank"], group)
+    hardware = found["hardware"]
+    assert hardware["link_sources"] == {"intra_node": "measured", "inter_node": "given"}, hardware
+    assert hardware["inter_node_bandwidth"] == 1e9
+    assert "inter-node 1 GB/s (given)" in found["table"]

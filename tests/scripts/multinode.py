@@ -30,8 +30,14 @@ CASES: dict[str, Any] = {
     "tensor": [("parallel_mode", ([("tensor", 2), ("data", 2)], None)), "tensor_parallel"],
     "pipeline": [("parallel_mode", ([("pipeline", 2), ("data", 2)], None)), ("pipeline_parallel", {"schedule": "GPipe"})],
     "search": None,  # fully automatic
+    "search_tensor": None,  # fully automatic, every candidate with tensor_parallel, the inter-node link given
 }
 SEARCH_KARGS = {"excluded": SEARCH_EXCLUDED, "search_topk": 2, "dryrun_steps": 1, "use_profile_cache": False}
+GIVEN_INTER_NODE = 1e9  # bytes/s
+CASE_KARGS: dict[str, dict] = {
+    "search": SEARCH_KARGS,
+    "search_tensor": {**SEARCH_KARGS, "included": ["tensor_parallel"], "inter_node_bandwidth": GIVEN_INTER_NODE},
+}
 
 
 @contextmanager
@@ -62,8 +68,7 @@ def search_facts(result: Any) -> dict:
 
 def run_case(name: str, strategy: Any, reference: list[float] | None) -> dict:
     started = time.perf_counter()
-    kargs = SEARCH_KARGS if strategy is None else {}
-    run = train_gpt(strategy, **kargs)
+    run = train_gpt(strategy, **CASE_KARGS.get(name, {}))
     out = {"losses": run["losses"], "groups": groups(), "strategy": run["strategy"].names(),
            "seconds": time.perf_counter() - started}
     if strategy is None:

@@ -122,7 +122,12 @@ class Planner:
         self.candidates, _ = enumerate_candidates(self.space)
         self._say(f"search: {len(self.candidates)} candidate strategies for {self.world} rank(s); model "
                   f"{self.profile.param_count / 1e6:.2f} M parameters, repeated block {self.profile.main_block}")
-        self.hardware = measure_hardware(probe.device, self.options.memory_limit, self._node_layout())
+        self.measure_machine(probe.device)
+
+    def measure_machine(self, device: torch.device) -> None:
+        """The memory limit, the all-reduce bandwidth and latency, and each link's bandwidth: measured, or as
+        the options give it. The estimates then cost every collective on the link it crosses (``self.links``)."""
+        self.hardware = measure_hardware(device, self.options.memory_limit, self._node_layout())
         self.links = Links(self.hardware.intra_node_bandwidth, self.hardware.inter_node_bandwidth)
         if self._links_matter():
             self._say(f"search: {self.topology.nodes} node(s) x {self.topology.ranks_per_node} rank(s); "
