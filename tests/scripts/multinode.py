@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -50,6 +51,19 @@ def alone() -> Iterator[None]:
         os.environ.update(saved)
 
 
+def exit_when_orphaned() -> None:
+    """torchrun starts each rank in its own session, so killing a hung agent leaves its ranks behind: a rank
+    whose agent is gone exits by itself instead of waiting in a collective for a peer that will never come."""
+    agent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == agent:
+            time.sleep(2)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def groups() -> dict[str, list[int]]:
     """This rank's live process group along every dimension of the strategy that ran."""
     config = mesh.parallel_config()
@@ -63,7 +77,8 @@ def search_facts(result: Any) -> dict:
     hardware = found.hardware
     return {"labels": [row.label for row in found.rows], "table": found.table, "statuses": [r.status for r in found.rows],
             "parallel_mode": [list(d) for d in mesh.parallel_config().dims],  # as applied (None in the strategy: data)
-            "hardware": {k: v for k, v in vars(hardware).items() if isinstance(v, (int, float, str, dict, type(None)))}}
+            "hardware": {k: v for k, v in vars(hardware).items() if isinstance(v, (int, float, str, dict, type(None)))},
+            "links": hardware.describe_links()}
 
 
 def run_case(name: str, strategy: Any, reference: list[float] | None) -> dict:
@@ -79,12 +94,13 @@ def run_case(name: str, strategy: Any, reference: list[float] | None) -> dict:
 
 
 def main(out_dir: Path) -> None:
+    exit_when_orphaned()
     rank = int(os.environ["RANK"])
     reference = None
     if rank == 0:
         with alone():
             reference = train_gpt([])["losses"]
-    atorch.init_distributed()
+    atorch.init_distributed(timeout_s=120)  # a lost peer fails the launch in minutes, not half an hour
     torch.set_num_threads(1)
     record: dict[str, Any] = {
         "rank": dist.get_rank(), "world": dist.get_world_size(), "local_world": int(os.environ["LOCAL_WORLD_SIZE"]),
@@ -103,7 +119,8 @@ def main(out_dir: Path) -> None:
             case = record["cases"][name]
             print(f"case {name}: {case['seconds']:.1f} s, loss diff {case.get('loss_diff', 0):.2e}", flush=True)
             if "search" in case:
-                print(f"search links: {case['search']['hardware']}", flush=True)
+                print(f"case {name}: chose {'+'.join(case['strategy'])} {case['search']['parallel_mode']}; "
+                      f"{case['search']['links']}", flush=True)
 
 
 if __name__ == "__main__":
