@@ -84,11 +84,13 @@ class NodeLayout:
 
     def node_groups(self) -> list[list[int]]:
         """The ranks of each node: the groups whose all-reduce runs on the links inside a node."""
-        return [[node * self.ranks_per_node + local for local in range(self.ranks_per_node)] for node in range(self.nodes)]
+        per = self.ranks_per_node
+        return [[node * per + local for local in range(per)] for node in range(self.nodes)]
 
     def cross_groups(self) -> list[list[int]]:
         """The ranks with the same local rank on every node: their all-reduce runs on the links between nodes."""
-        return [[node * self.ranks_per_node + local for node in range(self.nodes)] for local in range(self.ranks_per_node)]
+        per = self.ranks_per_node
+        return [[node * per + local for node in range(self.nodes)] for local in range(per)]
 
 
 # --- one rank alone ----------------------------------------------------------------------------------
@@ -152,9 +154,12 @@ def measure_links(hardware: HardwareProfile, device: torch.device, layout: NodeL
     measured_intra = hardware.bandwidth_bytes_per_s
     if several and layout.given_intra_node is None:
         measured_intra = _bandwidth_in_groups(device, layout.node_groups())
-    hardware.intra_node_bandwidth, hardware.link_sources["intra_node"] = _given_or(layout.given_intra_node, measured_intra)
+    hardware.intra_node_bandwidth, hardware.link_sources["intra_node"] = _given_or(layout.given_intra_node,
+                                                                                   measured_intra)
     if several:
-        measured_inter = None if layout.given_inter_node is not None else _bandwidth_in_groups(device, layout.cross_groups())
+        measured_inter = None
+        if layout.given_inter_node is None:
+            measured_inter = _bandwidth_in_groups(device, layout.cross_groups())
         hardware.inter_node_bandwidth, hardware.link_sources["inter_node"] = _given_or(layout.given_inter_node,
                                                                                        measured_inter)
 
