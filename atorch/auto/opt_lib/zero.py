@@ -25,7 +25,7 @@ from atorch.errors import MethodConfigError
 from atorch.auto.gradients import scale_grads_to_norm, total_grad_norm
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason, use_deepspeed_zero
-from atorch.auto.opt_lib.fsdp import FSDPConfig, normalize_fsdp_config, shard_model
+from atorch.auto.opt_lib.fsdp import FSDPConfig, normalize_fsdp_config, shard_model, use_foreach_optimizer
 from atorch.distributed import mesh
 from atorch.utils.config import MethodConfig, option
 
@@ -149,6 +149,7 @@ class Zero2Optimization(Optimization):
             _use_sharded_gradients(ctx, self.name)
         else:
             ctx.set_data_parallel_wrapper(self.name, lambda ctx: shard_model(ctx, config, reshard_after_forward=False))
+            use_foreach_optimizer(ctx)
 
 
 def _use_sharded_gradients(ctx, method: str) -> None:
