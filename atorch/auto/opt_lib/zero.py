@@ -32,6 +32,9 @@ from atorch.utils.config import MethodConfig, option
 logger = logging.getLogger(__name__)
 
 USE_DS_ZERO = "use DeepSpeed ZeRO (needs the deepspeed extra)"
+# ZeroRedundancyOptimizer keeps each rank's parameters as views of one flat buffer, so the updated
+# shares are sent in one broadcast per rank instead of one per parameter (same values)
+BUCKET_VIEW = True
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,8 @@ def _zero_redundancy_optimizer(ctx, params: Any):
     flat = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
     if any(isinstance(p, DTensor) for p in flat):  # tensor-parallel parameters: ZeRO cannot broadcast DTensors
         return ShardedStateOptimizer(params, ctx.optim_func, group, **ctx.optim_args)
-    return ZeroRedundancyOptimizer(params, optimizer_class=ctx.optim_func, process_group=group, **ctx.optim_args)
+    return ZeroRedundancyOptimizer(params, optimizer_class=ctx.optim_func, process_group=group,
+                                   parameters_as_bucket_view=BUCKET_VIEW, **ctx.optim_args)
 
 
 class ShardedStateOptimizer(torch.optim.Optimizer):
