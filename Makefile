@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/compute.py
 	$(PY) benchmarks/model_parallel.py
 	$(PY) benchmarks/search_quality.py
+	$(PY) benchmarks/gpu.py
 
 clean:  # a VENV you pointed at yourself is never deleted: only what make added to it
 ifeq ($(VENV),.venv)

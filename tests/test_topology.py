@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from atorch.auto.search.analyser import analyse_model
 from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates
 from atorch.auto.search.layouts import layout_facts
-from atorch.auto.search.measure import HardwareProfile, VariantProfile
+from atorch.auto.search import measure
+from atorch.auto.search.measure import HardwareProfile, NodeLayout, VariantProfile
 from atorch.auto.search.options import SearchOptions
 from atorch.auto.search.topology import Links, Topology, keep_tensor_in_node, topology_estimate, topology_for
 from atorch.models import GPT, GPTConfig
@@ -94,3 +96,72 @@ def test_planner_proposes_hybrid_sharding_across_slow_nodes():
         best[network] = result.best.candidate
     assert best[2e9].shard == 8 and list(best[2e9].strategy(64).get("parallel_mode")[0]) == [("zero", 8), ("data", 8)]
     assert best[100e9].shard == 0 and best[100e9].sharding == "fsdp"
+
+
+def test_node_layout_groups_follow_the_launchers_rank_numbering():
+    layout = NodeLayout(nodes=2, ranks_per_node=3)
+    assert layout.node_groups() == [[0, 1, 2], [3, 4, 5]]
+    assert layout.cross_groups() == [[0, 3], [1, 4], [2, 5]]
+
+
+def _fake_links(monkeypatch, speeds: dict) -> list:
+    """Pretend to be one of several ranks; each group measurement returns ``speeds`` by the kind of group."""
+    measured = []
+
+    def bandwidth_in_groups(device, rank_lists):
+        kind = "intra" if rank_lists == [[0, 1], [2, 3]] else "inter"
+        measured.append(kind)
+        return speeds[kind]
+
+    monkeypatch.setattr(measure, "is_multi_rank", lambda: True)
+    monkeypatch.setattr(measure, "_bandwidth_in_groups", bandwidth_in_groups)
+    return measured
+
+
+@pytest.mark.parametrize("given, expected_measured, sources", [
+    ((None, None), ["intra", "inter"], {"intra_node": "measured", "inter_node": "measured"}),
+    ((None, 2e9), ["intra"], {"intra_node": "measured", "inter_node": "given"}),
+    ((40e9, 2e9), [], {"intra_node": "given", "inter_node": "given"}),
+])
+def test_each_link_is_measured_on_its_own_unless_given(monkeypatch, given, expected_measured, sources):
+    measured = _fake_links(monkeypatch, {"intra": 30e9, "inter": 3e9})
+    hardware = HardwareProfile("sim", 2**30, bandwidth_bytes_per_s=3e9)
+    measure.measure_links(hardware, torch.device("cpu"), NodeLayout(2, 2, *given))
+    assert measured == expected_measured
+    assert hardware.link_sources == sources
+    assert hardware.intra_node_bandwidth == (given[0] or 30e9) and hardware.inter_node_bandwidth == (given[1] or 3e9)
+    assert hardware.describe_links().startswith(f"links: intra-node {(given[0] or 30e9) / 1e9:.3g} GB/s")
+
+
+def test_one_node_has_no_inter_node_link(monkeypatch):
+    measured = _fake_links(monkeypatch, {})
+    hardware = HardwareProfile("sim", 2**30, bandwidth_bytes_per_s=5e9)
+    measure.measure_links(hardware, torch.device("cpu"), NodeLayout(1, 4))
+    assert measured == [] and hardware.intra_node_bandwidth == 5e9 and hardware.inter_node_bandwidth is None
+    assert hardware.describe_links() == "links: intra-node 5 GB/s (measured)"
+
+
+def test_the_planner_costs_collectives_on_the_measured_or_given_links(monkeypatch, caplog):
+    """Options -> NodeLayout -> measure_hardware -> Links used by the estimates, and the log names the sources."""
+    from atorch.auto.search import planner as planner_module
+
+    monkeypatch.setattr(planner_module, "world_size", lambda: 4)
+    monkeypatch.setattr(planner_module, "is_main_rank", lambda: True)
+    layouts = []
+
+    def measure_hardware(device, memory_limit, layout):
+        layouts.append(layout)
+        hardware = HardwareProfile("sim", 2**30, bandwidth_bytes_per_s=3e9)
+        measure.measure_links(hardware, device, layout)
+        return hardware
+
+    monkeypatch.setattr(planner_module, "measure_hardware", measure_hardware)
+    measured = _fake_links(monkeypatch, {"intra": 30e9, "inter": 3e9})
+    options = SearchOptions.from_kargs({"inter_node_bandwidth": 1e9})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    planner = planner_module.Planner(torch.nn.Linear(2, 2), None, options)
+    with caplog.at_level("INFO", logger="atorch"):
+        planner.measure_machine(torch.device("cpu"))
+    assert layouts == [NodeLayout(2, 2, None, 1e9)] and measured == ["intra"]
+    assert planner.links == Links(30e9, 1e9)
+    assert "2 node(s) x 2 rank(s); links: intra-node 30 GB/s (measured), inter-node 1 GB/s (given)" in caplog.text

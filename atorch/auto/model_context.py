@@ -94,7 +94,7 @@ RECORD_TIME_FACTS = {
     "amp_dtype": "amp_native",
     "half_dtype": "half",
     "sequence_parallel": "sequence_parallel",
-    "optimizer_factory": "zero1, zero2 (not_use_fsdp), DeepSpeed ZeRO, ds_3d_parallel",
+    "optimizer_factory": "zero1, zero2, fsdp (foreach over CPU DTensors), DeepSpeed ZeRO, ds_3d_parallel",
     "data_parallel_wrapper": "fsdp, zero2, DeepSpeed ZeRO, ds_3d_parallel (ddp when none claims it)",
     "backward_in_forward": "ds_3d_parallel",
     "args": "DeepSpeed ZeRO, ds_3d_parallel (use_optim_backward)",

@@ -30,6 +30,7 @@ is already in low precision and is sharded as it is.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional
@@ -37,6 +38,13 @@ from typing import Any, Literal, Mapping, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+try:  # the custom-collective hooks of FSDP2 (torch >= 2.9); without them the defaults are kept
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
+except ImportError:  # pragma: no cover
+    ReduceScatter = DefaultAllocMixin = None  # type: ignore[assignment,misc]
 
 from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
@@ -96,6 +104,7 @@ class FSDPOptimization(Optimization):
         if reshard is None:
             reshard = SHARDING_STRATEGIES[config.sharding_strategy]
         ctx.set_data_parallel_wrapper(self.name, lambda ctx: shard_model(ctx, config, reshard_after_forward=reshard))
+        use_foreach_optimizer(ctx)
 
 
 def shard_model(ctx, config: FSDPConfig, reshard_after_forward: bool) -> None:
@@ -120,6 +129,7 @@ def shard_model(ctx, config: FSDPConfig, reshard_after_forward: bool) -> None:
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    _reduce_scatter_by_all_reduce(blocks + [model], dp_mesh)
     if config.forward_prefetch and len(blocks) > 1:
         for current, following in zip(blocks, blocks[1:]):
             current.set_modules_to_forward_prefetch([following])
@@ -128,6 +138,88 @@ def shard_model(ctx, config: FSDPConfig, reshard_after_forward: bool) -> None:
     ctx.add_sync_toggle(functools.partial(_set_gradient_sync, model, reshard_after_forward))
     logger.info("fsdp: sharded %d block(s) + root over %s ranks (reshard_after_forward=%s)",
                 len(blocks), dp_mesh.size(), reshard_after_forward)
+
+
+class AllReduceScatter(*(b for b in (DefaultAllocMixin, ReduceScatter) if b is not None)):  # type: ignore[misc]
+    """FSDP2's reduce-scatter done as an in-place all-reduce of its (full-size) input, keeping this
+    rank's chunk. gloo's reduce-scatter is slower than its all-reduce of the same buffer (16 MiB on 2
+    CPU ranks: 33 ms against 22 ms), so on gloo this is the faster collective; the input buffer is
+    FSDP's own, so no memory is added. Every rank sums the same values."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> Optional[dist.Work]:
+        dist.all_reduce(input_tensor, op=op, group=group)
+        output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()].view_as(output_tensor))
+        return None
+
+
+def _reduce_scatter_by_all_reduce(modules: list[torch.nn.Module], dp_mesh: Any) -> None:
+    """On gloo (CPU ranks), use ``AllReduceScatter`` for every sharded module's gradient reduction."""
+    if ReduceScatter is None or dp_mesh.device_type != "cpu" or dp_mesh.size() == 1:
+        return
+    for module in modules:
+        if hasattr(module, "set_custom_reduce_scatter"):
+            module.set_custom_reduce_scatter(AllReduceScatter())
+
+
+def use_foreach_optimizer(ctx) -> None:
+    """Record that the optimizer over sharded (DTensor) parameters is built by
+    ``_build_foreach_optimizer``, unless another method already builds it."""
+    if ctx.optimizer_factory is None:
+        ctx.optimizer_factory = _build_foreach_optimizer
+
+
+def _build_foreach_optimizer(ctx, params: Any) -> torch.optim.Optimizer:
+    """The user's optimizer, stepping with foreach over CPU DTensors (``_ForeachSteps``)."""
+    params = list(params)
+    optimizer = ctx.optim_func(params, **ctx.optim_args)
+    if _takes_foreach(ctx.optim_func) and "foreach" not in ctx.optim_args and not ctx.optim_args.get("fused"):
+        steps = _ForeachSteps()
+        optimizer.register_step_pre_hook(steps.before)
+        optimizer.register_step_post_hook(steps.after)
+    return optimizer
+
+
+class _ForeachSteps:
+    """Step hooks: ``foreach=True`` for the step of each group whose parameters are all CPU DTensors
+    and whose state holds no plain tensor, then back to the group's own value. On CPU torch defaults
+    to the per-parameter loop, and over DTensors each of its ~12 elementwise ops per parameter pays
+    DTensor's dispatch (zero2 on a 4-layer GPT: 52 ms of a 420 ms step); foreach dispatches once per
+    op for the whole list, and its CPU kernels compute the same values bit for bit (on GPUs torch
+    already picks foreach). Set only during the step, it never reaches a saved ``state_dict``, which
+    another strategy's optimizer (plain and DTensor parameters mixed, where foreach fails) may load."""
+
+    def __init__(self) -> None:
+        self.changed: list[tuple[dict, Any]] = []
+
+    def before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for group in optimizer.param_groups:
+            if group.get("foreach") is None and _all_cpu_dtensors(optimizer, group["params"]):
+                self.changed.append((group, group.get("foreach")))
+                group["foreach"] = True
+
+    def after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for group, value in self.changed:
+            group["foreach"] = value
+        self.changed.clear()
+
+
+def _all_cpu_dtensors(optimizer: torch.optim.Optimizer, params: list) -> bool:
+    """Every parameter a CPU DTensor, and no plain tensor in their state but scalars (AdamW's step)."""
+    if not params or not all(isinstance(p, DTensor) and p.device.type == "cpu" for p in params):
+        return False
+    return not any(isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0
+                   for p in params for v in optimizer.state.get(p, {}).values())
+
+
+def _takes_foreach(optim_func: Any) -> bool:
+    """Only torch's own optimizers: for them ``foreach`` is known to change speed, never results."""
+    if not getattr(optim_func, "__module__", "").startswith("torch.optim"):
+        return False
+    try:
+        return "foreach" in inspect.signature(optim_func).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _set_gradient_sync(model, reshard_after_forward: bool, enabled: bool) -> None:

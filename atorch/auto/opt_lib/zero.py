@@ -25,13 +25,16 @@ from atorch.errors import MethodConfigError
 from atorch.auto.gradients import scale_grads_to_norm, total_grad_norm
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason, use_deepspeed_zero
-from atorch.auto.opt_lib.fsdp import FSDPConfig, normalize_fsdp_config, shard_model
+from atorch.auto.opt_lib.fsdp import FSDPConfig, normalize_fsdp_config, shard_model, use_foreach_optimizer
 from atorch.distributed import mesh
 from atorch.utils.config import MethodConfig, option
 
 logger = logging.getLogger(__name__)
 
 USE_DS_ZERO = "use DeepSpeed ZeRO (needs the deepspeed extra)"
+# ZeroRedundancyOptimizer keeps each rank's parameters as views of one flat buffer, so the updated
+# shares are sent in one broadcast per rank instead of one per parameter (same values)
+BUCKET_VIEW = True
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,8 @@ def _zero_redundancy_optimizer(ctx, params: Any):
     flat = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
     if any(isinstance(p, DTensor) for p in flat):  # tensor-parallel parameters: ZeRO cannot broadcast DTensors
         return ShardedStateOptimizer(params, ctx.optim_func, group, **ctx.optim_args)
-    return ZeroRedundancyOptimizer(params, optimizer_class=ctx.optim_func, process_group=group, **ctx.optim_args)
+    return ZeroRedundancyOptimizer(params, optimizer_class=ctx.optim_func, process_group=group,
+                                   parameters_as_bucket_view=BUCKET_VIEW, **ctx.optim_args)
 
 
 class ShardedStateOptimizer(torch.optim.Optimizer):
@@ -149,6 +153,7 @@ class Zero2Optimization(Optimization):
             _use_sharded_gradients(ctx, self.name)
         else:
             ctx.set_data_parallel_wrapper(self.name, lambda ctx: shard_model(ctx, config, reshard_after_forward=False))
+            use_foreach_optimizer(ctx)
 
 
 def _use_sharded_gradients(ctx, method: str) -> None:

@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -59,6 +59,38 @@ class HardwareProfile:
     memory_limit: int
     bandwidth_bytes_per_s: float  # all-reduce algorithm bandwidth over the data-parallel ranks
     latency_s: float = 0.0        # one small all-reduce
+    intra_node_bandwidth: Optional[float] = None  # all-reduce bytes/s per rank inside a node
+    inter_node_bandwidth: Optional[float] = None  # the same between nodes; None: one node (no such link)
+    link_sources: dict = field(default_factory=dict)  # "intra_node" / "inter_node" -> "measured" or "given"
+
+    def describe_links(self) -> str:
+        """One line for the log and the report: each link's bandwidth and whether it was measured or given
+        (a given number is the user's claim, not the machine's, and the reader should know which is which)."""
+        parts = [f"{name.replace('_', '-')} {bandwidth / 1e9:.3g} GB/s ({self.link_sources.get(name, 'measured')})"
+                 for name, bandwidth in (("intra_node", self.intra_node_bandwidth),
+                                         ("inter_node", self.inter_node_bandwidth)) if bandwidth is not None]
+        return "links: " + ", ".join(parts) if parts else ""
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """Nodes x ranks per node as the launcher numbers them (rank = node * ranks_per_node + local rank), and the
+    bandwidths the user gave (None: measure it). Plain numbers, so measuring needs nothing from ``topology.py``."""
+
+    nodes: int = 1
+    ranks_per_node: int = 1
+    given_intra_node: Optional[float] = None
+    given_inter_node: Optional[float] = None
+
+    def node_groups(self) -> list[list[int]]:
+        """The ranks of each node: the groups whose all-reduce runs on the links inside a node."""
+        per = self.ranks_per_node
+        return [[node * per + local for local in range(per)] for node in range(self.nodes)]
+
+    def cross_groups(self) -> list[list[int]]:
+        """The ranks with the same local rank on every node: their all-reduce runs on the links between nodes."""
+        per = self.ranks_per_node
+        return [[node * per + local for node in range(self.nodes)] for local in range(per)]
 
 
 # --- one rank alone ----------------------------------------------------------------------------------
@@ -96,30 +128,72 @@ def _agree_state(state: Optional[dict]) -> Optional[dict]:
 
 
 # --- the machine -------------------------------------------------------------------------------------
-def measure_hardware(device: torch.device, memory_limit: Optional[int]) -> HardwareProfile:
+def measure_hardware(device: torch.device, memory_limit: Optional[int],
+                     layout: NodeLayout = NodeLayout()) -> HardwareProfile:
     """The per-rank memory limit and the all-reduce bandwidth and latency over all ranks (the slowest
-    rank's: a collective runs at its pace)."""
+    rank's: a collective runs at its pace), and each link's bandwidth (``measure_links``)."""
     limit = memory_limit if memory_limit is not None else default_memory_limit(device)
     bandwidth, latency = float("inf"), 0.0
     if is_multi_rank():
         latency = _seconds_per_all_reduce(torch.zeros(1, device=device), calls=10)
-        buffer = torch.zeros(2**21, device=device)  # 8 MiB
-        bandwidth = buffer.numel() * buffer.element_size() / _seconds_per_all_reduce(buffer, calls=3)
-        bandwidth, neg_latency = min_over_ranks([bandwidth, -latency])
+        bandwidth, neg_latency = min_over_ranks([_bandwidth(device), -latency])
         latency = -neg_latency
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return HardwareProfile(name, int(limit), bandwidth, latency)
+    hardware = HardwareProfile(name, int(limit), bandwidth, latency)
+    measure_links(hardware, device, layout)
+    return hardware
 
 
-def _seconds_per_all_reduce(buffer: torch.Tensor, calls: int) -> float:
+def measure_links(hardware: HardwareProfile, device: torch.device, layout: NodeLayout) -> None:
+    """Fill in the intra- and inter-node bandwidths. A collective's cost depends on the link it crosses (NVLink
+    inside a node is an order of magnitude faster than the network), so with several nodes each link is
+    measured on its own: all nodes all-reduce inside themselves at once, then the ranks with the same local rank
+    all-reduce across nodes at once, as training does. A bandwidth the user gave is used as given and not
+    measured. With one node the all-ranks measurement is the intra-node one and there is no inter-node link."""
+    several = layout.nodes > 1 and is_multi_rank()
+    measured_intra = hardware.bandwidth_bytes_per_s
+    if several and layout.given_intra_node is None:
+        measured_intra = _bandwidth_in_groups(device, layout.node_groups())
+    hardware.intra_node_bandwidth, hardware.link_sources["intra_node"] = _given_or(layout.given_intra_node,
+                                                                                   measured_intra)
+    if several:
+        measured_inter = None
+        if layout.given_inter_node is None:
+            measured_inter = _bandwidth_in_groups(device, layout.cross_groups())
+        hardware.inter_node_bandwidth, hardware.link_sources["inter_node"] = _given_or(layout.given_inter_node,
+                                                                                       measured_inter)
+
+
+def _given_or(given: Optional[float], measured: Optional[float]) -> tuple[Optional[float], str]:
+    return (given, "given") if given is not None else (measured, "measured")
+
+
+def _bandwidth_in_groups(device: torch.device, rank_lists: list[list[int]]) -> float:
+    """The slowest group's all-reduce bandwidth, every group all-reducing at once (a collective: every rank
+    calls it with the same ``rank_lists``). The subgroups are destroyed afterwards: they serve only this."""
+    group, _ = dist.new_subgroups_by_enumeration(rank_lists)
+    try:
+        measured = _bandwidth(device, group)
+    finally:
+        dist.destroy_process_group(group)
+    return min_over_ranks([measured])[0]
+
+
+def _bandwidth(device: torch.device, group: Optional[dist.ProcessGroup] = None) -> float:
+    """Bytes per second of an 8 MiB all-reduce over ``group`` (default: all ranks) on this rank."""
+    buffer = torch.zeros(2**21, device=device)
+    return buffer.numel() * buffer.element_size() / _seconds_per_all_reduce(buffer, calls=3, group=group)
+
+
+def _seconds_per_all_reduce(buffer: torch.Tensor, calls: int, group: Optional[dist.ProcessGroup] = None) -> float:
     """Mean seconds of ``calls`` all-reduces of ``buffer`` after one warm-up call (the first sets up
     the communicator). These all-reduces are the measurement itself, not an agreement between ranks
     (that is ``min_over_ranks`` above)."""
-    dist.all_reduce(buffer)
+    dist.all_reduce(buffer, group=group)
     _sync(buffer.device)
     start = time.perf_counter()
     for _ in range(calls):
-        dist.all_reduce(buffer)
+        dist.all_reduce(buffer, group=group)
     _sync(buffer.device)
     return (time.perf_counter() - start) / calls
 

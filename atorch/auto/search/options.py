@@ -60,8 +60,8 @@ class SearchOptions:
     refine: bool = True                       # then try the winner with each compute method
     collective_timeout_s: float = DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S  # a dry run's collectives give up after it
     ranks_per_node: Optional[int] = None      # None: LOCAL_WORLD_SIZE from the launcher (one node without it)
-    intra_node_bandwidth: Optional[float] = None  # bytes/s per rank; None: the measured all-reduce bandwidth
-    inter_node_bandwidth: Optional[float] = None  # bytes/s per rank; None: the measured all-reduce bandwidth
+    intra_node_bandwidth: Optional[float] = None  # bytes/s per rank; None: measured inside each node
+    inter_node_bandwidth: Optional[float] = None  # bytes/s per rank; None: measured across nodes (several nodes)
 
     def __post_init__(self) -> None:
         # constructed directly (tests, benchmarks): accept any iterable of names and any strategy form

@@ -31,7 +31,7 @@ from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_cand
 from atorch.auto.search.topology import Links, keep_tensor_in_node, topology_estimate, topology_for
 from atorch.auto.search.layouts import layout_facts
 from atorch.auto.search.measure import (
-    HardwareProfile, Setting, VariantProfile, cache_key, load_cached, measure_hardware, measure_variant,
+    HardwareProfile, NodeLayout, Setting, VariantProfile, cache_key, load_cached, measure_hardware, measure_variant,
     store_cached, train_alone,
 )
 from atorch.auto.search.options import SearchOptions
@@ -122,7 +122,16 @@ class Planner:
         self.candidates, _ = enumerate_candidates(self.space)
         self._say(f"search: {len(self.candidates)} candidate strategies for {self.world} rank(s); model "
                   f"{self.profile.param_count / 1e6:.2f} M parameters, repeated block {self.profile.main_block}")
-        self.hardware = measure_hardware(probe.device, self.options.memory_limit)
+        self.measure_machine(probe.device)
+
+    def measure_machine(self, device: torch.device) -> None:
+        """The memory limit, the all-reduce bandwidth and latency, and each link's bandwidth: measured, or as
+        the options give it. The estimates then cost every collective on the link it crosses (``self.links``)."""
+        self.hardware = measure_hardware(device, self.options.memory_limit, self._node_layout())
+        self.links = Links(self.hardware.intra_node_bandwidth, self.hardware.inter_node_bandwidth)
+        if self._links_matter():
+            self._say(f"search: {self.topology.nodes} node(s) x {self.topology.ranks_per_node} rank(s); "
+                      + self.hardware.describe_links())
 
     def measure(self) -> None:
         """One rank alone per setting the candidates use, from the profile cache when every rank has it."""
@@ -249,6 +258,8 @@ class Planner:
         """The result; the table is logged and kept in it, and written to files only under
         ``report_dir`` (rank 0), so a search never litters the working directory unasked."""
         table = format_table(self.rows, self.hardware.memory_limit)
+        if self._links_matter():
+            table = self.hardware.describe_links() + "\n" + table
         table += "\nsearch time: " + ", ".join(f"{name} {s:.1f} s" for name, s in self.phases.seconds.items())
         self._say("search report:\n" + table)
         files = []
@@ -259,6 +270,17 @@ class Planner:
                             self.hardware, self.dry_runs.get(chosen), files, table, self.phases.seconds)
 
     # --- helpers ---------------------------------------------------------------------------------------
+    def _node_layout(self) -> NodeLayout:
+        """The topology and the bandwidths the options give, as ``measure_hardware`` takes them (it measures
+        each link the options leave out)."""
+        return NodeLayout(self.topology.nodes, self.topology.ranks_per_node,
+                          self.options.intra_node_bandwidth, self.options.inter_node_bandwidth)
+
+    def _links_matter(self) -> bool:
+        """Whether the report names the links: with several nodes, or when the user gave a bandwidth."""
+        given = (self.options.intra_node_bandwidth, self.options.inter_node_bandwidth)
+        return self.topology.nodes > 1 or any(b is not None for b in given)
+
     def _within_noise(self, base: int, faster: int) -> str:
         """Why ``faster`` does not beat ``base`` by more than the noise, or "" when it does. The noise is
         the larger spread measured for either: the standard deviation of a dry run's timed steps, or

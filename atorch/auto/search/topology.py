@@ -7,7 +7,8 @@ never worth it: the search and the planner only propose tensor groups that fit i
 pipeline and data dimensions may cross nodes. A user's own ``parallel_mode`` is not checked here.
 
 The topology comes from the launcher's environment (``LOCAL_WORLD_SIZE`` and ``WORLD_SIZE``, which
-torchrun sets) or from the search options (``ranks_per_node``), which is how tests simulate nodes.
+torchrun sets) or from the search options (``ranks_per_node``), which is how tests simulate nodes. With
+several nodes the two links are measured apart (``measure.measure_links``) unless the options give them.
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def keep_tensor_in_node(facts: LayoutFacts, topology: Topology) -> LayoutFacts:
 
 @dataclass(frozen=True)
 class Links:
-    """All-reduce bandwidth (bytes/s per rank) inside a node and between nodes; None: the measured one."""
+    """All-reduce bandwidth (bytes/s per rank) inside a node and between nodes. The search fills both from the
+    ``HardwareProfile`` (each measured on its own link, or given by the options); None: the all-ranks one."""
 
     intra_node: Optional[float] = None
     inter_node: Optional[float] = None
