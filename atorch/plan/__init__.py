@@ -28,6 +28,7 @@ from atorch.auto.search.model_specs import TransformerSpec, model_spec
 from atorch.auto.search.topology import Topology, keep_tensor_in_node
 from atorch.auto.strategy import Strategy
 from atorch.errors import InputError
+from atorch.utils.plotting import headless_pyplot
 
 logger = logging.getLogger("atorch")
 
@@ -115,13 +116,8 @@ def format_plan(result: Plan, limit: Optional[int] = None) -> str:
 
 def plot_plan(result: Plan, path: Union[str, Path]) -> Optional[Path]:
     """Tokens/s per GPU against memory per GPU, when matplotlib is installed (``.[plot]``)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.info("matplotlib is not installed: no plan plot")
+    plt = headless_pyplot("plan plot")
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(8, 5))
     for p in result.predictions:

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from atorch.utils.plotting import headless_pyplot
+
 logger = logging.getLogger(__name__)
 
 MIB = 2**20
@@ -69,13 +71,8 @@ def write_report(rows: list[Row], memory_limit: int, directory: str) -> list[Pat
 
 
 def _plot(rows: list[Row], memory_limit: int, path: Path) -> Optional[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.info("matplotlib is not installed: no plot in the search report")
+    plt = headless_pyplot("plot in the search report")
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(8, 5))
     for row in rows:
