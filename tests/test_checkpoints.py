@@ -268,7 +268,7 @@ def test_checkpoint_loads_under_another_strategy_and_world_size(saved, loaded, n
     assert run["lr"] == pytest.approx(source["lr"], rel=1e-12)  # the scheduler's position came back
 
 
-SHARDED = {"zero1", "zero2", "fsdp", "tp", "pp", "mixed", "gpt2_tp"}
+SHARDED = {"zero1", "zero2", "fsdp", "tp", "pp", "mixed", "gpt2_tp", "ds_zero1", "ds_zero2"}
 
 
 @pytest.mark.parametrize("name", [*SAVED_ON_2, *SAVED_ON_4])

@@ -129,11 +129,17 @@ class DeepSpeedOptimizer(AtorchOptimizer):
         norm = self.engine.get_global_grad_norm()
         return None if norm is None else torch.as_tensor(norm)
 
+    def sharded_state_reason(self) -> Optional[str]:
+        """DeepSpeed's state_dict is this process's flat partition only, keyed by DeepSpeed's buffers."""
+        return ("DeepSpeed ZeRO (use_ds_zero) holds each process's partition of the optimizer state in flat "
+                "buffers; a dict of one process's would be partial")
+
     def state_dict(self) -> dict:
-        return self.engine.optimizer.state_dict()
+        self._refuse_sharded("state_dict()")
+        return {}
 
     def load_state_dict(self, state: dict) -> None:
-        self.engine.optimizer.load_state_dict(state)
+        self._refuse_sharded("load_state_dict()")
 
 
 # --- checkpoints: per-parameter state out of (and into) ZeRO-1/2's flat partitions --------------------
