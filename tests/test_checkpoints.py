@@ -393,3 +393,57 @@ def _steps_without_scheduler(result, count: int) -> None:
         result.optim.backward(loss) if result.args.use_optim_backward else loss.backward()
         result.optim.step()
         result.optim.zero_grad()
+
+
+# --- a failure on one process ------------------------------------------------------------------------
+RANK_LOCAL_FAULTS = {  # where rank 1 alone raises -> the call that meets it
+    "save: reading the model": ("model_tensors", "save"),
+    "save: RNG state and metadata": ("_rng_state", "save"),
+    "load: optimizer, RNG and data position": ("_read_rng", "load"),
+}
+
+
+def rank_local_faults(root: str) -> dict:
+    """On each rank: save a good checkpoint, then make one function raise on rank 1 only while rank 0
+    goes on into the collectives that follow; every rank must get the CheckpointError (none left
+    waiting), the good checkpoint must stay loadable and the process group usable."""
+    from atorch.auto import checkpointing
+
+    result = _build([], "sgd", False)
+    path = os.path.join(root, "ckpt")
+    atorch.save_checkpoint(path, result, step=1)
+    out = {}
+    for label, (function, call) in RANK_LOCAL_FAULTS.items():
+        real = getattr(checkpointing, function)
+
+        def broken(*args, _real=real, _label=label):
+            if dist.get_rank() == 1:
+                raise RuntimeError(f"injected on rank 1 ({_label})")
+            return _real(*args)
+
+        setattr(checkpointing, function, broken)
+        try:
+            if call == "save":
+                atorch.save_checkpoint(path, result, step=2)
+            else:
+                atorch.load_checkpoint(path, result)
+            out[label] = "no error"
+        except CheckpointError as error:
+            out[label] = str(error)
+        finally:
+            setattr(checkpointing, function, real)
+    out["step after the faults"] = atorch.load_checkpoint(path, result)["step"]
+    flag = torch.ones(1)
+    dist.all_reduce(flag)
+    out["all_reduce after the faults"] = float(flag)
+    return out
+
+
+def test_one_rank_failing_inside_a_checkpoint_call_fails_every_rank(tmp_path):
+    """The launcher's timeout is the hang detector: a rank left waiting in a collective would exceed it."""
+    per_rank = run_distributed(rank_local_faults, 2, str(tmp_path), timeout_s=240)
+    for rank, out in enumerate(per_rank):
+        for label in RANK_LOCAL_FAULTS:
+            assert f"injected on rank 1 ({label})" in out[label], (rank, label, out[label])
+        assert out["step after the faults"] == 1, (rank, out)
+        assert out["all_reduce after the faults"] == 2.0, (rank, out)

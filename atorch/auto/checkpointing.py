@@ -406,16 +406,21 @@ def save_checkpoint(path: str | os.PathLike, result: "AutoAccelerateResult", ste
     tensors.update(optim)
     tensors = in_saved_layout(tensors, model, saved_layouts(result.model))  # collective where a layout applies
     merged = _merge(_gather(local))
-    meta = {
-        "format": FORMAT, "version": VERSION, "step": step, "extra": extra, "strategy": _strategy_json(result),
-        "world_size": dist.get_world_size() if dist.is_initialized() else 1, "saved_at": time.time(),
-        "optimizer_class": type(view.torch_optimizer).__name__ if view is not None else None,
-        "scaler": _json_value(view.scaler.state_dict(), "grad scaler") if view and view.scaler is not None else None,
-        "lr_scheduler": _scheduler_state(scheduler),
-        "dataloader": _dataloader_position(result.dataloader), **merged,
-    }
+
+    def describe() -> tuple[dict, dict]:
+        meta = {
+            "format": FORMAT, "version": VERSION, "step": step, "extra": extra, "strategy": _strategy_json(result),
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1, "saved_at": time.time(),
+            "optimizer_class": type(view.torch_optimizer).__name__ if view is not None else None,
+            "scaler": _json_value(view.scaler.state_dict(), "grad scaler") if view and view.scaler is not None else None,
+            "lr_scheduler": _scheduler_state(scheduler),
+            "dataloader": _dataloader_position(result.dataloader), **merged,
+        }
+        return meta, _rng_state(result.dataloader)
+
+    meta, rng = _on_every_rank(describe)  # local work: a failure here must not leave the others waiting below
     tmp = _agreed_tmp_dir(target)
-    _write(tmp, tensors, meta, _rng_state(result.dataloader), target)
+    _write(tmp, tensors, meta, rng, target)
 
 
 def _check_path(path: Any, caller: str) -> str:
@@ -489,8 +494,10 @@ def _on_every_rank(action: Any) -> Any:
         rank, (message, key) = next((r, m) for r, m in enumerate(messages) if m is not None)
         if error is None:
             raise CheckpointError(f"{message} (on rank {rank})", key=key)
-    if error is not None:
+    if isinstance(error, AtorchError):
         raise error
+    if error is not None:  # the same typed error the other processes raise
+        raise CheckpointError(f"{type(error).__name__}: {error}") from error
     return value
 
 
@@ -631,6 +638,17 @@ def load_checkpoint(path: str | os.PathLike, result: "AutoAccelerateResult", *, 
     optim_targets = _into_live_layout(relayout, model, layouts, optim_targets)
     if view is not None and view.deepspeed is not None:
         view.deepspeed.sync_master_weights()
+    # the rest is local: agreed, so that no process trains on while another has failed
+    _on_every_rank(lambda: _restore_local_state(result, source, meta, view, names, optim_targets, scheduler))
+    strategy = Strategy.from_json(meta["strategy"]) if meta.get("strategy") else None
+    return {"step": meta.get("step"), "extra": meta.get("extra"), "strategy": strategy,
+            "world_size": meta.get("world_size")}
+
+
+def _restore_local_state(result: Any, source: str, meta: dict, view: Optional[OptimizerView],
+                         names: dict[int, str], optim_targets: dict, scheduler: Any) -> None:
+    """Optimizer state and hyperparameters, grad scaler, lr scheduler, RNG states and the dataloader
+    position: what each process restores on its own once the tensors are read."""
     if view is not None:
         _load_optimizer(view, names, meta, optim_targets)
         if view.scaler is not None and meta.get("scaler"):
@@ -644,9 +662,6 @@ def load_checkpoint(path: str | os.PathLike, result: "AutoAccelerateResult", *, 
         position = dict(meta["dataloader"])
         position["rng_at_iter"] = decode_rng(rng["dataloader"]) if rng and rng.get("dataloader") else None
         result.dataloader.resume_from(position)
-    strategy = Strategy.from_json(meta["strategy"]) if meta.get("strategy") else None
-    return {"step": meta.get("step"), "extra": meta.get("extra"), "strategy": strategy,
-            "world_size": meta.get("world_size")}
 
 
 def _resolve_checkpoint(target: str) -> str:
