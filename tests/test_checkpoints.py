@@ -101,7 +101,8 @@ def _steps(result, batches, count: int) -> list[float]:
         result.optim.backward(loss) if result.args.use_optim_backward else loss.backward()
         result.optim.step()
         result.optim.zero_grad()
-        result.lr_scheduler.step()
+        if result.lr_scheduler is not None:  # one built by auto_accelerate (a user's own is stepped by the user)
+            result.lr_scheduler.step()
         torch.rand(3)  # RNG use between steps: a resumed run must continue the same stream
         losses.append(global_mean(loss.detach().float()))
     return losses
@@ -374,7 +375,7 @@ def test_grad_scaler_and_a_user_scheduler_come_back(tmp_path):
         return result, torch.optim.lr_scheduler.LambdaLR(result.optim.torch_optimizer, lambda step: 0.5 ** step)
 
     result, scheduler = build()
-    _steps_without_scheduler(result, 2)
+    _steps(result, iter(result.dataloader), 2)
     scheduler.step()
     result.optim.scaler.update(new_scale=256.0)
     atorch.save_checkpoint(str(tmp_path / "c"), result, step=2, lr_scheduler=scheduler)
@@ -383,16 +384,6 @@ def test_grad_scaler_and_a_user_scheduler_come_back(tmp_path):
     assert fresh.optim.scaler.get_scale() == 256.0
     assert fresh_scheduler.last_epoch == scheduler.last_epoch == 1
     assert fresh.optim.param_groups[0]["lr"] == result.optim.param_groups[0]["lr"] == 0.05
-
-
-def _steps_without_scheduler(result, count: int) -> None:
-    batches = iter(result.dataloader)
-    for _ in range(count):
-        batch = result.prepare_input(next(batches))
-        loss = result.loss_func(batch, result.model(**batch))
-        result.optim.backward(loss) if result.args.use_optim_backward else loss.backward()
-        result.optim.step()
-        result.optim.zero_grad()
 
 
 # --- a failure on one process ------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from atorch.errors import AtorchError, IncompatibleMethodsError, InputError, nea
 from atorch.distributed import mesh
 from atorch.distributed.distributed import get_data_partition_rank_and_size  # noqa: F401  (ATorch's import path)
 from atorch.auto.optimizer import AtorchOptimizer
-from atorch.utils.batch import cast_floating, move_to_device
+from atorch.utils.batch import call_with_batch, cast_floating, move_to_device
 from atorch.utils.data import ResumableDataLoader
 
 logger = logging.getLogger(__name__)
@@ -477,11 +477,7 @@ class ModelContext:
         return data
 
     def call_model(self, model: torch.nn.Module, data: Any) -> Any:
-        if self.model_input_format == "unpack_sequence":
-            return model(*data)
-        if self.model_input_format == "unpack_dict":
-            return model(**data)
-        return model(data)
+        return call_with_batch(model, data, self.model_input_format)
 
 
 def _as_dict(argument: str, value: Any) -> dict:

@@ -10,6 +10,7 @@ from atorch.auto.accelerate import auto_accelerate
 from atorch.auto.gradients import clip_grad_norm_
 from atorch.testing.hf_models import ZOO
 from atorch.distributed import mesh
+from atorch.utils.batch import call_with_batch
 from atorch.utils.memory import training_state_bytes
 from atorch.utils.modules import full_state_dict
 from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
@@ -112,11 +113,7 @@ def train_gpt(
 
 def call_model(model: Any, batch: Any, input_format: Optional[str]) -> Any:
     """The seed's call for each model_input_format."""
-    if input_format == "unpack_dict":
-        return model(**batch)
-    if input_format == "unpack_sequence":
-        return model(*batch)
-    return model(batch)
+    return call_with_batch(model, batch, input_format)
 
 
 def every_nth_row(batch: Any, start: int, step: int) -> Any:

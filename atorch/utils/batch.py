@@ -13,6 +13,26 @@ from torch.utils import _pytree as pytree
 from atorch.errors import InputError
 
 
+def call_with_batch(model: Any, batch: Any, input_format: Optional[str]) -> Any:
+    """``model`` called on ``batch`` as ``model_input_format`` says: ``model(*batch)`` for
+    "unpack_sequence", ``model(**batch)`` for "unpack_dict", else ``model(batch)``."""
+    if input_format == "unpack_sequence":
+        return model(*batch)
+    if input_format == "unpack_dict":
+        return model(**batch)
+    return model(batch)
+
+
+def batch_of_call(args: tuple, kwargs: dict, input_format: Optional[str]) -> Any:
+    """The batch a wrapper's ``forward(*args, **kwargs)`` was called with (the inverse of
+    ``call_with_batch``): the keywords, the positional tuple, or the one argument."""
+    if input_format == "unpack_dict":
+        return kwargs
+    if input_format == "unpack_sequence":
+        return args
+    return args[0]
+
+
 def map_tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
     """``data`` with every tensor replaced by ``fn(tensor)``; other leaves stay as they are."""
     return pytree.tree_map_only(torch.Tensor, fn, data)

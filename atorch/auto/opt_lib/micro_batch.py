@@ -30,7 +30,7 @@ from torch import nn
 from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.optimizer import AtorchOptimizer
-from atorch.utils.batch import batch_size_of, loss_value, map_tensors
+from atorch.utils.batch import batch_of_call, batch_size_of, call_with_batch, loss_value, map_tensors
 from atorch.utils.config import MethodConfig, option
 
 
@@ -71,8 +71,7 @@ class MicroBatchModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (torch.is_grad_enabled() and self.training):
             return self.module(*args, **kwargs)  # evaluation: the whole batch, the user's output
-        batch = kwargs if self.input_format == "unpack_dict" else (args if self.input_format == "unpack_sequence"
-                                                                     else args[0])
+        batch = batch_of_call(args, kwargs, self.input_format)
         rows, k = batch_size_of(batch), self.num_micro_batch
         if rows % k:
             raise MethodConfigError("micro_batch", f"the batch of {rows} rows does not split into {k} micro-batches "
@@ -81,17 +80,10 @@ class MicroBatchModule(nn.Module):
         for index in range(k):
             micro = map_tensors(lambda t: t.narrow(0, index * rows // k, rows // k), batch)
             self._set_sync(index == k - 1)
-            loss = loss_value(self.user_loss(micro, self._call(micro))) / k
+            loss = loss_value(self.user_loss(micro, call_with_batch(self.module, micro, self.input_format))) / k
             self._backward(loss)
             losses.append(loss.detach().float())
         return MicroBatchOutput(torch.stack(losses).sum())
-
-    def _call(self, micro: Any) -> Any:
-        if self.input_format == "unpack_dict":
-            return self.module(**micro)
-        if self.input_format == "unpack_sequence":
-            return self.module(*micro)
-        return self.module(micro)
 
     def _set_sync(self, last: bool) -> None:
         """Gradients are communicated on the last micro-step of the user's boundary only (the

@@ -69,7 +69,7 @@ from atorch.auto.opt_lib.pipeline_layout import (ModelLayout, PassThrough, Stand
                                                  held_parameters, layout_from_order, no_cache_kwargs, replace_everywhere,
                                                  shared_between_stages, trace_layout)
 from atorch.distributed import mesh
-from atorch.utils.batch import first_tensor, loss_value, select_rows, tensors
+from atorch.utils.batch import batch_of_call, first_tensor, loss_value, select_rows, tensors
 from atorch.utils.config import MethodConfig, option
 from atorch.utils.modules import full_state_dict, repeated_blocks
 
@@ -176,7 +176,7 @@ class PipelineModule(nn.Module):
         self._batch: Any = None
 
     def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
-        batch = kwargs if self.input_format == "unpack_dict" else (args if self.input_format == "unpack_sequence" else args[0])
+        batch = batch_of_call(args, kwargs, self.input_format)
         self._batch = batch
         first = _first_tensor(batch)
         index = torch.arange(first.shape[0], device=first.device)
