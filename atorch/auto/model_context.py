@@ -476,6 +476,18 @@ class ModelContext:
             data = cast_floating(data, self.input_dtype)
         return data
 
+    def sample_batch(self) -> Any:
+        """One row of the dataset, collated and prepared as the training loop's batches are (None
+        without a dataset): what methods trace or check a model with before training starts."""
+        if self.dataset is None:
+            return None
+        if isinstance(self.dataset, torch.utils.data.IterableDataset):
+            row = next(iter(self.dataset))
+        else:
+            row = self.dataset[0]
+        collate = self.dataloader_args.get("collate_fn") or torch.utils.data.default_collate
+        return self.prepare_input(collate([row]))
+
     def call_model(self, model: torch.nn.Module, data: Any) -> Any:
         return call_with_batch(model, data, self.model_input_format)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.pipeline_parallel import PipelineParallelConfig, apply_pipeline, stages_per_rank
-from atorch.auto.opt_lib.tensor_parallel import TensorParallelConfig, apply_tensor_parallel
+from atorch.auto.opt_lib.tensor_parallel import TensorParallelConfig, apply_tensor_parallel, find_plan_before_pipeline
 from atorch.utils.config import MethodConfig, option
 
 
@@ -35,5 +35,11 @@ class MixedParallelOptimization(Optimization):
         return config
 
     def transform(self, ctx, config: MixedParallelConfig) -> None:
-        ctx.add_wrapper("pipeline", self.name, lambda ctx: apply_pipeline(ctx, config.pipeline))
-        ctx.add_wrapper("model_parallel", self.name, lambda ctx: apply_tensor_parallel(ctx, config.tensor))
+        found: dict = {}  # the tensor plan, found and checked on the whole model before the pipeline cut
+
+        def pipeline(ctx) -> None:
+            found["plan"] = find_plan_before_pipeline(ctx, config.tensor)
+            apply_pipeline(ctx, config.pipeline)
+
+        ctx.add_wrapper("pipeline", self.name, pipeline)
+        ctx.add_wrapper("model_parallel", self.name, lambda ctx: apply_tensor_parallel(ctx, config.tensor, found.get("plan")))

@@ -404,24 +404,12 @@ def model_layout(ctx, blocks: list[tuple[str, nn.Module]]) -> ModelLayout:
     """Which layers run before and after the blocks, from one traced forward of a sample row of the
     dataset (registration order when there is no dataset to take it from)."""
     check_supported(ctx.model, blocks)
-    sample = _sample_batch(ctx)
+    sample = ctx.sample_batch()
     if sample is None:
         logger.info("pipeline_parallel: no dataset to trace a forward with; layers registered before the first "
                     "block are taken to run before it")
         return layout_from_order(ctx.model, blocks)
     return trace_layout(ctx.model, blocks, lambda model: call_stage_model(model, sample, ctx.model_input_format))
-
-
-def _sample_batch(ctx) -> Any:
-    """One row of the dataset, collated and prepared as the training loop's batches are."""
-    if ctx.dataset is None:
-        return None
-    if isinstance(ctx.dataset, torch.utils.data.IterableDataset):
-        row = next(iter(ctx.dataset))
-    else:
-        row = ctx.dataset[0]
-    collate = ctx.dataloader_args.get("collate_fn") or torch.utils.data.default_collate
-    return ctx.prepare_input(collate([row]))
 
 
 def call_stage_model(model: nn.Module, batch: Any, input_format: Optional[str]) -> Any:

@@ -6,9 +6,9 @@ all-reduce of plain tensor parallelism becomes an all-gather plus a reduce-scatt
 volume. Applied by tensor_parallel's wrapper (``atorch.auto.opt_lib.tensor_parallel``, which calls
 ``plan_sequence_parallel`` and ``apply_sequence_parallel``). Needs ``tensor_parallel`` in the strategy.
 
-Where the shards live, per region (the repeated blocks held in one ModuleList / Sequential: GPT-2's
-``h``, Llama's ``layers``, BERT's ``encoder.layer``, T5's encoder and decoder ``block`` lists, CLIP's
-text and vision ``layers``):
+Where the shards live, per region (the repeated blocks under one parent, in whatever container:
+GPT-2's ``h``, Llama's ``layers``, a torchtitan model's ``layers`` ModuleDict, a model holding its
+blocks as plain attributes, T5's encoder and decoder ``block`` lists, CLIP's text and vision ``layers``):
 
 - the first block of a region shards its hidden states (its first positional argument or the
   ``hidden_states`` keyword) and the last block gathers them (its output, or the first item of an
@@ -22,15 +22,20 @@ text and vision ``layers``):
   projections are direct children of the block (a plain residual block: norm, fc1, act, fc2), the
   column-split projection gathers its own input;
 - row-split projections reduce-scatter their output to a sequence shard;
-- LayerNorm / RMSNorm modules on the residual stream run on the shard with replicated weights
-  (their gradients are summed over the ranks by DTensor).
+- LayerNorm / RMSNorm modules, and Linears left whole, on the residual stream run on the shard with
+  replicated weights (their gradients are summed over the ranks by DTensor): they act per token;
+- a split group whose projections see only some tokens (the experts of a Mixture-of-Experts, fed the
+  tokens their router picked) is gathered where its input is still the whole stream (the MoE layer,
+  so its router runs whole too); its row-wise projections then all-reduce, and the layer's output is
+  cut back to this rank's tokens. Where the recorded forward is available, gather points come from
+  the input shapes it saw.
 
 Sequence lengths that do not divide by the tensor size are sharded unevenly (ViT's 5 tokens: 3 + 2).
 
-Refused (MethodConfigError, with the reason): a model without repeated blocks in a ModuleList /
-Sequential; a split projection outside those blocks (its output would leave the sharded region); a
-module on the residual stream with parameters that is neither a norm nor a split projection (its
-weight would see only this rank's tokens); hidden states with a single dimension (no tokens).
+Refused (MethodConfigError, with the reason): a model without repeated blocks; a split projection
+outside those blocks (its output would leave the sharded region); a module on the residual stream
+with parameters that is neither a norm, a Linear nor a split projection (a convolution would mix
+tokens across the shard boundary); hidden states with a single dimension (no tokens).
 The token dimension is the one before the features: the sequence of [batch, sequence, hidden], the
 rows of [rows, features] (a plain residual MLP called as ``model(x)`` shards its rows).
 """
@@ -38,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -47,10 +52,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from atorch.auto.opt_lib.base import Optimization
 from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig
+from atorch.utils.dataflow import Dataflow
 from atorch.utils.modules import repeated_blocks
 
 NORM_SUFFIXES = ("LayerNorm", "RMSNorm")
-CONTAINERS = (nn.ModuleList, nn.Sequential)
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 @dataclass(frozen=True)
@@ -86,17 +92,20 @@ class SequenceRegion:
 class SequencePlan:
     regions: list[SequenceRegion] = field(default_factory=list)
     gathers: dict[str, SequenceRegion] = field(default_factory=dict)   # module -> region: input gathered
-    norms: dict[str, SequenceRegion] = field(default_factory=dict)     # norm -> region: runs on the shard
+    norms: dict[str, SequenceRegion] = field(default_factory=dict)     # per-token module -> region: on the shard
+    reshard: dict[str, SequenceRegion] = field(default_factory=dict)   # gather point whose output is cut back
+    replicated_rows: set = field(default_factory=set)                  # row-wise projections that all-reduce
 
 
-def plan_sequence_parallel(model: nn.Module, split: dict[str, str]) -> SequencePlan:
+def plan_sequence_parallel(model: nn.Module, split: dict[str, str], flow: Optional[Dataflow] = None) -> SequencePlan:
     """Find the regions, the gather points and the norms for the ``split`` projections (module name
     -> "colwise" / "rowwise"), refusing what cannot run on a sequence shard. Changes nothing, so a
-    refusal leaves the model as it was."""
-    plan = SequencePlan(regions=block_regions(model))
+    refusal leaves the model as it was. ``flow`` (a recorded forward) places gather points where the
+    whole stream still enters (Mixture-of-Experts layers) and orders blocks as they ran."""
+    plan = SequencePlan(regions=block_regions(model, flow))
     if not plan.regions:
         raise MethodConfigError("sequence_parallel", f"{type(model).__name__} has no repeated blocks (transformer "
-                                "layers) held in a ModuleList / Sequential: they delimit the sequence-sharded region")
+                                "layers): they delimit the sequence-sharded region")
     region_of = {block: region for region in plan.regions for block in region.blocks}
     for name, style in split.items():
         block = next((b for b in region_of if name.startswith(b + ".")), None)
@@ -104,25 +113,53 @@ def plan_sequence_parallel(model: nn.Module, split: dict[str, str]) -> SequenceP
             raise MethodConfigError("sequence_parallel", f"{name} is split by tensor_parallel but lies outside the "
                                     f"repeated blocks ({_summary(region_of)}): its output would leave the sharded region")
         if style == "colwise":
-            parent = name.rsplit(".", 1)[0]
-            plan.gathers[name if parent == block else parent] = region_of[block]
+            point = _gather_point(name, block, flow)
+            plan.gathers[point] = region_of[block]
+            if flow is not None and point != name and flow.module_inputs.get(point) != flow.module_inputs.get(name.rpartition(".")[0]):
+                plan.reshard[point] = region_of[block]
+    for name, style in split.items():
+        if style == "rowwise" and any(name.startswith(p + ".") for p in plan.reshard):
+            plan.replicated_rows.add(name)
     for block, region in region_of.items():
         _classify(model.get_submodule(block), block, region, split, plan)
     return plan
 
 
-def block_regions(model: nn.Module) -> list[SequenceRegion]:
-    """The outermost repeated blocks that sit in a ModuleList / Sequential, one region per container
-    (T5's encoder and decoder, CLIP's two towers are separate regions with their own lengths)."""
+def _gather_point(name: str, block: str, flow: Optional[Dataflow]) -> str:
+    """Where a column-split projection's input is gathered: its parent (the attention or MLP), or the
+    projection itself when it sits directly in the block; with a recorded forward, the nearest
+    enclosing module whose input has the block's shape (the whole stream)."""
+    parent = name.rsplit(".", 1)[0]
+    if parent == block:
+        return name
+    if flow is None or block not in flow.module_inputs:
+        return parent
+    stream = flow.module_inputs[block]
+    point = parent
+    while point != block and flow.module_inputs.get(point) != stream:
+        point = point.rsplit(".", 1)[0]
+        while point != block and point not in flow.module_inputs:  # containers are never called
+            point = point.rsplit(".", 1)[0]
+    return point if point != block else parent
+
+
+def block_regions(model: nn.Module, flow: Optional[Dataflow] = None) -> list[SequenceRegion]:
+    """The outermost repeated blocks, one region per parent (ModuleList, Sequential, ModuleDict; plain
+    attributes when no container holds any, as repeated stacks such as T5's encoder and decoder are
+    attributes too; T5's and CLIP's two stacks are separate regions with their own lengths), ordered
+    as they ran when a forward was recorded, else as registered."""
     classes = set(repeated_blocks(model)[0])
+    held = [(name, module, isinstance(module, CONTAINERS)) for name, module in model.named_modules()]
+    in_containers = any(boxed and any(type(c).__name__ in classes for c in m.children()) for _, m, boxed in held)
     listed = {f"{name}.{child_name}" if name else child_name
-              for name, module in model.named_modules() if isinstance(module, CONTAINERS)
+              for name, module, boxed in held if boxed or not in_containers
               for child_name, child in module.named_children() if type(child).__name__ in classes}
     outer = [n for n in listed if not any(n.startswith(o + ".") for o in listed)]
+    order = [n for n in flow.module_order if n in outer] if flow is not None else []
+    order += [name for name, _ in model.named_modules() if name in outer and name not in order]
     regions: dict[str, SequenceRegion] = {}
-    for name, _ in model.named_modules():  # model order
-        if name in outer:
-            regions.setdefault(name.rpartition(".")[0], SequenceRegion([])).blocks.append(name)
+    for name in order:
+        regions.setdefault(name.rpartition(".")[0], SequenceRegion([])).blocks.append(name)
     return list(regions.values())
 
 
@@ -133,13 +170,13 @@ def _classify(module: nn.Module, name: str, region: SequenceRegion, split: dict[
         full = f"{name}.{child_name}"
         if full in plan.gathers or full in split:
             continue
-        if type(child).__name__.endswith(NORM_SUFFIXES):
+        if type(child).__name__.endswith(NORM_SUFFIXES) or isinstance(child, nn.Linear):
             plan.norms[full] = region
         elif any(True for _ in child.parameters(recurse=False)):
             raise MethodConfigError(
                 "sequence_parallel", f"{full} ({type(child).__name__}) holds parameters on the sequence-sharded residual "
-                "stream but is neither a LayerNorm / RMSNorm nor a projection tensor_parallel splits: its weight would "
-                "see only this rank's tokens")
+                "stream but is neither a LayerNorm / RMSNorm, a Linear nor a projection tensor_parallel splits: it may mix "
+                "tokens across the shard boundary")
         else:
             _classify(child, full, region, split, plan)
 
@@ -161,6 +198,8 @@ def apply_sequence_parallel(model: nn.Module, plan: SequencePlan, device_mesh) -
     for name, region in plan.gathers.items():
         model.get_submodule(name).register_forward_pre_hook(
             partial(_map_hidden, partial(_gather, device_mesh, region), name), with_kwargs=True, prepend=True)
+    for name, region in plan.reshard.items():
+        model.get_submodule(name).register_forward_hook(partial(_reshard_output, device_mesh, region, name))
     for name, region in plan.norms.items():
         distribute_module(model.get_submodule(name), device_mesh, _replicate_params, partial(_norm_input, region),
                           _norm_output)
@@ -214,6 +253,21 @@ def _gather_output(device_mesh, region: SequenceRegion, where: str, module: nn.M
         return full(output)
     if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
         return (full(output[0]), *output[1:])
+    raise MethodConfigError("sequence_parallel", f"{where} returned {type(output).__name__}; expected its hidden states "
+                            "as a tensor or as the first item of a tuple")
+
+
+def _reshard_output(device_mesh, region: SequenceRegion, where: str, module: nn.Module, args: tuple, output: Any) -> Any:
+    """A gathered layer whose row-wise projections all-reduced: its (whole, equal on every rank)
+    output is cut back to this rank's tokens; the backward all-gathers."""
+    def cut(full: torch.Tensor) -> torch.Tensor:
+        replicated = DTensor.from_local(full, device_mesh, [Replicate()], run_check=False)
+        return replicated.redistribute(device_mesh, [Shard(region.dim)]).to_local()
+
+    if isinstance(output, torch.Tensor):
+        return cut(output)
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (cut(output[0]), *output[1:])
     raise MethodConfigError("sequence_parallel", f"{where} returned {type(output).__name__}; expected its hidden states "
                             "as a tensor or as the first item of a tuple")
 

@@ -1,0 +1,157 @@
+"""Checking a tensor-parallel plan before it is accepted: the split model must reproduce the
+unsplit model on a sample batch, forward and backward, or ``auto_accelerate`` refuses it.
+
+Why: a plan is found from one traced forward, and the model's own code may do things the trace
+cannot promise survive a split (a width read from its input, an attribute used to build a tensor).
+Refusing here, with a typed error, is the difference between "not supported" and a crash or a wrong
+loss inside the user's training loop. The check runs in eval mode (no dropout) under a forked RNG
+and leaves no gradient behind.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from atorch.auto.opt_lib.pipeline_layout import no_cache_kwargs
+from atorch.auto.opt_lib.tp_shapes import (ShapeLocalizer, localize_attributes, remove_localizer,
+                                            restore_attributes)
+from atorch.errors import MethodConfigError
+from atorch.utils.batch import call_with_batch, loss_value, tensors
+from atorch.utils.dataflow import Dataflow, record_dataflow
+
+logger = logging.getLogger(__name__)
+VARIANTS = ("views", "heads", "attributes")  # tp_shapes' remedies, in the order they are tried
+
+
+@dataclass
+class Probe:
+    """One sample batch and how to run the model and the loss on it."""
+
+    batch: Any
+    call: Callable[[nn.Module, Any], Any]
+    loss: Optional[Callable[[Any, Any], Any]] = None
+
+    def run(self, model: nn.Module) -> Any:
+        return self.call(model, self.batch)
+
+    def record(self, model: nn.Module) -> tuple[Dataflow, list[torch.Tensor]]:
+        """The dataflow of one forward and that forward's output tensors (the reference)."""
+        holder = {}
+        flow = record_dataflow(model, lambda m: holder.setdefault("out", self.run(m)))
+        return flow, [t.detach().clone() for t in _float_tensors(holder["out"])]
+
+
+def probe_from_context(ctx) -> Optional[Probe]:
+    """A probe on one row of the user's data, called as training calls the model (no KV cache)."""
+    batch = ctx.sample_batch()
+    if batch is None:
+        return None
+    def call(model: nn.Module, data: Any) -> Any:
+        if ctx.model_input_format == "unpack_dict":
+            return model(**data, **no_cache_kwargs(model, data))
+        return call_with_batch(model, data, ctx.model_input_format)
+
+    return Probe(batch, call, ctx.loss_func)
+
+
+def _float_tensors(output: Any) -> list[torch.Tensor]:
+    return [t for t in tensors(output) if t.is_floating_point()]
+
+
+def check_plan(model: nn.Module, probe: Probe, reference: list[torch.Tensor], regions: dict[str, nn.Module],
+               sizes: dict[str, set], heads: dict[str, set], localizers: dict[str, ShapeLocalizer], tp: int, group,
+               described: str) -> str:
+    """Try tp_shapes' remedies in order until the split model matches ``reference`` on every rank of
+    ``group``; then one backward. Returns the remedy kept; MethodConfigError when none works."""
+    failures = []
+    for variant in VARIANTS:
+        chosen = {"views": {}, "heads": heads, "attributes": sizes}[variant]
+        changed = {n: localize_attributes(m, chosen.get(n, set()), tp) for n, m in regions.items()}
+        for mode in localizers.values():
+            mode.rewrites = 0
+        error = _forward_error(model, probe, reference)
+        if _agreed(error is None, group):
+            _backward(model, probe)
+            _drop_unused(localizers)
+            return variant
+        failures.append(f"{variant}: {error or 'another rank differed'}")
+        for name, old in changed.items():
+            restore_attributes(regions[name], old)
+    raise MethodConfigError(
+        "tensor_parallel", f"the plan found does not reproduce the unsplit model on a sample batch "
+        f"({'; '.join(failures)}); it split {described}; give the split with {{'plan': {{...}}}} or use another "
+        "parallelism")
+
+
+def _forward_error(model: nn.Module, probe: Probe, reference: list[torch.Tensor]) -> Optional[str]:
+    training = model.training
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=_devices()):
+            model.eval()
+            got = _float_tensors(probe.run(model))
+    except Exception as error:  # the split model's own code failed: the next remedy, or a refusal
+        return f"{type(error).__name__}: {str(error)[:300]}"
+    finally:
+        model.train(training)
+    if len(got) != len(reference):
+        return f"{len(got)} output tensors instead of {len(reference)}"
+    for index, (a, b) in enumerate(zip(got, reference)):
+        if a.shape != b.shape:
+            return f"output {index} has shape {tuple(a.shape)} instead of {tuple(b.shape)}"
+        scale = b.abs().max().item() or 1.0
+        diff = (a.float() - b.float()).abs().max().item() / scale
+        if not diff <= _tolerance(b.dtype):
+            return f"output {index} differs by {diff:.1e} (relative) from the unsplit model's"
+    return None
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
+
+
+def _agreed(ok: bool, group) -> bool:
+    if group is None or not dist.is_initialized():
+        return ok
+    flag = torch.tensor([1 if ok else 0], device=_group_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _group_device(group) -> torch.device:
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def _backward(model: nn.Module, probe: Probe) -> None:
+    """One forward and backward through the loss (no optimizer step); gradients are dropped after."""
+    if probe.loss is None:
+        return
+    training = model.training
+    try:
+        with torch.random.fork_rng(devices=_devices()):
+            model.eval()
+            loss = loss_value(probe.loss(probe.batch, probe.run(model)))
+            loss.backward()
+    except Exception as error:
+        raise MethodConfigError("tensor_parallel", f"the split model's backward failed on a sample batch: "
+                                f"{type(error).__name__}: {str(error)[:300]}") from error
+    finally:
+        model.train(training)
+        for param in model.parameters():
+            param.grad = None
+
+
+def _drop_unused(localizers: dict[str, ShapeLocalizer]) -> None:
+    """Regions whose shapes all fitted need no localizer in training."""
+    for mode in localizers.values():
+        if mode.rewrites == 0:
+            remove_localizer(mode)
+
+
+def _devices() -> list[int]:
+    return [torch.cuda.current_device()] if torch.cuda.is_available() else []

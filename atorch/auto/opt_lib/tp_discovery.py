@@ -1,0 +1,284 @@
+"""Finding the tensor-parallel plan from a model's structure: its recorded dataflow, not its names.
+
+One forward of a sample batch is recorded (``atorch.utils.dataflow``). In that graph:
+
+- an **MLP pair** is a Linear whose output reaches other Linears only through column-local ops
+  (activations, dropout, a gating product with a sibling Linear, reshapes): it and its siblings are
+  split column-wise, the Linears they reach row-wise, provided those row-wise Linears read nothing but
+  such outputs. Each expert of a Mixture-of-Experts is such a pair; its router, whose output goes to a
+  softmax / top-k, is not, and stays whole;
+- an **attention** is a ``scaled_dot_product_attention`` call, or a matmul of two activations
+  followed (through scaling, masking and a softmax) by a second matmul. The Linears whose outputs reach
+  its query / key / value operands are split column-wise (a fused q|k|v or k|v projection reaches
+  several operands: its parts are reordered so every rank holds its heads of each part), the Linears
+  its output reaches are split row-wise. The head size is the operands' last dimension, the head
+  counts follow from the projection widths; both must divide by the tensor size. An embedding whose
+  rows are added to the attention scores with one column per head (T5's relative position bias) is
+  split with the heads;
+- everything else (norms, routers, position embeddings, heads of a classifier) stays whole.
+
+A Linear whose column split would leak, because its output also reaches a norm, a residual sum, a
+reduction or the model's output, is not split. Every Linear keeps one role over all its calls, or it
+stays whole. The plan is a proposal: ``tensor_parallel`` applies it and checks it on the sample
+(forward and backward against the unsplit model) before accepting it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from torch import nn
+
+from atorch.utils.dataflow import Dataflow, Op, SOFTMAX, is_transparent
+
+
+@dataclass
+class FoundAttention:
+    """One attention core and the projections around it."""
+
+    inputs: dict[str, list[str]] = field(default_factory=dict)    # "q" / "k" / "v" -> projections
+    outputs: list[str] = field(default_factory=list)               # row-wise projections
+    head_dim: int = 0
+    heads: dict[str, int] = field(default_factory=dict)            # projection -> heads it computes (all parts)
+    parts: dict[str, list[int]] = field(default_factory=dict)      # fused projection -> widths of its parts
+    head_bias: list[str] = field(default_factory=list)             # per-head embeddings added to the scores
+
+
+@dataclass
+class Discovery:
+    """What the structure says; ``why_whole`` gives, for Linears left whole, the reason."""
+
+    colwise: list[str] = field(default_factory=list)
+    rowwise: list[str] = field(default_factory=list)
+    attentions: list[FoundAttention] = field(default_factory=list)
+    fused: dict[str, list[int]] = field(default_factory=dict)
+    head_bias: list[str] = field(default_factory=list)
+    groups: list[tuple[list[str], list[str]]] = field(default_factory=list)  # (colwise, rowwise) that belong together
+    why_whole: dict[str, str] = field(default_factory=dict)
+
+
+def _passes(op: Op) -> bool:
+    return is_transparent(op)
+
+
+def _scores_pass(op: Op) -> bool:
+    return is_transparent(op) or op.name in SOFTMAX
+
+
+def discover(model: nn.Module, flow: Dataflow) -> Discovery:
+    found = Discovery()
+    linear_modules = {op.module for op in flow.ops if op.kind == "linear"}
+    role: dict[str, str] = {}
+    for attention in _attentions(flow, found):
+        found.attentions.append(attention)
+        cols = [p for names in attention.inputs.values() for p in names]
+        found.groups.append((list(dict.fromkeys(cols)), attention.outputs))
+    for cols, rows in _mlp_groups(flow, linear_modules, found.why_whole):
+        found.groups.append((cols, rows))
+    for cols, rows in found.groups:
+        for name in cols:
+            role.setdefault(name, "colwise")
+        for name in rows:
+            role.setdefault(name, "rowwise")
+    conflicts = _conflicts(found.groups)
+    kept = []
+    for cols, rows in found.groups:
+        bad = [n for n in cols + rows if n in conflicts]
+        if bad:
+            for name in cols + rows:
+                found.why_whole.setdefault(name, f"{bad[0]} would need two roles (split both ways by different paths)")
+            continue
+        kept.append((cols, rows))
+    found.groups = kept
+    found.colwise = list(dict.fromkeys(n for cols, _ in kept for n in cols))
+    found.rowwise = list(dict.fromkeys(n for _, rows in kept for n in rows))
+    kept_attention = [a for a in found.attentions if all(n in found.colwise for v in a.inputs.values() for n in v)]
+    found.attentions = kept_attention
+    for attention in kept_attention:
+        found.fused.update(attention.parts)
+        found.head_bias += [b for b in attention.head_bias if b not in found.head_bias]
+    for name in linear_modules - set(found.colwise) - set(found.rowwise):
+        found.why_whole.setdefault(name, "its output reaches a norm, a reduction, a residual sum or the model's output "
+                                   "(not only other projections or attention)")
+    return found
+
+
+def _conflicts(groups: list[tuple[list[str], list[str]]]) -> set[str]:
+    cols = [n for c, _ in groups for n in c]
+    rows = [n for _, r in groups for n in r]
+    return set(cols) & set(rows)
+
+
+# --- MLPs ----------------------------------------------------------------------------------------------
+def _mlp_groups(flow: Dataflow, linear_modules: set[str], why: dict[str, str]) -> list[tuple[list[str], list[str]]]:
+    """(column Linears, row Linears) per MLP: every call of a column Linear reaches only Linears,
+    and every call of a row Linear reads only column Linears' outputs."""
+    reaches: dict[str, set[str]] = {}
+    for name in sorted(linear_modules):
+        targets = _linear_targets(flow, name)
+        if targets:
+            reaches[name] = targets
+    groups: list[tuple[list[str], list[str]]] = []
+    for down in sorted({t for ts in reaches.values() for t in ts}):
+        sources = _row_sources(flow, down)
+        if not sources or any(s not in reaches or reaches[s] != {down} for s in sources):
+            if sources:
+                why.setdefault(down, f"it reads {sorted(sources)}, not all of which feed it alone")
+            continue
+        groups.append((sorted(sources), [down]))
+    return groups
+
+
+def _linear_targets(flow: Dataflow, name: str) -> set[str]:
+    """The Linears every call of ``name`` reaches through column-local ops; empty when any call
+    also reaches something else (its split would leak)."""
+    targets: set[str] = set()
+    for call in flow.calls_of(name):
+        _, sinks = flow.forward_closure(call.outputs, _passes)
+        if not sinks or any(op.kind != "linear" or op.module == name for op, _ in sinks):
+            return set()
+        targets |= {op.module for op, _ in sinks}
+    return targets
+
+
+def _row_sources(flow: Dataflow, name: str) -> set[str]:
+    """The Linears whose outputs make up every call's input of ``name``; {"?"} when anything else
+    (an attention, a norm, a model input) contributes."""
+    sources: set[str] = set()
+    for call in flow.calls_of(name):
+        activation = _activation_operand(call)
+        if activation is None:
+            return {"?"}
+        made_by = flow.backward_sources(activation, _passes)
+        if not made_by:
+            return {"?"}
+        for op in made_by:
+            sources.add(op.module if op.kind == "linear" else "?")
+    return sources
+
+
+def _activation_operand(call: Op) -> Optional[int]:
+    """The input activation of a Linear call (the one tensor operand that is not a parameter)."""
+    operands = [n for n in call.operands if n is not None]
+    return operands[0] if operands else (call.inputs[0] if call.inputs else None)
+
+
+# --- attention -------------------------------------------------------------------------------------------
+def _cores(flow: Dataflow) -> list[tuple[dict[str, int], list[int], Op, list[Op]]]:
+    """Attention cores: ({"q": node, "k": node, "v": node}, output nodes, the op, score-path ops)."""
+    cores = []
+    matmuls = [op for op in flow.ops if op.kind == "matmul"]
+    for op in flow.ops:
+        if op.kind == "attention" and len(op.operands) >= 3 and None not in op.operands[:3]:
+            q, k, v = op.operands[:3]
+            cores.append(({"q": q, "k": k, "v": v}, op.outputs, op, []))
+    for second in matmuls:
+        probs, value = (second.operands + [None, None])[:2]
+        if probs is None or value is None:
+            continue
+        for first in flow.backward_sources(probs, _scores_pass):
+            if first.kind == "matmul" and None not in first.operands[:2] and _has_softmax(flow, first, probs):
+                q, k = first.operands[:2]
+                cores.append(({"q": q, "k": k, "v": value}, second.outputs, second, [first]))
+    return cores
+
+
+def _has_softmax(flow: Dataflow, first: Op, probs: int) -> bool:
+    seen, _ = flow.forward_closure(first.outputs, _scores_pass)
+    return probs in seen and any(flow.ops[flow.producer[n]].name in SOFTMAX for n in seen if n in flow.producer)
+
+
+def _attentions(flow: Dataflow, found: Discovery) -> list[FoundAttention]:
+    out = []
+    for slots, outputs, core, score_ops in _cores(flow):
+        attention = FoundAttention()
+        ok = True
+        for slot, node in slots.items():
+            # side inputs mixed in on the way (rotary cos / sin) are not sources; the check confirms
+            linears = [s.module for s in flow.backward_sources(node, _passes) if s.kind == "linear"]
+            if not linears or any(not _feeds_attention_only(flow, n) for n in linears):
+                ok = False  # an operand made by something else (a cache, a norm): nothing to split here
+                break
+            attention.inputs[slot] = list(dict.fromkeys(linears))
+        if not ok:
+            continue
+        _, sinks = flow.forward_closure(outputs, _passes)
+        if not sinks or any(op.kind != "linear" for op, _ in sinks):
+            for names in attention.inputs.values():
+                for name in names:
+                    found.why_whole.setdefault(name, "the attention it feeds hands its result to something other "
+                                               "than a projection")
+            continue
+        attention.outputs = list(dict.fromkeys(op.module for op, _ in sinks))
+        if not _heads(flow, slots, attention, found):
+            continue
+        attention.head_bias = _score_bias(flow, core, score_ops, slots, attention)
+        out.append(attention)
+    return _merge_calls(out)
+
+
+def _feeds_attention_only(flow: Dataflow, name: str) -> bool:
+    """Every call of ``name`` reaches attention operands only (a split would not leak elsewhere)."""
+    for call in flow.calls_of(name):
+        _, sinks = flow.forward_closure(call.outputs, _passes)
+        if not sinks or any(op.kind not in ("attention", "matmul") for op, _ in sinks):
+            return False
+    return True
+
+
+def _heads(flow: Dataflow, slots: dict[str, int], attention: FoundAttention, found: Discovery) -> bool:
+    """Head size from the operands; each projection's heads from its width, split into parts when it
+    feeds several operands (fused)."""
+    shape = flow.shapes[slots["q"]]
+    if len(shape) < 3:
+        return False
+    attention.head_dim = shape[-1]
+    owners: dict[str, list[str]] = {}
+    for slot, names in attention.inputs.items():
+        for name in names:
+            owners.setdefault(name, []).append(slot)
+    for name, parts in owners.items():
+        width = _width(flow, name)
+        if width % (len(parts) * attention.head_dim):
+            found.why_whole.setdefault(name, f"its {width} outputs do not make whole heads of size {attention.head_dim}")
+            return False
+        attention.heads[name] = width // attention.head_dim
+        if len(parts) > 1:
+            attention.parts[name] = [width // len(parts)] * len(parts)
+    return True
+
+
+def _width(flow: Dataflow, name: str) -> int:
+    call = flow.calls_of(name)[0]
+    return flow.shapes[call.outputs[0]][-1]
+
+
+def _score_bias(flow: Dataflow, core: Op, score_ops: list[Op], slots: dict[str, int],
+                attention: FoundAttention) -> list[str]:
+    """Embeddings added to the scores with one column per head (T5's relative position bias): an
+    input of the attention call beside q, k and v, or an operand added on the way from scores to
+    probabilities."""
+    q_name = attention.inputs["q"][0]
+    heads = attention.heads[q_name] // len(attention.parts.get(q_name, [1]))
+    if score_ops:
+        seen, _ = flow.forward_closure(score_ops[0].outputs, _scores_pass)
+        made = [flow.ops[flow.producer[n]] for n in seen if n in flow.producer]
+        side = {p for op in made for p in op.inputs if p not in seen}
+    else:
+        side = set(core.inputs) - set(slots.values())
+    found = [source.module for node in side for source in flow.backward_sources(node, _passes)
+             if source.kind == "embedding" and flow.shapes[source.outputs[0]][-1] == heads]
+    return list(dict.fromkeys(found))
+
+
+def _merge_calls(attentions: list[FoundAttention]) -> list[FoundAttention]:
+    """One entry per set of projections (a module called several times is found once per call)."""
+    merged: dict[tuple, FoundAttention] = {}
+    for attention in attentions:
+        key = tuple(sorted((s, tuple(n)) for s, n in attention.inputs.items()))
+        if key in merged:
+            merged[key].head_bias = list(dict.fromkeys(merged[key].head_bias + attention.head_bias))
+            merged[key].outputs = list(dict.fromkeys(merged[key].outputs + attention.outputs))
+        else:
+            merged[key] = attention
+    return list(merged.values())

@@ -1,0 +1,152 @@
+"""Shapes that model code reads at run time, made local under tensor parallelism.
+
+Attention code often sizes its views from its input or from attributes: timm's
+``qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads)`` and ``x.reshape(B, N, C)``,
+nanoGPT's ``c_attn(x).split(self.n_embd, dim=2)``, GPT-2's ``split(self.split_size)``. Under a
+column split each rank holds 1/tp of the heads, so those sizes are tp times too large. Two remedies,
+tried in this order by ``tensor_parallel`` (the first that reproduces the unsplit model on the sample
+wins):
+
+1. ``ShapeLocalizer``: while a split region (the module holding one attention's or MLP's
+   projections) runs, a view / reshape whose shape does not fit the local tensor, or a split whose
+   size no longer tiles it, has one size that equals a full width or head count of that region
+   replaced by its per-rank share. Shapes that fit are never touched.
+2. ``localize_attributes``: with 1, the region module's integer attributes equal to a full head
+   count (``n_heads``, ...) become the per-rank values, for code that builds tensors from them (T5's
+   zero position bias); failing that, those equal to a full width too (``inner_dim``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+VIEWS = frozenset({"view", "reshape"})
+SPLITS = frozenset({"split"})
+
+
+class ShapeLocalizer(TorchFunctionMode):
+    """Rewrites the shapes of views and splits that do not fit a rank's share (see module doc)."""
+
+    def __init__(self, full_sizes: set[int], tp: int):
+        super().__init__()
+        self.full_sizes, self.tp = full_sizes, tp
+        self.rewrites = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in VIEWS and args and isinstance(args[0], torch.Tensor) and not kwargs:
+            shape = _shape_args(args[1:])
+            if shape is not None:
+                local = local_view_shape(args[0], shape, self.full_sizes, self.tp)
+                if local is not None:
+                    self.rewrites += 1
+                    args = (args[0], tuple(local))
+        elif name in SPLITS and args and isinstance(args[0], torch.Tensor):
+            dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+            size = local_split_size(args[0], args[1] if len(args) > 1 else kwargs.get("split_size_or_sections"),
+                                    dim, self.full_sizes, self.tp)
+            if size is not None:
+                self.rewrites += 1
+                args = (args[0], size, *args[2:])
+                kwargs = {k: v for k, v in kwargs.items() if k != "split_size_or_sections"}
+        return func(*args, **kwargs)
+
+
+def _shape_args(rest: tuple) -> Optional[list[int]]:
+    shape = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else rest
+    if not all(isinstance(s, int) for s in shape):
+        return None
+    return list(shape)
+
+
+def _fits(shape: Sequence[int], numel: int) -> bool:
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        return known > 0 and numel % known == 0
+    return known == numel
+
+
+def local_view_shape(tensor: torch.Tensor, shape: list[int], full_sizes: set[int], tp: int) -> Optional[list[int]]:
+    """``shape`` with one full size made local when the shape does not fit ``tensor``; the leading
+    sizes equal to the tensor's own (batch, sequence) are never candidates. None: leave it."""
+    numel = tensor.numel()
+    start = 0
+    while start < min(len(shape), tensor.dim()) and shape[start] == tensor.shape[start]:
+        start += 1
+    wanted = _inferred_dim_wanted(tensor, shape, start)
+    if _fits(shape, numel) and (wanted is None or _inferred(shape, numel) == wanted):
+        return None
+    for position in range(start, len(shape)):
+        size = shape[position]
+        if size in full_sizes and size % tp == 0:
+            candidate = shape[:position] + [size // tp] + shape[position + 1:]
+            if _fits(candidate, numel) and (wanted is None or _inferred(candidate, numel) == wanted):
+                return candidate
+    return None
+
+
+def _inferred_dim_wanted(tensor: torch.Tensor, shape: list[int], start: int) -> Optional[int]:
+    """With ``view(B, -1, C)`` right after the leading sizes that match, the -1 stands for the
+    tensor's own size there (the sequence): a full C would silently halve it instead."""
+    if -1 not in shape:
+        return None
+    position = shape.index(-1)
+    return tensor.shape[position] if position == start and position < tensor.dim() else None
+
+
+def _inferred(shape: list[int], numel: int) -> int:
+    return numel // max(1, math.prod(s for s in shape if s != -1))
+
+
+def local_split_size(tensor: torch.Tensor, size: Any, dim: int, full_sizes: set[int], tp: int) -> Any:
+    """A split size (or list of sizes) made local when it no longer tiles the split dimension."""
+    length = tensor.shape[dim]
+    if isinstance(size, int):
+        if size in full_sizes and size % tp == 0 and length % size and (length * tp) % size == 0:
+            return size // tp
+        return None
+    if isinstance(size, (list, tuple)) and all(isinstance(s, int) for s in size) and sum(size) == length * tp:
+        if all(s % tp == 0 for s in size):
+            return [s // tp for s in size]
+    return None
+
+
+def install_localizer(region: nn.Module, full_sizes: set[int], tp: int) -> ShapeLocalizer:
+    """Run ``region``'s forward under a ShapeLocalizer (its ``rewrites`` count tells whether it was needed)."""
+    mode = ShapeLocalizer(full_sizes, tp)
+
+    def enter(module, args, kwargs):
+        mode.__enter__()
+
+    def leave(module, args, output):
+        mode.__exit__(None, None, None)
+
+    mode.handles = [region.register_forward_pre_hook(enter, with_kwargs=True, prepend=True),
+                    region.register_forward_hook(leave, always_call=True)]
+    return mode
+
+
+def remove_localizer(mode: ShapeLocalizer) -> None:
+    for handle in getattr(mode, "handles", ()):
+        handle.remove()
+
+
+def localize_attributes(region: nn.Module, full_sizes: set[int], tp: int) -> dict[str, int]:
+    """Divide the region's integer attributes that equal one of ``full_sizes`` (head counts, or head
+    counts and widths); returns the old values so the change can be undone."""
+    changed = {}
+    for attr, value in list(vars(region).items()):
+        if isinstance(value, int) and not isinstance(value, bool) and value in full_sizes and value % tp == 0:
+            changed[attr] = value
+            setattr(region, attr, value // tp)
+    return changed
+
+
+def restore_attributes(region: nn.Module, changed: dict[str, int]) -> None:
+    for attr, value in changed.items():
+        setattr(region, attr, value)
