@@ -92,15 +92,16 @@ class TPPlan:
     found_by: str = "structure"                                 # structure / names / plan
     why_whole: dict[str, str] = field(default_factory=dict)     # Linear left whole -> why
     shapes: str = "views"                                       # how run-time shapes were made local (tp_shapes)
+    share: float = 0.0                                          # share of the parameters split
 
-    def report(self, model: nn.Module) -> dict:
+    def report(self) -> dict:
         """What ``result.args.extras["tensor_parallel"]`` shows: what was split how, what stayed whole."""
         return {"found_by": self.found_by,
                 "colwise": [n for n, s in self.styles.items() if s == "colwise"],
                 "rowwise": [n for n, s in self.styles.items() if s == "rowwise"],
                 "vocabulary": dict(self.vocab), "per_head": list(self.head_bias), "fused": dict(self.fused),
                 "replicated": list(self.replicated), "why_whole": dict(self.why_whole), "run_time_shapes": self.shapes,
-                "split_share": round(split_share(model, self), 4)}
+                "split_share": round(self.share, 4)}
 
 
 def split_names(plan: "TPPlan") -> list[str]:
@@ -455,11 +456,12 @@ def apply_tensor_parallel(ctx, config: TensorParallelConfig, given: Optional[TPP
     if stages:
         plan = given or TPPlan(found_by="names")
         for stage in stages:
-            _apply_to_stage(stage, plan, config, tp, tp_mesh, sequence)
+            applied = _apply_to_stage(stage, plan, config, tp, tp_mesh, sequence)
+        plan = given or applied
     else:
         plan = _parallelize(ctx.model, config, tp, tp_mesh, sequence, probe_from_context(ctx))
     ctx.model_parallel = True
-    ctx.args.extras["tensor_parallel"] = plan.report(ctx.model if not stages else stages[-1])
+    ctx.args.extras["tensor_parallel"] = plan.report()
     return plan
 
 
@@ -490,17 +492,18 @@ def _tensor_mesh():
 
 
 def _apply_to_stage(stage: nn.Module, whole: TPPlan, config: TensorParallelConfig, tp: int, tp_mesh,
-                    sequence: bool) -> None:
+                    sequence: bool) -> TPPlan:
     """The whole model's plan on one pipeline stage (the stage keeps the model under ``model.``;
     blocks of other stages are pass-throughs and drop out)."""
     if config.plan is not None or whole.found_by == "names":
-        _parallelize(stage, config, tp, tp_mesh, sequence, None)
-        return
+        return _parallelize(stage, config, tp, tp_mesh, sequence, None)
+    tied = tuple(f"model.{n}" for n in whole.tied_head) if whole.tied_head else None
+    vocab = _on_stage(stage, whole.vocab)
     plan = dataclasses.replace(whole, styles=_on_stage(stage, whole.styles), fused=_on_stage(stage, whole.fused),
-                               vocab=_on_stage(stage, whole.vocab), head_bias=list(_on_stage(stage, whole.head_bias)),
+                               vocab=vocab, tied_head=tied if tied and set(tied) <= set(vocab) else None, head_bias=list(_on_stage(stage, whole.head_bias)),
                                regions=_on_stage(stage, whole.regions, linear=False),
                                region_heads=_on_stage(stage, whole.region_heads, linear=False), replicated=[])
-    _parallelize(stage, config, tp, tp_mesh, sequence, None, given=plan)
+    return _parallelize(stage, config, tp, tp_mesh, sequence, None, given=plan)
 
 
 def _on_stage(stage: nn.Module, entries, linear: bool = True):
@@ -541,6 +544,8 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
     else:
         plan = find_tp_plan(model, tp, flow)
     _keep_pipeline_tied_whole(model, plan)
+    if given is None:
+        plan.share = split_share(model, plan)
     sequence_plan = plan_sequence_parallel(model, plan.styles, flow) if sequence else None  # refusals first
     for fused, parts in plan.fused.items():
         _interleave_fused(model, fused, parts, tp)
