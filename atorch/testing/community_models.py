@@ -85,7 +85,8 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     if n_rep == 1:
         return x
     bs, seq, n_kv_heads, head_dim = x.shape
-    return x[:, :, :, None, :].expand(bs, seq, n_kv_heads, n_rep, head_dim).reshape(bs, seq, n_kv_heads * n_rep, head_dim)
+    expanded = x[:, :, :, None, :].expand(bs, seq, n_kv_heads, n_rep, head_dim)
+    return expanded.reshape(bs, seq, n_kv_heads * n_rep, head_dim)
 
 
 class Attention(nn.Module):
