@@ -148,7 +148,7 @@ def test_module_replace_on_the_repo_model_trains_like_the_original():
 
 
 # every transformer family of the zoo; the value: the attention class left as is, with the log's reason
-ZOO_TRANSFORMERS = [name for name, zoo in ZOO.items() if zoo.transformer]
+ZOO_TRANSFORMERS = [name for name, zoo in ZOO.items() if zoo.transformer and zoo.hf]  # hf_attention pairs HF attention
 OWN_ATTENTION = {"t5": "T5Attention computes attention itself"}
 
 

@@ -1,5 +1,7 @@
 """The model zoo of the conformance matrix: tiny random-weight configs of the model families users
-bring (no downloads), and two plain PyTorch models written here.
+bring (no downloads), two plain PyTorch models written here, and transformers written the way
+non-HF codebases write them (``atorch.testing.community_models``: nn.TransformerEncoder, a
+torchtitan Llama, a timm ViT, nanoGPT, a lucidrains block, a parallel block, a Mixture of Experts).
 
 Every entry is a ``ZooModel``: how to build it, what a batch looks like (``make_dataset``), how the
 model is called (``input_format``, auto_accelerate's ``model_input_format``) and the loss. Builders
@@ -22,6 +24,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from atorch.models import SyntheticTokenDataset
+from atorch.testing.community_models import (MoELM, NanoGPT, ParallelLM, PerceiverLM, TimmViT, TitanLlama,
+                                             TorchEncoderLM, UpDownMLP)
 
 VOCAB, SEQ = 64, 16
 
@@ -177,6 +181,12 @@ def token_dataset(num_samples: int, seed: int = 0) -> Dataset:
     return SyntheticTokenDataset(num_samples=num_samples, seq_len=SEQ, vocab_size=VOCAB, seed=seed)
 
 
+def token_rows_dataset(num_samples: int, seed: int = 0) -> Dataset:
+    """token_dataset's sequences as bare tensor rows: a batch is the (batch, SEQ) token tensor that
+    ``model(tokens)`` takes (the community token models)."""
+    return RowsDataset(list(token_dataset(num_samples, seed).inputs))
+
+
 def t5_dataset(num_samples: int, seed: int = 0) -> Dataset:
     tokens = token_dataset(num_samples, seed)
     return RowsDataset([{"input_ids": tokens.inputs[i], "labels": tokens.labels[i, : SEQ // 2].flip(0)}
@@ -213,6 +223,13 @@ def clip_pair_loss(batch: dict, output) -> torch.Tensor:
     """Per-sample: raise each image's scaled similarity to its own caption (the diagonal of CLIP's
     logits, which uses every parameter, logit_scale included)."""
     return -torch.diagonal(output.logits_per_image).mean() / 10
+
+
+def next_token_loss(batch: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of the logits at each position against the next token of the row (every row has
+    the same number of predicted tokens, so the mean over tokens is the mean of per-sample means)."""
+    logits = output[:, :-1].float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
 def mlp_loss(batch: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
@@ -255,6 +272,19 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in (
     ZooModel("clip", tiny_clip, clip_dataset, clip_pair_loss, "unpack_dict", "CLIPEncoderLayer", "multimodal"),
     ZooModel("mlp", ResidualMLP, vector_dataset, mlp_loss, None, "ResidualBlock", "plain", hf=False),
     ZooModel("cnn", SmallResNet, picture_dataset, cnn_loss, None, "ConvBlock", "plain", norm_chunks=True, hf=False),
+    # written like non-HF codebases (atorch.testing.community_models); token models take model(tokens)
+    ZooModel("torch_encoder", TorchEncoderLM, token_rows_dataset, next_token_loss, None, "TransformerEncoderLayer",
+             "decoder", hf=False),
+    ZooModel("titan_llama", TitanLlama, token_rows_dataset, next_token_loss, None, "TransformerBlock", "decoder",
+             hf=False),
+    ZooModel("timm_vit", TimmViT, picture_dataset, cnn_loss, None, "Block", "vision", hf=False),
+    ZooModel("nanogpt", NanoGPT, token_rows_dataset, next_token_loss, None, "NanoBlock", "decoder", hf=False),
+    ZooModel("perceiver_block", PerceiverLM, token_rows_dataset, next_token_loss, None, "PerceiverBlock", "decoder",
+             hf=False),
+    ZooModel("parallel_block", ParallelLM, token_rows_dataset, next_token_loss, None, "ParallelBlock", "decoder",
+             hf=False),
+    ZooModel("moe", MoELM, token_rows_dataset, next_token_loss, None, "MoEBlock", "decoder", hf=False),
+    ZooModel("mlp_updown", UpDownMLP, vector_dataset, mlp_loss, None, "UpDownBlock", "plain", hf=False),
 )}
 
 # the names earlier tests use
