@@ -95,6 +95,7 @@ class SequencePlan:
     norms: dict[str, SequenceRegion] = field(default_factory=dict)     # per-token module -> region: on the shard
     reshard: dict[str, SequenceRegion] = field(default_factory=dict)   # gather point whose output is cut back
     replicated_rows: set = field(default_factory=set)                  # row-wise projections that all-reduce
+    plain_gathers: set = field(default_factory=set)                    # gather points holding whole parameters
 
 
 def plan_sequence_parallel(model: nn.Module, split: dict[str, str], flow: Optional[Dataflow] = None) -> SequencePlan:
@@ -120,9 +121,23 @@ def plan_sequence_parallel(model: nn.Module, split: dict[str, str], flow: Option
     for name, style in split.items():
         if style == "rowwise" and any(name.startswith(p + ".") for p in plan.reshard):
             plan.replicated_rows.add(name)
+    for point in plan.gathers:
+        if _holds_whole_parameters(model.get_submodule(point), point, split):
+            plan.plain_gathers.add(point)
     for block, region in region_of.items():
         _classify(model.get_submodule(block), block, region, split, plan)
     return plan
+
+
+def _holds_whole_parameters(module: nn.Module, name: str, split: dict[str, str]) -> bool:
+    """Whether a gather point holds parameters outside the split projections."""
+    for child, sub in module.named_modules():
+        full = f"{name}.{child}" if child else name
+        if any(full == s or full.startswith(s + ".") for s in split):
+            continue
+        if any(True for _ in sub.parameters(recurse=False)):
+            return True
+    return False
 
 
 def _gather_point(name: str, block: str, flow: Optional[Dataflow]) -> str:
@@ -196,8 +211,9 @@ def apply_sequence_parallel(model: nn.Module, plan: SequencePlan, device_mesh) -
                                         with_kwargs=True, prepend=True)
         last.register_forward_hook(partial(_gather_output, device_mesh, region, region.blocks[-1]))
     for name, region in plan.gathers.items():
+        gather = _gather_plain if name in plan.plain_gathers else _gather
         model.get_submodule(name).register_forward_pre_hook(
-            partial(_map_hidden, partial(_gather, device_mesh, region), name), with_kwargs=True, prepend=True)
+            partial(_map_hidden, partial(gather, device_mesh, region), name), with_kwargs=True, prepend=True)
     for name, region in plan.reshard.items():
         model.get_submodule(name).register_forward_hook(partial(_reshard_output, device_mesh, region, name))
     for name, region in plan.norms.items():
@@ -208,8 +224,10 @@ def apply_sequence_parallel(model: nn.Module, plan: SequencePlan, device_mesh) -
 def _map_hidden(fn: Callable, where: str, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Apply ``fn`` to the hidden states only (first positional argument, or the ``hidden_states``
     keyword HF attention modules are called with); every other input passes untouched."""
-    if args and isinstance(args[0], torch.Tensor):
-        return (fn(args[0], where), *args[1:]), kwargs
+    if args and isinstance(args[0], torch.Tensor):  # self-attention called as (x, x, x): every copy of x
+        hidden, mapped = args[0], fn(args[0], where)
+        return (tuple(mapped if a is hidden else a for a in args),
+                {k: mapped if v is hidden else v for k, v in kwargs.items()})
     if isinstance(kwargs.get("hidden_states"), torch.Tensor):
         return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"], where)}
     raise MethodConfigError("sequence_parallel", f"{where} ({type(module).__name__}) was called without hidden states "
@@ -242,6 +260,14 @@ def _gather(device_mesh, region: SequenceRegion, local: torch.Tensor, where: str
     """The whole sequence as a replicated DTensor: the split projections consume it directly, so
     their partial input gradients are reduce-scattered back to the shard."""
     return _sharded(device_mesh, region, local).redistribute(device_mesh, [Replicate()])
+
+
+def _gather_plain(device_mesh, region: SequenceRegion, local: torch.Tensor, where: str) -> torch.Tensor:
+    """The whole sequence as a plain tensor, for a layer that also holds whole (unsplit) parameters
+    (a norm before the projections, an MoE router): they compute on it as in one process. The split
+    projections' partial input gradients are all-reduced where they enter (their input style), so the
+    backward here only cuts this rank's tokens out."""
+    return _gather(device_mesh, region, local, where).to_local()
 
 
 def _gather_output(device_mesh, region: SequenceRegion, where: str, module: nn.Module, args: tuple, output: Any) -> Any:

@@ -29,7 +29,9 @@ class SeparateProjectionAttention(nn.Module):
         self.embed_dim, self.num_heads = mha.embed_dim, mha.num_heads
         self.head_dim = mha.embed_dim // mha.num_heads
         self.dropout, self.batch_first = mha.dropout, mha.batch_first
-        self._qkv_same_embed_dim = False  # keeps nn.TransformerEncoderLayer off its fused inference path
+        # keep nn.TransformerEncoder(Layer) off its fused inference path, which reads the packed weight
+        self._qkv_same_embed_dim = False
+        self.in_proj_weight = self.in_proj_bias = None
         bias = mha.in_proj_bias is not None
         device, dtype = mha.in_proj_weight.device, mha.in_proj_weight.dtype
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(self.embed_dim, self.embed_dim, bias=bias, device=device,

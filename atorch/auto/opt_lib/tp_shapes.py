@@ -93,7 +93,7 @@ def local_view_shape(tensor: torch.Tensor, shape: list[int], full_sizes: set[int
 def _inferred_dim_wanted(tensor: torch.Tensor, shape: list[int], start: int) -> Optional[int]:
     """With ``view(B, -1, C)`` right after the leading sizes that match, the -1 stands for the
     tensor's own size there (the sequence): a full C would silently halve it instead."""
-    if -1 not in shape:
+    if -1 not in shape or len(shape) >= tensor.dim():  # only merges (heads into the width) are read this way
         return None
     position = shape.index(-1)
     return tensor.shape[position] if position == start and position < tensor.dim() else None
