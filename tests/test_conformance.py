@@ -7,11 +7,11 @@ import re
 from pathlib import Path
 
 import pytest
-
+import torch
 from torch.utils.data import default_collate
 
 from atorch.auto.search.layouts import layout_facts
-from atorch.testing.conformance import page, run_matrix
+from atorch.testing.conformance import page, run_matrix, tensor_plan_share
 from atorch.testing.hf_models import ZOO
 from atorch.testing.training import call_model
 
@@ -19,15 +19,18 @@ pytestmark = pytest.mark.multirank
 pytest.importorskip("transformers", reason="transformers is a test extra")
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "models.md"
-TRANSFORMERS = ("gpt2", "gpt2_untied", "llama", "qwen2", "mistral", "bert", "t5", "vit", "clip")
+TRANSFORMERS = tuple(name for name, zoo in ZOO.items() if zoo.transformer)  # HF and non-HF families
 MODEL_PARALLEL_FAMILIES = ("gpt2", "llama", "qwen2", "mistral", "bert", "mlp")
-# what the issue that introduced the matrix promised: these cells must pass, not merely be refused
+# what the issues that grew the matrix promised: these cells must pass, not merely be refused.
+# tensor_parallel finds its plan from the traced forward, so every transformer (and both plain MLPs,
+# whatever their layers are called) trains at parity under tp2 and tp2 + sp; mixed tp2 x pp2 on every
+# family pipeline_parallel supports
+TENSOR_FAMILIES = TRANSFORMERS + ("mlp", "mlp_updown")
 MUST_PASS = {
-    "tp2": TRANSFORMERS,
-    "tp2_sp": MODEL_PARALLEL_FAMILIES,
+    "tp2": TENSOR_FAMILIES,
+    "tp2_sp": TENSOR_FAMILIES,
     "pp2_1f1b": MODEL_PARALLEL_FAMILIES,
     "pp2_gpipe": MODEL_PARALLEL_FAMILIES,
-    "mixed_tp2_pp2": MODEL_PARALLEL_FAMILIES,
 }
 
 
@@ -45,6 +48,22 @@ def test_promised_cells_pass(cells):
     missing = {f"{column} x {model}": cells[(column, model)].detail
                for column, models in MUST_PASS.items() for model in models if cells[(column, model)].status != "pass"}
     assert not missing, "\n".join(f"{k}: {v}" for k, v in missing.items())
+
+
+def test_mixed_tensor_pipeline_passes_wherever_pipeline_parallel_does(cells):
+    missing = {model: cells[("mixed_tp2_pp2", model)].detail for model in ZOO
+               if cells[("pp2_1f1b", model)].status == "pass" and cells[("mixed_tp2_pp2", model)].status != "pass"}
+    assert not missing, missing
+
+
+def test_tensor_parallel_refusals_name_the_blocking_module(cells):
+    """A model tensor_parallel declines is told which module blocks the plan and why (the CNN: its
+    only Linear, whose output goes to the loss)."""
+    for (column, model), cell in cells.items():
+        if column in ("tp2", "tp2_sp") and cell.status == "refused":
+            linears = [n for n, m in ZOO[model].build().named_modules() if isinstance(m, torch.nn.Linear)]
+            named = [n for n in linears if re.search(rf"(^|[ (;]){re.escape(n)}(: | has | computes )", cell.detail)]
+            assert "tensor_parallel" in cell.detail and named, f"{column} x {model}: {cell.detail}"
 
 
 def test_refusals_name_a_reason(cells):
@@ -78,3 +97,12 @@ def test_search_proposes_exactly_the_layouts_the_matrix_proves(cells):
             assert offered == (cell.status == "pass"), (
                 f"{name} {column}: search {'offers' if offered else 'leaves out'} the layout "
                 f"({facts.reason(tensor, pipeline)}), matrix cell is {cell.status}: {cell.detail}")
+
+
+@pytest.mark.parametrize("name", [m for m, z in ZOO.items() if z.transformer])
+def test_tensor_plan_splits_what_megatron_splits(name):
+    """On every transformer family the plan found from the structure splits at least 90% of what a
+    Megatron-style scheme splits (counted from module types, independently of the plan)."""
+    ours, megatron, found_by = tensor_plan_share(name)
+    assert found_by == "structure"
+    assert ours >= 0.9 * megatron, f"{name}: the plan splits {ours:.1%} of the parameters, Megatron-style {megatron:.1%}"

@@ -31,7 +31,7 @@ SP = [TP2, "tensor_parallel", "sequence_parallel"]
 ZOO_TP = ("gpt2_untied", "qwen2", "mistral", "vit", "t5", "clip", "mlp", "cnn")
 ZOO_SP = ("gpt2", "gpt2_untied", "llama", "qwen2", "mistral", "bert", "vit", "t5", "clip", "mlp")
 REFUSED = {  # case -> what the MethodConfigError must say
-    "zoo_tp_cnn": ("tensor_parallel", "SmallResNet", "no attention q/k/v projections and no MLP up/down Linear pair"),
+    "zoo_tp_cnn": ("tensor_parallel", "SmallResNet", "no attention projections and no MLP Linear pair"),
 }
 
 CASES_2 = {

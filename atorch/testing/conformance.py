@@ -34,7 +34,12 @@ import torch.distributed as dist
 
 from atorch import errors
 from atorch.distributed.fault import Outcome, describe, run_isolated
+from atorch.auto.opt_lib.tensor_parallel import find_tp_plan, split_share
+from atorch.auto.opt_lib.tp_mha import split_mha
 from atorch.testing.hf_models import ZOO, ZooModel
+from atorch.utils.batch import call_with_batch
+from atorch.utils.dataflow import record_dataflow
+from atorch.utils.modules import repeated_blocks
 from atorch.testing.launcher import DistributedRunError, run_distributed
 from atorch.testing.training import relative_difference, train_gpt, weight_difference
 
@@ -310,8 +315,67 @@ reference runs the per-process shards apart; its running statistics are not comp
 """
 
 
+# --- how much of each model tensor_parallel splits ------------------------------------------------
+def megatron_share(model: torch.nn.Module) -> float:
+    """The share of the parameters a Megatron-style scheme splits: every Linear inside the repeated
+    blocks (attention projections, MLPs, experts; GPT-2's Conv1D and a MultiheadAttention's packed
+    projection too) and
+    the largest embedding with the head projecting to its vocabulary. Counted from module types, not
+    from atorch's plan, so the two can be compared."""
+    classes = set(repeated_blocks(model)[0])
+    blocks = [m for m in model.modules() if type(m).__name__ in classes]
+    inner = {id(p) for b in blocks for m in b.modules()
+             if isinstance(m, (torch.nn.Linear, torch.nn.MultiheadAttention)) or type(m).__name__ == "Conv1D"
+             for p in m.parameters()}
+    embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    if embeddings:
+        vocab = max(embeddings, key=lambda m: m.num_embeddings)
+        inner |= {id(vocab.weight)}
+        inner |= {id(m.weight) for m in model.modules()
+                  if isinstance(m, torch.nn.Linear) and m.out_features == vocab.num_embeddings and id(m.weight) not in inner}
+    return _numel_share(model, inner)
+
+
+def _numel_share(model: torch.nn.Module, ids: set[int]) -> float:
+    sizes = {id(p): p.numel() for p in model.parameters()}
+    return sum(n for i, n in sizes.items() if i in ids) / max(1, sum(sizes.values()))
+
+
+def tensor_plan_share(name: str, tp: int = 2) -> tuple[float, float, str]:
+    """(atorch's split share, the Megatron-style share, how the plan was found) for one zoo model,
+    from the plan tensor_parallel finds on one sample row (no process group needed)."""
+    zoo = ZOO[name]
+    torch.manual_seed(0)
+    model = zoo.build()
+    batch = torch.utils.data.default_collate([zoo.make_dataset(2, 0)[0]])
+    megatron = megatron_share(model)
+    split_mha(model)
+    flow = record_dataflow(model, lambda m: call_with_batch(m, batch, zoo.input_format))
+    plan = find_tp_plan(model, tp, flow)
+    return split_share(model, plan), megatron, plan.found_by
+
+
+def share_table(models: Optional[list[str]] = None) -> str:
+    rows = ["| model | atorch splits | Megatron-style splits | ratio |", "|---|---|---|---|"]
+    for name in models or [m for m, z in ZOO.items() if z.transformer]:
+        ours, megatron, _ = tensor_plan_share(name)
+        rows.append(f"| {name} | {ours:.1%} | {megatron:.1%} | {ours / megatron:.2f} |")
+    return "\n".join(rows) + "\n"
+
+
+SHARE_HEAD = """
+## How much tensor_parallel splits
+
+The share of each transformer's parameters that tensor_parallel's plan splits (found from the traced
+forward of one sample row: column / row / vocabulary / per-head), beside what a Megatron-style
+scheme splits (every Linear inside the repeated blocks, the token embedding and the LM head;
+`conformance.megatron_share`). A ratio of 1 or more: the plan splits all of it.
+
+"""
+
+
 def page(cells: dict) -> str:
-    return PAGE_HEAD.format(steps=STEPS, batch=GLOBAL_BATCH) + render(cells)
+    return PAGE_HEAD.format(steps=STEPS, batch=GLOBAL_BATCH) + render(cells) + SHARE_HEAD + share_table()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

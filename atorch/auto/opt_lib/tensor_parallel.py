@@ -133,6 +133,7 @@ def find_tp_plan(model: nn.Module, tp: int, flow: Optional[Dataflow] = None) -> 
         _refuse_nothing_to_split(model, plan)
     _find_vocab_parallel(model, tp, plan)
     split = set(split_names(plan))
+    plan.why_whole = {n: why for n, why in plan.why_whole.items() if n not in split}
     for name, module in model.named_modules():
         leaf = not list(module.children())
         if leaf and any(True for _ in module.parameters(recurse=False)) and name not in split:

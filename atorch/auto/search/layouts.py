@@ -4,10 +4,13 @@ are in ``cost.py`` with every other formula.
 
 The facts come from the same planners the methods use (``find_tp_plan``, ``plan_stages``), run on
 the model without changing it, so the search never proposes a layout the method would refuse, and
-the shares are counted from the modules each stage really keeps, not assumed to be 1/p.
+the shares are counted from the modules each stage really keeps, not assumed to be 1/p. With a
+sample forward (``run``) the tensor plan is found from the recorded dataflow, as the method finds it
+(on a copy when ``nn.MultiheadAttention`` must first be swapped for separate projections).
 """
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -17,7 +20,9 @@ from torch import nn
 from atorch.auto.opt_lib.pipeline_layout import (ModelLayout, check_supported, held_parameters, layout_from_order,
                                                  trace_layout)
 from atorch.auto.opt_lib.pipeline_parallel import plan_stages
-from atorch.auto.opt_lib.tensor_parallel import find_tp_plan
+from atorch.auto.opt_lib.tensor_parallel import find_tp_plan, split_names
+from atorch.auto.opt_lib.tp_mha import split_mha
+from atorch.utils.dataflow import Dataflow, record_dataflow
 from atorch.errors import AtorchError
 from atorch.utils.modules import repeated_blocks
 
@@ -58,7 +63,7 @@ def layout_facts(model: nn.Module, world: int, run: Optional[Callable[[nn.Module
     facts.hidden_size = max((m.embedding_dim for m in embeddings), default=0)
     facts.blocks = next(iter(repeated_blocks(model)[0].values()), 0)
     sizes = divisors_above_one(world)
-    split_ids = _tensor_facts(model, sizes, facts)
+    split_ids = _tensor_facts(model, sizes, facts, run)
     stages = _pipeline_facts(model, sizes, split_ids, facts, run)
     stages[1] = [(facts.param_bytes, facts.split_share * facts.param_bytes)]
     for t, p in layouts_for(world):
@@ -68,19 +73,49 @@ def layout_facts(model: nn.Module, world: int, run: Optional[Callable[[nn.Module
     return facts
 
 
-def _tensor_facts(model: nn.Module, sizes: list[int], facts: LayoutFacts) -> set[int]:
+def _tensor_facts(model: nn.Module, sizes: list[int], facts: LayoutFacts,
+                  run: Optional[Callable[[nn.Module], Any]] = None) -> set[int]:
     """Record which tensor sizes the plan supports; returns the ids of the parameters it splits
     (projections and vocabulary) at the largest supported size."""
+    analysed, flow = _recorded(model, run)
     split_ids: set[int] = set()
     for t in sizes:
         try:
-            plan = find_tp_plan(model, t)
+            plan = find_tp_plan(analysed, t, flow)
         except AtorchError as error:  # the method's own refusal: heads not dividing, nothing to split
             facts.unsupported[f"tp{t}"] = str(error)
             continue
-        split_ids = {id(p) for name in (*plan.styles, *plan.vocab, *plan.head_bias) for p in model.get_submodule(name).parameters()}
+        split_ids = {id(p) for name in split_names(plan) for p in _held_by(model, name).parameters()}
     facts.split_share = sum(_bytes_of(p) for p in model.parameters() if id(p) in split_ids) / max(facts.param_bytes, 1)
     return split_ids
+
+
+def _held_by(model: nn.Module, name: str) -> nn.Module:
+    """The module ``name`` in ``model``, or the nearest one above it (a swapped MultiheadAttention's
+    projections are its packed weight)."""
+    while name:
+        try:
+            return model.get_submodule(name)
+        except AttributeError:
+            name = name.rpartition(".")[0]
+    return nn.Module()
+
+
+def _recorded(model: nn.Module, run: Optional[Callable[[nn.Module], Any]]) -> tuple[nn.Module, Optional[Dataflow]]:
+    """The model the tensor plan is read from (a copy with MultiheadAttention swapped, when it has
+    any) and its recorded forward (None without a sample: the name lists then serve)."""
+    if run is None:
+        return model, None
+    analysed = model
+    if any(type(m) is nn.MultiheadAttention for m in model.modules()):
+        analysed = copy.deepcopy(model)
+        split_mha(analysed)
+    try:
+        return analysed, record_dataflow(analysed, run)
+    except Exception as error:  # the sample cannot run as given: the name lists serve
+        logger.info("search: no recorded forward for the tensor plan (%s: %s); using projection names",
+                    type(error).__name__, error)
+        return model, None
 
 
 def _pipeline_facts(model: nn.Module, sizes: list[int], split_ids: set[int], facts: LayoutFacts,

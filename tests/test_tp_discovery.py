@@ -1,0 +1,168 @@
+"""tensor_parallel's plan from a model's structure (its recorded forward), not its names: the roles
+found on models written as other codebases write them, the run-time shape remedies, the
+MultiheadAttention stand-in, and (on 2 gloo ranks) a plan the check refuses at auto_accelerate time
+plus the plan reported in ``result.args.extras``."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from atorch.auto.opt_lib.tensor_parallel import find_tp_plan
+from atorch.auto.opt_lib.tp_mha import SeparateProjectionAttention, split_mha
+from atorch.auto.opt_lib.tp_shapes import local_split_size, local_view_shape
+from atorch.errors import MethodConfigError
+from atorch.testing import run_distributed
+from atorch.testing.hf_models import ZOO
+from atorch.utils.batch import call_with_batch
+from atorch.utils.dataflow import record_dataflow
+
+pytest.importorskip("transformers", reason="transformers is a test extra")
+
+
+def _plan(name: str, tp: int = 2):
+    zoo = ZOO[name]
+    torch.manual_seed(0)
+    model = zoo.build()
+    split_mha(model)
+    batch = torch.utils.data.default_collate([zoo.make_dataset(2, 0)[0]])
+    return find_tp_plan(model, tp, record_dataflow(model, lambda m: call_with_batch(m, batch, zoo.input_format)))
+
+
+def _roles(plan) -> dict:
+    return {**plan.styles, **{n: "vocab" for n in plan.vocab}, **{n: "head" for n in plan.head_bias}}
+
+
+EXPECTED = {  # a few modules per family and the role the structure gives them
+    "torch_encoder": {"encoder.layers.0.self_attn.q_proj": "colwise", "encoder.layers.0.self_attn.out_proj": "rowwise",
+                      "encoder.layers.0.linear1": "colwise", "encoder.layers.0.linear2": "rowwise"},
+    "titan_llama": {"layers.0.attention.wq": "colwise", "layers.0.attention.wk": "colwise",
+                    "layers.0.attention.wo": "rowwise", "layers.0.feed_forward.w1": "colwise",
+                    "layers.0.feed_forward.w3": "colwise", "layers.0.feed_forward.w2": "rowwise"},
+    "timm_vit": {"blocks.0.attn.qkv": "colwise", "blocks.0.attn.proj": "rowwise", "blocks.0.mlp.fc1": "colwise",
+                 "blocks.0.mlp.fc2": "rowwise"},
+    "nanogpt": {"transformer.h.0.attn.c_attn": "colwise", "transformer.h.0.attn.c_proj": "rowwise"},
+    "mlp_updown": {"blocks.0.up": "colwise", "blocks.0.down": "rowwise"},
+    "t5": {"encoder.block.0.layer.0.SelfAttention.q": "colwise", "encoder.block.0.layer.0.SelfAttention.o": "rowwise",
+           "encoder.block.0.layer.0.SelfAttention.relative_attention_bias": "head",
+           "encoder.block.0.layer.1.DenseReluDense.wi": "colwise"},
+}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_roles_come_from_the_structure(name):
+    plan = _plan(name)
+    roles = _roles(plan)
+    assert plan.found_by == "structure"
+    for module, role in EXPECTED[name].items():
+        assert roles.get(module) == role, f"{name}: {module} is {roles.get(module)}, expected {role}"
+
+
+def test_fused_projections_are_split_by_part():
+    assert _plan("timm_vit").fused["blocks.0.attn.qkv"] == [32, 32, 32]
+    assert _plan("nanogpt").fused["transformer.h.0.attn.c_attn"] == [32, 32, 32]
+    fused = _plan("perceiver_block").fused
+    assert [parts for name, parts in fused.items() if name.endswith("to_kv")][0] == [32, 32]
+
+
+def test_the_moe_router_stays_whole_and_every_expert_is_split():
+    plan = _plan("moe")
+    routers = [n for n, _ in ZOO["moe"].build().named_modules() if n.endswith("router")]
+    assert routers and not set(routers) & set(plan.styles)
+    assert any(why for n, why in plan.why_whole.items() if n in routers)
+    experts = [n for n in plan.styles if ".experts." in n]
+    assert len(experts) >= 4 * 4 * 2, experts  # 4 blocks x 4 experts x (up + down) at least
+
+
+def test_nothing_to_split_is_refused_naming_the_module():
+    with pytest.raises(MethodConfigError, match=r"SmallResNet .*fc: its output reaches"):
+        _plan("cnn")
+
+
+def test_heads_that_do_not_divide_are_refused_naming_the_projection():
+    with pytest.raises(MethodConfigError, match=r"layers\.0\.attention\.w[qkv] computes \d+ heads .* tensor size 3"):
+        _plan("titan_llama", tp=3)
+
+
+def test_view_and_split_shapes_are_made_local():
+    full = {32, 96, 4}  # widths and head count of a 4-head, 32-wide fused attention
+    local_qkv = torch.empty(2, 5, 48)  # this rank's [q | k | v] share under tp 2
+    assert local_view_shape(local_qkv, [2, 5, 3, 4, 8], full, 2) == [2, 5, 3, 2, 8]  # timm's reshape
+    assert local_view_shape(torch.empty(2, 5, 2, 8), [2, 5, 32], full, 2) == [2, 5, 16]  # reshape(B, N, C)
+    assert local_view_shape(torch.empty(2, 5, 2, 8), [2, -1, 32], full, 2) == [2, -1, 16]  # view(B, -1, inner)
+    assert local_view_shape(torch.empty(2, 5, 16), [2, 5, -1, 8], full, 2) is None  # fits: untouched
+    assert local_view_shape(torch.empty(2, 5, 2, 8), [2, 5, 2, -1, 2], full, 2) is None  # rotary pairs: untouched
+    assert local_split_size(local_qkv, 32, 2, full, 2) == 16  # nanoGPT's split(n_embd)
+    assert local_split_size(torch.empty(2, 5, 96), 32, 2, full, 2) is None  # tiles already
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_multihead_attention_stand_in_matches_and_keeps_its_keys(batch_first):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 4, batch_first=batch_first)
+    stand_in = SeparateProjectionAttention(mha)
+    x = torch.randn(3, 6, 32) if batch_first else torch.randn(6, 3, 32)
+    causal = nn.Transformer.generate_square_subsequent_mask(6)
+    padding = torch.zeros(3, 6, dtype=torch.bool)
+    padding[0, -2:] = True
+    for kwargs in ({}, {"attn_mask": causal}, {"attn_mask": causal.isinf()}, {"key_padding_mask": padding},
+                   {"attn_mask": causal, "need_weights": False}):
+        want, want_weights = mha(x, x, x, **kwargs)
+        got, got_weights = stand_in(x, x, x, **kwargs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        if want_weights is not None:
+            torch.testing.assert_close(got_weights, want_weights, rtol=1e-5, atol=1e-6)
+    assert set(stand_in.state_dict()) == set(mha.state_dict())
+    torch.testing.assert_close(stand_in.state_dict()["in_proj_weight"], mha.in_proj_weight)
+    stand_in.load_state_dict(mha.state_dict())
+
+
+# --- on 2 ranks ------------------------------------------------------------------------------------------
+class GainedMLP(nn.Module):
+    """An MLP whose hidden activation is scaled by a full-width parameter: the structure shows an
+    up / down pair, but a column split of the hidden layer cannot meet the whole gain vector."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+        self.gain = nn.Parameter(torch.ones(64))
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)) * self.gain)
+
+
+def _vectors(n: int):
+    return [torch.randn(16, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+
+
+def _tp_run(model_name: str) -> dict:
+    from atorch.auto.accelerate import auto_accelerate
+
+    torch.manual_seed(0)
+    model = GainedMLP() if model_name == "gained" else ZOO[model_name].build()
+    dataset = _vectors(16) if model_name == "gained" else ZOO[model_name].make_dataset(16, 0)
+    loss = (lambda batch, out: out.pow(2).mean()) if model_name == "gained" else ZOO[model_name].loss_func
+    try:
+        status, result, _ = auto_accelerate(model, torch.optim.SGD, dataset, loss, optim_args={"lr": 0.01},
+                                            dataloader_args={"batch_size": 4},
+                                            load_strategy=[("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"],
+                                            ignore_dryrun_on_load_strategy=True)
+    except MethodConfigError as error:
+        return {"refused": str(error)}
+    return {"extras": result.args.extras["tensor_parallel"]}
+
+
+def _both() -> dict:
+    return {name: _tp_run(name) for name in ("gained", "titan_llama")}
+
+
+@pytest.mark.multirank
+def test_on_two_ranks_a_wrong_plan_is_refused_up_front_and_a_good_one_is_reported():
+    for per_rank in run_distributed(_both, 2):
+        refused = per_rank["gained"].get("refused", "")
+        assert "does not reproduce the unsplit model" in refused and "up" in refused, per_rank["gained"]
+        report = per_rank["titan_llama"]["extras"]
+        assert report["found_by"] == "structure"
+        assert "layers.0.attention.wq" in report["colwise"] and "layers.0.feed_forward.w2" in report["rowwise"]
+        assert report["vocabulary"] and report["split_share"] > 0.9
+        assert "norm" in report["replicated"] and report["why_whole"] == {}
