@@ -25,11 +25,46 @@ def test_rank_local_rank_world_size_outside_a_process_group():
     assert atorch.world_size() == 1
 
 
-def test_init_distributed_without_env_returns_false(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE"):
+def _plain_process(monkeypatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    assert atorch.init_distributed("nccl", set_cuda_device_using_local_rank=True) is False
-    assert atorch.init_distributed(timeout=datetime.timedelta(seconds=5)) is False
+
+
+@pytest.mark.parametrize("backend, keywords", [("gloo", {}), ("nccl", {"set_cuda_device_using_local_rank": True}),
+                                               (None, {"timeout": datetime.timedelta(seconds=30)})])
+def test_init_distributed_in_a_plain_process_makes_a_one_process_group(monkeypatch, backend, keywords):
+    """As ATorch: rank 0 of 1 on loopback at a free port (nccl without CUDA falls back to gloo)."""
+    _plain_process(monkeypatch)
+    try:
+        assert atorch.init_distributed(backend, **keywords) is True
+        assert (atorch.rank(), atorch.local_rank(), atorch.world_size()) == (0, 0, 1)
+        if not torch.cuda.is_available():
+            assert dist.get_backend() == "gloo"
+        assert "MASTER_PORT" not in os.environ and "RANK" not in os.environ  # the environment is left as it was
+    finally:
+        atorch.reset_distributed()
+
+
+def test_auto_accelerate_in_a_plain_process_trains_alone_or_in_the_users_group(monkeypatch):
+    """auto_accelerate makes no group in a plain process (distributed-only methods are dropped);
+    after the user's ``init_distributed("gloo")`` it runs fsdp in that one-process group."""
+    _plain_process(monkeypatch)
+    dataset = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 2))
+
+    def run():
+        return auto_accelerate(
+            _model(), torch.optim.SGD, dataset, lambda batch, out: out.pow(2).mean(),
+            prepare_input=lambda batch, device: batch[0], optim_args={"lr": 0.1}, dataloader_args={"batch_size": 4},
+            load_strategy=["parallel_mode", "fsdp"])
+
+    ok, _, strategy = run()
+    assert ok and strategy.names() == [] and not dist.is_initialized()
+    try:
+        assert atorch.init_distributed("gloo")
+        ok, _, strategy = run()
+        assert ok and strategy == ["parallel_mode", "fsdp"] and dist.get_world_size() == 1
+    finally:
+        atorch.reset_distributed()
 
 
 def test_init_distributed_checks_its_arguments():
@@ -79,6 +114,21 @@ def test_get_data_partition_rank_and_size_both_import_paths():
     from atorch.distributed.distributed import get_data_partition_rank_and_size as from_distributed
     assert from_model_context is from_distributed
     assert from_distributed() == (0, 1)
+
+
+def test_atorchs_import_paths():
+    """``atorch.data.data_to_device``, ``atorch.distributed.distributed.init_distributed`` and
+    ``atorch.common.util_func.find_free_port``, as ATorch's scripts import them."""
+    import socket
+
+    from atorch.common import util_func
+    from atorch.data import data_to_device
+    from atorch.distributed.distributed import init_distributed
+    assert data_to_device is util_func.data_to_device and init_distributed is atorch.init_distributed
+    port = util_func.find_free_port()
+    assert isinstance(port, int) and 0 < port < 65536
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", port))  # free: it binds
 
 
 def test_data_to_device():
@@ -267,6 +317,7 @@ def _atorch_style_script(strategy_file):
         ToyModel(), torch.optim.AdamW, dataset, toy_loss, data_to_device, None, {"lr": 0.01}, None,
         {"batch_size": 16, "shuffle": False}, None, None, None, strategy, None, None, False, strategy_file, True)
     assert status
+    assert best == [("parallel_mode", parallel_config), ("fsdp", fsdp_config)]  # ATorch's tests compare so
     model, optim, dataloader, loss_func, prepare_input = (res.model, res.optim, res.dataloader, res.loss_func,
                                                           res.prepare_input)
     losses = []

@@ -18,7 +18,7 @@ LAYERS = ["utils", "distributed", "context", "opt_lib", "search", "accelerate"]
 # longest prefix wins; a package's __init__ is listed by its package name
 LAYER_OF_PREFIX = {
     "atorch.errors": "utils", "atorch.utils": "utils", "atorch.kernels": "utils", "atorch.models": "utils",
-    "atorch.common": "utils",
+    "atorch.common": "utils", "atorch.data": "utils",
     "atorch.distributed": "distributed",
     "atorch.auto.strategy": "context", "atorch.auto.model_context": "context", "atorch.auto.optimizer": "context",
     "atorch.auto.gradients": "context", "atorch.auto.dryrun": "context", "atorch.auto.errors": "context",

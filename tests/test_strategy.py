@@ -47,6 +47,24 @@ def test_round_trip_bytes_and_lists():
     assert Strategy.from_json(STRATEGY.to_json()) == STRATEGY
 
 
+def test_a_strategy_equals_the_list_it_was_loaded_from_normalised_as_loading_does():
+    """ATorch's tests assert ``best_strategy == strategy``: the returned strategy holds each
+    method's config dataclass, the list the user's forms (short forms, dicts, the seed's tuples)."""
+    from atorch.auto.apply import resolve_strategy  # registers the methods' normalisation
+
+    given = [("half", "bf16"), ("amp_native", {"dtype": torch.bfloat16}), ("checkpoint", ("GPTBlock",)), "micro_batch"]
+    resolved = resolve_strategy(Strategy(given))  # one process: no distributed-only method to drop
+    assert resolved[0].config != "bf16"  # a HalfConfig
+    assert resolved == given and given == resolved and resolved == tuple(given) and resolved == Strategy(given)
+    assert resolved == [("half", {"dtype": torch.bfloat16}), ("amp_native", {"dtype": torch.bfloat16}),
+                        ("checkpoint", {"wrap_class": ("GPTBlock",)}), "micro_batch"]
+    assert resolved != [("half", "fp16"), *given[1:]]                # another config
+    assert resolved != given[::-1] and resolved != given[:-1]        # another order, a method fewer
+    assert resolved != [*given[:-1], ("micro_batch", None, False)]         # another tunable flag
+    assert Strategy(["half"]) == ["half"] and Strategy(["half"]) != "half" and Strategy(["half"]) != [3]
+    assert Strategy([("no_such_method", {"a": 1})]) == [("no_such_method", {"a": 1})]  # compared as given
+
+
 class _RunsCode:
     def __reduce__(self):
         return (os.system, ("echo should-never-run > /dev/null",))

@@ -16,7 +16,7 @@ from atorch.auto.search.options import SEARCH_KARGS, SearchOptions
 from atorch.auto.search.planner import search
 from atorch.auto.strategy import Strategy
 from atorch.distributed.agreement import broadcast_flag, is_main_rank, is_multi_rank
-from atorch.distributed.init import init_distributed
+from atorch.distributed.init import init_from_launcher
 from atorch.errors import DryRunError, InputError, StrategyFileError, nearest_name
 from atorch.utils.batch import SampleRowsDataset, batch_size_of, loss_value
 
@@ -74,7 +74,7 @@ def auto_accelerate(
                                                         options.dryrun_steps)
     if kargs.get("verbose"):
         _enable_verbose_logging()
-    init_distributed()
+    init_from_launcher()
 
     def make_context(target: torch.nn.Module, local: bool = False, batch_size: Optional[int] = None,
                      trial: bool = True) -> ModelContext:

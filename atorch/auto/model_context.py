@@ -25,7 +25,7 @@ from atorch.distributed import mesh
 from atorch.distributed.distributed import get_data_partition_rank_and_size  # noqa: F401  (ATorch's import path)
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.utils.batch import call_with_batch, cast_floating, move_to_device
-from atorch.utils.data import ResumableDataLoader
+from atorch.utils.data import RankShareCollate, ResumableDataLoader
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +85,8 @@ STAGE_CONTRACT = (
                   ("model", "loss_func", "optim", "model_input_format", "per_rank_batch_size", "backward_in_forward"),
                   ("model", "loss_func", "optim", "args")),
     StageContract("dataloader", ("context",),
-                  ("dataset", "dataloader_args", "distributed_sampler_cls", "per_rank_batch_size",
-                   "data_parallel_size"), ("dataloader", "args")),
+                  ("dataset", "dataloader_args", "distributed_sampler_cls", "global_batch_size",
+                   "per_rank_batch_size", "data_parallel_size"), ("dataloader", "args")),
 )
 
 # Facts a method's transform writes at record time, so that wrappers of other stages can read them.
@@ -274,6 +274,10 @@ class ModelContext:
                 "loss_func(input, output) -> loss to run (and dry-run) training steps"
             )
         if isinstance(self.dataset, IterableDataset):
+            if self.distributed_sampler_cls is not None:
+                raise InputError("distributed_sampler_cls does not apply to an IterableDataset (it has no sampler): "
+                                 "atorch gives each data-parallel process its share of every global batch; drop "
+                                 "distributed_sampler_cls")
             return
         length = dataset_length(self.dataset)
         if length is None:
@@ -417,31 +421,57 @@ class ModelContext:
             return
         args = dict(self.dataloader_args)
         args.pop("batch_size", None)
-        if self.data_parallel_size > 1 and not isinstance(self.dataset, IterableDataset):
-            if args.get("sampler") is not None:
-                raise InputError(
-                    "dataloader_args 'sampler' cannot shard data over data-parallel ranks; "
-                    "pass distributed_sampler_cls instead"
-                )
-            sampler_cls = self.distributed_sampler_cls or DistributedSampler
-            try:
-                args["sampler"] = sampler_cls(
-                    self.dataset,
-                    num_replicas=self.data_parallel_size,
-                    rank=mesh.data_parallel_rank(),
-                    shuffle=bool(args.pop("shuffle", False)),
-                    drop_last=bool(args.get("drop_last", False)),
-                )
-            except TypeError as error:
-                raise InputError(f"distributed_sampler_cls {getattr(sampler_cls, '__name__', sampler_cls)} must "
-                                 "take DistributedSampler's arguments (dataset, num_replicas=, rank=, shuffle=, "
-                                 f"drop_last=): {error}") from error
+        batch_size = self.per_rank_batch_size
+        if isinstance(self.dataset, IterableDataset):
+            batch_size = self._share_stream(args)
+        elif self.data_parallel_size > 1:
+            self._shard_with_sampler(args)
         try:
-            self.dataloader = ResumableDataLoader(self.dataset, batch_size=self.per_rank_batch_size, **args)
+            self.dataloader = ResumableDataLoader(self.dataset, batch_size=batch_size, **args)
         except (TypeError, ValueError) as error:
             raise InputError(f"dataloader_args={self.dataloader_args} are not valid for torch.utils.data.DataLoader: "
                              f"{error}") from error
         self._check_batches()
+
+    def _shard_with_sampler(self, args: dict) -> None:
+        """A map-style dataset: the data-parallel sampler gives each process its indices."""
+        if args.get("sampler") is not None:
+            raise InputError(
+                "dataloader_args 'sampler' cannot shard data over data-parallel ranks; "
+                "pass distributed_sampler_cls instead"
+            )
+        sampler_cls = self.distributed_sampler_cls or DistributedSampler
+        try:
+            args["sampler"] = sampler_cls(
+                self.dataset,
+                num_replicas=self.data_parallel_size,
+                rank=mesh.data_parallel_rank(),
+                shuffle=bool(args.pop("shuffle", False)),
+                drop_last=bool(args.get("drop_last", False)),
+            )
+        except TypeError as error:
+            raise InputError(f"distributed_sampler_cls {getattr(sampler_cls, '__name__', sampler_cls)} must "
+                             "take DistributedSampler's arguments (dataset, num_replicas=, rank=, shuffle=, "
+                             f"drop_last=): {error}") from error
+
+    def _share_stream(self, args: dict) -> int:
+        """An IterableDataset has no sampler to shard: under data parallelism every process reads
+        whole global batches of the same stream and collates its share of each (``RankShareCollate``,
+        atorch/utils/data.py). Returns the batch size the loader reads."""
+        split = getattr(self.dataset, "_distributed", None)  # HF datasets' split_dataset_by_node
+        if split is not None and getattr(split, "world_size", 1) > 1:
+            raise InputError(
+                f"dataset was already split by node ({split}, datasets.distributed.split_dataset_by_node): atorch "
+                "splits an IterableDataset over the data-parallel processes itself, so each process would train on "
+                "a share of its share; pass the dataset before the split")
+        if self.data_parallel_size == 1:
+            return self.per_rank_batch_size
+        args["collate_fn"] = RankShareCollate(args.get("collate_fn"), mesh.data_parallel_rank(),
+                                              self.data_parallel_size)
+        logger.info("%s split over %d data-parallel processes: each reads global batches of %d and keeps its %d",
+                    type(self.dataset).__name__, self.data_parallel_size, self.global_batch_size,
+                    self.per_rank_batch_size)
+        return self.global_batch_size
 
     def _check_batches(self) -> None:
         """0 batches per epoch (a global batch above the dataset with drop_last) is refused here,

@@ -13,7 +13,10 @@ item, and the file is not touched), then writes a temporary file beside the targ
 Configs are kept as given; the strategy ``auto_accelerate`` returns holds each method's normalized
 config (a ``MethodConfig`` dataclass). Pickles and JSON store a dataclass as plain data, the dict
 of its non-default fields, so loading gives that dict back and the method's ``normalize`` turns it
-into an equal dataclass. Two strategies are equal when they would be saved alike.
+into an equal dataclass. Two strategies are equal when they would run alike: the same methods in
+the same order, with the same tunable flags and configs that normalise alike; a strategy also
+equals the list of names / ``(name, config)`` pairs it was loaded from (ATorch's tests assert
+``best_strategy == strategy``).
 """
 from __future__ import annotations
 
@@ -25,11 +28,11 @@ import pickle
 import secrets
 import stat
 import sys
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional
 
 import torch
 
-from atorch.errors import StrategyError, StrategyFileError, UnsafeStrategyError
+from atorch.errors import AtorchError, StrategyError, StrategyFileError, UnsafeStrategyError
 from atorch.utils.config import MethodConfig
 
 _FORMAT = "atorch-strategy"
@@ -40,6 +43,17 @@ _DTYPES = {name: value for name, value in vars(torch).items() if isinstance(valu
 _MISSING = object()
 # the scalar types a config may hold (exact types: a subclass would be pickled by reference)
 _SCALARS = (type(None), bool, int, float, str, bytes)
+
+
+# A method's config as loading normalises it, set by the method registry (atorch.auto.opt_lib),
+# which this layer cannot import. Without it (the registry not imported) configs compare as given.
+_config_normalizer: Optional[Callable[[str, Any], Any]] = None
+
+
+def set_config_normalizer(normalize: Optional[Callable[[str, Any], Any]]) -> None:
+    """``normalize(name, config)``: the config ``resolve_strategy`` would run, for equality."""
+    global _config_normalizer
+    _config_normalizer = normalize
 
 
 class StrategyItem(NamedTuple):
@@ -69,9 +83,16 @@ class Strategy:
         return iter(self._items)
 
     def __eq__(self, other: object) -> bool:
+        """Equal to a Strategy, or to a list of names / ``(name, config[, tunable])`` entries, that
+        runs alike: ``("half", "bf16")`` equals the returned ``HalfConfig`` (see the module docstring)."""
+        if isinstance(other, (list, tuple)):
+            try:
+                other = Strategy(other)
+            except StrategyError:
+                return False
         if not isinstance(other, Strategy):
             return NotImplemented
-        return self._plain_items() == other._plain_items()
+        return self._normalized_items() == other._normalized_items()
 
     def __contains__(self, name: object) -> bool:
         return any(item.name == name for item in self._items)
@@ -118,6 +139,10 @@ class Strategy:
 
     def with_first(self, name: str, config: Any, tunable: bool = True) -> "Strategy":
         return Strategy([StrategyItem(name, config, tunable)] + self._items)
+
+    def _normalized_items(self) -> list[tuple]:
+        """(name, config as loading normalises it, in plain form, tunable)."""
+        return [(item.name, _plain(_normalized(item.name, item.config)), item.tunable) for item in self._items]
 
     def _plain_items(self) -> list[tuple]:
         """(name, config, tunable) with dataclass configs as the dict of their non-default fields."""
@@ -296,6 +321,17 @@ def _to_item(entry: Any) -> StrategyItem:
     raise StrategyError(
         f"strategy entry {entry!r} must be a method name or a (name, config[, tunable]) tuple"
     )
+
+
+def _normalized(name: str, config: Any) -> Any:
+    """``config`` as loading normalises it; as given when there is no normalizer, or when loading
+    would refuse it (equality never raises)."""
+    if _config_normalizer is None:
+        return config
+    try:
+        return _config_normalizer(name, config)
+    except (AtorchError, TypeError, ValueError):
+        return config
 
 
 def _plain(config: Any) -> Any:

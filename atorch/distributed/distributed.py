@@ -1,5 +1,6 @@
 """ATorch's process-level helpers: ``rank()``, ``local_rank()``, ``world_size()``,
-``reset_distributed()`` and ``get_data_partition_rank_and_size()``.
+``reset_distributed()``, ``get_data_partition_rank_and_size()`` and, at ATorch's import path,
+``init_distributed`` (from ``atorch.distributed.init``).
 
 Outside a process group (a plain single process), ``rank()`` and ``local_rank()`` return None, as
 ATorch's do (its example tests ``atorch.rank() is None or atorch.rank() == 0``), and
@@ -15,6 +16,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from atorch.distributed import fault, mesh
+from atorch.distributed.init import init_distributed
 
 logger = logging.getLogger(__name__)
 
@@ -61,4 +63,4 @@ def reset_distributed() -> None:
         logger.info("process groups destroyed")
 
 
-__all__ = ["rank", "local_rank", "world_size", "get_data_partition_rank_and_size", "reset_distributed"]
+__all__ = ["init_distributed", "rank", "local_rank", "world_size", "get_data_partition_rank_and_size", "reset_distributed"]

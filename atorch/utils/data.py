@@ -6,15 +6,27 @@ shuffling sampler draws its permutation seed from that generator when the iterat
 ``position()`` is what a checkpoint stores; after ``resume_from(position)`` the next ``iter()``
 makes the same permutation and skips the batches already consumed, without loading them when it
 can (single-process loading of a map-style dataset skips sampler indices only).
+
+An ``IterableDataset`` has no sampler to shard it. Under data parallelism every process reads the
+same stream in whole global batches (the loader's ``batch_size`` is the global batch), exactly the
+batches one process would read with the same arguments, ``num_workers`` included, and
+``RankShareCollate`` keeps and collates only this process's contiguous share of each. So each
+sample of a global batch goes to exactly one process, processes of one tensor / pipeline group
+(one data-parallel rank) get the same share, and the union over processes is the one-process
+global batch: losses match a one-process run. A resumed epoch skips the consumed global batches
+as for map-style data (reading them again: a stream cannot seek).
 """
 from __future__ import annotations
 
 import base64
 import itertools
-from typing import Any, Iterator, Optional
+import logging
+from typing import Any, Callable, Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, default_collate
+
+logger = logging.getLogger(__name__)
 
 
 def encode_rng(state: torch.Tensor) -> str:
@@ -24,6 +36,34 @@ def encode_rng(state: torch.Tensor) -> str:
 
 def decode_rng(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+class IncompleteGlobalBatch:
+    """What ``RankShareCollate`` returns for a stream's last global batch when its samples do not
+    divide over the data-parallel processes: the loader drops it (logged) rather than train some
+    processes on fewer samples, or none, which would leave the others waiting in a collective."""
+
+    def __init__(self, samples: int, size: int):
+        self.samples = samples
+        self.size = size
+
+
+class RankShareCollate:
+    """``collate_fn`` of an IterableDataset's loader under data parallelism (see the module
+    docstring): given the samples of one global batch, collates this data-parallel rank's
+    contiguous share with the user's ``collate_fn`` (torch's ``default_collate`` when None).
+    A module-level class, so worker processes can unpickle it."""
+
+    def __init__(self, collate_fn: Optional[Callable[[list], Any]], rank: int, size: int):
+        self.collate_fn = collate_fn or default_collate
+        self.rank = rank
+        self.size = size
+
+    def __call__(self, samples: list) -> Any:
+        share, extra = divmod(len(samples), self.size)
+        if extra or not share:
+            return IncompleteGlobalBatch(len(samples), self.size)
+        return self.collate_fn(samples[self.rank * share:(self.rank + 1) * share])
 
 
 class ResumableDataLoader(DataLoader):
@@ -68,6 +108,11 @@ class ResumableDataLoader(DataLoader):
         self._skip(iterator, skip)
         self.consumed = skip
         for batch in iterator:
+            if isinstance(batch, IncompleteGlobalBatch):
+                logger.warning("the stream's last global batch has %d sample(s), which do not divide over the %d "
+                               "data-parallel processes: dropped (a one-process run would train on it)",
+                               batch.samples, batch.size)
+                continue
             self.consumed += 1
             yield batch
 

@@ -43,7 +43,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    atorch.init_distributed()  # reads torchrun's env; a no-op in a plain process
+    atorch.init_distributed()  # torchrun's group; in a plain process a one-process group
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=128, block_size=64, n_layer=4, n_head=4, n_embd=64)

@@ -9,6 +9,7 @@ from typing import Type
 
 from atorch.errors import UnknownMethodError
 from atorch.utils.config import MethodConfig
+from atorch.auto.strategy import set_config_normalizer
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.amp import AmpNativeOptimization
 from atorch.auto.opt_lib.checkpoint import CheckpointOptimization
@@ -69,5 +70,6 @@ BUILTIN_METHODS = (
 for _method in BUILTIN_METHODS:
     register_optimization(_method)
 del _method
+set_config_normalizer(lambda name, config: get_optimization(name).normalize(config))  # Strategy equality
 
 __all__ = ["Optimization", "register_optimization", "unregister_optimization", "get_optimization", "registered_names"]
