@@ -537,7 +537,7 @@ def _keep_pipeline_tied_whole(model: nn.Module, plan: TPPlan) -> None:
 def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mesh, sequence: bool,
                  probe: Optional[Probe], given: Optional[TPPlan] = None) -> TPPlan:
     split_mha(model)
-    flow, reference = probe.record(model) if probe is not None and given is None else (None, None)
+    flow, reference = _record(model, probe) if probe is not None and given is None else (None, None)
     if given is not None:
         plan = given
     elif config.plan is not None:
@@ -575,6 +575,17 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
     logger.info("tensor_parallel (%s): split %d projections and %s on the vocabulary over %d ranks; replicated: %s",
                 plan.found_by, len(plan.styles), list(plan.vocab) or "nothing", tp, ", ".join(plan.replicated) or "nothing")
     return plan
+
+
+def _record(model: nn.Module, probe: Probe):
+    """The sample forward's dataflow and output; (None, None) when the sample does not run on the
+    model as it is (then the name lists serve, unchecked, and the log says so)."""
+    try:
+        return probe.record(model)
+    except Exception as error:
+        logger.warning("tensor_parallel: the sample row did not run through the model (%s: %s); the plan is taken "
+                       "from projection names and cannot be checked before training", type(error).__name__, error)
+        return None, None
 
 
 def _describe(plan: TPPlan) -> str:
