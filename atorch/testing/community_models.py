@@ -511,7 +511,8 @@ class MoEFeedForward(nn.Module):
         out = torch.zeros_like(tokens)
         for index, expert in enumerate(self.experts):
             rows, slot = torch.where(top_experts == index)
-            out = out.index_add(0, rows, (weights[rows, slot, None] * expert(tokens[rows])).to(out.dtype))
+            routed = weights[rows, slot, None] * expert(tokens[rows])
+            out = out.index_add(0, rows, routed.to(out.dtype))  # under autocast the experts run in low precision
         return out.reshape(shape)
 
 
