@@ -15,7 +15,8 @@ from atorch.testing.conformance import page, run_matrix, tensor_plan_share
 from atorch.testing.hf_models import ZOO
 from atorch.testing.training import call_model
 
-pytestmark = pytest.mark.multirank
+# the whole matrix (21 columns x the zoo, one launch per column) runs in the first test: more than the default 600 s
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(2700)]
 pytest.importorskip("transformers", reason="transformers is a test extra")
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "models.md"
