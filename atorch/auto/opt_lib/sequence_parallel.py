@@ -270,17 +270,19 @@ def _gather_plain(device_mesh, region: SequenceRegion, local: torch.Tensor, wher
     return _gather(device_mesh, region, local, where).to_local()
 
 
-def _gather_output(device_mesh, region: SequenceRegion, where: str, module: nn.Module, args: tuple, output: Any) -> Any:
-    """The last block hands the whole sequence (a plain tensor) to the rest of the model."""
-    def full(local: torch.Tensor) -> torch.Tensor:
-        return _gather(device_mesh, region, local, where).to_local()
-
+def _map_hidden_output(fn: Callable[[torch.Tensor], torch.Tensor], where: str, output: Any) -> Any:
+    """Apply ``fn`` to a module's hidden-states output: the output itself or a tuple's first item."""
     if isinstance(output, torch.Tensor):
-        return full(output)
+        return fn(output)
     if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-        return (full(output[0]), *output[1:])
+        return (fn(output[0]), *output[1:])
     raise MethodConfigError("sequence_parallel", f"{where} returned {type(output).__name__}; expected its hidden states "
                             "as a tensor or as the first item of a tuple")
+
+
+def _gather_output(device_mesh, region: SequenceRegion, where: str, module: nn.Module, args: tuple, output: Any) -> Any:
+    """The last block hands the whole sequence (a plain tensor) to the rest of the model."""
+    return _map_hidden_output(lambda local: _gather(device_mesh, region, local, where).to_local(), where, output)
 
 
 def _reshard_output(device_mesh, region: SequenceRegion, where: str, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -290,12 +292,7 @@ def _reshard_output(device_mesh, region: SequenceRegion, where: str, module: nn.
         replicated = DTensor.from_local(full, device_mesh, [Replicate()], run_check=False)
         return replicated.redistribute(device_mesh, [Shard(region.dim)]).to_local()
 
-    if isinstance(output, torch.Tensor):
-        return cut(output)
-    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-        return (cut(output[0]), *output[1:])
-    raise MethodConfigError("sequence_parallel", f"{where} returned {type(output).__name__}; expected its hidden states "
-                            "as a tensor or as the first item of a tuple")
+    return _map_hidden_output(cut, where, output)
 
 
 def _norm_input(region: SequenceRegion, module: nn.Module, inputs: tuple, device_mesh) -> tuple:
