@@ -308,7 +308,9 @@ final weights with single-process PyTorch on the same data: ✔ with the largest
 difference, *refused* when atorch declines the combination with a typed error (the reason is in
 the notes), *ignored* when the method does not apply on the machine that generated the page (CPU:
 fp8 needs a recent GPU) and the run trained without it, ✗ when it fails. Tolerances: data parallel and single-process fp32 methods 1e-5, model
-parallel fp32 1e-4, bf16 2e-2. The models are built in `atorch/testing/hf_models.py`; the columns
+parallel fp32 1e-4, bf16 2e-2. The models are built in `atorch/testing/hf_models.py` (HF families, plain
+models) and `atorch/testing/community_models.py` (transformers written as PyTorch's, torchtitan's,
+timm's, nanoGPT's and lucidrains' codebases write them, an MoE, an MLP of `up` / `down`); the columns
 in `atorch/testing/conformance.py`. The CNN's BatchNorm normalises each forward's batch, so its
 reference runs the per-process shards apart; its running statistics are not compared.
 
