@@ -22,7 +22,7 @@ from atorch.errors import CheckpointError
 from atorch.testing import run_distributed
 from atorch.testing.training import weight_difference
 from atorch.utils.modules import full_state_dict
-from tests.test_checkpoints import _build, _steps, full_optimizer_state
+from tests.test_checkpoints import SAVED_ONCE_SCRIPT, _build, _steps, full_optimizer_state
 
 pytestmark = pytest.mark.multirank
 
@@ -92,15 +92,7 @@ def test_a_failing_async_save_raises_on_every_rank_and_keeps_the_previous_checkp
         assert out["step"] == 1 and out["after"] == 3, (rank, out)
 
 
-EXIT_SCRIPT = r"""
-import os, signal, sys, atorch
-from atorch.auto import checkpointing
-from tests.test_checkpoints import _build, _steps
-result = _build([], "sgd", False)
-batches = iter(result.dataloader)
-_steps(result, batches, 1)
-atorch.save_checkpoint(sys.argv[1], result, step=1)
-_steps(result, batches, 1)
+EXIT_SCRIPT = SAVED_ONCE_SCRIPT + r"""
 if sys.argv[2] == "kill":  # the second save's shards are written in the background, then the process dies
     checkpointing._replace_dir = lambda tmp, target: os.kill(os.getpid(), signal.SIGKILL)
 atorch.save_checkpoint(sys.argv[1], result, step=2, async_save=True)

@@ -63,6 +63,7 @@ from atorch.auto.opt_lib.tensor_parallel import SAVED_LAYOUTS_ATTR, PermutedLayo
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.auto.strategy import Strategy
 from atorch.distributed.agreement import all_ranks_true, is_main_rank, is_multi_rank
+from atorch.distributed.timeouts import normal_timeout
 from atorch.errors import AtorchError, CheckpointError, StrategyError
 from atorch.utils.data import ResumableDataLoader, decode_rng, encode_rng
 from atorch.utils.modules import full_state_dict, unwrap_model
@@ -519,7 +520,7 @@ class PendingSave:
             self._work()
         except CheckpointError as error:
             self.error = error
-        except Exception as error:  # the same typed error for anything else
+        except BaseException as error:  # the same typed error for anything else (DCP's is a BaseException)
             self.error = CheckpointError(f"save_checkpoint (asynchronous) to {self.target!r} failed: "
                                          f"{type(error).__name__}: {error}")
         if self.error is not None:
@@ -567,12 +568,14 @@ def _write_in_background(tmp: str, staged: dict, meta: dict, rng: dict, target: 
 
 def _writer_group() -> Optional[dist.ProcessGroup]:
     """Every process in a gloo group for the background writer, made once per default group
-    (collective, so the save calls it on every process in the same order)."""
+    (collective, so the save calls it on every process in the same order), with the default
+    group's timeout (a new group's would be 30 minutes)."""
     if not is_multi_rank():
         return None
     world = dist.group.WORLD
     if _background["world"] is not world:
-        _background["group"], _background["world"] = dist.new_group(backend="gloo"), world
+        group = dist.new_group(backend="gloo", timeout=normal_timeout())
+        _background["group"], _background["world"] = group, world
     return _background["group"]
 
 
