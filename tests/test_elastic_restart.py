@@ -7,10 +7,11 @@ tests/scripts/elastic_restart.py trains a tiny GPT on 2 ranks, checkpoints every
 kills itself (SIGKILL) after step 7; torchrun restarts both ranks, which resume from step 4. The losses
 of steps 5-10 and the final weights must equal an uninterrupted run's bit for bit.
 
-Here one kill under DDP and one under fsdp (each with its uninterrupted reference: about 25 s a
-strategy): the fix is in process-group set-up, whatever the strategy, and tests/test_checkpoints.py
-checks exact resume under every strategy. ``ATORCH_RESTART_RUNS=10`` repeats each kill to show it is
-not luck, ``ATORCH_RESTART_STRATEGIES=ddp,fsdp,zero1,zero2`` adds strategies (10 of 10 each, measured).
+Here, under DDP, one kill on one node and one on two nodes (agents of one rank each, which disagree on
+their restart count), with one uninterrupted reference: about 20 s a launch. The fix is in
+process-group set-up, whatever the strategy, and tests/test_checkpoints.py checks exact resume under
+every strategy. ``ATORCH_RESTART_RUNS=10`` repeats each single-node kill to show it is not luck,
+``ATORCH_RESTART_STRATEGIES=ddp,fsdp,zero1,zero2`` adds strategies (10 of 10 each, measured).
 The handshake itself is also tested in threads on a store that holds a dead attempt's keys.
 """
 from __future__ import annotations
@@ -18,10 +19,12 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -29,6 +32,7 @@ import torch.distributed as dist
 
 from atorch.distributed.elastic import ATTEMPT_KEY, agree_attempt
 from atorch.errors import RankLostError
+from atorch.testing.launcher import free_port
 
 pytestmark = pytest.mark.multirank
 
@@ -36,48 +40,92 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "elastic_restart.py"
 STEPS, KILL_STEP, RESUMED_FROM = 10, 7, 4
 RUNS = int(os.environ.get("ATORCH_RESTART_RUNS", "1"))
-STRATEGIES = os.environ.get("ATORCH_RESTART_STRATEGIES", "ddp,fsdp").split(",")
+STRATEGIES = os.environ.get("ATORCH_RESTART_STRATEGIES", "ddp").split(",")
 TIMEOUT_S = 240
 
 
-def launch(out: Path, strategy: str, kill_step: int) -> None:
-    """One torchrun launch of the script on 2 ranks, with one restart allowed; fails the test on a bad exit."""
+def launch(out: Path, strategy: str, kill_step: int, nodes: int = 1) -> None:
+    """One torchrun launch of the script on 2 ranks, with one restart allowed: one agent with 2 ranks, or
+    ``nodes=2`` agents of 1 rank joined by c10d rendezvous (two "nodes" that count their restarts apart).
+    Fails the test on a bad exit or a hang."""
     out.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    where = (["--standalone"] if nodes == 1 else ["--nnodes", str(nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                                                  f"127.0.0.1:{free_port()}", "--rdzv-id", out.name])
+    command = [sys.executable, "-m", "torch.distributed.run", *where, "--nproc-per-node", str(2 // nodes),
                "--max-restarts", "1", str(SCRIPT), str(out), strategy, str(kill_step)]
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    if run.returncode != 0:
-        tail = "\n".join((run.stdout + run.stderr).splitlines()[-25:])
-        pytest.fail(f"{strategy}: torchrun exited with {run.returncode}:\n{tail}")
+    logs = [out / f"agent{node}.log" for node in range(nodes)]
+    agents = [subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+              for log in logs]
+    try:
+        codes = [agent.wait(timeout=TIMEOUT_S) for agent in agents]
+    except subprocess.TimeoutExpired:
+        codes = None
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+    if codes != [0] * nodes:
+        tail = "\n".join("\n".join(log.read_text().splitlines()[-25:]) for log in logs)
+        pytest.fail(f"{strategy} on {nodes} node(s): agent exit codes {codes}:\n{tail}")
 
 
 def losses(out: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in (out / f"losses-{rank}.jsonl").read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Callable[[str], tuple[list[dict], dict]]:
+    """An uninterrupted run's losses by step (each rank's) and final weights, one launch per strategy."""
+    done: dict = {}
+
+    def get(strategy: str) -> tuple[list[dict], dict]:
+        if strategy not in done:
+            out = tmp_path_factory.mktemp("reference") / strategy
+            launch(out, strategy, kill_step=-1)
+            done[strategy] = ([{row["step"]: row["loss"] for row in losses(out, rank)} for rank in (0, 1)],
+                              torch.load(out / "weights.pt", weights_only=True))
+        return done[strategy]
+
+    return get
+
+
+def check_resumed(out: Path, expected: list[dict], expected_weights: dict, label: str) -> None:
+    """Each rank ran steps 1-7, died (rank 1) or was stopped (rank 0), and ran 5-10 again from the step-4
+    checkpoint, with the uninterrupted run's losses; the final weights are the uninterrupted run's."""
+    for rank in (0, 1):
+        rows = losses(out, rank)
+        steps = [row["step"] for row in rows]
+        assert steps == list(range(1, KILL_STEP + 1)) + list(range(RESUMED_FROM + 1, STEPS + 1)), (label, rank, steps)
+        resumed = {row["step"]: row["loss"] for row in rows[KILL_STEP:]}
+        assert resumed == {s: expected[rank][s] for s in resumed}, f"{label} rank {rank}: {resumed} vs {expected}"
+    weights = torch.load(out / "weights.pt", weights_only=True)
+    assert weights.keys() == expected_weights.keys()
+    for name, value in weights.items():
+        assert torch.equal(value, expected_weights[name]), f"{label}: {name} differs from the uninterrupted run"
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_rank_killed_mid_training_resumes_exactly_after_torchrun_restarts_it(tmp_path, strategy):
-    reference = tmp_path / "reference"
-    launch(reference, strategy, kill_step=-1)
-    expected = [{row["step"]: row["loss"] for row in losses(reference, rank)} for rank in (0, 1)]  # each rank's batch
-    expected_weights = torch.load(reference / "weights.pt", weights_only=True)
+def test_a_rank_killed_mid_training_resumes_exactly_after_torchrun_restarts_it(tmp_path, reference, strategy):
+    expected, expected_weights = reference(strategy)
     for run in range(RUNS):
         out = tmp_path / f"killed-{run}"
         launch(out, strategy, KILL_STEP)
-        for rank in (0, 1):
-            rows = losses(out, rank)
-            attempts = [(row["attempt"], row["step"]) for row in rows]
-            assert attempts == ([(0, s) for s in range(1, KILL_STEP + 1)]
-                                + [(1, s) for s in range(RESUMED_FROM + 1, STEPS + 1)]), attempts
-            resumed = {row["step"]: row["loss"] for row in rows if row["attempt"] == 1}
-            assert resumed == {s: expected[rank][s] for s in resumed}, f"run {run} rank {rank}: {resumed} vs {expected}"
-        weights = torch.load(out / "weights.pt", weights_only=True)
-        assert weights.keys() == expected_weights.keys()
-        for name, value in weights.items():
-            assert torch.equal(value, expected_weights[name]), f"run {run}: {name} differs from the uninterrupted run"
+        check_resumed(out, expected, expected_weights, f"{strategy} run {run}")
     print(f"{strategy}: {RUNS} of {RUNS} killed runs resumed exactly")
+
+
+def test_two_nodes_whose_restart_counts_disagree_resume_exactly(tmp_path, reference):
+    """Rank 1's agent counts a restart, rank 0's does not (it restarts its rank because the membership
+    changed): the attempt atorch agrees on must not depend on TORCHELASTIC_RESTART_COUNT."""
+    expected, expected_weights = reference("ddp")
+    out = tmp_path / "killed-two-nodes"
+    launch(out, "ddp", KILL_STEP, nodes=2)
+    check_resumed(out, expected, expected_weights, "two nodes")
+    counts = [{row["attempt"] for row in losses(out, rank)[KILL_STEP:]} for rank in (0, 1)]
+    assert counts[0] != counts[1], counts  # what this test is about: the agents disagree
 
 
 def _agree_in_threads(store_port: int, world: int, timeout_s: float, delay_rank0_s: float = 0.0) -> list:
