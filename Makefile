@@ -42,12 +42,15 @@ test: $(STAMP)
 conformance: $(STAMP)
 	$(PY) -m atorch.testing.conformance --write docs/models.md
 
+# every benchmark at full size (tests/test_benchmarks.py runs each in its smallest mode)
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/compute.py
 	$(PY) benchmarks/model_parallel.py
+	$(PY) benchmarks/checkpoint.py
 	$(PY) benchmarks/search_quality.py
+	$(PY) benchmarks/plan_vs_published.py
 	$(PY) benchmarks/gpu.py
 
 clean:  # a VENV you pointed at yourself is never deleted: only what make added to it

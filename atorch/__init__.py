@@ -1,6 +1,6 @@
 """atorch: a PyTorch auto-optimization strategy engine."""
 from atorch.auto.accelerate import auto_accelerate
-from atorch.auto.checkpointing import export_model, load_checkpoint, save_checkpoint
+from atorch.auto.checkpointing import export_model, load_checkpoint, save_checkpoint, wait_for_checkpoint
 from atorch.auto.gradients import clip_grad_norm_
 from atorch.auto.strategy import Strategy
 from atorch.distributed.distributed import local_rank, rank, reset_distributed, world_size
@@ -8,5 +8,5 @@ from atorch.distributed.init import init_distributed
 from atorch.plan import plan
 
 __version__ = "0.1.0"
-__all__ = ["auto_accelerate", "save_checkpoint", "load_checkpoint", "export_model", "clip_grad_norm_", "init_distributed", "rank", "local_rank", "world_size",
+__all__ = ["auto_accelerate", "save_checkpoint", "load_checkpoint", "wait_for_checkpoint", "export_model", "clip_grad_norm_", "init_distributed", "rank", "local_rank", "world_size",
            "reset_distributed", "Strategy", "plan", "__version__"]

@@ -9,7 +9,9 @@ method later), so machine noise hits all alike: the median wall time per step, a
 time per step of the rank (every thread of the process; robust on a shared machine, where waiting
 for a core inflates wall time). Each ZeRO stage is printed over DeepSpeed's same stage (goal <= 1.0).
 
-    .venv/bin/python benchmarks/memory.py [--world 2] [--layers 4] [--width 256] [--rounds 5] [--steps 3]
+    .venv/bin/python benchmarks/memory.py [--world 2] [--layers 4] [--width 256] [--rounds 5] [--steps 3] [--tiny]
+
+``--tiny`` runs every method on a one-block model for one round of one step: it checks the script.
 """
 from __future__ import annotations
 
@@ -108,8 +110,12 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="a one-block model, one round of one step: checks the script")
     args = parser.parse_args()
     config = GPTConfig(vocab_size=2048, block_size=128, n_layer=args.layers, n_head=4, n_embd=args.width)
+    if args.tiny:
+        args.layers, args.width, args.rounds, args.steps = 1, 32, 1, 1
+        config = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
     methods = dict(METHODS)
     if deepspeed_unavailable_reason():
         print(f"skipping DeepSpeed rows: {deepspeed_unavailable_reason()}")

@@ -7,7 +7,9 @@ rank of a tensor group trains on the whole of its group's share, so TP trades pa
 activation memory; PP ranks hold a quarter of the blocks. On CPU, 4 processes share the machine's
 cores and collectives are gloo over loopback, so step times are what this machine gives.
 
-    .venv/bin/python benchmarks/model_parallel.py [--layers 8] [--width 256] [--steps 3]
+    .venv/bin/python benchmarks/model_parallel.py [--layers 8] [--width 256] [--steps 3] [--tiny]
+
+``--tiny`` runs every layout on a 4-block, 32-wide model for one step: it checks the script.
 """
 from __future__ import annotations
 
@@ -51,8 +53,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="a 4-block, 32-wide model, one step: checks the script")
     args = parser.parse_args()
     config = GPTConfig(vocab_size=2048, block_size=128, n_layer=args.layers, n_head=4, n_embd=args.width)
+    if args.tiny:  # 4 blocks: one per pipeline stage
+        args.layers, args.width, args.steps = 4, 32, 1
+        config = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32)
     rows = run_distributed(measure, 4, config, args.steps, timeout_s=1800)[0]
     base = rows["DP (data 4)"]
     params = sum(p.numel() for p in build_gpt(0, config).parameters())

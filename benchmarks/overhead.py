@@ -2,7 +2,9 @@
 seed loop vs a hand-written PyTorch loop doing the same work. Both run in the same processes,
 alternating in rounds, so machine noise hits both alike. Goal: ratio <= 1.03.
 
-    .venv/bin/python benchmarks/overhead.py [--world 2] [--rounds 6] [--steps 10]
+    .venv/bin/python benchmarks/overhead.py [--world 2] [--rounds 6] [--steps 10] [--tiny]
+
+``--tiny`` runs a one-block model for one round of one step: it checks the script, not the speed.
 """
 from __future__ import annotations
 
@@ -18,13 +20,14 @@ from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
 from atorch.testing import run_distributed
 
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
+TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
 GLOBAL_BATCH = 16
 
 
-def _atorch_loop(dataset):
+def _atorch_loop(dataset, config: GPTConfig):
     torch.manual_seed(0)
     status, result, _ = auto_accelerate(
-        GPT(CONFIG), torch.optim.AdamW, dataset, gpt_loss, optim_args={"lr": 1e-3},
+        GPT(config), torch.optim.AdamW, dataset, gpt_loss, optim_args={"lr": 1e-3},
         dataloader_args={"batch_size": GLOBAL_BATCH}, model_input_format="unpack_dict",
         load_strategy=["parallel_mode", ("amp_native", {"dtype": torch.bfloat16})],
     )
@@ -40,9 +43,9 @@ def _atorch_loop(dataset):
     return step, batches
 
 
-def _hand_loop(batches):
+def _hand_loop(batches, config: GPTConfig):
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(GPT(CONFIG))
+    model = torch.nn.parallel.DistributedDataParallel(GPT(config))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(i):
@@ -65,10 +68,10 @@ def _timed(step, steps: int, offset: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def measure(rounds: int, steps: int) -> dict:
-    dataset = SyntheticTokenDataset(GLOBAL_BATCH * 8, CONFIG.block_size, CONFIG.vocab_size)
-    atorch_step, batches = _atorch_loop(dataset)
-    hand_step = _hand_loop(batches)
+def measure(config: GPTConfig, rounds: int, steps: int) -> dict:
+    dataset = SyntheticTokenDataset(GLOBAL_BATCH * 8, config.block_size, config.vocab_size)
+    atorch_step, batches = _atorch_loop(dataset, config)
+    hand_step = _hand_loop(batches, config)
     for step in (atorch_step, hand_step):  # warm up both
         _timed(step, 2, 0)
     atorch_times, hand_times = [], []
@@ -84,12 +87,16 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--tiny", action="store_true", help="a one-block model, one round of one step: checks the script")
     args = parser.parse_args()
-    times = run_distributed(measure, args.world, args.rounds, args.steps, timeout_s=900)[0]
+    config = TINY if args.tiny else CONFIG
+    if args.tiny:
+        args.rounds, args.steps = 1, 1
+    times = run_distributed(measure, args.world, config, args.rounds, args.steps, timeout_s=900)[0]
     atorch_ms = statistics.median(times["atorch"]) * 1000
     hand_ms = statistics.median(times["hand"]) * 1000
     ratios = [a / h for a, h in zip(times["atorch"], times["hand"])]
-    print(f"DDP + bf16 amp, {args.world} CPU ranks, GPT {CONFIG.n_layer}x{CONFIG.n_embd}, global batch {GLOBAL_BATCH}")
+    print(f"DDP + bf16 amp, {args.world} CPU ranks, GPT {config.n_layer}x{config.n_embd}, global batch {GLOBAL_BATCH}")
     print(f"{'loop':<18}{'median ms/step':>16}")
     print(f"{'hand-written':<18}{hand_ms:>16.1f}")
     print(f"{'auto_accelerate':<18}{atorch_ms:>16.1f}")

@@ -16,11 +16,17 @@ a memory limit a split only adds overhead.
    step time beside the unsplit batch and beside checkpointing (side by side, alternating rounds);
    the measured cost of one extra micro-step next to the cost model's ``MICRO_STEP_OVERHEAD``.
 
-    .venv/bin/python benchmarks/search_quality.py [--steps 4] [--split-only]
+    .venv/bin/python benchmarks/search_quality.py [--steps 4] [--split-only] [--tiny]
+
+``--tiny`` runs the repo GPT alone at two blocks of width 32: a search dry-running one candidate for one
+step, the first two candidates of the exhaustive pass, one round side by side, and the memory-limited
+line: it checks the script, not the search.
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import time
 
 import torch
@@ -33,16 +39,35 @@ from atorch.testing.training import build_gpt
 
 EXCLUDED = ["native_dynamo"]
 GLOBAL_BATCH = 8
+SHAPE = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=128)
 
 
-def repo_gpt():
-    return build_gpt(0, GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=128))
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """How much of the benchmark runs: the full measurement, or ``--tiny``'s check of the script."""
+
+    steps: int = 4  # timed steps per candidate
+    shape: GPTConfig = dataclasses.field(default_factory=lambda: SHAPE)
+    models: tuple = ("repo GPT", "HF GPT-2")
+    search_kargs: tuple = ()  # extra auto_accelerate kargs of the search, as (name, value) pairs
+    candidates: int = 0  # candidates of the exhaustive pass; 0: every one
+    rounds: int = 3  # side-by-side rounds
 
 
-def hf_gpt2():
+TINY = Scale(steps=1, shape=GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=2, n_embd=32),
+             models=("repo GPT",), search_kargs=(("search_topk", 1), ("dryrun_steps", 1)), candidates=2,
+             rounds=1)
+
+
+def repo_gpt(shape: GPTConfig):
+    return build_gpt(0, shape)
+
+
+def hf_gpt2(shape: GPTConfig):
     import transformers
 
-    config = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=512, n_positions=64,
+    config = transformers.GPT2Config(n_layer=shape.n_layer, n_embd=shape.n_embd, n_head=shape.n_head,
+                                     vocab_size=shape.vocab_size, n_positions=shape.block_size,
                                      bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel._from_config(config)
@@ -52,34 +77,36 @@ def hf_loss(batch, output):
     return output.loss
 
 
-MODELS = {"repo GPT 4x128": (repo_gpt, gpt_loss), "HF GPT-2 4x128": (hf_gpt2, hf_loss)}
+MODELS = {"repo GPT": (repo_gpt, gpt_loss), "HF GPT-2": (hf_gpt2, hf_loss)}
 
 
-def _arguments(name: str) -> dict:
+def _arguments(name: str, scale: Scale) -> dict:
     build, loss = MODELS[name]
-    return dict(model=build(), optim_func=torch.optim.AdamW, dataset=SyntheticTokenDataset(64, 64, 512),
+    dataset = SyntheticTokenDataset(64, scale.shape.block_size, scale.shape.vocab_size)
+    return dict(model=build(scale.shape), optim_func=torch.optim.AdamW, dataset=dataset,
                 loss_func=loss, optim_args={"lr": 1e-3}, dataloader_args={"batch_size": GLOBAL_BATCH},
                 model_input_format="unpack_dict")
 
 
-def run_search(name: str) -> tuple[str, float, str]:
+def run_search(name: str, scale: Scale) -> tuple[str, float, str, "Candidate"]:
     dist.barrier()
     start = time.perf_counter()
-    status, result, strategy = auto_accelerate(**_arguments(name), excluded=EXCLUDED, use_profile_cache=False)
+    status, result, strategy = auto_accelerate(**_arguments(name, scale), excluded=EXCLUDED, use_profile_cache=False,
+                                               **dict(scale.search_kargs))
     elapsed = time.perf_counter() - start
-    chosen = next(r.label for r in result.args.extras["search"].rows if r.chosen)
-    return chosen, elapsed, result.args.extras["search"].table
+    found = result.args.extras["search"]
+    chosen = next(r.label for r in found.rows if r.chosen)
+    return chosen, elapsed, found.table, found.candidate
 
 
-def _every_candidate(name: str) -> tuple[list, dict, "torch.nn.Module"]:
-    """The search's base candidates (its own analysis, layouts included), each also with module_replace."""
-    import dataclasses
-
+def _every_candidate(name: str, scale: Scale) -> tuple[list, dict, "torch.nn.Module"]:
+    """The search's base candidates (its own analysis, layouts included), each also with module_replace
+    (the first ``scale.candidates`` of them when set)."""
     from atorch.auto.search.analyser import analyse_model
     from atorch.auto.search.candidates import SearchSpace, enumerate_candidates
     from atorch.auto.search.layouts import layout_facts
 
-    arguments = _arguments(name)
+    arguments = _arguments(name, scale)
     model = arguments.pop("model")
     world = dist.get_world_size()
     profile = analyse_model(model)
@@ -88,7 +115,7 @@ def _every_candidate(name: str) -> tuple[list, dict, "torch.nn.Module"]:
     base, _ = enumerate_candidates(space)
     base = [c for c in base if c.micro == 1]
     every = base + [dataclasses.replace(c, compute=("module_replace",)) for c in base]
-    return every, arguments, model
+    return every[:scale.candidates or None], arguments, model
 
 
 def _dry_run(model, arguments: dict, candidate, steps: int):
@@ -101,42 +128,43 @@ def _dry_run(model, arguments: dict, candidate, steps: int):
     return dry_run_candidate(model, make_context, candidate, steps)
 
 
-def run_exhaustive(name: str, steps: int) -> tuple[dict, float]:
+def run_exhaustive(name: str, scale: Scale) -> tuple[dict, float]:
     dist.barrier()
     start = time.perf_counter()
-    every, arguments, model = _every_candidate(name)
+    every, arguments, model = _every_candidate(name, scale)
     times = {}
     for candidate in every:
-        result = _dry_run(model, arguments, candidate, steps)
+        result = _dry_run(model, arguments, candidate, scale.steps)
         times[candidate.label] = result.step_time_s if result.ok else None
     return times, time.perf_counter() - start
 
 
-def side_by_side(name: str, labels: list[str], steps: int, rounds: int = 3) -> dict:
+def side_by_side(name: str, labels: list[str], scale: Scale, chosen_candidate) -> dict:
     """Median step time of each label, measured in alternating rounds."""
     import statistics
 
-    every, arguments, model = _every_candidate(name)
+    every, arguments, model = _every_candidate(name, dataclasses.replace(scale, candidates=0))
     chosen = {c.label: c for c in every if c.label in labels}
+    chosen.setdefault(chosen_candidate.label, chosen_candidate)  # a refined candidate is not a base one
     times: dict = {label: [] for label in labels}
-    for r in range(rounds):
+    for r in range(scale.rounds):
         for label in (labels if r % 2 == 0 else labels[::-1]):
-            result = _dry_run(model, arguments, chosen[label], steps)
+            result = _dry_run(model, arguments, chosen[label], scale.steps)
             times[label].append(result.step_time_s if result.ok else float("inf"))
     return {label: statistics.median(values) for label, values in times.items()}
 
 
-def measure(steps: int) -> dict:
+def measure(scale: Scale) -> dict:
     out = {}
-    for name in MODELS:
+    for name in scale.models:
         # both passes start warm: the first DDP / gloo / transformers use of a process is not
         # charged to whichever pass happens to run first
-        every, arguments, model = _every_candidate(name)
+        every, arguments, model = _every_candidate(name, scale)
         _dry_run(model, arguments, every[0], 1)
-        chosen, search_s, table = run_search(name)
-        times, exhaustive_s = run_exhaustive(name, steps)
+        chosen, search_s, table, chosen_candidate = run_search(name, scale)
+        times, exhaustive_s = run_exhaustive(name, scale)
         best = min((k for k, v in times.items() if v), key=lambda k: times[k])
-        again = side_by_side(name, sorted({chosen, best}), steps)
+        again = side_by_side(name, sorted({chosen, best}), scale, chosen_candidate)
         out[name] = {"chosen": chosen, "search_s": search_s, "table": table, "times": times,
                      "exhaustive_s": exhaustive_s, "best": best, "again": again}
     return out
@@ -145,7 +173,7 @@ def measure(steps: int) -> dict:
 SPLIT_BATCH = 32  # global batch of the memory-limited line: activations dominate the step's peak
 
 
-def memory_limited_split(steps: int) -> dict:
+def memory_limited_split(scale: Scale) -> dict:
     """The search under a limit only a split (or checkpointing) meets, and the candidates side by side."""
     import statistics
 
@@ -155,8 +183,9 @@ def memory_limited_split(steps: int) -> dict:
     from atorch.auto.search.options import SearchOptions
     from atorch.auto.search.planner import Planner, dry_run_candidate
 
-    arguments = {**_arguments("repo GPT 4x128"), "dataloader_args": {"batch_size": SPLIT_BATCH},
-                 "dataset": SyntheticTokenDataset(SPLIT_BATCH * 8, 64, 512)}
+    shape = scale.shape
+    arguments = {**_arguments("repo GPT", scale), "dataloader_args": {"batch_size": SPLIT_BATCH},
+                 "dataset": SyntheticTokenDataset(SPLIT_BATCH * 8, shape.block_size, shape.vocab_size)}
     model = arguments.pop("model")
     excluded = EXCLUDED + ["amp_native", "module_replace"]
 
@@ -170,18 +199,23 @@ def memory_limited_split(steps: int) -> dict:
     whole, split = (estimate(Candidate(micro=k), variant, world, probe.profile, probe.hardware).memory_bytes
                     for k in (1, 2))
     limit = (whole + split) // 2
-    status, result, _ = auto_accelerate(model, **arguments, memory_limit=limit, excluded=excluded)
+    # a copy: the search leaves the model it is given wrapped (fully_shard works in place), and the
+    # dry runs below copy ``model`` again, which FSDP refuses
+    status, result, _ = auto_accelerate(copy.deepcopy(model), **arguments, memory_limit=limit, excluded=excluded,
+                                        **dict(scale.search_kargs))
     found = result.args.extras["search"]
     chosen = next(r for r in found.rows if r.chosen)
     candidates = {"ddp+fp32": Candidate(), "ddp+fp32+mb2": Candidate(micro=2), "ddp+fp32+mb4": Candidate(micro=4),
                   "ddp+fp32+ckpt": Candidate(checkpoint=True, block=probe.profile.main_block),
                   chosen.label: found.candidate}
     times: dict = {label: [] for label in candidates}
-    for r in range(3):
+    for r in range(scale.rounds):
         for label in (list(candidates) if r % 2 == 0 else list(candidates)[::-1]):
-            run = dry_run_candidate(model, make_context, candidates[label], steps)
+            run = dry_run_candidate(model, make_context, candidates[label], scale.steps)
             times[label].append(run.step_time_s if run.ok else float("inf"))
-    return {"limit": limit, "chosen": chosen.label, "chosen_peak": chosen.measured_memory, "table": found.table,
+            if not run.ok and dist.get_rank() == 0:
+                print(f"{label}: {run}", flush=True)
+    return {"shape": f"{shape.n_layer}x{shape.n_embd}", "limit": limit, "chosen": chosen.label, "chosen_peak": chosen.measured_memory, "table": found.table,
             "times": {label: statistics.median(v) for label, v in times.items()}}
 
 
@@ -190,7 +224,7 @@ def print_split(r: dict) -> None:
 
     t = r["times"]
     overhead = [(t[f"ddp+fp32+mb{k}"] / t["ddp+fp32"] - 1) / (k - 1) for k in (2, 4)]
-    print(f"\nmemory-limited (repo GPT 4x128, global batch {SPLIT_BATCH}, limit {r['limit'] / 2**20:.1f} MiB/rank): "
+    print(f"\nmemory-limited (repo GPT {r['shape']}, global batch {SPLIT_BATCH}, limit {r['limit'] / 2**20:.1f} MiB/rank): "
           f"chosen {r['chosen']} (peak {r['chosen_peak'] / 2**20:.1f} MiB); step ms side by side: "
           + ", ".join(f"{label} {v * 1000:.1f}" for label, v in t.items()))
     print(f"  ddp+fp32+ckpt / chosen step time {t['ddp+fp32+ckpt'] / t[r['chosen']]:.3f} (> 1: the chosen is faster); "
@@ -203,12 +237,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per candidate in the exhaustive pass")
     parser.add_argument("--split-only", action="store_true", help="only the memory-limited micro-batch line")
+    parser.add_argument("--tiny", action="store_true", help="a 2-block model, two exhaustive candidates, one "
+                        "round: checks the script")
     args = parser.parse_args()
+    scale = TINY if args.tiny else Scale(steps=args.steps)
     if args.split_only:
-        print_split(run_distributed(memory_limited_split, 2, args.steps, timeout_s=3000)[0])
+        print_split(run_distributed(memory_limited_split, 2, scale, timeout_s=3000)[0])
         return
-    results, split = zip(*run_distributed(_both, 2, args.steps, timeout_s=3000))
+    results, split = zip(*run_distributed(_both, 2, scale, timeout_s=3000))
     results, split = results[0], split[0]
+    print(f"models {scale.shape.n_layer}x{scale.shape.n_embd}, 2 CPU ranks, global batch {GLOBAL_BATCH}")
     print(f"{'model':<18}{'chosen':<22}{'best (exhaustive)':<22}{'single pass':>12}{'side by side':>13}"
           f"{'search s':>10}{'exh. s':>9}{'time ratio':>11}")
     for name, r in results.items():
@@ -218,7 +256,7 @@ def main() -> None:
         print(f"{name:<18}{r['chosen']:<22}{r['best']:<22}{single:>12.3f}{again:>13.3f}{r['search_s']:>10.1f}"
               f"{r['exhaustive_s']:>9.1f}{r['search_s'] / r['exhaustive_s']:>11.3f}")
     print("throughput ratio = best step time / chosen step time (goal >= 0.95), from the exhaustive pass and "
-          "re-measured side by side (3 alternating rounds, medians); time ratio = search wall time / exhaustive wall time "
+          f"re-measured side by side ({scale.rounds} alternating rounds, medians); time ratio = search wall time / exhaustive wall time "
           "(goal <= 0.25)")
     for name, r in results.items():
         print(f"\n{name}: exhaustive step times (ms)")
@@ -228,8 +266,8 @@ def main() -> None:
     print_split(split)
 
 
-def _both(steps: int) -> tuple[dict, dict]:
-    return measure(steps), memory_limited_split(steps)
+def _both(scale: Scale) -> tuple[dict, dict]:
+    return measure(scale), memory_limited_split(scale)
 
 
 if __name__ == "__main__":

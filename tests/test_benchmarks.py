@@ -1,9 +1,12 @@
-"""The benchmarks that CI can run keep running: ``benchmarks/gpu.py --tiny`` trains every row of the
-GPU benchmark on a tiny Llama on CPU and prints the table, the search report and the ratios; without
-CUDA and without ``--tiny`` it skips with a message and exit status 0. No timing is asserted."""
+"""Every benchmark keeps running: each runs here in its smallest mode (``--tiny``: a tiny model, one
+round of one step; seconds each) and must exit 0 and print its table. ``benchmarks/gpu.py --tiny``
+trains every row of the GPU benchmark on a tiny Llama on CPU and prints the table, the search report
+and the ratios; without CUDA and without ``--tiny`` it skips with a message and exit status 0. Every
+script in benchmarks/ must be listed here, and in ``make bench``. No timing is asserted."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +19,41 @@ SCRIPT = ROOT / "benchmarks" / "gpu.py"
 ROWS = ("eager fp32", "eager bf16 autocast", "expert", "auto_accelerate")
 
 
-def run_script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+# script: (its smallest mode's arguments, text its output must hold)
+SMALLEST = {
+    "overhead.py": (["--tiny"], "step-time ratio auto_accelerate / hand-written"),
+    "memory.py": (["--tiny"], "fsdp + checkpoint"),
+    "compute.py": (["--tiny"], "module_replace, HF GPT-2 eager, fp32"),
+    "model_parallel.py": (["--tiny"], "TP2 x PP2"),
+    "search_quality.py": (["--tiny"], "memory-limited (repo GPT"),
+    "checkpoint.py": (["--tiny"], "asynchronous save: training blocked"),
+    "plan_vs_published.py": ([], "calibrated constants"),
+    "gpu.py": (["--tiny"], "auto / expert = "),  # checked further below
+}
+
+
+def run_script(*args: str, script: Path = SCRIPT) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=env)
+
+
+def test_every_benchmark_is_smoke_tested_and_run_by_make_bench():
+    scripts = {path.name for path in (ROOT / "benchmarks").glob("*.py")}
+    assert scripts == set(SMALLEST), f"benchmarks without a smoke test here: {sorted(scripts - set(SMALLEST))}"
+    bench = (ROOT / "Makefile").read_text().split("\nbench:", 1)[1].split("\n\n", 1)[0]
+    assert all(f"benchmarks/{name}" in bench for name in scripts), bench
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", sorted(set(SMALLEST) - {"gpu.py"}))
+def test_a_benchmark_runs_in_its_smallest_mode(name):
+    if name in ("compute.py", "search_quality.py"):
+        pytest.importorskip("transformers")  # their HF GPT-2 rows
+    args, expected = SMALLEST[name]
+    done = run_script(*args, script=ROOT / "benchmarks" / name)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert expected in done.stdout, done.stdout
 
 
 def test_gpu_benchmark_tiny_prints_table_and_ratios(tmp_path):

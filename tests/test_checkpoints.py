@@ -307,7 +307,7 @@ def test_a_plain_model_exports_for_load_state_dict(saved):
 
 
 # --- atomic saves ------------------------------------------------------------------------------------
-KILL_SCRIPT = r"""
+SAVED_ONCE_SCRIPT = r"""
 import os, signal, sys, torch, atorch
 from atorch.auto import checkpointing
 from tests.test_checkpoints import _build, _steps
@@ -316,6 +316,8 @@ batches = iter(result.dataloader)
 _steps(result, batches, 1)
 atorch.save_checkpoint(sys.argv[1], result, step=1)
 _steps(result, batches, 1)
+"""  # the start of a script that then saves again at step 2 (sys.argv[2] says how that save ends)
+KILL_SCRIPT = SAVED_ONCE_SCRIPT + r"""
 if sys.argv[2] == "before_rename":  # the shards of the second save are written, nothing renamed
     checkpointing._replace_dir = lambda tmp, target: os.kill(os.getpid(), signal.SIGKILL)
 else:  # between the renames: the old checkpoint moved aside, the new one not yet in place

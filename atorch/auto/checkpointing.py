@@ -24,7 +24,9 @@ processes) loads under another. A checkpoint is a directory:
 Nothing loaded can import or run code: metadata is JSON, tensors are read with
 ``torch.load(weights_only=True)``, and DCP's pickled ``.metadata`` is read by an unpickler that
 only builds DCP's own metadata classes. A save goes to ``<path>.tmp-<id>`` and is renamed into
-place only when complete, so a crash mid-save leaves the previous checkpoint loadable.
+place only when complete, so a crash mid-save leaves the previous checkpoint loadable. An
+asynchronous save (``async_save=True``) copies the tensors to host memory, then a thread writes and
+renames them the same way, its collectives on a gloo group of their own.
 """
 from __future__ import annotations
 
@@ -38,9 +40,10 @@ import pickle
 import random
 import shutil
 import sys
+import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,6 +63,7 @@ from atorch.auto.opt_lib.tensor_parallel import SAVED_LAYOUTS_ATTR, PermutedLayo
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.auto.strategy import Strategy
 from atorch.distributed.agreement import all_ranks_true, is_main_rank, is_multi_rank
+from atorch.distributed.timeouts import normal_timeout
 from atorch.errors import AtorchError, CheckpointError, StrategyError
 from atorch.utils.data import ResumableDataLoader, decode_rng, encode_rng
 from atorch.utils.modules import full_state_dict, unwrap_model
@@ -318,11 +322,11 @@ def _merge(parts: list[dict]) -> dict:
     return {"model": model, "optim": optim, "param_groups": groups}
 
 
-def _gather(value: Any) -> list:
+def _gather(value: Any, group: Optional[dist.ProcessGroup] = None) -> list:
     if not is_multi_rank():
         return [value]
     out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 
@@ -379,7 +383,8 @@ def _set_rng_state(state: dict) -> None:
 
 # --- save --------------------------------------------------------------------------------------------
 def save_checkpoint(path: str | os.PathLike, result: "AutoAccelerateResult", step: Optional[int] = None,
-                    extra: Optional[dict] = None, *, lr_scheduler: Any = None) -> None:
+                    extra: Optional[dict] = None, *, lr_scheduler: Any = None,
+                    async_save: bool = False) -> Optional["PendingSave"]:
     """Save the training state of ``result`` to the directory ``path`` (collective: every process calls it).
 
     Saved: the model, the optimizer state, the grad scaler (amp fp16), ``result.lr_scheduler`` or the
@@ -387,7 +392,14 @@ def save_checkpoint(path: str | os.PathLike, result: "AutoAccelerateResult", ste
     process's RNG states and the dataloader position. Each process writes its own shards. Written to
     ``<path>.tmp-<id>`` and renamed to ``path`` when complete: an earlier checkpoint at ``path`` stays
     loadable until then. Raises CheckpointError (on every process) when something cannot be saved.
+
+    ``async_save=True`` returns as soon as the tensors are copied to host memory, with a
+    ``PendingSave``: a background thread writes the files and renames them into place as a
+    synchronous save does, so training goes on meanwhile. The next ``save_checkpoint`` /
+    ``load_checkpoint``, ``wait_for_checkpoint()`` and the end of the process wait for it, and raise
+    its CheckpointError.
     """
+    wait_for_checkpoint()
     target = _check_path(path, "save_checkpoint")
     extra = _check_extra(extra)
     if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
@@ -420,7 +432,11 @@ def save_checkpoint(path: str | os.PathLike, result: "AutoAccelerateResult", ste
 
     meta, rng = _on_every_rank(describe)  # local work: a failure here must not leave the others waiting below
     tmp = _agreed_tmp_dir(target)
+    if async_save:
+        staged = _on_every_rank(lambda: {k: _host_copy(v) for k, v in tensors.items()})  # training changes the live ones
+        return _write_in_background(tmp, staged, meta, rng, target)
     _write(tmp, tensors, meta, rng, target)
+    return None
 
 
 def _check_path(path: Any, caller: str) -> str:
@@ -466,20 +482,101 @@ def _agreed_tmp_dir(target: str) -> str:
     return f"{target}.tmp-{token[0]}"
 
 
-def _write(tmp: str, tensors: dict, meta: dict, rng: dict, target: str) -> None:
+def _write(tmp: str, tensors: dict, meta: dict, rng: dict, target: str,
+           group: Optional[dist.ProcessGroup] = None) -> None:
     """DCP shards from every process, then the rng files, then (process 0) the metadata and the
-    rename. Every phase ends with an agreement, so a failure on one process raises on all."""
-    _agree(_attempt(lambda: os.makedirs(os.path.join(tmp, RNG_DIR), exist_ok=True)), "save_checkpoint: creating", tmp)
+    rename. Every phase ends with an agreement, so a failure on one process raises on all. Every
+    collective runs on ``group`` (the default group when None)."""
+    _agree(_attempt(lambda: os.makedirs(os.path.join(tmp, RNG_DIR), exist_ok=True)), "save_checkpoint: creating", tmp,
+           group=group)
     try:
-        dcp.save(tensors, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True))
+        dcp.save(tensors, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True), process_group=group)
     except (Exception, CheckpointException) as error:  # DCP raises the same CheckpointException on every rank
         raise CheckpointError(f"save_checkpoint: writing the shards to {tmp!r} failed: {error}") from error
     rank = dist.get_rank() if dist.is_initialized() else 0
-    _agree(_attempt(lambda: _write_json(os.path.join(tmp, RNG_DIR, f"rank-{rank}.json"), rng)), "writing rng to", tmp)
+    _agree(_attempt(lambda: _write_json(os.path.join(tmp, RNG_DIR, f"rank-{rank}.json"), rng)), "writing rng to", tmp,
+           group=group)
     error = None
     if is_main_rank():
         error = _attempt(lambda: (_write_json(os.path.join(tmp, META_FILE), meta), _replace_dir(tmp, target)))
-    _agree(error, "save_checkpoint: writing the metadata and renaming into place", target, only_main=True)
+    _agree(error, "save_checkpoint: writing the metadata and renaming into place", target, only_main=True, group=group)
+
+
+# --- asynchronous saves -------------------------------------------------------------------------------
+_background: dict[str, Any] = {"pending": None, "group": None, "world": None}
+
+
+class PendingSave:
+    """An asynchronous save that a background thread is writing. ``wait()`` returns once it is
+    renamed into place on every process, and raises its CheckpointError when it failed."""
+
+    def __init__(self, target: str, work: Callable[[], None]):
+        self.target, self._work = target, work
+        self.error: Optional[CheckpointError] = None
+        self.thread = threading.Thread(target=self._run, name="atorch-checkpoint-writer")  # not a daemon: exit waits
+
+    def _run(self) -> None:
+        try:
+            self._work()
+        except CheckpointError as error:
+            self.error = error
+        except BaseException as error:  # the same typed error for anything else (DCP's is a BaseException)
+            self.error = CheckpointError(f"save_checkpoint (asynchronous) to {self.target!r} failed: "
+                                         f"{type(error).__name__}: {error}")
+        if self.error is not None:
+            logger.error("%s", self.error)
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def wait(self) -> None:
+        self.thread.join()
+        if _background["pending"] is self:
+            _background["pending"] = None
+        if self.error is not None:
+            raise self.error
+
+
+def wait_for_checkpoint() -> None:
+    """Block until the asynchronous save in flight (if any) is renamed into place; raise its
+    CheckpointError. ``save_checkpoint`` and ``load_checkpoint`` call it first; call it yourself
+    before destroying the process group."""
+    pending = _background["pending"]
+    if pending is not None:
+        pending.wait()
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy in host memory; a DTensor stays a DTensor (a copy of this rank's shard) so DCP saves
+    its shard as it would the live one."""
+    if isinstance(tensor, DTensor):
+        local = tensor.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape,
+                                  stride=tensor.stride())
+    return tensor.detach().to("cpu", copy=True)
+
+
+def _write_in_background(tmp: str, staged: dict, meta: dict, rng: dict, target: str) -> PendingSave:
+    """Start ``_write`` on a thread, its collectives on a gloo group of their own: on the default
+    group they would interleave with training's (gloo and nccl match collectives by order)."""
+    group = _writer_group()
+    pending = PendingSave(target, lambda: _write(tmp, staged, meta, rng, target, group))
+    _background["pending"] = pending
+    pending.thread.start()
+    return pending
+
+
+def _writer_group() -> Optional[dist.ProcessGroup]:
+    """Every process in a gloo group for the background writer, made once per default group
+    (collective, so the save calls it on every process in the same order), with the default
+    group's timeout (a new group's would be 30 minutes)."""
+    if not is_multi_rank():
+        return None
+    world = dist.group.WORLD
+    if _background["world"] is not world:
+        group = dist.new_group(backend="gloo", timeout=normal_timeout())
+        _background["group"], _background["world"] = group, world
+    return _background["group"]
 
 
 def _on_every_rank(action: Any) -> Any:
@@ -509,16 +606,17 @@ def _attempt(action: Any) -> Optional[str]:
     return None
 
 
-def _agree(error: Optional[str], what: str, where: str, only_main: bool = False) -> None:
+def _agree(error: Optional[str], what: str, where: str, only_main: bool = False,
+           group: Optional[dist.ProcessGroup] = None) -> None:
     """Raise CheckpointError on every process when ``error`` is set on any (rank 0's text when
     ``only_main``)."""
     if is_multi_rank():
         if only_main:
             message = [error]
-            dist.broadcast_object_list(message, src=0)
+            dist.broadcast_object_list(message, src=0, group=group)
             error = message[0]
-        elif not all_ranks_true(error is None):
-            errors = _gather(error)
+        elif not all_ranks_true(error is None, group):
+            errors = _gather(error, group)
             error = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
     if error is not None:
         raise CheckpointError(f"{what} {where!r} failed: {error}")
@@ -610,6 +708,7 @@ def load_checkpoint(path: str | os.PathLike, result: "AutoAccelerateResult", *, 
     ``strict=False`` leaves model keys missing from the checkpoint as they are (optimizer state of
     such parameters too). CheckpointError names the first key that does not fit.
     """
+    wait_for_checkpoint()
     target = _check_path(path, "load_checkpoint")
     source, meta = _on_every_rank(lambda: (lambda found: (found, _read_meta(found)))(_resolve_checkpoint(target)))
     scheduler = _scheduler(result, lr_scheduler, "load_checkpoint")
@@ -754,21 +853,26 @@ def _optimizer_destinations(view: OptimizerView, names: dict[int, str], meta: di
         params = [p for group in view.local.param_groups for p in group["params"]]
     else:
         return out
+    saved_keys: dict[str, list[str]] = {}  # parameter name -> its state keys, read once (not per parameter)
+    for key in meta["optim"]:
+        name, _, state_key = key[len("optim/"):].rpartition("/")
+        saved_keys.setdefault(name, []).append(state_key)
     for param in params:
         name = _name_of(param, names)
-        prefix = f"optim/{name}/"
-        for key, (shape, dtype) in meta["optim"].items():
-            if key.startswith(prefix) and "/" not in key[len(prefix):]:
-                out[key] = (_destination(param, shape, getattr(torch, dtype)), param, key[len(prefix):])
+        for state_key in saved_keys.get(name, ()):
+            key = f"optim/{name}/{state_key}"
+            shape, dtype = meta["optim"][key]
+            out[key] = (_destination(param, shape, getattr(torch, dtype)), param, state_key)
     return out
 
 
 def _destination(param: torch.Tensor, shape: list, dtype: torch.dtype) -> torch.Tensor:
     """Where DCP reads one state tensor: shaped like the parameter → laid out like it (a DTensor for a
-    DTensor parameter); anything else (Adam's step) → a plain CPU tensor, as torch keeps it."""
+    DTensor parameter); anything else (Adam's step) → a plain CPU tensor, as torch keeps it. Left
+    uninitialised: DCP writes every element of a key it loads, and fails on a key it lacks."""
     if list(param.shape) == shape and shape:
-        return torch.zeros_like(param, dtype=dtype)
-    return torch.zeros(shape, dtype=dtype)
+        return torch.empty_like(param, dtype=dtype)
+    return torch.empty(shape, dtype=dtype)
 
 
 def _load_optimizer(view: OptimizerView, names: dict[int, str], meta: dict, targets: dict) -> None:

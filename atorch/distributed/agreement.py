@@ -6,7 +6,7 @@ one place those decisions are reduced; in a single process they return their inp
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,19 +24,20 @@ def is_main_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def comm_device() -> torch.device:
+def comm_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
     """Where agreement tensors live: nccl reduces CUDA tensors only, gloo CPU ones."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def max_over_ranks(values: Sequence[float]) -> list[float]:
-    """Element-wise maximum of ``values`` over all ranks (float64, so byte counts stay exact)."""
+def max_over_ranks(values: Sequence[float], group: Optional[dist.ProcessGroup] = None) -> list[float]:
+    """Element-wise maximum of ``values`` over all ranks (float64, so byte counts stay exact); over
+    ``group`` (every rank's, such as the checkpoint writer's gloo group) when given."""
     if not is_multi_rank():
         return [float(v) for v in values]
-    tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=comm_device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=comm_device(group))
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor.tolist()
 
 
@@ -45,9 +46,9 @@ def min_over_ranks(values: Sequence[float]) -> list[float]:
     return [-v for v in max_over_ranks([-float(v) for v in values])]
 
 
-def all_ranks_true(flag: bool) -> bool:
+def all_ranks_true(flag: bool, group: Optional[dist.ProcessGroup] = None) -> bool:
     """True only when ``flag`` is True on every rank."""
-    return max_over_ranks([0.0 if flag else 1.0])[0] == 0.0
+    return max_over_ranks([0.0 if flag else 1.0], group)[0] == 0.0
 
 
 def broadcast_flag(flag: bool) -> bool:

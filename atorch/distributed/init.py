@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from atorch.common.util_func import find_free_port
+from atorch.distributed.elastic import agent_attempt_store
 from atorch.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,9 @@ def init_distributed(backend: Optional[str] = None, set_cuda_device_using_local_
     ``set_cuda_device_using_local_rank`` (ATorch's name, accepted) is True: that is the only layout
     auto_accelerate supports. ``timeout_s`` (or ATorch's ``timeout``, a timedelta) bounds every
     collective, so a rank that dies cannot leave the others waiting for ever.
+
+    Under torchrun's shared agent store, the group is built on a namespace of its own per attempt
+    (``atorch.distributed.elastic``), so ``torchrun --max-restarts N`` restarts work.
     """
     if backend is not None and not isinstance(backend, str):
         raise InputError(f"init_distributed: backend must be a string such as 'nccl' or 'gloo', got {backend!r}")
@@ -38,7 +42,7 @@ def init_distributed(backend: Optional[str] = None, set_cuda_device_using_local_
         timeout_s = timeout.total_seconds()
     if dist.is_initialized():
         return True
-    rendezvous = {} if launched() else _single_process_rendezvous()
+    rendezvous = {} if launched() else _single_process_rendezvous()  # launched: the attempt's store, below
     use_cuda = torch.cuda.is_available()
     if backend == "nccl" and not use_cuda:
         logger.warning("init_distributed: nccl needs CUDA, which this machine lacks; using gloo")
@@ -48,6 +52,10 @@ def init_distributed(backend: Optional[str] = None, set_cuda_device_using_local_
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     elif set_cuda_device_using_local_rank:
         logger.info("init_distributed: set_cuda_device_using_local_rank ignored: no CUDA device")
+    if launched():
+        store = agent_attempt_store(timeout_s)  # None: torch's own env:// rendezvous
+        rendezvous = {} if store is None else {"store": store, "rank": int(os.environ["RANK"]),
+                                               "world_size": int(os.environ["WORLD_SIZE"])}
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **rendezvous)
     logger.info("initialised %s process group: rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
     return True

@@ -1,0 +1,59 @@
+"""Training that survives a killed rank under ``torchrun --max-restarts 1``: used by tests/test_elastic_restart.py.
+
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 elastic_restart.py OUT STRATEGY KILL_STEP
+
+Trains a tiny GPT for ``STEPS`` steps under STRATEGY (ddp, zero1, zero2, fsdp), saving a checkpoint every
+``EVERY`` steps to OUT/ckpt and resuming from it when it exists. In the first attempt
+(TORCHELASTIC_RESTART_COUNT 0) rank 1 kills itself with SIGKILL after step KILL_STEP (-1: never), so torchrun
+restarts both ranks, which resume from the last checkpoint. Each rank appends ``{"attempt", "step", "loss"}``
+lines to OUT/losses-<rank>.jsonl; at the end, rank 0 writes the final weights to OUT/weights.pt.
+"""
+import json
+import os
+import signal
+import sys
+
+import torch
+
+import atorch
+from atorch.auto import auto_accelerate
+from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
+from atorch.utils.modules import full_state_dict
+
+STEPS, EVERY = 10, 4
+STRATEGIES = {"ddp": [], "zero1": ["zero1"], "zero2": ["zero2"], "fsdp": ["fsdp"]}
+
+
+def main(out: str, strategy: str, kill_step: int) -> None:
+    atorch.init_distributed()
+    rank, attempt = atorch.rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    status, result, _ = auto_accelerate(
+        GPT(cfg), torch.optim.AdamW, SyntheticTokenDataset(256, 16, 64), gpt_loss, optim_args={"lr": 1e-3},
+        dataloader_args={"batch_size": 8, "shuffle": True}, model_input_format="unpack_dict",
+        load_strategy=STRATEGIES[strategy])
+    ckpt = os.path.join(out, "ckpt")
+    step = atorch.load_checkpoint(ckpt, result)["step"] if os.path.isdir(ckpt) else 0
+    batches = iter(result.dataloader)
+    with open(os.path.join(out, f"losses-{rank}.jsonl"), "a") as log:
+        while step < STEPS:
+            batch = result.prepare_input(next(batches))
+            loss = result.loss_func(batch, result.model(**batch))
+            result.optim.backward(loss) if result.args.use_optim_backward else loss.backward()
+            result.optim.step()
+            result.optim.zero_grad()
+            step += 1
+            log.write(json.dumps({"attempt": attempt, "step": step, "loss": loss.item()}) + "\n")
+            log.flush()
+            if step % EVERY == 0:
+                atorch.save_checkpoint(ckpt, result, step=step)
+            if step == kill_step and rank == 1 and attempt == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+    weights = full_state_dict(result.model)
+    if rank == 0:
+        torch.save(weights, os.path.join(out, "weights.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
