@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import atorch
 from atorch.auto import checkpointing
+from atorch.auto.checkpointing import OptimizerView
 from atorch.errors import CheckpointError
 from atorch.testing import run_distributed
 from atorch.testing.training import weight_difference
@@ -31,7 +32,8 @@ STRATEGIES = {"ddp": [], "zero1": ["zero1"], "fsdp": ["fsdp"]}
 
 def async_then_train(root: str) -> dict:
     """Per strategy: 2 steps, an asynchronous save, 2 more steps while it writes, then a load (which
-    waits for it) into a fresh model: the loaded state must be the state at the save, not later."""
+    waits for it) into a fresh model, and one into the trained model (its optimizer state is read in
+    place): the loaded state must be the state at the save, not later."""
     out = {}
     for name, strategy in STRATEGIES.items():
         path = os.path.join(root, name)
@@ -43,11 +45,21 @@ def async_then_train(root: str) -> dict:
         _steps(result, batches, 2)  # changes the live tensors while the thread writes
         fresh = _build(strategy, "adamw", True)
         info = atorch.load_checkpoint(path, fresh)  # waits for the pending save first
-        out[name] = {"step": info["step"], "done": pending.done(),
-                     "weights": weight_difference(full_state_dict(fresh.model), saved["weights"]),
-                     "optim": max((fresh_state - saved["optim"][k]).abs().max().item()
-                                  for k, fresh_state in full_optimizer_state(fresh).items())}
+        out[name] = {"step": info["step"], "done": pending.done(), **_difference(fresh, saved)}
+        before = _state_ids(result)
+        atorch.load_checkpoint(path, result)  # into the optimizer's own state tensors, in place
+        out[f"{name} in place"] = {"step": 2, "done": _state_ids(result) == before, **_difference(result, saved)}
     return out
+
+
+def _state_ids(result) -> set[int]:
+    return {id(t) for state in OptimizerView(result.optim).local.state.values() for t in state.values()}
+
+
+def _difference(result, saved: dict) -> dict:
+    return {"weights": weight_difference(full_state_dict(result.model), saved["weights"]),
+            "optim": max((state - saved["optim"][k]).abs().max().item()
+                         for k, state in full_optimizer_state(result).items())}
 
 
 def test_an_async_save_holds_the_state_at_the_call_and_the_next_load_waits_for_it(tmp_path):

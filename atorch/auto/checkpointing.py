@@ -632,7 +632,8 @@ def _write_json(path: str, value: Any) -> None:
 
 def _replace_dir(tmp: str, target: str) -> None:
     """Put the complete ``tmp`` at ``target``; an old checkpoint there is moved aside first and
-    removed last (``load_checkpoint`` falls back to it if a crash falls between the two renames)."""
+    removed last, by a thread (``load_checkpoint`` falls back to it if a crash falls between the two
+    renames)."""
     old = None
     if os.path.lexists(target):
         if not os.path.isdir(target) or os.path.islink(target):
@@ -645,7 +646,18 @@ def _replace_dir(tmp: str, target: str) -> None:
     os.rename(tmp, target)
     _fsync_dir(os.path.dirname(target))
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        threading.Thread(target=_remove_replaced, args=(old,), name="atorch-checkpoint-cleanup").start()
+
+
+def _remove_replaced(old: str) -> None:
+    """Delete a replaced checkpoint (off the save's path: unlinking its shards takes as long as a
+    tenth of the save): its metadata file first, so a removal cut short never passes for a complete
+    checkpoint. Not a daemon thread: the process's exit waits for it."""
+    try:
+        os.remove(os.path.join(old, META_FILE))
+    except OSError:
+        pass
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _fsync_dir(directory: str) -> None:
@@ -857,22 +869,39 @@ def _optimizer_destinations(view: OptimizerView, names: dict[int, str], meta: di
     for key in meta["optim"]:
         name, _, state_key = key[len("optim/"):].rpartition("/")
         saved_keys.setdefault(name, []).append(state_key)
+    live = view.local.state if view.deepspeed is None and view.local is not None else {}
     for param in params:
         name = _name_of(param, names)
         for state_key in saved_keys.get(name, ()):
             key = f"optim/{name}/{state_key}"
             shape, dtype = meta["optim"][key]
-            out[key] = (_destination(param, shape, getattr(torch, dtype)), param, state_key)
+            current = live.get(param, {}).get(state_key)
+            out[key] = (_destination(param, shape, getattr(torch, dtype), current), param, state_key)
     return out
 
 
-def _destination(param: torch.Tensor, shape: list, dtype: torch.dtype) -> torch.Tensor:
-    """Where DCP reads one state tensor: shaped like the parameter → laid out like it (a DTensor for a
+def _destination(param: torch.Tensor, shape: list, dtype: torch.dtype,
+                 current: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Where DCP reads one state tensor: the optimizer's own state tensor when it has one of that shape,
+    dtype and layout (read in place: no new memory to allocate and fault in; a trained run's load costs
+    what a bare DCP load does); else shaped like the parameter → laid out like it (a DTensor for a
     DTensor parameter); anything else (Adam's step) → a plain CPU tensor, as torch keeps it. Left
     uninitialised: DCP writes every element of a key it loads, and fails on a key it lacks."""
+    if _fits(current, param, shape, dtype):
+        return current
     if list(param.shape) == shape and shape:
         return torch.empty_like(param, dtype=dtype)
     return torch.empty(shape, dtype=dtype)
+
+
+def _fits(current: Optional[torch.Tensor], param: torch.Tensor, shape: list, dtype: torch.dtype) -> bool:
+    """Whether the state tensor ``current`` can receive the saved one in place."""
+    if not isinstance(current, torch.Tensor) or list(current.shape) != shape or current.dtype != dtype:
+        return False
+    if not (isinstance(param, DTensor) and list(param.shape) == shape and shape):  # Adam's step: a plain tensor
+        return not isinstance(current, DTensor)
+    return (isinstance(current, DTensor) and current.placements == param.placements
+            and current.device_mesh == param.device_mesh)
 
 
 def _load_optimizer(view: OptimizerView, names: dict[int, str], meta: dict, targets: dict) -> None:
