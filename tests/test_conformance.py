@@ -51,17 +51,12 @@ def test_promised_cells_pass(cells):
     assert not missing, "\n".join(f"{k}: {v}" for k, v in missing.items())
 
 
-# known gap: the MoE's experts under pipeline x tensor stall in the schedule (not yet explained); refused by name
-MIXED_REFUSED = {"moe": "run on the tokens a router picked"}
-
-
 def test_mixed_tensor_pipeline_passes_wherever_pipeline_parallel_does(cells):
-    missing = {model: cells[("mixed_tp2_pp2", model)].detail for model in ZOO if model not in MIXED_REFUSED
-               and cells[("pp2_1f1b", model)].status == "pass" and cells[("mixed_tp2_pp2", model)].status != "pass"}
+    """The MoE included: its routing is value-dependent, which the schedule's shape inference on
+    unfilled tensors used to split between the tensor ranks (StageModule.agree_on_first_input)."""
+    missing = {model: cells[("mixed_tp2_pp2", model)].detail for model in ZOO
+               if cells[("pp2_1f1b", model)].status == "pass" and cells[("mixed_tp2_pp2", model)].status != "pass"}
     assert not missing, missing
-    for model, reason in MIXED_REFUSED.items():
-        cell = cells[("mixed_tp2_pp2", model)]
-        assert cell.status == "refused" and reason in cell.detail, (model, cell.status, cell.detail)
 
 
 def test_tensor_parallel_refusals_name_the_blocking_module(cells):

@@ -370,6 +370,8 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     holders = shared_between_stages(ctx.model, layout, bounds)
     modules = [StageModule(ctx.model if i == indices[-1] else copy.deepcopy(ctx.model), layout, i, bounds,
                            ctx.model_input_format, holders) for i in indices]
+    for stage_module in modules:
+        stage_module.agree_on_first_input(mesh.parallel_group("tensor"))
     stages = [PipelineStage(m, i, num_stages, ctx.device, group=group) for m, i in zip(modules, indices)]
     holder: dict = {}
     loss_fn = lambda output, index: holder["module"].micro_loss(output, index)  # noqa: E731
@@ -475,6 +477,7 @@ class StageModule(nn.Module):
         self.input_format = input_format
         self._incoming: Optional[torch.Tensor] = None
         self._output_spec: Any = None
+        self.agree_group: Optional[dist.ProcessGroup] = None  # see agree_on_first_input
         layout = dataclasses.replace(layout, blocks=[(name, model.get_submodule(name)) for name, _ in layout.blocks])
         owned = range(*bounds[index])
         canonical = canonical_names(model)
@@ -520,7 +523,26 @@ class StageModule(nn.Module):
     def _leave(module, args, output):
         raise _StageExit(tensors(output)[0])
 
+    def agree_on_first_input(self, group: Optional[dist.ProcessGroup]) -> None:
+        """Make the ranks of ``group`` (this stage's tensor group) run their first call on equal inputs.
+
+        The schedule's first call of a later stage infers the shapes it will exchange by running the
+        stage on tensors it allocates and never fills, so each tensor rank holds different bytes. A
+        stage whose control flow depends on the values (a router sending tokens to experts) then takes
+        different branches on its tensor ranks, whose collectives no longer match, and every rank
+        waits. One broadcast on that call makes the bytes equal; later calls receive equal
+        activations from equal upstream ranks."""
+        self.agree_group = None if self.is_first else group
+
+    def _agree(self, received: tuple[torch.Tensor, ...]) -> None:
+        group, self.agree_group = self.agree_group, None
+        with torch.no_grad():
+            for tensor in received:
+                dist.broadcast(tensor, group_src=0, group=group)
+
     def forward(self, *received: torch.Tensor, **inputs: Any) -> Any:
+        if self.agree_group is not None:
+            self._agree(received)
         self._incoming = received[0] if received else None
         try:
             output = call_stage_model(self.model, inputs if self.input_format == "unpack_dict" else inputs["input"],

@@ -39,7 +39,6 @@ import copy
 import dataclasses
 import fnmatch
 import logging
-import math
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal, Optional
@@ -94,7 +93,6 @@ class TPPlan:
     why_whole: dict[str, str] = field(default_factory=dict)     # Linear left whole -> why
     shapes: str = "views"                                       # how run-time shapes were made local (tp_shapes)
     share: float = 0.0                                          # share of the parameters split
-    token_subsets: list[str] = field(default_factory=list)      # split projections fed only some tokens (MoE experts)
 
     def report(self) -> dict:
         """What ``result.args.extras["tensor_parallel"]`` shows: what was split how, what stayed whole."""
@@ -160,20 +158,7 @@ def plan_from_structure(model: nn.Module, flow: Dataflow, tp: int) -> TPPlan:
         plan.regions.setdefault(region, set()).update(s for n in cols for s in sizes[n])
         plan.region_heads.setdefault(region, set()).update(s for n in cols for s in sizes[n] - widths[n])
     _check_divisible(model, found, sizes, tp)
-    plan.token_subsets = _fed_token_subsets(flow, found.colwise)
     return plan
-
-
-def _fed_token_subsets(flow: Dataflow, colwise: list[str]) -> list[str]:
-    """Column-split projections whose input holds fewer tokens than the stream (the experts of a
-    Mixture-of-Experts layer, fed the tokens their router picked)."""
-    tokens = {}
-    for name in colwise:
-        call = flow.calls_of(name)[0]
-        shape = flow.shapes[call.operands[0]] if call.operands and call.operands[0] is not None else ()
-        tokens[name] = math.prod(shape[:-1]) if shape else 0
-    stream = max(tokens.values(), default=0)
-    return [name for name, count in tokens.items() if count < stream]
 
 
 def _full_sizes(model: nn.Module, found: Discovery) -> dict[str, set[int]]:
@@ -491,11 +476,6 @@ def find_plan_before_pipeline(ctx, config: TensorParallelConfig) -> Optional[TPP
     copy_ = copy.deepcopy(ctx.model)
     plan = _parallelize(copy_, config, tp_mesh.size(), tp_mesh, getattr(ctx, "sequence_parallel", False),
                         probe_from_context(ctx))
-    if plan.token_subsets:
-        raise MethodConfigError(
-            "mixed_parallel", f"{plan.token_subsets[0]} (and {len(plan.token_subsets) - 1} more) run on the tokens a "
-            "router picked (Mixture-of-Experts experts): under the pipeline schedule their tensor-parallel collectives "
-            "stall (seen on gloo, not yet explained); use tensor_parallel or pipeline_parallel alone")
     return plan
 
 
