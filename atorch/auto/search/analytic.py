@@ -55,6 +55,7 @@ class Workload:
     activation_checkpointing: Optional[str] = None  # None: the candidate's (off / full); or one of AC_MODES
     logit_bytes: int = LOGIT_BYTES                  # per logit, through the loss
     fp32_residual: Optional[bool] = None            # None: autocast over fp32 weights unless FSDP casts them
+    micro_batch_size: Optional[int] = None          # sequences per forward on a data rank; None: the default split
 
     @property
     def tokens(self) -> int:
@@ -148,7 +149,7 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
         return memory * ALLOCATOR_OVERHEAD
     share = facts.state_share[(t, p)] if facts and (t, p) in facts.state_share else 1.0 / (t * p)
     if p > 1:
-        micro = micro_batches(p, max(work.global_batch // data, 1))
+        micro = pipeline_micro_batches(candidate, work, data)
         in_flight = min(min(p, micro) + EXTRA_MICRO_BATCHES_IN_FLIGHT, micro)
         act = activation_bytes(candidate, spec, work, tokens / micro, t, math.ceil(spec.layers / p), in_flight)
     else:
@@ -159,6 +160,15 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
         if candidate.sharding == "zero1":
             memory -= (1 - 1 / data) * O * share
     return memory * ALLOCATOR_OVERHEAD
+
+
+def pipeline_micro_batches(candidate: Candidate, work: Workload, data: int) -> int:
+    """Micro-batches a pipeline splits a data rank's batch into: the user's micro-batch size, or the
+    pipeline method's default."""
+    per_rank = max(work.global_batch // data, 1)
+    if work.micro_batch_size:
+        return max(per_rank // work.micro_batch_size, 1)
+    return micro_batches(candidate.pipeline, per_rank)
 
 
 def shard_size(candidate: Candidate, world: int) -> int:
@@ -188,7 +198,7 @@ def compute_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cluste
     peak = device.fp32_flops if candidate.precision == "fp32" else device.bf16_flops
     seconds = work.tokens * flops / cluster.world_size / (peak * device.efficiency)
     if candidate.pipeline > 1:
-        micro = micro_batches(candidate.pipeline, max(work.global_batch // candidate.data_size(cluster.world_size), 1))
+        micro = pipeline_micro_batches(candidate, work, candidate.data_size(cluster.world_size))
         seconds *= (micro + candidate.pipeline - 1) / micro
     if candidate.micro > 1:  # smaller matmuls and one more launch round per micro-step
         seconds *= 1 + MICRO_STEP_SLOWDOWN * (candidate.micro - 1)
