@@ -112,6 +112,17 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     full; ``micro_batch_size``: sequences per forward on one data rank (None: the whole per-rank batch,
     or the pipeline's default split). Returns a ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``,
     ``memory_bytes``, ``fits`` and the time breakdown)."""
+    spec, cluster, candidate, work = configuration(
+        model, cluster, global_batch=global_batch, seq_len=seq_len, tensor=tensor, pipeline=pipeline, sharding=sharding,
+        precision=precision, activation_checkpointing=activation_checkpointing, micro_batch_size=micro_batch_size)
+    return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
+
+
+def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, tensor: int = 1, pipeline: int = 1,
+                  sharding: str = "fsdp", precision: str = "bf16", activation_checkpointing: str = "none",
+                  micro_batch_size: Optional[int] = None) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
+    """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
+    callers that adjust the workload further, such as the published-runs benchmark)."""
     spec, cluster = model_spec(model), cluster_spec(cluster)
     _check_positive("global_batch", global_batch)
     _check_positive("seq_len", seq_len)
@@ -129,14 +140,14 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
         _check_positive("micro_batch_size", micro_batch_size)
         if per_rank % micro_batch_size:
             raise InputError(f"micro_batch_size={micro_batch_size} does not divide the per-data-rank batch {per_rank}")
-        micro = per_rank // micro_batch_size if tensor * pipeline == 1 else 1
+        micro = per_rank // micro_batch_size if pipeline == 1 else 1  # a pipeline splits its batch itself
     shard = 0
     if sharding == "hsdp":
         sharding, shard = "fsdp", (cluster.gpus_per_node if cluster.nodes > 1 else 0)
     candidate = Candidate(sharding, PRECISIONS[precision], activation_checkpointing != "none", block=spec.block,
                           tensor=tensor, pipeline=pipeline, micro=micro, shard=shard)
     work = Workload(global_batch, seq_len, activation_checkpointing, micro_batch_size=micro_batch_size)
-    return predict(candidate, spec, cluster, work, spec_layout_facts(spec, world))
+    return spec, cluster, candidate, work
 
 
 def _check_layout(spec: TransformerSpec, cluster: ClusterSpec, tensor: int, pipeline: int) -> int:
