@@ -51,6 +51,7 @@ class Workload:
     fp32_residual: Optional[bool] = None            # None: autocast over fp32 weights unless FSDP casts them
     micro_batch_size: Optional[int] = None          # sequences per forward on a data rank; None: the default split
     virtual_stages: int = 1                         # interleaved pipeline: model chunks per stage
+    logits_kept: bool = False                       # the caller keeps the logits through backward (HF outputs)
 
     @property
     def tokens(self) -> int:
@@ -109,14 +110,17 @@ def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload
     residual = 4 if residual_is_fp32(candidate, work) else width
     split = spec.split_activation_elements()
     unsplit = spec.block_activation_elements() - split  # norms and the residual stream
-    per_token = split / tensor * width + unsplit * residual
+    # tensor parallelism runs with sequence parallelism (Megatron, torchtitan): the norms and the
+    # residual stream are split over the sequence, so every activation divides by the tensor size
+    per_token = (split * width + unsplit * residual) / tensor
     mode = checkpointing(candidate, work)
     kept = {"none": per_token, "selective": calibration.value("selective activation share") * per_token,
             "full": spec.hidden * residual}[mode]
     blocks = layers * kept * tokens * in_flight
     working = per_token * tokens * (2 if mode == "full" else 1)  # one block's backward (and its recompute)
-    logits = spec.vocab * tokens * work.logit_bytes
-    return blocks + working + logits
+    logits = spec.vocab * tokens * work.logit_bytes / tensor  # vocab-parallel under tensor parallelism
+    # the loss's logits are freed before the first block's backward begins: the two peaks do not add
+    return blocks + (working + logits if work.logits_kept else max(working, logits))
 
 
 def residual_is_fp32(candidate: Candidate, work: Workload) -> bool:
@@ -139,7 +143,10 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
     P, G, O = state_bytes(candidate, spec)
     if t * p > 1:
         return layout_memory(candidate, spec, work, facts, data) * ALLOCATOR_OVERHEAD
-    tokens = work.tokens / data
+    # gradient accumulation: one micro-batch's activations; the gradients are reduce-scattered at each
+    # micro-step (FSDP2's and Composer's default), so no unsharded gradients are kept across micro-steps
+    tokens = work.tokens / data / max(candidate.micro, 1)
+    candidate = dataclasses.replace(candidate, micro=1)
     autocast_copies = 0.5 * P if candidate.precision.startswith("amp") and checkpointing(candidate, work) == "none" else 0.0
     act = activation_bytes(candidate, spec, work, tokens) + autocast_copies
     variant = VariantProfile(candidate.precision, candidate.checkpoint, work.global_batch // data,
