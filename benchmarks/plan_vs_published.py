@@ -33,7 +33,8 @@ from atorch.plan import configuration  # noqa: E402
 DATA = Path(__file__).resolve().parent / "published_runs.json"
 GIB = 2**30
 # source-level facts of how a run's code differs from the planner's defaults (never one row's)
-SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_kept": True}}
+SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_kept": True},
+                   "llm-foundry": {"sync_each_micro_step": True}}  # Composer reduce-scatters every micro-batch
 
 
 def load(path: Path = DATA) -> tuple[dict, list[dict]]:

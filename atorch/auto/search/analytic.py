@@ -52,6 +52,9 @@ class Workload:
     micro_batch_size: Optional[int] = None          # sequences per forward on a data rank; None: the default split
     virtual_stages: int = 1                         # interleaved pipeline: model chunks per stage
     logits_kept: bool = False                       # the caller keeps the logits through backward (HF outputs)
+    # gradient accumulation reduce-scatters every micro-step (Composer, FSDP2 by default) instead of
+    # keeping unsharded gradients until the last one (atorch's micro_batch, DDP's no_sync)
+    sync_each_micro_step: bool = False
 
     @property
     def tokens(self) -> int:
@@ -143,10 +146,10 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
     P, G, O = state_bytes(candidate, spec)
     if t * p > 1:
         return layout_memory(candidate, spec, work, facts, data) * ALLOCATOR_OVERHEAD
-    # gradient accumulation: one micro-batch's activations; the gradients are reduce-scattered at each
-    # micro-step (FSDP2's and Composer's default), so no unsharded gradients are kept across micro-steps
-    tokens = work.tokens / data / max(candidate.micro, 1)
-    candidate = dataclasses.replace(candidate, micro=1)
+    tokens = work.tokens / data
+    if work.sync_each_micro_step:  # one micro-batch's activations, and no unsharded gradients kept
+        tokens /= max(candidate.micro, 1)
+        candidate = dataclasses.replace(candidate, micro=1)
     autocast_copies = 0.5 * P if candidate.precision.startswith("amp") and checkpointing(candidate, work) == "none" else 0.0
     act = activation_bytes(candidate, spec, work, tokens) + autocast_copies
     variant = VariantProfile(candidate.precision, candidate.checkpoint, work.global_batch // data,
@@ -323,8 +326,9 @@ def optimizer_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
 def data_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,
                       facts: Optional[LayoutFacts] = None, work: Optional[Workload] = None) -> float:
     """Gradient reduction (and parameter gathers when sharded) over the data dimension, per GPU. FSDP
-    gathers every unit again for each micro-step and reduce-scatters each micro-step's gradients; zero2
-    gathers once per micro-step; DDP and zero1 reduce once per step."""
+    gathers every unit again for each micro-step, zero2 once per micro-step; their gradients are
+    reduced once per step, or at every micro-step under ``sync_each_micro_step``; DDP and zero1 reduce
+    once per step."""
     world, t, p = cluster.world_size, candidate.tensor, candidate.pipeline
     data = candidate.data_size(world)
     if data == 1:
@@ -336,8 +340,9 @@ def data_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
     shard = shard_size(candidate, world)
     shed = 1 - 1 / shard
     steps = micro_steps(candidate, work, data) if work is not None and t * p == 1 else 1
-    bytes_moved = {"ddp": 2 * shed * G, "zero1": 2 * shed * G + shed * P, "zero2": steps * shed * (G + compute_params),
-                   "fsdp": steps * shed * (G + 2 * compute_params)}[candidate.sharding]
+    syncs = steps if work is not None and work.sync_each_micro_step else 1
+    bytes_moved = {"ddp": 2 * shed * G, "zero1": 2 * shed * G + shed * P, "zero2": shed * (syncs * G + steps * compute_params),
+                   "fsdp": shed * (syncs * G + 2 * steps * compute_params)}[candidate.sharding]
     seconds = bytes_moved / cluster.link_bytes_per_s(shard, t * p)
     collectives = {"ddp": 1, "zero1": 2, "zero2": 2 * spec.layers, "fsdp": 3 * spec.layers}[candidate.sharding]
     seconds += steps * collectives * COLLECTIVE_LATENCY_S
