@@ -5,8 +5,8 @@ from atorch.auto.gradients import clip_grad_norm_
 from atorch.auto.strategy import Strategy
 from atorch.distributed.distributed import local_rank, rank, reset_distributed, world_size
 from atorch.distributed.init import init_distributed
-from atorch.plan import plan
+from atorch.plan import estimate, plan
 
 __version__ = "0.1.0"
 __all__ = ["auto_accelerate", "save_checkpoint", "load_checkpoint", "wait_for_checkpoint", "export_model", "clip_grad_norm_", "init_distributed", "rank", "local_rank", "world_size",
-           "reset_distributed", "Strategy", "plan", "__version__"]
+           "reset_distributed", "Strategy", "plan", "estimate", "__version__"]

@@ -1,156 +1,214 @@
-"""The planner's predictions against published training runs: throughput and memory, row by row.
+"""The planner's predictions against published training runs: throughput, memory and feasibility.
 
-Every row below is a published measurement with its source (repository, file and commit) and the
-configuration it was run with. ``role`` says whether a row was used to set a constant of the cost
-model (``calibration``: which constant is named) or only tests it (``test``). The script prints
-published, predicted and their ratio for each row, then the worst held-out ratios; it asserts
-nothing (goal: throughput within 20 %, memory within 15 % on the test rows).
+The rows live in ``benchmarks/published_runs.json`` (source, configuration, published figures, and
+``role``: calibration rows set the constant named in ``sets``, held-out rows only test). Each row is
+predicted in its own configuration through ``atorch.plan.estimate``'s model. The script prints every
+row, then per source and per device, separately for calibration and held-out rows: the rows, the
+share within +-10 % and +-20 % of the published tokens/s, the mean absolute error, how many are
+predicted to fit (all of them ran) and the memory error where memory was published. It asserts
+nothing. ``--fit`` refits every constant of ``atorch/auto/search/calibration.py`` on its own
+calibration rows only and prints the values.
 
-    .venv/bin/python benchmarks/plan_vs_published.py
+    .venv/bin/python benchmarks/plan_vs_published.py [--fit] [--rows]
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import math
 import sys
-from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from atorch.auto.search.analytic import Workload, predict, spec_layout_facts  # noqa: E402
-from atorch.auto.search.candidates import Candidate  # noqa: E402
+from atorch.auto.search import calibration  # noqa: E402
+from atorch.auto.search.analytic import Prediction, predict, spec_layout_facts  # noqa: E402
 from atorch.auto.search.hardware_specs import DEVICES, ClusterSpec  # noqa: E402
-from atorch.auto.search.model_specs import model_spec  # noqa: E402
+from atorch.auto.search.model_specs import from_hf_config, model_spec  # noqa: E402
+from atorch.plan import configuration  # noqa: E402
 
-GIB, MIB = 2**30, 2**20
-TORCHTITAN_A100 = ("pytorch/torchtitan docs/performance.md @ 041336434916bdc0f88c1f89fda176fd3c2092e4 "
-                   "(Llama 3 on 64 A100-80GB, FSDP2, bf16, local batch 1 or 2)")
-TORCHTITAN_H100 = ("pytorch/torchtitan docs/performance.md @ eaea6f6a2fa940f03a10906be1df3489cf30af85 "
-                   "(Table 1 / Table 3: Llama 3.1 8B, FSDP2, bf16, local batch 2, selective AC; memory = max reserved)")
-ATORCH_A100 = ("intelligent-machine-learning/dlrover atorch/examples/llama2/README.md @ "
-               "11bf2fbfa2e9625073a4bcb6d2dea3c5e0ce1d44 (Llama2-7B FSDP, no LoRA, 4 x 4096 tokens per GPU, "
-               "bf16 amp, gradient checkpointing, 8 A100-80GB per node, 800 Gb/s RDMA per node; "
-               "TFLOPs per GPU converted to tokens/s with the planner's FLOPs per token incl. recompute; "
-               "memory = max allocated)")
+DATA = Path(__file__).resolve().parent / "published_runs.json"
+GIB = 2**30
+# source-level facts of how a run's code differs from the planner's defaults (never one row's)
+SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_kept": True},
+                   "llm-foundry": {"sync_each_micro_step": True}}  # Composer reduce-scatters every micro-batch
 
 
-@dataclass(frozen=True)
-class Published:
-    name: str
-    source: str
-    model: str
-    device: str
-    nodes: int
-    gpus_per_node: int
-    local_batch: int
-    seq_len: int
-    checkpointing: str                    # none / selective / full
-    tokens_per_s: Optional[float] = None  # per GPU
-    mfu: Optional[float] = None
-    memory_gib: Optional[float] = None
-    tflops: Optional[float] = None        # per GPU, when that is what was published
-    network_bytes_per_s: Optional[float] = None  # per GPU, when the source says
-    logit_bytes: Optional[int] = None     # per logit through the loss, when the code differs from the default
-    fp32_residual: Optional[bool] = None  # autocast over fp32 weights (FSDP1 without a mixed-precision policy)
-    role: str = "test"                    # or "calibration: <constant>"
-    note: str = ""
+def load(path: Path = DATA) -> tuple[dict, list[dict]]:
+    data = json.loads(path.read_text())
+    rows = [dict(zip(data["columns"], values)) for values in data["rows"]]
+    return data, rows
 
 
-# ATorch's fsdp_llama2.py (same commit family): FSDP1 with amp_native (autocast, no FSDP mixed-precision
-# policy: fp32 residual stream) and module_replace (flash attention); transformers of the peft 0.4.0 era
-# computes the loss on logits.float() after a shifted .contiguous() copy: 2 + 4 + 4 + 4 (log-softmax)
-# + 4 (its gradient) bytes per logit.
-_ATORCH_RUN = {"network_bytes_per_s": 12.5e9, "logit_bytes": 18, "fp32_residual": True}
-
-ROWS = [
-    Published("titan llama3-8b 64xA100 sel-layer", TORCHTITAN_A100, "llama3-8b", "A100-80GB", 8, 8, 1, 8192,
-              "selective", tokens_per_s=2904, mfu=0.568, note="selective per layer: every 2nd block fully recomputed"),
-    Published("titan llama3-8b 64xA100 sel-op", TORCHTITAN_A100, "llama3-8b", "A100-80GB", 8, 8, 1, 8192,
-              "selective", tokens_per_s=2973, mfu=0.582),
-    Published("titan llama3-70b 64xA100 full", TORCHTITAN_A100, "llama3-70b", "A100-80GB", 8, 8, 1, 8192,
-              "full", tokens_per_s=331, mfu=0.517),
-    Published("titan llama2-13b 64xA100 none", TORCHTITAN_A100, "llama2-13b", "A100-80GB", 8, 8, 2, 4096,
-              "none", tokens_per_s=2162, mfu=0.611),
-    Published("titan llama2-13b 64xA100 sel-op", TORCHTITAN_A100, "llama2-13b", "A100-80GB", 8, 8, 2, 4096,
-              "selective", tokens_per_s=1904, mfu=0.538),
-    Published("titan llama2-70b 64xA100 full", TORCHTITAN_A100, "llama2-70b", "A100-80GB", 8, 8, 2, 4096,
-              "full", tokens_per_s=353, mfu=0.505),
-    Published("titan llama3.1-8b 8xH100 fsdp", TORCHTITAN_H100, "llama3.1-8b", "H100-96GB", 1, 8, 2, 8192,
-              "selective", tokens_per_s=5762, memory_gib=82.4,
-              role="calibration: H100 efficiency, SELECTIVE_ACTIVATION_SHARE"),
-    Published("titan llama3.1-8b 128xH100 fsdp", TORCHTITAN_H100, "llama3.1-8b", "H100-96GB", 16, 8, 2, 8192,
-              "selective", tokens_per_s=5605, memory_gib=67.0),
-    Published("titan llama3.1-8b 8xH100 fsdp+compile", TORCHTITAN_H100, "llama3.1-8b", "H100-96GB", 1, 8, 2, 8192,
-              "selective", tokens_per_s=6667, memory_gib=77.0, note="torch.compile: not modelled"),
-    Published("titan llama3.1-8b 128xH100 fsdp+compile", TORCHTITAN_H100, "llama3.1-8b", "H100-96GB", 16, 8, 2,
-              8192, "selective", tokens_per_s=6514, memory_gib=62.0, note="torch.compile: not modelled"),
-    Published("atorch llama2-7b 8xA100 fsdp", ATORCH_A100, "llama2-7b", "A100-80GB", 1, 8, 4, 4096, "full",
-              tflops=204.67, memory_gib=39596.3 * MIB / GIB, **_ATORCH_RUN,
-              role="calibration: A100 efficiency"),
-    Published("atorch llama2-7b 16xA100 fsdp", ATORCH_A100, "llama2-7b", "A100-80GB", 2, 8, 4, 4096, "full",
-              tflops=197.22, memory_gib=34776.7 * MIB / GIB, **_ATORCH_RUN),
-    Published("atorch llama2-7b 32xA100 fsdp", ATORCH_A100, "llama2-7b", "A100-80GB", 4, 8, 4, 4096, "full",
-              tflops=196.04, memory_gib=32366.8 * MIB / GIB, **_ATORCH_RUN),
-    Published("atorch llama2-7b 64xA100 fsdp", ATORCH_A100, "llama2-7b", "A100-80GB", 8, 8, 4, 4096, "full",
-              tflops=195.14, memory_gib=31161.9 * MIB / GIB, **_ATORCH_RUN),
-]
+def not_modelled(row: dict) -> Optional[str]:
+    if row["context"] > 1:
+        return "context parallelism"
+    if "compile" in row["note"]:
+        return "torch.compile"
+    return None
 
 
-def hardware_flops_per_token(row: Published) -> float:
-    spec = model_spec(row.model)
-    flops = spec.model_flops_per_token(row.seq_len)
-    return flops + (spec.recompute_flops_per_token(row.seq_len) if row.checkpointing == "full" else 0.0)
+def predict_row(row: dict, models: dict) -> Prediction:
+    spec = from_hf_config(models[row["model"]], name=row["model"]) if row["model"] in models else model_spec(row["model"])
+    device = DEVICES[row["device"]]
+    if row["network_gbps_per_gpu"]:
+        device = dataclasses.replace(device, network_bytes_per_s=row["network_gbps_per_gpu"] * 1e9 / 8)
+    cluster = ClusterSpec(row["nodes"], row["gpus_per_node"], device)
+    data = cluster.world_size // (row["tensor"] * row["pipeline"] * row["context"])
+    micro = row["micro_batch"] if row["micro_batch"] and (row["global_batch"] // data) % row["micro_batch"] == 0 else None
+    spec, cluster, candidate, work = configuration(
+        spec, cluster, global_batch=row["global_batch"], seq_len=row["seq_len"], tensor=row["tensor"],
+        pipeline=row["pipeline"], sharding=row["sharding"], precision=row["precision"],
+        activation_checkpointing=row["checkpointing"], micro_batch_size=micro)
+    work = dataclasses.replace(work, virtual_stages=row["virtual"], **SOURCE_WORKLOAD.get(row["source"], {}))
+    return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 
-def published_tokens(row: Published) -> float:
-    return row.tokens_per_s if row.tokens_per_s is not None else row.tflops * 1e12 / hardware_flops_per_token(row)
+def published_tokens(row: dict, models: dict) -> float:
+    """tokens/s per GPU as published, or converted from TFLOPs/GPU with the planner's FLOPs per token
+    (with one more forward when the source's TFLOPs count recompute: ATorch's)."""
+    if row["tokens_per_s_per_gpu"]:
+        return row["tokens_per_s_per_gpu"]
+    spec = from_hf_config(models[row["model"]], name=row["model"]) if row["model"] in models else model_spec(row["model"])
+    flops = spec.model_flops_per_token(row["seq_len"])
+    if row["source"] == "atorch" and row["checkpointing"] == "full":
+        flops += spec.recompute_flops_per_token(row["seq_len"])
+    return row["tflops_per_gpu"] * 1e12 / flops
 
 
-def prediction(row: Published):
-    spec = model_spec(row.model)
-    device = DEVICES[row.device]
-    if row.network_bytes_per_s:
-        device = dataclasses.replace(device, network_bytes_per_s=row.network_bytes_per_s)
-    cluster = ClusterSpec(row.nodes, row.gpus_per_node, device)
-    world = cluster.world_size
-    candidate = Candidate("fsdp", "amp_bf16", row.checkpointing != "none", block=spec.block)
-    extra = {k: v for k, v in (("logit_bytes", row.logit_bytes), ("fp32_residual", row.fp32_residual)) if v is not None}
-    work = Workload(row.local_batch * world, row.seq_len, row.checkpointing, **extra)
-    return predict(candidate, spec, cluster, work, spec_layout_facts(spec, world))
+def evaluate(rows: list[dict], models: dict) -> list[dict]:
+    out = []
+    for row in rows:
+        p = predict_row(row, models)
+        published = published_tokens(row, models)
+        memory = p.memory_bytes / GIB
+        out.append({**row, "pred": p, "published": published, "ratio": p.tokens_per_s_per_gpu / published,
+                    "mem_ratio": memory / row["memory_gib"] if row["memory_gib"] else None, "skip": not_modelled(row)})
+    return out
 
 
-def main() -> None:
-    header = (f"{'row':<42}{'role':<13}{'tok/s pub':>10}{'pred':>8}{'ratio':>7}{'mem pub':>9}{'pred':>7}{'ratio':>7}"
-              f"{'MFU pred':>9}")
-    print(header)
-    print("-" * len(header))
-    held_out = {"throughput": [], "memory": []}
-    for row in ROWS:
-        p = prediction(row)
-        tokens = published_tokens(row)
-        t_ratio = p.tokens_per_s_per_gpu / tokens
-        mem = p.memory_bytes / GIB
-        m_ratio = mem / row.memory_gib if row.memory_gib else None
-        role = "calibration" if row.role.startswith("calibration") else "test"
-        print(f"{row.name:<42}{role:<13}{tokens:>10.0f}{p.tokens_per_s_per_gpu:>8.0f}{t_ratio:>7.2f}"
-              + (f"{row.memory_gib:>9.1f}{mem:>7.1f}{m_ratio:>7.2f}" if m_ratio else f"{'':>9}{mem:>7.1f}{'':>7}")
-              + f"{p.mfu * 100:>8.1f}%" + (f"  ({row.note})" if row.note else ""))
-        if role == "test" and "not modelled" not in row.note:
-            held_out["throughput"].append(t_ratio)
-            if m_ratio:
-                held_out["memory"].append(m_ratio)
-    print()
-    for kind, goal in (("throughput", 0.20), ("memory", 0.15)):
-        ratios = held_out[kind]
-        worst = max(ratios, key=lambda r: abs(r - 1)) if ratios else float("nan")
-        inside = sum(abs(r - 1) <= goal for r in ratios)
-        print(f"held-out {kind}: {len(ratios)} rows, {inside} within +-{goal:.0%}, worst ratio {worst:.2f}")
-    print("\nsources:")
-    for source in dict.fromkeys(r.source for r in ROWS):
-        print(f"- {source}")
-    print("calibrated constants: " + "; ".join(f"{r.name} -> {r.role.split(': ', 1)[1]}" for r in ROWS
-                                                if r.role.startswith("calibration")))
+def summary(results: list[dict]) -> str:
+    """rows, within +-10 %, within +-20 %, mean absolute error, fits, memory error."""
+    n = len(results)
+    if not n:
+        return "-"
+    errors = [abs(r["ratio"] - 1) for r in results]
+    fits = sum(r["pred"].fits for r in results)
+    mem = [abs(r["mem_ratio"] - 1) for r in results if r["mem_ratio"]]
+    mem_text = f"{len(mem)} mem MAE {100 * sum(mem) / len(mem):4.1f}%" if mem else ""
+    return (f"{n:>3} rows  +-10%: {sum(e <= 0.10 for e in errors) / n:4.0%}  +-20%: {sum(e <= 0.20 for e in errors) / n:4.0%}"
+            f"  MAE {100 * sum(errors) / n:5.1f}%  fit {fits:>3}/{n:<3} {mem_text}")
+
+
+def print_rows(results: list[dict]) -> None:
+    header = f"{'row':<46}{'role':<12}{'tok/s pub':>10}{'pred':>9}{'ratio':>7}{'GiB pred':>9}{'pub':>6}  fits"
+    print(header + "\n" + "-" * len(header))
+    for r in results:
+        p = r["pred"]
+        mem = f"{r['memory_gib']:>6.1f}" if r["memory_gib"] else f"{'':>6}"
+        print(f"{r['id']:<46}{r['role']:<12}{r['published']:>10.0f}{p.tokens_per_s_per_gpu:>9.0f}{r['ratio']:>7.2f}"
+              f"{p.memory_bytes / GIB:>9.1f}{mem}  {'yes' if p.fits else 'NO'}" + (f"  (not modelled: {r['skip']})" if r["skip"] else ""))
+
+
+def print_tables(results: list[dict]) -> None:
+    counted = [r for r in results if not r["skip"]]
+    for role in ("held-out", "calibration"):
+        subset = [r for r in counted if r["role"] == role]
+        print(f"\n{role} rows (tokens/s per GPU, predicted vs published)")
+        print(f"  {'all':<22}{summary(subset)}")
+        for key in ("source", "device"):
+            for value in dict.fromkeys(r[key] for r in subset):
+                print(f"  {value:<22}{summary([r for r in subset if r[key] == value])}")
+    skipped = [r for r in results if r["skip"]]
+    if skipped:
+        print(f"\nnot counted (not modelled): {len(skipped)} rows: " + ", ".join(sorted({r['skip'] for r in skipped})))
+
+
+# --- fitting -----------------------------------------------------------------------------------------
+@contextmanager
+def constants(values: dict[str, float]) -> Iterator[None]:
+    """The calibration table with ``values`` in place of the fitted ones, for the duration."""
+    saved = dict(calibration.FITTED)
+    try:
+        for name, v in values.items():
+            calibration.FITTED[name] = dataclasses.replace(calibration.FITTED[name], value=v)
+        yield
+    finally:
+        calibration.FITTED.clear()
+        calibration.FITTED.update(saved)
+
+
+def loss(name: str, rows: list[dict], models: dict) -> float:
+    """Mean squared log-ratio of the constant's own rows (throughput or memory, as it is fitted to)."""
+    memory = calibration.FITTED[name].target == "memory"
+    total = 0.0
+    for r in evaluate(rows, models):
+        ratio = r["mem_ratio"] if memory else r["ratio"]
+        total += math.log(ratio) ** 2
+    return total / max(len(rows), 1)
+
+
+def fit(rows: list[dict], models: dict, rounds: int = 4) -> dict[str, float]:
+    """Each constant by golden-section search on its own calibration rows (the rows named in
+    ``calibration.FITTED``, looked up in ``rows``), the others held at their current values; a few
+    rounds, since the constants interact a little. Held-out rows are never read."""
+    by_id = {r["id"]: r for r in rows}
+    values = {name: f.value for name, f in calibration.FITTED.items()}
+    for _ in range(rounds):
+        for name, fitted in calibration.FITTED.items():
+            own = [by_id[i] for i in fitted.rows]
+
+            def objective(v: float) -> float:
+                with constants({**values, name: v}):
+                    return loss(name, own, models)
+            values[name] = golden_section(objective, fitted.low, fitted.high)
+    return values
+
+
+def golden_section(f, low: float, high: float, iterations: int = 40) -> float:
+    ratio = (math.sqrt(5) - 1) / 2
+    a, b = low, high
+    c, d = b - ratio * (b - a), a + ratio * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(iterations):
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - ratio * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + ratio * (b - a)
+            fd = f(d)
+    return (a + b) / 2
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--fit", action="store_true", help="refit the calibrated constants on their rows and print them")
+    parser.add_argument("--rows", action="store_true", help="print every row")
+    args = parser.parse_args(argv)
+    data, rows = load()
+    models = data["models"]
+    if args.fit:
+        calibration_only = [r for r in rows if r["role"] == "calibration"]
+        values = fit(calibration_only, models)
+        for name, v in values.items():
+            print(f"fitted {name}: {v:.4g} (in calibration.py: {calibration.value(name):.4g})")
+        return
+    results = evaluate(rows, models)
+    if args.rows:
+        print_rows(results)
+    print_tables(results)
+    sources = data["sources"]
+    print(f"\n{len(rows)} rows from {len(sources)} sources; "
+          f"{sum(r['role'] == 'calibration' for r in rows)} calibration rows")
+    for key, source in sources.items():
+        print(f"- {key}: {source['where']}; MFU counted as: {source['mfu']}")
+    print("calibrated constants: " + "; ".join(f"{name} = {f.value:.4g} on {len(f.rows)} row(s)"
+                                               for name, f in calibration.FITTED.items()))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from atorch.auto.search.hardware_specs import DEVICES, cluster_spec, device_spec
 from atorch.auto.search.model_specs import BUILTIN_CONFIGS, model_spec
 from atorch.errors import InputError
 from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
+from atorch.plan import PRECISIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA3_8B_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -110,3 +111,31 @@ def test_meta_module_and_the_top_plan_runs_with_load_strategy():
     loss.backward()
     out.optim.step()
     assert torch.isfinite(loss)
+
+
+def test_estimate_of_the_top_plan_gives_the_figures_plan_reports():
+    """estimate() runs the model plan() ranks with: the configuration plan() put first, named by hand,
+    gets the same throughput, MFU, memory and fit."""
+    result = atorch.plan("llama3-8b", "2x8xH100-80GB", global_batch=32, seq_len=8192)
+    for best in [result.best] + [p for p in result.predictions if p.candidate.tensor * p.candidate.pipeline > 1][:3]:
+        c = best.candidate
+        data = c.data_size(16)
+        sharding = "hsdp" if c.shard else c.sharding
+        precision = {v: k for k, v in PRECISIONS.items()}[c.precision]
+        mine = atorch.estimate("llama3-8b", "2x8xH100-80GB", global_batch=32, seq_len=8192, tensor=c.tensor,
+                               pipeline=c.pipeline, sharding=sharding, precision=precision,
+                               activation_checkpointing="full" if c.checkpoint else "none",
+                               micro_batch_size=32 // data // c.micro if c.micro > 1 else None)
+        assert mine.tokens_per_s_per_gpu == pytest.approx(best.tokens_per_s_per_gpu, rel=1e-9)
+        assert mine.mfu == pytest.approx(best.mfu, rel=1e-9)
+        assert mine.memory_bytes == best.memory_bytes and mine.fits == best.fits
+
+
+@pytest.mark.parametrize("key, value, valid", [
+    ("sharding", "fsdp2", "hsdp"), ("precision", "bfloat16", "pure_bf16"),
+    ("activation_checkpointing", "op", "selective"), ("tensor", 3, "divide"), ("micro_batch_size", 0, "positive"),
+])
+def test_estimate_names_a_bad_value_and_the_valid_choices(key, value, valid):
+    with pytest.raises(InputError, match=valid) as error:
+        atorch.estimate("llama3-8b", "8xH100-80GB", global_batch=16, seq_len=4096, **{key: value})
+    assert key in str(error.value)

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from atorch.auto.search.analyser import ModelProfile
-from atorch.auto.search.analytic import Prediction, Workload, predict, spec_layout_facts
-from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates
+from atorch.auto.search.analytic import AC_MODES, Prediction, Workload, predict, spec_layout_facts
+from atorch.auto.search.candidates import SHARDINGS, Candidate, SearchSpace, enumerate_candidates
 from atorch.auto.search.hardware_specs import ClusterSpec, DeviceSpec, cluster_spec
 from atorch.auto.search.model_specs import TransformerSpec, model_spec
 from atorch.auto.search.topology import Topology, keep_tensor_in_node
@@ -94,6 +94,82 @@ def plan(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     return Plan(spec, cluster, work, predictions, skipped)
 
 
+# estimate()'s precision names -> the candidates' (amp: fp32 master weights, bf16 compute)
+PRECISIONS = {"bf16": "amp_bf16", "fp16": "amp_fp16", "fp32": "fp32", "pure_bf16": "half_bf16", "fp8": "fp8"}
+ESTIMATE_SHARDINGS = SHARDINGS + ("hsdp",)
+
+
+def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
+             cluster: Union[str, Mapping[str, Any], ClusterSpec], *, global_batch: int, seq_len: int,
+             tensor: int = 1, pipeline: int = 1, sharding: str = "fsdp", precision: str = "bf16",
+             activation_checkpointing: str = "none", micro_batch_size: Optional[int] = None) -> Prediction:
+    """How fast and how big is the one configuration you name ("what I run today")?
+
+    The same analytic model ``plan()`` ranks its candidates with, so a configuration that ``plan()``
+    lists gets the same figures here. ``sharding``: ddp / zero1 (a distributed optimizer) / zero2 /
+    fsdp / hsdp (fsdp inside a node, replicated across); ``precision``: bf16 / fp16 (autocast over fp32
+    weights), pure_bf16, fp32 or fp8 (fp8 matmuls); ``activation_checkpointing``: none / selective /
+    full; ``micro_batch_size``: sequences per forward on one data rank (None: the whole per-rank batch,
+    or the pipeline's default split). Returns a ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``,
+    ``memory_bytes``, ``fits`` and the time breakdown)."""
+    spec, cluster, candidate, work = configuration(
+        model, cluster, global_batch=global_batch, seq_len=seq_len, tensor=tensor, pipeline=pipeline, sharding=sharding,
+        precision=precision, activation_checkpointing=activation_checkpointing, micro_batch_size=micro_batch_size)
+    return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
+
+
+def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, tensor: int = 1, pipeline: int = 1,
+                  sharding: str = "fsdp", precision: str = "bf16", activation_checkpointing: str = "none",
+                  micro_batch_size: Optional[int] = None) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
+    """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
+    callers that adjust the workload further, such as the published-runs benchmark)."""
+    spec, cluster = model_spec(model), cluster_spec(cluster)
+    _check_positive("global_batch", global_batch)
+    _check_positive("seq_len", seq_len)
+    _check_choice("sharding", sharding, ESTIMATE_SHARDINGS)
+    _check_choice("precision", precision, tuple(PRECISIONS))
+    _check_choice("activation_checkpointing", activation_checkpointing, AC_MODES)
+    world = cluster.world_size
+    data = _check_layout(spec, cluster, tensor, pipeline)
+    if global_batch % data:
+        raise InputError(f"global_batch={global_batch} does not split over {data} data ranks "
+                         f"(world {world} / tensor {tensor} / pipeline {pipeline})")
+    per_rank = global_batch // data
+    micro = 1
+    if micro_batch_size is not None:
+        _check_positive("micro_batch_size", micro_batch_size)
+        if per_rank % micro_batch_size:
+            raise InputError(f"micro_batch_size={micro_batch_size} does not divide the per-data-rank batch {per_rank}")
+        micro = per_rank // micro_batch_size if pipeline == 1 else 1  # a pipeline splits its batch itself
+    shard = 0
+    if sharding == "hsdp":
+        sharding, shard = "fsdp", (cluster.gpus_per_node if cluster.nodes > 1 else 0)
+    candidate = Candidate(sharding, PRECISIONS[precision], activation_checkpointing != "none", block=spec.block,
+                          tensor=tensor, pipeline=pipeline, micro=micro, shard=shard)
+    work = Workload(global_batch, seq_len, activation_checkpointing, micro_batch_size=micro_batch_size)
+    return spec, cluster, candidate, work
+
+
+def _check_layout(spec: TransformerSpec, cluster: ClusterSpec, tensor: int, pipeline: int) -> int:
+    """The data size of a tensor x pipeline layout, after the checks the planner's candidates pass."""
+    _check_positive("tensor", tensor)
+    _check_positive("pipeline", pipeline)
+    world = cluster.world_size
+    if world % (tensor * pipeline):
+        raise InputError(f"tensor={tensor} x pipeline={pipeline} does not divide the {world} GPUs of {cluster.label}")
+    if spec.heads % tensor or spec.kv_heads % tensor:
+        raise InputError(f"tensor={tensor} is not valid: it must divide {spec.heads} attention heads and "
+                         f"{spec.kv_heads} key-value heads")
+    if pipeline > spec.layers:
+        raise InputError(f"pipeline={pipeline} is not valid: {spec.layers} blocks cannot fill {pipeline} stages")
+    return world // (tensor * pipeline)
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise InputError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
+
+
 def format_plan(result: Plan, limit: Optional[int] = None) -> str:
     spec, cluster, work = result.model, result.cluster, result.workload
     head = (f"model {spec.name}: {spec.param_count / 1e9:.2f} B parameters; cluster {cluster.label} "
@@ -149,4 +225,4 @@ def _check_positive(name: str, value: Any) -> None:
         raise InputError(f"{name}={value!r} is not valid: give a positive int")
 
 
-__all__ = ["Plan", "plan", "format_plan", "plot_plan", "Candidate"]
+__all__ = ["Plan", "plan", "estimate", "format_plan", "plot_plan", "Candidate", "Prediction"]

@@ -17,10 +17,12 @@ predictions with published runs.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from atorch.auto.search import calibration
 from atorch.auto.search.analyser import ModelProfile
 from atorch.auto.search.candidates import Candidate
 from atorch.auto.search.cost import EXTRA_MICRO_BATCHES_IN_FLIGHT, estimate
@@ -32,18 +34,10 @@ from atorch.auto.search.model_specs import TransformerSpec
 # The loss reads bf16 logits, upcasts them to fp32 and keeps their fp32 gradient: 2 + 4 + 4 bytes per
 # logit (first principles; transformers and torchtitan both upcast before cross-entropy).
 LOGIT_BYTES = 10
-# Selective activation checkpointing (torchtitan's "op" policy: matmul outputs kept, the rest
-# recomputed) keeps this share of a block's activations. Calibrated on torchtitan's Llama 3.1 8B FSDP
-# row on 8 H100 (82.4 GiB); the 128-GPU row tests it.
-SELECTIVE_ACTIVATION_SHARE = 0.48
 # What the caching allocator reserves beyond the live peak (fragmentation, freed blocks kept). 1.0:
 # the selective share above was fitted with it, so no second constant is taken from the same row.
 ALLOCATOR_OVERHEAD = 1.0
 AC_MODES = ("none", "selective", "full")
-# micro_batch on a GPU: each extra micro-step runs smaller matmuls at lower efficiency. Not calibrated
-# (no published row splits the batch); small, so a split is chosen only when the whole batch does not
-# fit, as the search does with its CPU-calibrated cost.MICRO_STEP_OVERHEAD.
-MICRO_STEP_SLOWDOWN = 0.02
 
 
 @dataclass(frozen=True)
@@ -55,6 +49,12 @@ class Workload:
     activation_checkpointing: Optional[str] = None  # None: the candidate's (off / full); or one of AC_MODES
     logit_bytes: int = LOGIT_BYTES                  # per logit, through the loss
     fp32_residual: Optional[bool] = None            # None: autocast over fp32 weights unless FSDP casts them
+    micro_batch_size: Optional[int] = None          # sequences per forward on a data rank; None: the default split
+    virtual_stages: int = 1                         # interleaved pipeline: model chunks per stage
+    logits_kept: bool = False                       # the caller keeps the logits through backward (HF outputs)
+    # gradient accumulation reduce-scatters every micro-step (Composer, FSDP2 by default) instead of
+    # keeping unsharded gradients until the last one (atorch's micro_batch, DDP's no_sync)
+    sync_each_micro_step: bool = False
 
     @property
     def tokens(self) -> int:
@@ -80,11 +80,12 @@ def predict(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, w
     world = cluster.world_size
     memory = predict_memory(candidate, spec, cluster, work, facts)
     compute = compute_seconds(candidate, spec, cluster, work)
-    data_comm = data_comm_seconds(candidate, spec, cluster, facts)
+    data_comm = data_comm_seconds(candidate, spec, cluster, facts, work)
     exposed = tensor_comm_seconds(candidate, spec, cluster, work) + pipeline_comm_seconds(candidate, spec, cluster, work)
     step = max(compute, data_comm) + exposed
     tokens = work.tokens / world / step
-    mfu = tokens * spec.model_flops_per_token(work.seq_len) / cluster.device.bf16_flops
+    peak = cluster.device.fp8_flops if candidate.precision == "fp8" and cluster.device.fp8_flops else cluster.device.bf16_flops
+    mfu = tokens * spec.model_flops_per_token(work.seq_len) / peak
     return Prediction(candidate, int(memory), step, tokens, mfu, memory <= cluster.device.memory_bytes,
                       compute, data_comm + exposed)
 
@@ -112,14 +113,17 @@ def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload
     residual = 4 if residual_is_fp32(candidate, work) else width
     split = spec.split_activation_elements()
     unsplit = spec.block_activation_elements() - split  # norms and the residual stream
-    per_token = split / tensor * width + unsplit * residual
+    # tensor parallelism runs with sequence parallelism (Megatron, torchtitan): the norms and the
+    # residual stream are split over the sequence, so every activation divides by the tensor size
+    per_token = (split * width + unsplit * residual) / tensor
     mode = checkpointing(candidate, work)
-    kept = {"none": per_token, "selective": SELECTIVE_ACTIVATION_SHARE * per_token,
+    kept = {"none": per_token, "selective": calibration.value("selective activation share") * per_token,
             "full": spec.hidden * residual}[mode]
     blocks = layers * kept * tokens * in_flight
     working = per_token * tokens * (2 if mode == "full" else 1)  # one block's backward (and its recompute)
-    logits = spec.vocab * tokens * work.logit_bytes
-    return blocks + working + logits
+    logits = spec.vocab * tokens * work.logit_bytes / tensor  # vocab-parallel under tensor parallelism
+    # the loss's logits are freed before the first block's backward begins: the two peaks do not add
+    return blocks + (working + logits if work.logits_kept else max(working, logits))
 
 
 def residual_is_fp32(candidate: Candidate, work: Workload) -> bool:
@@ -133,32 +137,64 @@ def residual_is_fp32(candidate: Candidate, work: Workload) -> bool:
 def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,
                    facts: Optional[LayoutFacts] = None) -> float:
     """Per-GPU peak bytes. Data-parallel layouts go through ``cost.estimate`` with an analytical alone
-    profile; tensor / pipeline layouts scale state by the largest rank's share (``LayoutFacts``)."""
+    profile; tensor / pipeline layouts through ``layout_memory``. fp8 keeps bf16 state and activations
+    here (its fp8 weight copies are small beside the fp32 state)."""
+    if candidate.precision == "fp8":
+        candidate = dataclasses.replace(candidate, precision="amp_bf16")
     world, t, p = cluster.world_size, candidate.tensor, candidate.pipeline
     data = candidate.data_size(world)
     P, G, O = state_bytes(candidate, spec)
+    if t * p > 1:
+        return layout_memory(candidate, spec, work, facts, data) * ALLOCATOR_OVERHEAD
     tokens = work.tokens / data
-    if t * p == 1:
-        autocast_copies = 0.5 * P if candidate.precision.startswith("amp") and checkpointing(candidate, work) == "none" else 0.0
-        act = activation_bytes(candidate, spec, work, tokens) + autocast_copies
-        variant = VariantProfile(candidate.precision, candidate.checkpoint, work.global_batch // data,
-                                 int(P + G + O + act), 0.0, int(P), int(G), int(O))
-        shard_group = shard_size(candidate, world)
-        memory = estimate(candidate, variant, shard_group, _profile(spec, P), _hardware(cluster)).memory_bytes
-        return memory * ALLOCATOR_OVERHEAD
+    if work.sync_each_micro_step:  # one micro-batch's activations, and no unsharded gradients kept
+        tokens /= max(candidate.micro, 1)
+        candidate = dataclasses.replace(candidate, micro=1)
+    autocast_copies = 0.5 * P if candidate.precision.startswith("amp") and checkpointing(candidate, work) == "none" else 0.0
+    act = activation_bytes(candidate, spec, work, tokens) + autocast_copies
+    variant = VariantProfile(candidate.precision, candidate.checkpoint, work.global_batch // data,
+                             int(P + G + O + act), 0.0, int(P), int(G), int(O))
+    shard_group = shard_size(candidate, world)
+    memory = estimate(candidate, variant, shard_group, _profile(spec, P), _hardware(cluster)).memory_bytes
+    return memory * ALLOCATOR_OVERHEAD
+
+
+def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, facts: Optional[LayoutFacts],
+                  data: int) -> float:
+    """A tensor / pipeline rank's state (its share of the model) sharded over the data dimension as the
+    sharding says: fsdp all of it (plus two gathered blocks), zero1 as Megatron's distributed optimizer
+    (bf16 weights and fp32 gradients whole, fp32 master weights and Adam moments sharded), ddp none
+    (plus its gradient buckets); and the activations of the micro-batches the schedule keeps in flight
+    (1F1B: as many as stages on the first stage, plus one being received)."""
+    t, p = candidate.tensor, candidate.pipeline
+    P, G, O = state_bytes(candidate, spec)
     share = facts.state_share[(t, p)] if facts and (t, p) in facts.state_share else 1.0 / (t * p)
+    amp = candidate.precision.startswith("amp")
+    if candidate.sharding in ("fsdp", "zero2", "hsdp") and data > 1:
+        block = spec.block_params * (2 if amp else P / spec.param_count) / t
+        states = (P + G + O) * share / data + 2 * block
+    elif candidate.sharding == "zero1" and data > 1:
+        weights = P / 2 if amp else P
+        states = (weights + G + (P if amp else 0.0) / data + O / data) * share
+    else:
+        states = (P + G + O) * share + (G * share if data > 1 else 0.0)
+    micro = pipeline_micro_batches(candidate, work, data) if p > 1 else micro_steps(candidate, work, data)
+    tokens = work.tokens / data / micro
     if p > 1:
-        micro = micro_batches(p, max(work.global_batch // data, 1))
-        in_flight = min(min(p, micro) + EXTRA_MICRO_BATCHES_IN_FLIGHT, micro)
-        act = activation_bytes(candidate, spec, work, tokens / micro, t, math.ceil(spec.layers / p), in_flight)
+        in_flight = min(p + EXTRA_MICRO_BATCHES_IN_FLIGHT, micro)
+        act = activation_bytes(candidate, spec, work, tokens, t, math.ceil(spec.layers / p), in_flight)
     else:
         act = activation_bytes(candidate, spec, work, tokens, t)
-    memory = (P + G + O) * share + act
-    if data > 1:
-        memory += G * share  # the data group's gradient all-reduce buffers
-        if candidate.sharding == "zero1":
-            memory -= (1 - 1 / data) * O * share
-    return memory * ALLOCATOR_OVERHEAD
+    return states + act
+
+
+def pipeline_micro_batches(candidate: Candidate, work: Workload, data: int) -> int:
+    """Micro-batches a pipeline splits a data rank's batch into: the user's micro-batch size, or the
+    pipeline method's default."""
+    per_rank = max(work.global_batch // data, 1)
+    if work.micro_batch_size:
+        return max(per_rank // work.micro_batch_size, 1)
+    return micro_batches(candidate.pipeline, per_rank)
 
 
 def shard_size(candidate: Candidate, world: int) -> int:
@@ -179,25 +215,120 @@ def _hardware(cluster: ClusterSpec) -> HardwareProfile:
 
 
 # --- time --------------------------------------------------------------------------------------------
+# Bytes of memory-bound traffic (reads + writes) per token and block, forward and backward, in
+# activation-width units, from counting the elementwise kernels of a pre-norm block (first principles,
+# not fitted): two norms (read + write, x3 for forward + backward), two residual adds (read 2, write 1),
+# rotary / dropout / casts on q, k, v and the output: about 30 hidden-widths; the MLP's activation
+# (GELU: read + write, SwiGLU: read 2 + write 1) over the intermediate width, x3: 6 or 9 ffn-widths.
+ELEMENTWISE_HIDDEN_WIDTHS = 30
+ELEMENTWISE_FFN_WIDTHS = {True: 9, False: 6}  # gated (SwiGLU) or not
+# The optimizer step reads fp32 parameters, gradients and both Adam moments and writes three back,
+# plus the bf16 copy: 30 bytes per parameter the rank updates (first principles).
+OPTIMIZER_BYTES_PER_PARAM = 30
+# The loss reads and writes the logits a few times (softmax, its gradient): bytes per logit (first principles).
+LOSS_BYTES_PER_LOGIT = 16
+# Attention executed with flash attention and a causal mask: forward 4 * seq * d FLOPs per token and
+# layer halved by the mask, backward 2.5 x the forward (it recomputes the scores): 7 * seq * d.
+ATTENTION_FLOPS_PER_SEQ_DIM = 7.0
+# Launch latency of one collective (NCCL, first principles: tens of microseconds).
+COLLECTIVE_LATENCY_S = 20e-6
+
+
 def compute_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
-    """FLOPs of the step on one GPU over its peak x efficiency, with the pipeline bubble."""
-    flops = spec.model_flops_per_token(work.seq_len)
-    if checkpointing(candidate, work) == "full":
-        flops += spec.recompute_flops_per_token(work.seq_len)
-    device = cluster.device
-    peak = device.fp32_flops if candidate.precision == "fp32" else device.bf16_flops
-    seconds = work.tokens * flops / cluster.world_size / (peak * device.efficiency)
-    if candidate.pipeline > 1:
-        micro = micro_batches(candidate.pipeline, max(work.global_batch // candidate.data_size(cluster.world_size), 1))
-        seconds *= (micro + candidate.pipeline - 1) / micro
-    if candidate.micro > 1:  # smaller matmuls and one more launch round per micro-step
-        seconds *= 1 + MICRO_STEP_SLOWDOWN * (candidate.micro - 1)
+    """Matmul, attention and memory-bound time of the step on one GPU, the per-layer host cost, and
+    the pipeline bubble."""
+    t, p, world = candidate.tensor, candidate.pipeline, cluster.world_size
+    data = candidate.data_size(world)
+    tokens = work.tokens / data  # one data rank's tokens per step, shared by its t * p GPUs
+    seconds = (matmul_seconds(candidate, spec, cluster, work) + attention_seconds(candidate, spec, cluster, work)
+               + memory_bound_seconds(candidate, spec, cluster, work, tokens) + optimizer_seconds(candidate, spec, cluster))
+    steps = micro_steps(candidate, work, data)
+    seconds += calibration.value("layer overhead s") * math.ceil(spec.layers / p) * steps
+    if p > 1:
+        micro = pipeline_micro_batches(candidate, work, data)
+        seconds *= 1 + (p - 1) / (micro * max(work.virtual_stages, 1))
     return seconds
 
 
+def micro_steps(candidate: Candidate, work: Workload, data: int) -> int:
+    """Forward / backward passes per step on a data rank (gradient accumulation or pipeline micro-batches)."""
+    if candidate.pipeline > 1:
+        return pipeline_micro_batches(candidate, work, data)
+    return max(candidate.micro, 1)
+
+
+def matmul_efficiency(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec) -> float:
+    """The chip's fitted efficiency, lower for narrow matmuls (small models, large tensor sizes): the
+    width at which it halves is fitted too."""
+    width = spec.hidden / candidate.tensor
+    return cluster.device.matmul_efficiency * width / (width + calibration.value("matmul half width"))
+
+
+def _peak(candidate: Candidate, cluster: ClusterSpec) -> float:
+    device = cluster.device
+    if candidate.precision == "fp32":
+        return device.fp32_flops
+    if candidate.precision == "fp8" and device.fp8_flops:
+        return device.fp8_flops * calibration.value("fp8 efficiency")
+    return device.bf16_flops
+
+
+def matmul_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
+    """Weight matmuls: 6 FLOPs per non-embedding parameter and token (the head included), one more
+    forward of the blocks under full recompute (or of their matmul-free parts under selective: none)."""
+    flops = 6.0 * (spec.param_count - spec.embedding_params - (spec.head_params if spec.tied else 0))
+    if spec.tied:
+        flops += 6.0 * spec.embedding_params  # the tied head is still a matmul
+    if checkpointing(candidate, work) == "full":
+        flops += 2.0 * spec.layers * spec.block_params
+    per_gpu = work.tokens * flops / cluster.world_size
+    return per_gpu / (_peak(candidate, cluster) * matmul_efficiency(candidate, spec, cluster))
+
+
+def attention_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
+    """Causal flash attention's executed FLOPs at the fitted share of the matmul efficiency (bf16: flash
+    attention does not run in fp8 here)."""
+    per_token = ATTENTION_FLOPS_PER_SEQ_DIM * spec.layers * spec.hidden * work.seq_len
+    if checkpointing(candidate, work) == "full":
+        per_token += 2.0 * spec.layers * spec.hidden * work.seq_len
+    peak = cluster.device.fp32_flops if candidate.precision == "fp32" else cluster.device.bf16_flops
+    efficiency = matmul_efficiency(candidate, spec, cluster) * calibration.value("attention efficiency")
+    return work.tokens * per_token / cluster.world_size / (peak * efficiency)
+
+
+def memory_bound_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,
+                         tokens: float) -> float:
+    """Norms, activations, residual adds, casts and the loss: bytes over HBM bandwidth. ``tokens``: a
+    data rank's, split over its tensor group (sequence parallel) and its pipeline stages."""
+    hbm = cluster.device.hbm_bytes_per_s
+    if not hbm:
+        return 0.0
+    width = 4 if candidate.precision == "fp32" else 2
+    per_block = ELEMENTWISE_HIDDEN_WIDTHS * spec.hidden + ELEMENTWISE_FFN_WIDTHS[spec.gated] * spec.ffn
+    if checkpointing(candidate, work) == "full":
+        per_block *= 4 / 3  # the forward's share once more
+    blocks = per_block * spec.layers * width * tokens / (candidate.tensor * candidate.pipeline)
+    loss = LOSS_BYTES_PER_LOGIT * spec.vocab * tokens / candidate.tensor
+    return (blocks + loss) / hbm
+
+
+def optimizer_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec) -> float:
+    """Adam over the parameters this GPU updates (sharded ones: its shard)."""
+    hbm = cluster.device.hbm_bytes_per_s
+    if not hbm:
+        return 0.0
+    params = spec.param_count / (candidate.tensor * candidate.pipeline)
+    if candidate.sharding != "ddp":
+        params /= shard_size(candidate, cluster.world_size)
+    return OPTIMIZER_BYTES_PER_PARAM * params / hbm
+
+
 def data_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,
-                      facts: Optional[LayoutFacts] = None) -> float:
-    """Gradient reduction (and parameter gathers when sharded) over the data dimension, per GPU."""
+                      facts: Optional[LayoutFacts] = None, work: Optional[Workload] = None) -> float:
+    """Gradient reduction (and parameter gathers when sharded) over the data dimension, per GPU. FSDP
+    gathers every unit again for each micro-step, zero2 once per micro-step; their gradients are
+    reduced once per step, or at every micro-step under ``sync_each_micro_step``; DDP and zero1 reduce
+    once per step."""
     world, t, p = cluster.world_size, candidate.tensor, candidate.pipeline
     data = candidate.data_size(world)
     if data == 1:
@@ -205,12 +336,16 @@ def data_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
     P, G, _ = state_bytes(candidate, spec)
     share = facts.state_share.get((t, p), 1 / (t * p)) if facts and t * p > 1 else 1.0 / (t * p)
     P, G = P * share, G * share
-    compute_params = P / 2 if candidate.precision.startswith("amp") else P  # gathered in the compute dtype
+    compute_params = P / 2 if candidate.precision in ("amp_bf16", "amp_fp16", "fp8") else P  # gathered in bf16
     shard = shard_size(candidate, world)
     shed = 1 - 1 / shard
-    bytes_moved = {"ddp": 2 * shed * G, "zero1": 2 * shed * G + shed * P, "zero2": shed * (G + compute_params),
-                   "fsdp": shed * (G + 2 * compute_params)}[candidate.sharding]
+    steps = micro_steps(candidate, work, data) if work is not None and t * p == 1 else 1
+    syncs = steps if work is not None and work.sync_each_micro_step else 1
+    bytes_moved = {"ddp": 2 * shed * G, "zero1": 2 * shed * G + shed * P, "zero2": shed * (syncs * G + steps * compute_params),
+                   "fsdp": shed * (syncs * G + 2 * steps * compute_params)}[candidate.sharding]
     seconds = bytes_moved / cluster.link_bytes_per_s(shard, t * p)
+    collectives = {"ddp": 1, "zero1": 2, "zero2": 2 * spec.layers, "fsdp": 3 * spec.layers}[candidate.sharding]
+    seconds += steps * collectives * COLLECTIVE_LATENCY_S
     if shard < data:  # hybrid: the shards' gradients are all-reduced across the replicas
         replicas = data // shard
         seconds += 2 * (1 - 1 / replicas) * G / shard / cluster.link_bytes_per_s(replicas, t * p * shard)
@@ -219,7 +354,7 @@ def data_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
 
 def tensor_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
     """Four activation all-reduces per block and step (two forward, two backward; two more when the
-    forward is recomputed), on the layers this rank holds."""
+    forward is recomputed), on the layers this rank holds, on the critical path."""
     t = candidate.tensor
     if t == 1:
         return 0.0
@@ -228,18 +363,19 @@ def tensor_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cl
     activation = work.tokens / data * spec.hidden * width
     per_block = 6 if checkpointing(candidate, work) == "full" else 4
     layers = math.ceil(spec.layers / candidate.pipeline)
-    return per_block * layers * 2 * (1 - 1 / t) * activation / cluster.link_bytes_per_s(t)
+    latency = per_block * layers * micro_steps(candidate, work, data) * COLLECTIVE_LATENCY_S
+    return per_block * layers * 2 * (1 - 1 / t) * activation / cluster.link_bytes_per_s(t) + latency
 
 
 def pipeline_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
-    """Activations forward and gradients back across each stage boundary."""
+    """Activations forward and gradients back across each stage boundary (each virtual stage's)."""
     t, p = candidate.tensor, candidate.pipeline
     if p == 1:
         return 0.0
     data = candidate.data_size(cluster.world_size)
     width = 4 if candidate.precision == "fp32" else 2
-    activation = work.tokens / data * spec.hidden * width
-    return 2 * activation / cluster.link_bytes_per_s(p, t)
+    activation = work.tokens / data * spec.hidden * width / t
+    return 2 * max(work.virtual_stages, 1) * activation / cluster.link_bytes_per_s(p, t)
 
 
 # --- layouts -----------------------------------------------------------------------------------------

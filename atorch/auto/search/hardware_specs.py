@@ -17,8 +17,9 @@ import json
 import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
+from atorch.auto.search import calibration
 from atorch.errors import InputError, nearest_name
 
 GIB = 2**30
@@ -26,8 +27,9 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """One accelerator model. ``efficiency`` is the share of ``bf16_flops`` that dense training
-    matmuls reach (calibrated from published runs: see ``benchmarks/plan_vs_published.py``)."""
+    """One accelerator model. ``efficiency`` is the share of ``bf16_flops`` that large dense training
+    matmuls reach; None: the fitted value of the device's ``family`` (``calibration.py``: one per chip
+    and power limit, fitted on published runs; see ``benchmarks/plan_vs_published.py``)."""
 
     name: str
     memory_bytes: int
@@ -36,8 +38,13 @@ class DeviceSpec:
     hbm_bytes_per_s: float = 0.0
     nvlink_bytes_per_s: float = 0.0   # per GPU, one direction, inside a node
     network_bytes_per_s: float = 0.0  # per GPU, one direction, between nodes
-    efficiency: float = 0.6
+    efficiency: Optional[float] = None
     source: str = ""                  # where the numbers come from
+    family: str = "hopper"            # whose fitted efficiency applies when ``efficiency`` is None
+
+    @property
+    def matmul_efficiency(self) -> float:
+        return self.efficiency if self.efficiency is not None else calibration.value(f"{self.family} efficiency")
 
     @property
     def fp32_flops(self) -> float:
@@ -45,22 +52,26 @@ class DeviceSpec:
         return self.bf16_flops / 2
 
 
-# Vendor datasheets (dense, no sparsity). Efficiency: A100 from ATorch's Llama2-7B FSDP row on 8 A100
-# (65.6 % HFU), Hopper from torchtitan's Llama 3.1 8B FSDP row on 8 H100-96GB (500 W parts: the 700 W
-# H100-80GB and H200 likely do better; no published row here tests them). benchmarks/plan_vs_published.py
-# prints both calibration rows and the held-out ones.
+# Vendor datasheets (dense, no sparsity); bandwidths per GPU and direction. Distinct devices for one chip
+# differ in memory size and bandwidth (the memory-bound part of a step) and, for the 500 W H100, in the
+# clock its power limit allows (its own fitted efficiency).
 DEVICES: dict[str, DeviceSpec] = {spec.name: spec for spec in (
-    DeviceSpec("A100-40GB", int(39.4 * GIB), 312e12, 0.0, 1.555e12, 300e9, 25e9, 0.66,
-               "NVIDIA A100 datasheet (SXM4 40GB), HDR InfiniBand 200 Gb/s per GPU"),
-    DeviceSpec("A100-80GB", int(79.2 * GIB), 312e12, 0.0, 2.039e12, 300e9, 25e9, 0.66,
-               "NVIDIA A100 datasheet (SXM4 80GB), HDR InfiniBand 200 Gb/s per GPU"),
-    DeviceSpec("H100-80GB", int(79.1 * GIB), 989e12, 1979e12, 3.35e12, 450e9, 50e9, 0.34,
-               "NVIDIA H100 SXM5 datasheet, NDR InfiniBand 400 Gb/s per GPU"),
-    DeviceSpec("H100-96GB", int(94.5 * GIB), 989e12, 1979e12, 2.4e12, 450e9, 50e9, 0.34,
+    DeviceSpec("A100-40GB", int(39.4 * GIB), 312e12, 0.0, 1.555e12, 300e9, 25e9, None,
+               "NVIDIA A100 datasheet (SXM4 40GB: 1,555 GB/s HBM2, NVLink 600 GB/s), HDR InfiniBand 200 Gb/s per GPU",
+               "ampere"),
+    DeviceSpec("A100-80GB", int(79.2 * GIB), 312e12, 0.0, 2.039e12, 300e9, 25e9, None,
+               "NVIDIA A100 datasheet (SXM4 80GB: 2,039 GB/s HBM2e, NVLink 600 GB/s), HDR InfiniBand 200 Gb/s per GPU",
+               "ampere"),
+    DeviceSpec("H100-80GB", int(79.1 * GIB), 989e12, 1979e12, 3.35e12, 450e9, 50e9, None,
+               "NVIDIA H100 SXM5 datasheet (700 W, 80 GB HBM3 3.35 TB/s, NVLink 900 GB/s), NDR 400 Gb/s per GPU",
+               "hopper"),
+    DeviceSpec("H100-96GB", int(94.5 * GIB), 989e12, 1979e12, 2.4e12, 450e9, 50e9, None,
                "torchtitan's Grand Teton H100 (96 GB HBM2e, 2.4 TB/s, 500 W; SXM peak used as in its MFU), "
-               "400 Gb/s RDMA per GPU"),
-    DeviceSpec("H200", int(139.8 * GIB), 989e12, 1979e12, 4.8e12, 450e9, 50e9, 0.34,
-               "NVIDIA H200 SXM datasheet, NDR InfiniBand 400 Gb/s per GPU"),
+               "400 Gb/s RDMA per GPU", "hopper 500W"),
+    DeviceSpec("H200", int(139.8 * GIB), 989e12, 1979e12, 4.8e12, 450e9, 50e9, None,
+               "NVIDIA H200 SXM datasheet (700 W, 141 GB HBM3e 4.8 TB/s), NDR InfiniBand 400 Gb/s per GPU", "hopper"),
+    DeviceSpec("GH200", int(94.5 * GIB), 989e12, 1979e12, 4.0e12, 450e9, 50e9, None,
+               "NVIDIA GH200 Grace Hopper datasheet (96 GB HBM3 4 TB/s, NVLink 900 GB/s), 400 Gb/s per GPU", "hopper"),
 )}
 
 _FIELDS = {f.name for f in fields(DeviceSpec)}

@@ -1,0 +1,58 @@
+"""The planner's fitted constants come from their calibration rows only.
+
+``atorch/auto/search/calibration.py`` names, for every constant the analytic model fits, the rows of
+``benchmarks/published_runs.json`` it was fitted on. This pins the split: those rows (and only they)
+are ``role: calibration`` in the data file and name the constant in ``sets``; at most a third of the
+rows are calibration rows; and refitting every constant on its own rows alone (the held-out rows are
+not even passed in) gives back the value in the code, so a value tuned on a held-out row fails here."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from atorch.auto.search import calibration
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("plan_vs_published", ROOT / "benchmarks" / "plan_vs_published.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH = _bench()
+DATA, ROWS = BENCH.load()
+
+
+def test_the_data_file_marks_exactly_the_named_rows_as_calibration():
+    named = calibration.calibration_rows()
+    by_id = {row["id"]: row for row in ROWS}
+    assert len(by_id) == len(ROWS), "row ids are unique"
+    for row_id, constant in named.items():
+        assert row_id in by_id, f"{constant} names {row_id!r}, which is not in published_runs.json"
+        assert by_id[row_id]["role"] == "calibration", f"{constant} is fitted on held-out row {row_id!r}"
+        assert by_id[row_id]["sets"] == constant
+    stray = [row["id"] for row in ROWS if row["role"] == "calibration" and row["id"] not in named]
+    assert not stray, f"calibration rows no constant names: {stray}"
+    assert {row["role"] for row in ROWS} == {"calibration", "held-out"}
+    assert 3 * len(named) <= len(ROWS), f"{len(named)} calibration rows of {len(ROWS)}: more than a third"
+
+
+def test_the_data_is_many_rows_from_several_independent_sources():
+    sources = {row["source"] for row in ROWS}
+    beyond = sources - {"torchtitan-a100", "torchtitan-h100", "atorch"}
+    assert len(beyond) >= 4 and sum(row["source"] in beyond for row in ROWS) >= 60
+    for key in sources:
+        assert DATA["sources"][key]["where"] and DATA["sources"][key]["mfu"], key
+
+
+def test_refitting_on_the_calibration_rows_alone_gives_the_constants_in_the_code():
+    calibration_only = [row for row in ROWS if row["role"] == "calibration"]
+    refit = BENCH.fit(calibration_only, DATA["models"])
+    for name, fitted in calibration.FITTED.items():
+        assert refit[name] == pytest.approx(fitted.value, rel=0.03, abs=1e-6 * (fitted.high - fitted.low)), (
+            f"{name}: {fitted.value} in calibration.py, but its calibration rows give {refit[name]:.4g}")
