@@ -100,6 +100,18 @@ class RankLostError(AtorchError, RuntimeError):
 __all__.append("RankLostError")
 
 
+class PeerRankError(AtorchError, RuntimeError):
+    """Work that every rank does together (applying a strategy) failed on another rank; this rank
+    stopped too, with that rank's reason, instead of waiting for it inside a collective."""
+
+    def __init__(self, message: str, failed_rank: Optional[int] = None):
+        self.failed_rank = failed_rank
+        super().__init__(message)
+
+
+__all__.append("PeerRankError")
+
+
 class CheckpointError(AtorchError, RuntimeError):
     """A checkpoint cannot be saved or loaded: a bad path or argument, an incomplete or foreign
     directory, or state that does not match the model (the message names the key)."""

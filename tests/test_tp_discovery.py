@@ -4,14 +4,18 @@ MultiheadAttention stand-in, and (on 2 gloo ranks) a plan the check refuses at a
 plus the plan reported in ``result.args.extras``."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from atorch.auto.opt_lib.tensor_parallel import find_tp_plan
 from atorch.auto.opt_lib.tp_mha import SeparateProjectionAttention, split_mha
 from atorch.auto.opt_lib.tp_shapes import local_split_size, local_view_shape
-from atorch.errors import MethodConfigError
+from atorch.errors import AtorchError, MethodConfigError
 from atorch.testing import run_distributed
 from atorch.testing.hf_models import ZOO
 from atorch.utils.batch import call_with_batch
@@ -152,8 +156,42 @@ def _tp_run(model_name: str) -> dict:
     return {"extras": result.args.extras["tensor_parallel"]}
 
 
+def _fault_once_split(rank: int):
+    """A forward pre-hook that raises on ``rank`` the first time its block runs split (the plan's
+    check), while the other rank goes on into the block's tensor-parallel collectives."""
+    def hook(module, args):
+        if dist.get_rank() == rank and isinstance(module.attention.wq.weight, DTensor) and not hook.fired:
+            hook.fired = True
+            raise RuntimeError(f"injected fault on rank {rank}")
+    hook.fired = False
+    return hook
+
+
+def _rank_local_fault() -> dict:
+    """One rank raises inside the plan's check while the other waits in a collective: every rank must
+    end with a typed error, promptly, and the process group must still work."""
+    from atorch.auto.accelerate import auto_accelerate
+
+    torch.manual_seed(0)
+    model = ZOO["titan_llama"].build()
+    model.layers["1"].register_forward_pre_hook(_fault_once_split(1))
+    started = time.monotonic()
+    try:
+        auto_accelerate(model, torch.optim.SGD, ZOO["titan_llama"].make_dataset(16, 0), ZOO["titan_llama"].loss_func,
+                        optim_args={"lr": 0.01}, dataloader_args={"batch_size": 4},
+                        load_strategy=[("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"],
+                        ignore_dryrun_on_load_strategy=True)
+        outcome = "no error"
+    except AtorchError as error:
+        outcome = f"{type(error).__name__}: {error}"
+    seconds = time.monotonic() - started
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    return {"outcome": outcome, "seconds": seconds, "all_reduce": value.item()}
+
+
 def _both() -> dict:
-    return {name: _tp_run(name) for name in ("gained", "titan_llama")}
+    return {**{name: _tp_run(name) for name in ("gained", "titan_llama")}, "fault": _rank_local_fault()}
 
 
 @pytest.mark.multirank
@@ -166,3 +204,6 @@ def test_on_two_ranks_a_wrong_plan_is_refused_up_front_and_a_good_one_is_reporte
         assert "layers.0.attention.wq" in report["colwise"] and "layers.0.feed_forward.w2" in report["rowwise"]
         assert report["vocabulary"] and report["split_share"] > 0.9
         assert "norm" in report["replicated"] and report["why_whole"] == {}
+        fault = per_rank["fault"]
+        assert "injected fault on rank 1" in fault["outcome"], fault
+        assert fault["seconds"] < 60 and fault["all_reduce"] == 2.0, fault

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from atorch.auto.apply import apply_strategy, dry_run_strategy, resolve_strategy
+from atorch.auto.apply import apply_strategy_together, dry_run_strategy, resolve_strategy
 from atorch.auto.model_context import ModelContext
 from atorch.auto.search.options import SEARCH_KARGS, SearchOptions
 from atorch.auto.search.planner import search
@@ -118,7 +118,7 @@ def auto_accelerate(
 
     if save_strategy_to_file:  # before the model is wrapped: a strategy that cannot be saved fails first
         _save(strategy, save_strategy_to_file)
-    apply_strategy(ctx, strategy)
+    apply_strategy_together(ctx, strategy, options.collective_timeout_s)
     ctx.args.extras["strategy"] = strategy  # save_checkpoint records the strategy that ran
     checked_loss = None if ctx.loss_func is None else LossCheckedOnce(ctx.loss_func)
     result = AutoAccelerateResult(

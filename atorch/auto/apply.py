@@ -21,8 +21,10 @@ from atorch.auto.strategy import Strategy, StrategyItem
 from atorch.distributed import mesh
 from atorch.distributed.shutdown import register_gil_release_at_exit
 from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
+from atorch.distributed.agreement import is_multi_rank
 from atorch.distributed.agreement import world_size as current_world_size
-from atorch.errors import InputError, MethodConfigError, RequirementError
+from atorch.distributed.fault import run_isolated
+from atorch.errors import AtorchError, InputError, MethodConfigError, PeerRankError, RequirementError
 
 logger = logging.getLogger("atorch")
 
@@ -114,6 +116,35 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy) -> ModelContext:
         ctx.set_data_parallel_wrapper(data_parallel.NAME, data_parallel.wrap_data_parallel)
     ctx.apply_wrappers()
     return ctx
+
+
+def apply_strategy_together(ctx: ModelContext, strategy: Strategy,
+                            collective_timeout_s: float = DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S) -> ModelContext:
+    """``apply_strategy`` for the run the user gets, on every rank at once.
+
+    Applying runs collectives (FSDP's and DDP's set-up, the tensor plan's check on a sample). When
+    one rank raises there while its peers wait inside one, ``run_isolated`` ends every rank within
+    ``collective_timeout_s``: a rank that refused (an atorch error) or failed first re-raises its own
+    error, the others raise ``PeerRankError`` with the first failure's reason, and the process group stays usable. A success costs one small
+    all-reduce."""
+    if not is_multi_rank():
+        return apply_strategy(ctx, strategy)
+    raised: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            apply_strategy(ctx, strategy)
+        except Exception as error:
+            raised.append(error)
+            raise
+
+    outcome = run_isolated(work, collective_timeout_s)
+    if outcome.ok:
+        return ctx
+    if raised and (outcome.failed_rank == dist.get_rank() or isinstance(raised[0], AtorchError)):
+        raise raised[0]  # its own refusal (on every rank when all refused alike), or the first failure
+    raise PeerRankError(f"applying the strategy failed on rank {outcome.failed_rank}: {outcome.error}",
+                        failed_rank=outcome.failed_rank)
 
 
 def dry_run_strategy(make_context: Callable[[], ModelContext], strategy: Strategy, steps: int,

@@ -6,10 +6,15 @@ one place those decisions are reduced; in a single process they return their inp
 """
 from __future__ import annotations
 
+import itertools
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from atorch.distributed.timeouts import current_timeout
+
+_store_rounds: dict[tuple[int, ...], itertools.count] = {}
 
 
 def is_multi_rank() -> bool:
@@ -58,3 +63,34 @@ def broadcast_flag(flag: bool) -> bool:
     value = torch.tensor([1.0 if flag else 0.0], device=comm_device())
     dist.broadcast(value, src=0)
     return bool(value.item())
+
+
+def exchange_outside_collectives(value: str, group: Optional[dist.ProcessGroup] = None) -> list[str]:
+    """Every rank's ``value`` (in the order of ``group``'s ranks), through the rendezvous store
+    instead of a collective.
+
+    For a decision taken after work that may have failed on this rank alone: its peers may still be
+    inside one of that work's collectives, and a collective of another shape would be paired with it
+    (gloo aborts the process). Through the store, this rank waits while the peers' collective times
+    out and they arrive with their own reason; after twice the current collective timeout it raises
+    ``TimeoutError``."""
+    if not is_multi_rank():
+        return [value]
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world_size()))
+    round_ = next(_store_rounds.setdefault(ranks, itertools.count()))
+    store = dist.distributed_c10d._get_default_store()
+    key = f"atorch/exchange/{'-'.join(map(str, ranks))}/{round_}"
+    store.set(f"{key}/{dist.get_rank()}", value)
+    keys = [f"{key}/{rank}" for rank in ranks]
+    try:
+        store.wait(keys, 2 * current_timeout())
+    except Exception as error:  # the store's own timeout error type differs between torch versions
+        raise TimeoutError(f"ranks {list(ranks)} did not all reach the exchange within "
+                           f"{2 * current_timeout().total_seconds():.0f} s ({type(error).__name__})") from error
+    return [store.get(k).decode() for k in keys]
+
+
+def forget_store_rounds() -> None:
+    """After the process group is rebuilt (``run_isolated``): ranks may have taken part in different
+    numbers of agreements before the failure, so every rank numbers them from zero again."""
+    _store_rounds.clear()

@@ -27,9 +27,9 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from atorch.distributed import mesh
-from atorch.distributed.agreement import all_ranks_true, is_multi_rank
+from atorch.distributed.agreement import all_ranks_true, forget_store_rounds, is_multi_rank
 from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S, collective_timeout_cap, normal_timeout
-from atorch.errors import RankLostError
+from atorch.errors import AtorchError, RankLostError
 
 logger = logging.getLogger("atorch")
 
@@ -44,6 +44,9 @@ def register_rebuild_callback(callback: Callable[[], None]) -> None:
     aborted one (DeepSpeed) forget them there."""
     if callback not in _rebuild_callbacks:
         _rebuild_callbacks.append(callback)
+
+
+register_rebuild_callback(forget_store_rounds)  # the rebuilt group's store starts its agreements afresh
 
 
 @dataclass
@@ -105,13 +108,14 @@ def _recover(error: BaseException, timeout_s: float) -> Outcome:
     generation = _state["generation"]
     _state["generation"] += 1
     key = f"{_PREFIX}/{generation}"
-    record = json.dumps({"rank": rank, "error": describe(error)})
+    record = json.dumps({"rank": rank, "error": describe(error), "deliberate": isinstance(error, AtorchError)})
     try:
         store.compare_set(f"{key}/first", "", record)  # the first failing rank wins; later ones are echoes
+        store.set(f"{key}/error/{rank}", record)
         _abort_process_group()
         store.set(f"{key}/reached/{rank}", "1")
         _wait_for_every_rank(store, key, world, timeout_s)
-        first = json.loads(store.get(f"{key}/first"))
+        first = _the_reason(store, key, world)
         _rebuild_process_group(store, generation, rank, world)
     except RankLostError:
         raise
@@ -122,6 +126,21 @@ def _recover(error: BaseException, timeout_s: float) -> Outcome:
     logger.warning("rank %d failed (%s); every rank stopped that work and the process group was rebuilt",
                    first["rank"], first["error"])
     return Outcome(False, error=first["error"], failed_rank=first["rank"])
+
+
+def _the_reason(store: Any, key: str, world: int) -> dict:
+    """The failure to report on every rank: the first one, unless it was a collective's error and
+    another rank raised an atorch error (a refusal, a typed failure). That rank failed on purpose,
+    and the collectives its peers were in failed because of it, whichever was recorded first."""
+    first = json.loads(store.get(f"{key}/first"))
+    if first.get("deliberate"):
+        return first
+    for rank in range(world):
+        if store.check([f"{key}/error/{rank}"]):
+            record = json.loads(store.get(f"{key}/error/{rank}"))
+            if record.get("deliberate"):
+                return record
+    return first
 
 
 def _abort_process_group() -> None:

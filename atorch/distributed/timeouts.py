@@ -30,6 +30,11 @@ def normal_timeout() -> datetime.timedelta:
             return datetime.timedelta(minutes=10)
 
 
+def current_timeout() -> datetime.timedelta:
+    """How long a collective started now may wait: the active cap, else the normal timeout."""
+    return _cap["value"] if _cap["value"] is not None else normal_timeout()
+
+
 def _set_all(timeout: datetime.timedelta) -> None:
     for group in list(dist.distributed_c10d._world.pg_names):
         try:

@@ -9,7 +9,9 @@ and leaves no gradient behind.
 """
 from __future__ import annotations
 
+import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -20,6 +22,7 @@ from torch import nn
 from atorch.auto.opt_lib.pipeline_layout import no_cache_kwargs
 from atorch.auto.opt_lib.tp_shapes import (ShapeLocalizer, localize_attributes, remove_localizer,
                                             restore_attributes)
+from atorch.distributed.agreement import exchange_outside_collectives
 from atorch.errors import MethodConfigError
 from atorch.utils.batch import call_with_batch, loss_value, tensors
 from atorch.utils.dataflow import Dataflow, record_dataflow
@@ -74,8 +77,8 @@ def check_plan(model: nn.Module, probe: Probe, reference: list[torch.Tensor], re
         changed = {n: localize_attributes(m, chosen.get(n, set()), tp) for n, m in regions.items()}
         for mode in localizers.values():
             mode.rewrites = 0
-        error = _forward_error(model, probe, reference)
-        if _agreed(error is None, group):
+        error, raised = _forward_error(model, probe, reference)
+        if _agreed(error, raised, group):
             _backward(model, probe)
             _drop_unused(localizers)
             return variant
@@ -88,16 +91,22 @@ def check_plan(model: nn.Module, probe: Probe, reference: list[torch.Tensor], re
         "parallelism")
 
 
-def _forward_error(model: nn.Module, probe: Probe, reference: list[torch.Tensor]) -> Optional[str]:
+def _forward_error(model: nn.Module, probe: Probe, reference: list[torch.Tensor]) -> tuple[Optional[str], bool]:
+    """Why the split model's output differs from ``reference`` (None when it matches), and whether
+    it raised rather than computed."""
     training = model.training
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=_devices()):
             model.eval()
             got = _float_tensors(probe.run(model))
     except Exception as error:  # the split model's own code failed: the next remedy, or a refusal
-        return f"{type(error).__name__}: {str(error)[:300]}"
+        return f"{type(error).__name__}: {str(error)[:300]}", True
     finally:
         model.train(training)
+    return _output_error(got, reference), False
+
+
+def _output_error(got: list[torch.Tensor], reference: list[torch.Tensor]) -> Optional[str]:
     if len(got) != len(reference):
         return f"{len(got)} output tensors instead of {len(reference)}"
     for index, (a, b) in enumerate(zip(got, reference)):
@@ -114,17 +123,25 @@ def _tolerance(dtype: torch.dtype) -> float:
     return 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
 
 
-def _agreed(ok: bool, group) -> bool:
+def _agreed(error: Optional[str], raised: bool, group) -> bool:
+    """Whether every rank's split model matched, agreed through the store (not a collective: when
+    only this rank raised, the others are still inside one of the split model's collectives).
+
+    Every rank raising the same error is the plan's problem: the next remedy. Ranks that raised
+    differently, or some not at all, met a fault of one rank (the others' collectives then time out):
+    every rank raises the earliest failure, naming its rank, instead of trying the next remedy on a
+    broken process group."""
     if group is None or not dist.is_initialized():
-        return ok
-    flag = torch.tensor([1 if ok else 0], device=_group_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
-def _group_device(group) -> torch.device:
-    backend = dist.get_backend(group)
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        return error is None
+    mine = json.dumps({"rank": dist.get_rank(), "error": error, "raised": raised, "at": time.time()})
+    records = [json.loads(r) for r in exchange_outside_collectives(mine, group)]
+    raisers = [r for r in records if r["raised"]]
+    if raisers and len({r["error"] for r in records}) > 1:
+        first = min(raisers, key=lambda r: r["at"])
+        raise MethodConfigError("tensor_parallel", f"checking the plan on a sample, the split model raised on rank "
+                                f"{first['rank']} only ({first['error']}); the other ranks' collectives failed "
+                                "after it")
+    return all(r["error"] is None for r in records)
 
 
 def _backward(model: nn.Module, probe: Probe) -> None:
