@@ -26,6 +26,7 @@ from atorch.auto.gradients import scale_grads_to_norm, total_grad_norm
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason, use_deepspeed_zero
 from atorch.auto.opt_lib.fsdp import FSDPConfig, normalize_fsdp_config, shard_model, use_foreach_optimizer
+from atorch.checkpoint.adapters import register_optimizer_adapter
 from atorch.distributed import mesh
 from atorch.utils.config import MethodConfig, option
 
@@ -111,6 +112,11 @@ class ShardedStateOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state: dict) -> None:
         if self.inner is not None and state.get("inner") is not None:
             self.inner.load_state_dict(state["inner"])
+
+
+# checkpoints read this rank's partition of the state from the optimizer that steps it
+register_optimizer_adapter(ZeroRedundancyOptimizer, local_state=lambda optim: optim.optim)
+register_optimizer_adapter(ShardedStateOptimizer, local_state=lambda optim: optim.inner)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
