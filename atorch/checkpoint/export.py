@@ -60,7 +60,8 @@ def _write_export(target: str, weights: dict[str, torch.Tensor], user_model: nn.
         return target
     if safetensors_torch is not None:
         file = os.path.join(target, "model.safetensors")
-        safetensors_torch.save_file({k: v.contiguous() for k, v in weights.items()}, file)  # full_state_dict's copies share no memory
+        # full_state_dict's copies share no memory, as safetensors requires
+        safetensors_torch.save_file({k: v.contiguous() for k, v in weights.items()}, file)
         return file
     file = os.path.join(target, "model.pt")
     torch.save(weights, file)
