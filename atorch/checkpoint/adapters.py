@@ -12,7 +12,12 @@ of the optimizer object:
 - ``local_state``: the torch optimizer holding this process's share of the state (a
   ZeroRedundancyOptimizer's local optimizer), or ``None`` when this process holds none; without
   it the innermost optimizer holds its own state;
-- ``unsupported``: the CheckpointError to raise when checkpoints cannot hold this optimizer.
+- ``unsupported``: the CheckpointError to raise when checkpoints cannot hold this optimizer;
+- ``sharded_reason``: why torch's own ``state_dict()`` of this optimizer would be partial (the
+  state is split over processes), for ``result.optim.state_dict()`` to refuse with it;
+- ``whole_state_dict``: given the optimizer and the call (``"state_dict()"`` or
+  ``"load_state_dict()"``), whether torch's own call is whole despite that (a ZeroRedundancyOptimizer
+  after ``consolidate_state_dict``).
 """
 from __future__ import annotations
 
@@ -50,6 +55,8 @@ class OptimizerAdapter:
     partitions: Optional[Callable[[Any], PartitionedState]] = None
     local_state: Optional[Callable[[Any], Optional[torch.optim.Optimizer]]] = None
     unsupported: Optional[Callable[[Any], CheckpointError]] = None
+    sharded_reason: Optional[Callable[[Any], Optional[str]]] = None
+    whole_state_dict: Optional[Callable[[Any, str], bool]] = None
 
 
 NO_ADAPTER = OptimizerAdapter()
