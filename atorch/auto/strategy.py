@@ -8,7 +8,8 @@ modules the process has already imported, or the load is refused.
 
 Saving serialises first (a value a strategy file cannot hold is a ``StrategyFileError`` naming the
 item, and the file is not touched), then writes a temporary file beside the target and
-``os.replace``s it, so a failed save leaves the previous file as it was.
+``os.replace``s it, so a failed save leaves the previous file as it was. The atomic write and the
+unpickler's machinery are shared with checkpoints (``atorch/checkpoint/files.py``, ``safe_load.py``).
 
 Configs are kept as given; the strategy ``auto_accelerate`` returns holds each method's normalized
 config (a ``MethodConfig`` dataclass). Pickles and JSON store a dataclass as plain data, the dict
