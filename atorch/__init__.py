@@ -1,8 +1,10 @@
 """atorch: a PyTorch auto-optimization strategy engine."""
 from atorch.auto.accelerate import auto_accelerate
-from atorch.auto.checkpointing import export_model, load_checkpoint, save_checkpoint, wait_for_checkpoint
 from atorch.auto.gradients import clip_grad_norm_
 from atorch.auto.strategy import Strategy
+from atorch.checkpoint.api import load_checkpoint, save_checkpoint
+from atorch.checkpoint.async_save import wait_for_checkpoint
+from atorch.checkpoint.export import export_model
 from atorch.distributed.distributed import local_rank, rank, reset_distributed, world_size
 from atorch.distributed.init import init_distributed
 from atorch.plan import estimate, plan

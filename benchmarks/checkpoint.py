@@ -34,7 +34,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 import atorch
-from atorch.auto.checkpointing import OptimizerView, _param_names, model_tensors, optimizer_state_tensors
+from atorch.checkpoint.optimizer_state import OptimizerView, optimizer_state_tensors
+from atorch.checkpoint.tensors import model_tensors, param_names
 from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
 from atorch.testing import run_distributed
 from atorch.utils.modules import full_state_dict
@@ -62,13 +63,13 @@ def _atorch_tensors(result) -> dict:
     """The tensors save_checkpoint hands to DCP: this rank's model and optimizer state by canonical name."""
     model = model_tensors(result.model)
     tensors = {f"model/{k}": v for k, v in model.items()}
-    tensors.update(optimizer_state_tensors(OptimizerView(result.optim), _param_names(model)))
+    tensors.update(optimizer_state_tensors(OptimizerView(result.optim), param_names(model)))
     return tensors
 
 
 def _full_optimizer_state(result) -> dict:
     """The full optimizer state by name, gathered (what a one-file save must hold)."""
-    local = optimizer_state_tensors(OptimizerView(result.optim), _param_names(model_tensors(result.model)))
+    local = optimizer_state_tensors(OptimizerView(result.optim), param_names(model_tensors(result.model)))
     mine = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in local.items()}
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import atorch
-from atorch.auto import checkpointing
-from atorch.auto.checkpointing import OptimizerView
+from atorch.checkpoint import api
+from atorch.checkpoint.optimizer_state import OptimizerView
 from atorch.errors import CheckpointError
 from atorch.testing import run_distributed
 from atorch.testing.training import weight_difference
@@ -76,21 +76,21 @@ def failing_async_save(root: str) -> dict:
     batches = iter(result.dataloader)
     _steps(result, batches, 1)
     atorch.save_checkpoint(path, result, step=1)
-    real = checkpointing._write_json
+    real = api.write_json
 
     def write_json(file: str, value) -> None:
         if dist.get_rank() == 1 and "rank-1" in file:
             raise OSError("disk full (injected on rank 1)")
         real(file, value)
 
-    checkpointing._write_json = write_json
+    api.write_json = write_json
     try:
         atorch.save_checkpoint(path, result, step=2, async_save=True)
         _steps(result, batches, 1)
         with pytest.raises(CheckpointError) as caught:
             atorch.wait_for_checkpoint()
     finally:
-        checkpointing._write_json = real
+        api.write_json = real
     atorch.wait_for_checkpoint()  # raised once: nothing pending any more
     out = {"error": str(caught.value), "step": atorch.load_checkpoint(path, result)["step"]}
     atorch.save_checkpoint(path, result, step=3, async_save=True)
@@ -106,7 +106,7 @@ def test_a_failing_async_save_raises_on_every_rank_and_keeps_the_previous_checkp
 
 EXIT_SCRIPT = SAVED_ONCE_SCRIPT + r"""
 if sys.argv[2] == "kill":  # the second save's shards are written in the background, then the process dies
-    checkpointing._replace_dir = lambda tmp, target: os.kill(os.getpid(), signal.SIGKILL)
+    api.replace_dir = lambda tmp, target: os.kill(os.getpid(), signal.SIGKILL)
 atorch.save_checkpoint(sys.argv[1], result, step=2, async_save=True)
 """  # and the script ends at once, the save still in flight
 

@@ -24,8 +24,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import atorch
-from atorch.auto.checkpointing import (OptimizerView, _param_names, in_saved_layout, load_exported, model_tensors,
-                                       optimizer_state_tensors, saved_layouts)
+from atorch.checkpoint.export import load_exported
+from atorch.checkpoint.optimizer_state import OptimizerView, optimizer_state_tensors
+from atorch.checkpoint.tensors import in_saved_layout, model_tensors, param_names, saved_layouts
 from atorch.errors import CheckpointError, ShardedStateError
 from atorch.models import SyntheticTokenDataset, gpt_loss
 from atorch.testing import run_distributed
@@ -111,7 +112,7 @@ def _steps(result, batches, count: int) -> list[float]:
 def full_optimizer_state(result) -> dict[str, torch.Tensor]:
     """{'<param name>/<key>': full fp32 CPU tensor} over every rank (collective)."""
     model = model_tensors(result.model)
-    local = optimizer_state_tensors(OptimizerView(result.optim), _param_names(model))
+    local = optimizer_state_tensors(OptimizerView(result.optim), param_names(model))
     local = in_saved_layout(local, model, saved_layouts(result.model))  # the user's layout, as saved
     mine = {k.removeprefix("optim/"): (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu().clone()
             for k, v in local.items()}
@@ -309,7 +310,7 @@ def test_a_plain_model_exports_for_load_state_dict(saved):
 # --- atomic saves ------------------------------------------------------------------------------------
 SAVED_ONCE_SCRIPT = r"""
 import os, signal, sys, torch, atorch
-from atorch.auto import checkpointing
+from atorch.checkpoint import api
 from tests.test_checkpoints import _build, _steps
 result = _build([], "sgd", False)
 batches = iter(result.dataloader)
@@ -319,7 +320,7 @@ _steps(result, batches, 1)
 """  # the start of a script that then saves again at step 2 (sys.argv[2] says how that save ends)
 KILL_SCRIPT = SAVED_ONCE_SCRIPT + r"""
 if sys.argv[2] == "before_rename":  # the shards of the second save are written, nothing renamed
-    checkpointing._replace_dir = lambda tmp, target: os.kill(os.getpid(), signal.SIGKILL)
+    api.replace_dir = lambda tmp, target: os.kill(os.getpid(), signal.SIGKILL)
 else:  # between the renames: the old checkpoint moved aside, the new one not yet in place
     real = os.rename
     calls = []
@@ -328,7 +329,7 @@ else:  # between the renames: the old checkpoint moved aside, the new one not ye
         if len(calls) == 2:
             os.kill(os.getpid(), signal.SIGKILL)
         real(a, b)
-    checkpointing.os.rename = rename
+    os.rename = rename
 atorch.save_checkpoint(sys.argv[1], result, step=2)
 """
 
@@ -389,10 +390,10 @@ def test_grad_scaler_and_a_user_scheduler_come_back(tmp_path):
 
 
 # --- a failure on one process ------------------------------------------------------------------------
-RANK_LOCAL_FAULTS = {  # where rank 1 alone raises -> the call that meets it
+RANK_LOCAL_FAULTS = {  # where rank 1 alone raises (a function api.py calls) -> the call that meets it
     "save: reading the model": ("model_tensors", "save"),
-    "save: RNG state and metadata": ("_rng_state", "save"),
-    "load: optimizer, RNG and data position": ("_read_rng", "load"),
+    "save: RNG state and metadata": ("rng_state", "save"),
+    "load: optimizer, RNG and data position": ("read_rng", "load"),
 }
 
 
@@ -400,21 +401,21 @@ def rank_local_faults(root: str) -> dict:
     """On each rank: save a good checkpoint, then make one function raise on rank 1 only while rank 0
     goes on into the collectives that follow; every rank must get the CheckpointError (none left
     waiting), the good checkpoint must stay loadable and the process group usable."""
-    from atorch.auto import checkpointing
+    from atorch.checkpoint import api
 
     result = _build([], "sgd", False)
     path = os.path.join(root, "ckpt")
     atorch.save_checkpoint(path, result, step=1)
     out = {}
     for label, (function, call) in RANK_LOCAL_FAULTS.items():
-        real = getattr(checkpointing, function)
+        real = getattr(api, function)
 
         def broken(*args, _real=real, _label=label):
             if dist.get_rank() == 1:
                 raise RuntimeError(f"injected on rank 1 ({_label})")
             return _real(*args)
 
-        setattr(checkpointing, function, broken)
+        setattr(api, function, broken)
         try:
             if call == "save":
                 atorch.save_checkpoint(path, result, step=2)
@@ -424,7 +425,7 @@ def rank_local_faults(root: str) -> dict:
         except CheckpointError as error:
             out[label] = str(error)
         finally:
-            setattr(checkpointing, function, real)
+            setattr(api, function, real)
     out["step after the faults"] = atorch.load_checkpoint(path, result)["step"]
     flag = torch.ones(1)
     dist.all_reduce(flag)

@@ -131,6 +131,19 @@ def test_atorchs_import_paths():
         sock.bind(("127.0.0.1", port))  # free: it binds
 
 
+def test_old_checkpoint_import_paths():
+    """``atorch.auto.opt_lib.checkpoint`` (the activation-checkpointing method, ATorch's path) and
+    ``atorch.auto.checkpointing`` (the checkpoint code before it became ``atorch.checkpoint``)."""
+    from atorch.auto import checkpointing
+    from atorch.auto.opt_lib import get_optimization
+    from atorch.auto.opt_lib.activation_checkpoint import CheckpointConfig
+    from atorch.auto.opt_lib.checkpoint import CheckpointConfig as old_config, CheckpointOptimization
+    assert old_config is CheckpointConfig and isinstance(get_optimization("checkpoint"), CheckpointOptimization)
+    import atorch.checkpoint as package
+    for name in ("save_checkpoint", "load_checkpoint", "wait_for_checkpoint", "export_model"):
+        assert getattr(checkpointing, name) is getattr(atorch, name) is getattr(package, name)
+
+
 def test_data_to_device():
     from atorch.common.util_func import data_to_device
     Pair = namedtuple("Pair", "x y")

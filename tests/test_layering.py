@@ -22,7 +22,8 @@ LAYER_OF_PREFIX = {
     "atorch.distributed": "distributed",
     "atorch.auto.strategy": "context", "atorch.auto.model_context": "context", "atorch.auto.optimizer": "context",
     "atorch.auto.gradients": "context", "atorch.auto.dryrun": "context", "atorch.auto.errors": "context",
-    "atorch.auto.opt_lib": "opt_lib", "atorch.auto.apply": "opt_lib", "atorch.auto.checkpointing": "opt_lib",
+    "atorch.checkpoint": "context", "atorch.auto.checkpointing": "context",
+    "atorch.auto.opt_lib": "opt_lib", "atorch.auto.apply": "opt_lib",
     "atorch.auto.search": "search", "atorch.plan": "search",
     "atorch.auto.accelerate": "accelerate", "atorch.auto": "accelerate", "atorch": "accelerate",
 }

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 import atorch.auto.strategy as strategy_module
+import atorch.checkpoint.files as files_module
 from atorch.auto.accelerate import auto_accelerate
 from atorch.auto.strategy import Strategy
 from atorch.errors import StrategyFileError, UnsafeStrategyError
@@ -394,7 +395,7 @@ def test_write_failures_keep_the_previous_file(tmp_path, monkeypatch, failing):
         raise OSError(28, "No space left on device")
 
     if failing == "write":
-        monkeypatch.setattr(strategy_module, "open", lambda *a, **k: _FailingWriter(*a, **k), raising=False)
+        monkeypatch.setattr(files_module, "open", lambda *a, **k: _FailingWriter(*a, **k), raising=False)  # write_atomic's
     else:
         monkeypatch.setattr(os, failing, fail)
     with pytest.raises(StrategyFileError, match="cannot write strategy file.*No space left"):

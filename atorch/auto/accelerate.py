@@ -8,14 +8,14 @@ from collections import namedtuple
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from atorch.auto.apply import apply_strategy_together, dry_run_strategy, resolve_strategy
 from atorch.auto.model_context import ModelContext
 from atorch.auto.search.options import SEARCH_KARGS, SearchOptions
 from atorch.auto.search.planner import search
 from atorch.auto.strategy import Strategy
-from atorch.distributed.agreement import broadcast_flag, is_main_rank, is_multi_rank
+from atorch.checkpoint.agreement import main_rank_error
+from atorch.distributed.agreement import is_main_rank
 from atorch.distributed.init import init_from_launcher
 from atorch.errors import DryRunError, InputError, StrategyFileError, nearest_name
 from atorch.utils.batch import SampleRowsDataset, batch_size_of, loss_value
@@ -250,8 +250,8 @@ def _search(model, make_context, load_strategy, finetune_strategy, excluded, inc
 
 def _save(strategy: Strategy, path: str) -> None:
     """Rank 0 saves (serialised and checked first, then an atomic replace: a failure leaves any
-    previous file byte-identical); rank 0 then broadcasts the outcome, so on failure every rank
-    raises the same StrategyFileError instead of waiting in a barrier for rank 0."""
+    previous file byte-identical); rank 0's outcome then reaches every rank (``main_rank_error``),
+    so on failure every rank raises the same StrategyFileError instead of waiting in a barrier."""
     error, cause = None, None
     if is_main_rank():
         try:
@@ -260,10 +260,7 @@ def _save(strategy: Strategy, path: str) -> None:
             error, cause = str(failure), failure
         except Exception as failure:  # anything unforeseen must still reach every rank
             error, cause = f"cannot save strategy to {path!r}: {type(failure).__name__}: {failure}", failure
-    if is_multi_rank() and not broadcast_flag(error is None):
-        message = [error]
-        dist.broadcast_object_list(message, src=0)
-        error = message[0]
+    error = main_rank_error(error)
     if error is not None:
         raise StrategyFileError(f"save_strategy_to_file: {error}") from cause
     _log(f"strategy saved to {path}")

@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from atorch.auto.gradients import scale_grads_to_norm, total_grad_norm
+from atorch.checkpoint.adapters import adapter_for
 from atorch.errors import ShardedStateError
 
 SyncToggle = Callable[[bool], None]
@@ -98,27 +98,30 @@ class AtorchOptimizer:
     def state_dict(self) -> dict:
         """torch's ``state_dict`` where it holds the whole state; ShardedStateError where the strategy
         splits the state over processes, so that a partial or shard-keyed dict is never mistaken for
-        the optimizer's state (a consolidated ZeroRedundancyOptimizer passes through)."""
-        inner = self.torch_optimizer
-        if not (isinstance(inner, ZeroRedundancyOptimizer) and getattr(inner, "_all_state_dicts", None)):
+        the optimizer's state (one its method declares whole passes through: a consolidated
+        ZeroRedundancyOptimizer)."""
+        if not self._whole_state_dict("state_dict()"):
             self._refuse_sharded("state_dict()")
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """torch's ``load_state_dict``; ShardedStateError where the state is split over processes (a
         ZeroRedundancyOptimizer takes torch's consolidated dict and passes through)."""
-        if not isinstance(self.torch_optimizer, ZeroRedundancyOptimizer):
+        if not self._whole_state_dict("load_state_dict()"):
             self._refuse_sharded("load_state_dict()")
         self.optimizer.load_state_dict(state)
+
+    def _whole_state_dict(self, call: str) -> bool:
+        """Whether the innermost optimizer's method declares torch's own ``call`` whole (its adapter)."""
+        whole = adapter_for(self.torch_optimizer).whole_state_dict
+        return whole is not None and whole(self.torch_optimizer, call)
 
     def sharded_state_reason(self) -> Optional[str]:
         """Why this optimizer's state is split over processes, or None when one process holds it all."""
         inner = self.torch_optimizer
-        if isinstance(inner, ZeroRedundancyOptimizer):
-            return ("zero1 partitions the optimizer state over the data-parallel processes (ZeroRedundancyOptimizer: "
-                    "consolidate_state_dict(to=0) on every process first, then state_dict() on process 0)")
-        if hasattr(inner, "owner") and hasattr(inner, "inner"):
-            return "zero1 over tensor-parallel parameters keeps each parameter's state on one process"
+        sharded = adapter_for(inner).sharded_reason
+        if sharded is not None:
+            return sharded(inner)
         wrapper: Any = self
         while isinstance(wrapper, AtorchOptimizer):
             if wrapper.backward_in_forward:

@@ -8,7 +8,8 @@ modules the process has already imported, or the load is refused.
 
 Saving serialises first (a value a strategy file cannot hold is a ``StrategyFileError`` naming the
 item, and the file is not touched), then writes a temporary file beside the target and
-``os.replace``s it, so a failed save leaves the previous file as it was.
+``os.replace``s it, so a failed save leaves the previous file as it was. The atomic write and the
+unpickler's machinery are shared with checkpoints (``atorch/checkpoint/files.py``, ``safe_load.py``).
 
 Configs are kept as given; the strategy ``auto_accelerate`` returns holds each method's normalized
 config (a ``MethodConfig`` dataclass). Pickles and JSON store a dataclass as plain data, the dict
@@ -25,13 +26,13 @@ import io
 import json
 import os
 import pickle
-import secrets
-import stat
 import sys
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional
 
 import torch
 
+from atorch.checkpoint.files import write_atomic
+from atorch.checkpoint.safe_load import CallFreeUnpickler
 from atorch.errors import AtorchError, StrategyError, StrategyFileError, UnsafeStrategyError
 from atorch.utils.config import MethodConfig
 
@@ -419,51 +420,11 @@ def _describe(value: Any) -> str:
 
 
 def _write_atomic(path: str, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, fsync it, and ``os.replace`` it onto
-    ``path`` (the target of a symlink, which stays a link); the temporary file never outlives a
-    failure, and the previous file is untouched unless the replace succeeds."""
-    target = os.path.realpath(path) if os.path.islink(path) else path
-    directory = os.path.dirname(os.path.abspath(target))
-    temporary = None
+    """``write_atomic`` (a temporary file, fsynced, ``os.replace``d onto ``path``); StrategyFileError."""
     try:
-        os.makedirs(directory, exist_ok=True)
-        if os.path.isdir(target):
-            raise IsADirectoryError(f"{target!r} is a directory")
-        temporary = os.path.join(directory, f".{os.path.basename(target)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-        with open(descriptor, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        try:  # keep the previous file's permissions
-            os.chmod(temporary, stat.S_IMODE(os.stat(target).st_mode))
-        except FileNotFoundError:
-            pass
-        os.replace(temporary, target)
-        temporary = None
-        _fsync_directory(directory)
+        write_atomic(path, data)
     except OSError as error:
         raise StrategyFileError(f"cannot write strategy file {path!r}: {error}") from error
-    finally:
-        if temporary is not None:
-            try:
-                os.unlink(temporary)
-            except OSError:
-                pass
-
-
-def _fsync_directory(directory: str) -> None:
-    """Make the rename durable (best effort: not every platform can open a directory)."""
-    try:
-        descriptor = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
 
 
 # --- JSON value encoding ---------------------------------------------------------------------
@@ -564,7 +525,7 @@ def _module_class(module: str, qualname: str) -> type:
     return target
 
 
-class _SafeUnpickler(pickle._Unpickler):  # the pure-Python unpickler lets us veto opcodes
+class _SafeUnpickler(CallFreeUnpickler):
     """Unpickler that only rebuilds Strategy objects holding plain data.
 
     Any opcode that would call a function (REDUCE, INST, OBJ, NEWOBJ_EX, extensions, persistent
@@ -573,7 +534,7 @@ class _SafeUnpickler(pickle._Unpickler):  # the pure-Python unpickler lets us ve
     only referenced, never called). Globals are resolved without importing or calling anything.
     """
 
-    dispatch = dict(pickle._Unpickler.dispatch)
+    buildable = (Strategy,)
 
     def find_class(self, module: str, name: str) -> Any:
         if module == __name__ and name == "Strategy":
@@ -584,28 +545,7 @@ class _SafeUnpickler(pickle._Unpickler):  # the pure-Python unpickler lets us ve
             return {"set": set, "frozenset": frozenset}[name]
         return _module_class(module, name)
 
-    def _refuse(self) -> None:
+    def refuse(self) -> None:
         raise UnsafeStrategyError(
             "strategy pickle tries to call code while loading; refused (only plain strategy data is allowed)"
         )
-
-    def _load_newobj(self) -> None:
-        args = self.stack.pop()
-        cls = self.stack.pop()
-        if cls is not Strategy or args:
-            self._refuse()
-        self.append(Strategy.__new__(Strategy))
-
-    def _load_build(self) -> None:
-        state = self.stack.pop()
-        target = self.stack[-1]
-        if not isinstance(target, Strategy):
-            self._refuse()
-        target.__setstate__(state)
-
-    for _op in (pickle.REDUCE, pickle.INST, pickle.OBJ, pickle.NEWOBJ_EX, pickle.EXT1, pickle.EXT2,
-                pickle.EXT4, pickle.PERSID, pickle.BINPERSID):
-        dispatch[_op[0]] = _refuse
-    dispatch[pickle.NEWOBJ[0]] = _load_newobj
-    dispatch[pickle.BUILD[0]] = _load_build
-    del _op

@@ -12,7 +12,7 @@ from atorch.utils.config import MethodConfig
 from atorch.auto.strategy import set_config_normalizer
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.amp import AmpNativeOptimization
-from atorch.auto.opt_lib.checkpoint import CheckpointOptimization
+from atorch.auto.opt_lib.activation_checkpoint import CheckpointOptimization
 from atorch.auto.opt_lib.ds_3d_parallel import DS3DParallelOptimization
 from atorch.auto.opt_lib.fp8 import FP8Optimization
 from atorch.auto.opt_lib.fsdp import FSDPOptimization

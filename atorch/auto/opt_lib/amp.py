@@ -18,6 +18,7 @@ from torch.amp.grad_scaler import OptState
 from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.optimizer import AtorchOptimizer
+from atorch.checkpoint.adapters import register_optimizer_adapter
 from atorch.utils.config import LOW_PRECISION_DTYPES, MethodConfig, option
 
 _UNSCALED = OptState.UNSCALED  # the grad scaler's per-optimizer stage marker
@@ -146,6 +147,10 @@ class AmpOptimizer(AtorchOptimizer):
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+
+
+# checkpoints save and restore the grad scaler
+register_optimizer_adapter(AmpOptimizer, scaler=lambda optim: optim.scaler)
 
 
 def grads_are_finite(optimizer: torch.optim.Optimizer) -> bool:

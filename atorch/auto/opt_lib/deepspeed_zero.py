@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from atorch.errors import CheckpointError, MethodConfigError, RequirementError
 from atorch.auto.optimizer import AtorchOptimizer
+from atorch.checkpoint.adapters import register_optimizer_adapter
 from atorch.distributed import mesh
 from atorch.distributed.fault import register_rebuild_callback
 
@@ -240,3 +241,7 @@ class ZeroPartitions:
     def _lp_fragment(full: torch.Tensor, mapping: Any) -> torch.Tensor:
         address = mapping.lp_fragment_address
         return full.reshape(-1).narrow(0, address.start, address.numel)
+
+
+# checkpoints read and write the state in DeepSpeed's flat partitions through ZeroPartitions
+register_optimizer_adapter(DeepSpeedOptimizer, partitions=lambda optim: ZeroPartitions(optim.engine.optimizer))

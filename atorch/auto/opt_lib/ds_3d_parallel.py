@@ -19,11 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from atorch.errors import MethodConfigError, RequirementError
+from atorch.errors import CheckpointError, MethodConfigError, RequirementError
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason
 from atorch.auto.opt_lib.pipeline_parallel import PipelineOutput, pipeline_loss
 from atorch.auto.optimizer import AtorchOptimizer
+from atorch.checkpoint.adapters import register_optimizer_adapter
 from atorch.distributed import mesh
 from atorch.utils.batch import batch_size_of, loss_value, select_rows
 from atorch.utils.config import MethodConfig, option
@@ -138,3 +139,13 @@ class EngineStepOptimizer(AtorchOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         return None
+
+
+def _no_checkpoints(optim: EngineStepOptimizer) -> CheckpointError:
+    return CheckpointError("save_checkpoint/load_checkpoint: ds_3d_parallel is not supported: DeepSpeed's pipeline "
+                           "engine names layers by stage index and keeps its own optimizer state; use "
+                           "pipeline_parallel / mixed_parallel, or DeepSpeed's own engine.save_checkpoint",
+                           key="ds_3d_parallel")
+
+
+register_optimizer_adapter(EngineStepOptimizer, unsupported=_no_checkpoints)

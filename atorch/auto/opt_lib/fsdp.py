@@ -48,7 +48,7 @@ except ImportError:  # pragma: no cover
 
 from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
-from atorch.auto.opt_lib.checkpoint import matching_modules
+from atorch.auto.opt_lib.activation_checkpoint import matching_modules
 from atorch.distributed import mesh
 from atorch.utils.config import MethodConfig, ModuleTargets, option, validate_config
 

@@ -56,6 +56,7 @@ from atorch.auto.opt_lib.tp_check import Probe, check_plan, probe_from_context
 from atorch.auto.opt_lib.tp_discovery import Discovery, discover
 from atorch.auto.opt_lib.tp_mha import split_mha
 from atorch.auto.opt_lib.tp_shapes import install_localizer, localize_attributes
+from atorch.checkpoint.tensors import SAVED_LAYOUTS_ATTR
 from atorch.distributed import mesh
 from atorch.utils.config import MethodConfig, option
 from atorch.utils.dataflow import Dataflow
@@ -382,7 +383,7 @@ def _distribute(style, module, device_mesh, weight, bias):
 
 
 # --- fused q|k|v -------------------------------------------------------------------------------------
-SAVED_LAYOUTS_ATTR = "atorch_saved_layouts"  # module attribute: {param attr: PermutedLayout} (checkpointing reads it)
+# a module's SAVED_LAYOUTS_ATTR ({param attr: PermutedLayout}) tells checkpoints the user's layout
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from atorch.auto.gradients import scale_grads_to_norm, total_grad_norm
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason, use_deepspeed_zero
 from atorch.auto.opt_lib.fsdp import FSDPConfig, normalize_fsdp_config, shard_model, use_foreach_optimizer
+from atorch.checkpoint.adapters import register_optimizer_adapter
 from atorch.distributed import mesh
 from atorch.utils.config import MethodConfig, option
 
@@ -111,6 +112,19 @@ class ShardedStateOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state: dict) -> None:
         if self.inner is not None and state.get("inner") is not None:
             self.inner.load_state_dict(state["inner"])
+
+
+# checkpoints read this rank's partition of the state from the optimizer that steps it; torch's own
+# state_dict() of it is partial (result.optim.state_dict() refuses it with the reason)
+register_optimizer_adapter(
+    ZeroRedundancyOptimizer, local_state=lambda optim: optim.optim,
+    sharded_reason=lambda optim: (
+        "zero1 partitions the optimizer state over the data-parallel processes (ZeroRedundancyOptimizer: "
+        "consolidate_state_dict(to=0) on every process first, then state_dict() on process 0)"),
+    whole_state_dict=lambda optim, call: call == "load_state_dict()" or bool(getattr(optim, "_all_state_dicts", None)))
+register_optimizer_adapter(
+    ShardedStateOptimizer, local_state=lambda optim: optim.inner,
+    sharded_reason=lambda optim: "zero1 over tensor-parallel parameters keeps each parameter's state on one process")
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

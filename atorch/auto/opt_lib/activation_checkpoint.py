@@ -1,0 +1,106 @@
+"""checkpoint (activation checkpointing): recompute the activations of chosen submodules in backward
+instead of storing them.
+
+Config: a tuple of module types and/or names (a class name such as "GPTBlock", or a qualified
+submodule name / glob such as "blocks.*.mlp"), or ``{"wrap_class": (...), "no_reentrant": bool}``.
+The forward of each matching module is patched on the instance, so state_dict keys do not change.
+"""
+from __future__ import annotations
+
+import fnmatch
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from atorch.errors import MethodConfigError
+from atorch.auto.opt_lib.base import Optimization
+from atorch.utils.config import MethodConfig, ModuleTargets, option
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(MethodConfig):
+    wrap_class: ModuleTargets = option(doc="modules to recompute: nn.Module classes, class names or qualified-name "
+                                       "globs such as 'blocks.*.mlp'")
+    no_reentrant: bool = option(True, doc="use PyTorch's non-reentrant checkpoint (keyword arguments, any outputs)")
+
+
+class CheckpointOptimization(Optimization):
+    name = "checkpoint"
+    config_class = CheckpointConfig
+
+    def normalize(self, config: Any) -> CheckpointConfig:
+        """Also accepts the modules alone: ``(GPTBlock,)``, ``"GPTBlock"``, ``["blocks.*"]``."""
+        if config is None:
+            raise MethodConfigError(
+                self.name, "needs the modules to checkpoint, e.g. ('GPTBlock',) or {'wrap_class': (MyBlock,)}"
+            )
+        if not isinstance(config, (Mapping, CheckpointConfig)):
+            config = {"wrap_class": config}
+        config = super().normalize(config)
+        if not config.wrap_class:
+            raise MethodConfigError(self.name, "wrap_class is empty: name at least one module type or name")
+        return config
+
+    def transform(self, ctx, config: CheckpointConfig) -> None:
+        def wrap(ctx) -> None:
+            modules = matching_modules(ctx.model, config.wrap_class)
+            if not modules:
+                present = sorted({type(m).__name__ for m in ctx.model.modules()})
+                raise MethodConfigError(
+                    self.name, f"no submodule matches {config.wrap_class!r}; module types in the model: {present}"
+                )
+            _disable_kv_cache(ctx.model)
+            for module in modules:
+                enable_checkpoint(module, use_reentrant=not config.no_reentrant)
+
+        ctx.add_wrapper("checkpoint", self.name, wrap)
+
+
+def _disable_kv_cache(model: torch.nn.Module) -> None:
+    """HF models append to a key/value cache in forward; recomputation would append twice, so (as HF's
+    own gradient checkpointing does) training under checkpoint runs with ``use_cache=False``."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False):
+            config.use_cache = False
+            logger.info("checkpoint: set %s.config.use_cache=False (a cache is incompatible with recomputation)",
+                        type(module).__name__)
+
+
+def matching_modules(model: torch.nn.Module, targets: tuple) -> list[torch.nn.Module]:
+    """Submodules whose type, class name or qualified name (glob) is in ``targets``; outermost wins."""
+    types = tuple(t for t in targets if isinstance(t, type))
+    names = [t for t in targets if isinstance(t, str)]
+    chosen: list[tuple[str, torch.nn.Module]] = []
+    for qualname, module in model.named_modules():
+        if module is model:
+            continue
+        if any(qualname == p or qualname.startswith(p + ".") for p, _ in chosen):
+            continue  # already inside a checkpointed module
+        if isinstance(module, types) or type(module).__name__ in names or any(
+            fnmatch.fnmatchcase(qualname, pattern) for pattern in names
+        ):
+            chosen.append((qualname, module))
+    return [module for _, module in chosen]
+
+
+def enable_checkpoint(module: torch.nn.Module, use_reentrant: bool = False) -> None:
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def checkpointed_forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        if use_reentrant:  # the reentrant variant takes positional tensors only
+            if kwargs:
+                return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=True)
+            return checkpoint(forward, *args, use_reentrant=True)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed_forward
