@@ -34,7 +34,11 @@ DATA = Path(__file__).resolve().parent / "published_runs.json"
 GIB = 2**30
 # source-level facts of how a run's code differs from the planner's defaults (never one row's)
 SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_kept": True},
-                   "llm-foundry": {"sync_each_micro_step": True}}  # Composer reduce-scatters every micro-batch
+                   # Composer reduce-scatters every micro-batch; MPT's default loss is flash-attn's fused
+                   # cross-entropy (llmfoundry/models/mpt/modeling_mpt.py: loss_fn='fused_crossentropy'):
+                   # bf16 logits and their bf16 gradient, no fp32 copy: 4 bytes per logit
+                   "llm-foundry": {"sync_each_micro_step": True, "logit_bytes": 4},
+                   "nemo": {"distributed_optimizer": True}}  # Megatron-Core's distributed optimizer
 
 
 def load(path: Path = DATA) -> tuple[dict, list[dict]]:

@@ -55,6 +55,9 @@ class Workload:
     # gradient accumulation reduce-scatters every micro-step (Composer, FSDP2 by default) instead of
     # keeping unsharded gradients until the last one (atorch's micro_batch, DDP's no_sync)
     sync_each_micro_step: bool = False
+    # zero1 is Megatron's distributed optimizer (bf16 weights and the gradient buffer whole, fp32 master
+    # weights and Adam moments sharded) also without tensor / pipeline parallelism (Megatron-LM, NeMo)
+    distributed_optimizer: bool = False
 
     @property
     def tokens(self) -> int:
@@ -144,7 +147,7 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
     world, t, p = cluster.world_size, candidate.tensor, candidate.pipeline
     data = candidate.data_size(world)
     P, G, O = state_bytes(candidate, spec)
-    if t * p > 1:
+    if t * p > 1 or (candidate.sharding == "zero1" and work.distributed_optimizer):
         return layout_memory(candidate, spec, work, facts, data) * ALLOCATOR_OVERHEAD
     tokens = work.tokens / data
     if work.sync_each_micro_step:  # one micro-batch's activations, and no unsharded gradients kept
@@ -181,11 +184,21 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
     micro = pipeline_micro_batches(candidate, work, data) if p > 1 else micro_steps(candidate, work, data)
     tokens = work.tokens / data / micro
     if p > 1:
-        in_flight = min(p + EXTRA_MICRO_BATCHES_IN_FLIGHT, micro)
+        in_flight = min(micro_batches_in_flight(p, work.virtual_stages), micro)
         act = activation_bytes(candidate, spec, work, tokens, t, math.ceil(spec.layers / p), in_flight)
     else:
         act = activation_bytes(candidate, spec, work, tokens, t)
     return states + act
+
+
+def micro_batches_in_flight(pipeline: int, virtual: int) -> float:
+    """Micro-batches whose activations the first stage holds at its peak, in whole-stage units. 1F1B:
+    its ``pipeline`` warm-up forwards plus one being received. Interleaved (Megatron's schedule, ``virtual``
+    chunks per stage): 2 (p - 1) + (v - 1) p warm-up chunks plus the one in flight, each 1/v of the stage,
+    i.e. p + (p - 1) / v stages' worth (Korthikanti et al. 2022, section 4.2.3)."""
+    if virtual > 1:
+        return pipeline + (pipeline - 1) / virtual
+    return pipeline + EXTRA_MICRO_BATCHES_IN_FLIGHT
 
 
 def pipeline_micro_batches(candidate: Candidate, work: Workload, data: int) -> int:
@@ -225,6 +238,10 @@ ELEMENTWISE_FFN_WIDTHS = {True: 9, False: 6}  # gated (SwiGLU) or not
 # The optimizer step reads fp32 parameters, gradients and both Adam moments and writes three back,
 # plus the bf16 copy: 30 bytes per parameter the rank updates (first principles).
 OPTIMIZER_BYTES_PER_PARAM = 30
+# fp8: bytes a cast-transpose moves per element (read bf16, write fp8 twice) and per weight (read the
+# bf16 weight, write its fp8 copy and its transpose, plus the amax pass)
+FP8_CAST_BYTES_PER_ELEMENT = 4
+FP8_WEIGHT_CAST_BYTES = 6
 # The loss reads and writes the logits a few times (softmax, its gradient): bytes per logit (first principles).
 LOSS_BYTES_PER_LOGIT = 16
 # Attention executed with flash attention and a causal mask: forward 4 * seq * d FLOPs per token and
@@ -279,10 +296,19 @@ def matmul_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
     flops = 6.0 * (spec.param_count - spec.embedding_params - (spec.head_params if spec.tied else 0))
     if spec.tied:
         flops += 6.0 * spec.embedding_params  # the tied head is still a matmul
-    if checkpointing(candidate, work) == "full":
-        flops += 2.0 * spec.layers * spec.block_params
+    flops += 2.0 * spec.layers * spec.block_params * recomputed_share(candidate, work)
     per_gpu = work.tokens * flops / cluster.world_size
     return per_gpu / (_peak(candidate, cluster) * matmul_efficiency(candidate, spec, cluster))
+
+
+def recomputed_share(candidate: Candidate, work: Workload) -> float:
+    """Share of the blocks' forward that backward runs again: all of it under full checkpointing; under
+    selective, what the policy does not keep is recomputed (torchtitan's op policy recomputes every
+    other matmul, its layer policy every other block: about the half of the activations it drops)."""
+    mode = checkpointing(candidate, work)
+    if mode == "selective":
+        return 1.0 - calibration.value("selective activation share")
+    return 1.0 if mode == "full" else 0.0
 
 
 def attention_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
@@ -292,8 +318,15 @@ def attention_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
     if checkpointing(candidate, work) == "full":
         per_token += 2.0 * spec.layers * spec.hidden * work.seq_len
     peak = cluster.device.fp32_flops if candidate.precision == "fp32" else cluster.device.bf16_flops
-    efficiency = matmul_efficiency(candidate, spec, cluster) * calibration.value("attention efficiency")
+    efficiency = matmul_efficiency(candidate, spec, cluster) * calibration.value(f"{attention_family(cluster)} attention efficiency")
     return work.tokens * per_token / cluster.world_size / (peak * efficiency)
+
+
+def attention_family(cluster: ClusterSpec) -> str:
+    """Flash attention's kernels differ by architecture (FlashAttention-2 is tuned for Ampere's mma
+    instructions and reaches a smaller share of Hopper's peak than its matmuls do), so its share of the
+    matmul efficiency is fitted per architecture: Ampere, or Hopper for every Hopper part."""
+    return "ampere" if cluster.device.family == "ampere" else "hopper"
 
 
 def memory_bound_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,
@@ -305,11 +338,26 @@ def memory_bound_seconds(candidate: Candidate, spec: TransformerSpec, cluster: C
         return 0.0
     width = 4 if candidate.precision == "fp32" else 2
     per_block = ELEMENTWISE_HIDDEN_WIDTHS * spec.hidden + ELEMENTWISE_FFN_WIDTHS[spec.gated] * spec.ffn
-    if checkpointing(candidate, work) == "full":
-        per_block *= 4 / 3  # the forward's share once more
-    blocks = per_block * spec.layers * width * tokens / (candidate.tensor * candidate.pipeline)
+    per_block *= 1 + recomputed_share(candidate, work) / 3  # the forward's share once more
+    per_block = per_block * width + (fp8_cast_bytes(spec) if candidate.precision == "fp8" else 0.0)
+    blocks = per_block * spec.layers * tokens / (candidate.tensor * candidate.pipeline)
     loss = LOSS_BYTES_PER_LOGIT * spec.vocab * tokens / candidate.tensor
-    return (blocks + loss) / hbm
+    weights = 0.0
+    if candidate.precision == "fp8":  # each weight cast (and transposed) once per step, per micro-step
+        passes = micro_steps(candidate, work, candidate.data_size(cluster.world_size)) if candidate.sharding in ("fsdp", "zero2", "hsdp") else 1
+        weights = FP8_WEIGHT_CAST_BYTES * spec.layers * spec.block_params / (candidate.tensor * candidate.pipeline) * passes
+    return (blocks + loss + weights) / hbm
+
+
+def fp8_cast_bytes(spec: TransformerSpec) -> float:
+    """Bytes per token and block that fp8 matmuls add (Transformer Engine's cast-transpose, first
+    principles): every GEMM input in the forward (the attention and MLP inputs, the attention output,
+    the MLP's intermediate) and every output gradient in the backward is read in bf16 (2 bytes, its
+    amax in the same pass) and written as fp8 twice, row- and column-major (1 + 1)."""
+    mlp_out = (2 if spec.gated else 1) * spec.ffn
+    forward = 3 * spec.hidden + spec.ffn
+    backward = (spec.hidden + 2 * spec.kv_dim) + spec.hidden + mlp_out + spec.hidden
+    return FP8_CAST_BYTES_PER_ELEMENT * (forward + backward)
 
 
 def optimizer_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec) -> float:
