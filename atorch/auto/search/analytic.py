@@ -108,9 +108,11 @@ def checkpointing(candidate: Candidate, work: Workload) -> str:
 
 
 def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload, tokens: float,
-                     tensor: int = 1, layers: Optional[float] = None, in_flight: float = 1.0) -> float:
+                     tensor: int = 1, layers: Optional[float] = None, in_flight: float = 1.0,
+                     fp8: bool = False) -> float:
     """Activations of ``tokens`` tokens (one data rank's share of the step) over ``layers`` blocks, with
-    ``in_flight`` micro-batches of them alive at once (pipelines)."""
+    ``in_flight`` micro-batches of them alive at once (pipelines). Under fp8 the matmuls' inputs are
+    saved as their fp8 casts (Transformer Engine keeps those for the weight gradient): 1 byte, not 2."""
     layers = spec.layers if layers is None else layers
     width = 4 if candidate.precision == "fp32" else 2
     residual = 4 if residual_is_fp32(candidate, work) else width
@@ -119,6 +121,8 @@ def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload
     # tensor parallelism runs with sequence parallelism (Megatron, torchtitan): the norms and the
     # residual stream are split over the sequence, so every activation divides by the tensor size
     per_token = (split * width + unsplit * residual) / tensor
+    if fp8:  # the two norm outputs, the attention output and the MLP's activation output, in fp8
+        per_token -= (3 * spec.hidden + spec.ffn) * (width - 1) / tensor
     mode = checkpointing(candidate, work)
     kept = {"none": per_token, "selective": calibration.value("selective activation share") * per_token,
             "full": spec.hidden * residual}[mode]
@@ -140,21 +144,22 @@ def residual_is_fp32(candidate: Candidate, work: Workload) -> bool:
 def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,
                    facts: Optional[LayoutFacts] = None) -> float:
     """Per-GPU peak bytes. Data-parallel layouts go through ``cost.estimate`` with an analytical alone
-    profile; tensor / pipeline layouts through ``layout_memory``. fp8 keeps bf16 state and activations
-    here (its fp8 weight copies are small beside the fp32 state)."""
-    if candidate.precision == "fp8":
+    profile; tensor / pipeline layouts through ``layout_memory``. fp8 keeps bf16 state here (its fp8
+    weight copies are small beside the fp32 state) and saves its matmuls' inputs in fp8."""
+    fp8 = candidate.precision == "fp8"
+    if fp8:
         candidate = dataclasses.replace(candidate, precision="amp_bf16")
     world, t, p = cluster.world_size, candidate.tensor, candidate.pipeline
     data = candidate.data_size(world)
     P, G, O = state_bytes(candidate, spec)
     if t * p > 1 or (candidate.sharding == "zero1" and work.distributed_optimizer):
-        return layout_memory(candidate, spec, work, facts, data) * ALLOCATOR_OVERHEAD
+        return layout_memory(candidate, spec, work, facts, data, fp8) * ALLOCATOR_OVERHEAD
     tokens = work.tokens / data
     if work.sync_each_micro_step:  # one micro-batch's activations, and no unsharded gradients kept
         tokens /= max(candidate.micro, 1)
         candidate = dataclasses.replace(candidate, micro=1)
     autocast_copies = 0.5 * P if candidate.precision.startswith("amp") and checkpointing(candidate, work) == "none" else 0.0
-    act = activation_bytes(candidate, spec, work, tokens) + autocast_copies
+    act = activation_bytes(candidate, spec, work, tokens, fp8=fp8) + autocast_copies
     variant = VariantProfile(candidate.precision, candidate.checkpoint, work.global_batch // data,
                              int(P + G + O + act), 0.0, int(P), int(G), int(O))
     shard_group = shard_size(candidate, world)
@@ -163,7 +168,7 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
 
 
 def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, facts: Optional[LayoutFacts],
-                  data: int) -> float:
+                  data: int, fp8: bool = False) -> float:
     """A tensor / pipeline rank's state (its share of the model) sharded over the data dimension as the
     sharding says: fsdp all of it (plus two gathered blocks), zero1 as Megatron's distributed optimizer
     (bf16 weights and fp32 gradients whole, fp32 master weights and Adam moments sharded), ddp none
@@ -185,9 +190,9 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
     tokens = work.tokens / data / micro
     if p > 1:
         in_flight = min(micro_batches_in_flight(p, work.virtual_stages), micro)
-        act = activation_bytes(candidate, spec, work, tokens, t, math.ceil(spec.layers / p), in_flight)
+        act = activation_bytes(candidate, spec, work, tokens, t, math.ceil(spec.layers / p), in_flight, fp8)
     else:
-        act = activation_bytes(candidate, spec, work, tokens, t)
+        act = activation_bytes(candidate, spec, work, tokens, t, fp8=fp8)
     return states + act
 
 
