@@ -252,20 +252,25 @@ LOSS_BYTES_PER_LOGIT = 16
 # Attention executed with flash attention and a causal mask: forward 4 * seq * d FLOPs per token and
 # layer halved by the mask, backward 2.5 x the forward (it recomputes the scores): 7 * seq * d.
 ATTENTION_FLOPS_PER_SEQ_DIM = 7.0
+# Host time to launch one block's kernels, forward and backward (first principles: about 30 kernels at
+# about 10 us of Python and driver time each); the GPU runs behind it, so it only bounds the step from below.
+HOST_SECONDS_PER_BLOCK = 300e-6
 # Launch latency of one collective (NCCL, first principles: tens of microseconds).
 COLLECTIVE_LATENCY_S = 20e-6
 
 
 def compute_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
-    """Matmul, attention and memory-bound time of the step on one GPU, the per-layer host cost, and
-    the pipeline bubble."""
+    """Matmul, attention and memory-bound time of the step on one GPU (at least the host's launch time),
+    and the pipeline bubble."""
     t, p, world = candidate.tensor, candidate.pipeline, cluster.world_size
     data = candidate.data_size(world)
     tokens = work.tokens / data  # one data rank's tokens per step, shared by its t * p GPUs
     seconds = (matmul_seconds(candidate, spec, cluster, work) + attention_seconds(candidate, spec, cluster, work)
                + memory_bound_seconds(candidate, spec, cluster, work, tokens) + optimizer_seconds(candidate, spec, cluster))
-    steps = micro_steps(candidate, work, data)
-    seconds += calibration.value("layer overhead s") * math.ceil(spec.layers / p) * steps
+    # the host launches asynchronously: its per-block cost is a floor under the GPU's time, not added to it
+    host = HOST_SECONDS_PER_BLOCK * math.ceil(spec.layers / p) * micro_steps(candidate, work, data)
+    host *= 1 + recomputed_share(candidate, work) / 3  # recompute launches the forward's kernels again
+    seconds = max(seconds, host)
     if p > 1:
         micro = pipeline_micro_batches(candidate, work, data)
         seconds *= 1 + (p - 1) / (micro * max(work.virtual_stages, 1))
@@ -279,11 +284,18 @@ def micro_steps(candidate: Candidate, work: Workload, data: int) -> int:
     return max(candidate.micro, 1)
 
 
-def matmul_efficiency(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec) -> float:
-    """The chip's fitted efficiency, lower for narrow matmuls (small models, large tensor sizes): the
-    width at which it halves is fitted too."""
+def matmul_efficiency(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,
+                      peak: Optional[float] = None) -> float:
+    """The chip's fitted efficiency, lower for narrow matmuls (small models, large tensor sizes). The
+    width at which it halves is proportional to the chip's ridge point (``peak`` FLOPs over HBM bytes
+    per second; bf16 unless given): a matmul of width w does about w FLOPs per byte it moves, so the
+    faster the math beside the memory (Hopper over Ampere, fp8 over bf16) the wider a matmul must be
+    to hide its loads. The proportion is fitted."""
     width = spec.hidden / candidate.tensor
-    return cluster.device.matmul_efficiency * width / (width + calibration.value("matmul half width"))
+    device = cluster.device
+    ridge = (peak or device.bf16_flops) / device.hbm_bytes_per_s if device.hbm_bytes_per_s else 0.0
+    half = calibration.value("matmul half width per ridge") * ridge
+    return device.matmul_efficiency * width / (width + half)
 
 
 def _peak(candidate: Candidate, cluster: ClusterSpec) -> float:
@@ -303,7 +315,9 @@ def matmul_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
         flops += 6.0 * spec.embedding_params  # the tied head is still a matmul
     flops += 2.0 * spec.layers * spec.block_params * recomputed_share(candidate, work)
     per_gpu = work.tokens * flops / cluster.world_size
-    return per_gpu / (_peak(candidate, cluster) * matmul_efficiency(candidate, spec, cluster))
+    fp8 = candidate.precision == "fp8" and cluster.device.fp8_flops
+    peak = cluster.device.fp8_flops if fp8 else None
+    return per_gpu / (_peak(candidate, cluster) * matmul_efficiency(candidate, spec, cluster, peak))
 
 
 def recomputed_share(candidate: Candidate, work: Workload) -> float:
