@@ -290,8 +290,10 @@ def matmul_efficiency(candidate: Candidate, spec: TransformerSpec, cluster: Clus
     width at which it halves is proportional to the chip's ridge point (``peak`` FLOPs over HBM bytes
     per second; bf16 unless given): a matmul of width w does about w FLOPs per byte it moves, so the
     faster the math beside the memory (Hopper over Ampere, fp8 over bf16) the wider a matmul must be
-    to hide its loads. The proportion is fitted."""
-    width = spec.hidden / candidate.tensor
+    to hide its loads. The proportion is fitted. Under tensor parallelism each weight matmul keeps one
+    side whole (the hidden size) and splits the other: its FLOPs per byte go as the harmonic mean of
+    the two, 2 h (h / t) / (h + h / t) = 2 h / (1 + t)."""
+    width = 2 * spec.hidden / (1 + candidate.tensor)
     device = cluster.device
     ridge = (peak or device.bf16_flops) / device.hbm_bytes_per_s if device.hbm_bytes_per_s else 0.0
     half = calibration.value("matmul half width per ridge") * ridge
