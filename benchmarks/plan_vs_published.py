@@ -38,7 +38,9 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # cross-entropy (llmfoundry/models/mpt/modeling_mpt.py: loss_fn='fused_crossentropy'):
                    # bf16 logits and their bf16 gradient, no fp32 copy: 4 bytes per logit
                    "llm-foundry": {"sync_each_micro_step": True, "logit_bytes": 4},
-                   "nemo": {"distributed_optimizer": True}}  # Megatron-Core's distributed optimizer
+                   # Megatron-Core's distributed optimizer; Transformer Engine's attention, which prefers
+                   # cuDNN's fused kernel on Hopper (TransformerEngine dot_product_attention/utils.py)
+                   "nemo": {"distributed_optimizer": True, "hopper_attention": True}}
 
 
 def load(path: Path = DATA) -> tuple[dict, list[dict]]:

@@ -58,6 +58,9 @@ class Workload:
     # zero1 is Megatron's distributed optimizer (bf16 weights and the gradient buffer whole, fp32 master
     # weights and Adam moments sharded) also without tensor / pipeline parallelism (Megatron-LM, NeMo)
     distributed_optimizer: bool = False
+    # attention runs a Hopper-native kernel (cuDNN fused attention, which Transformer Engine prefers on
+    # Hopper; FlashAttention-3) rather than FlashAttention-2
+    hopper_attention: bool = False
 
     @property
     def tokens(self) -> int:
@@ -255,6 +258,9 @@ ATTENTION_FLOPS_PER_SEQ_DIM = 7.0
 # Host time to launch one block's kernels, forward and backward (first principles: about 30 kernels at
 # about 10 us of Python and driver time each); the GPU runs behind it, so it only bounds the step from below.
 HOST_SECONDS_PER_BLOCK = 300e-6
+# A Hopper-native attention kernel over FlashAttention-2 on H100: FlashAttention-3's paper (Shah et al.
+# 2024, arXiv 2407.08608, abstract) measures 1.5-2.0x, FA2 at 35 % of the peak; the low end is taken.
+HOPPER_NATIVE_ATTENTION_SPEEDUP = 1.5
 # Launch latency of one collective (NCCL, first principles: tens of microseconds).
 COLLECTIVE_LATENCY_S = 20e-6
 
@@ -339,7 +345,10 @@ def attention_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
     if checkpointing(candidate, work) == "full":
         per_token += 2.0 * spec.layers * spec.hidden * work.seq_len
     peak = cluster.device.fp32_flops if candidate.precision == "fp32" else cluster.device.bf16_flops
-    efficiency = matmul_efficiency(candidate, spec, cluster) * calibration.value(f"{attention_family(cluster)} attention efficiency")
+    family = attention_family(cluster)
+    efficiency = matmul_efficiency(candidate, spec, cluster) * calibration.value(f"{family} attention efficiency")
+    if family == "hopper" and work.hopper_attention:
+        efficiency *= HOPPER_NATIVE_ATTENTION_SPEEDUP
     return work.tokens * per_token / cluster.world_size / (peak * efficiency)
 
 
