@@ -34,9 +34,6 @@ from atorch.auto.search.model_specs import TransformerSpec
 # The loss reads bf16 logits, upcasts them to fp32 and keeps their fp32 gradient: 2 + 4 + 4 bytes per
 # logit (first principles; transformers and torchtitan both upcast before cross-entropy).
 LOGIT_BYTES = 10
-# What the caching allocator reserves beyond the live peak (fragmentation, freed blocks kept). 1.0:
-# the selective share above was fitted with it, so no second constant is taken from the same row.
-ALLOCATOR_OVERHEAD = 1.0
 AC_MODES = ("none", "selective", "full")
 
 
@@ -78,13 +75,15 @@ class Prediction:
     compute_s: float = 0.0
     comm_s: float = 0.0
     notes: list = field(default_factory=list)
+    allocated_bytes: int = 0  # the live tensors at the peak; memory_bytes is what the allocator reserves
 
 
 def predict(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,
             facts: Optional[LayoutFacts] = None) -> Prediction:
     """Per-GPU peak memory, step time, tokens/s per GPU and MFU of ``candidate`` (see the module doc)."""
     world = cluster.world_size
-    memory = predict_memory(candidate, spec, cluster, work, facts)
+    allocated = predict_memory(candidate, spec, cluster, work, facts)
+    memory = reserved_bytes(allocated)
     compute = compute_seconds(candidate, spec, cluster, work)
     data_comm = data_comm_seconds(candidate, spec, cluster, facts, work)
     exposed = tensor_comm_seconds(candidate, spec, cluster, work) + pipeline_comm_seconds(candidate, spec, cluster, work)
@@ -93,7 +92,21 @@ def predict(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, w
     peak = cluster.device.fp8_flops if candidate.precision == "fp8" and cluster.device.fp8_flops else cluster.device.bf16_flops
     mfu = tokens * spec.model_flops_per_token(work.seq_len) / peak
     return Prediction(candidate, int(memory), step, tokens, mfu, memory <= cluster.device.memory_bytes,
-                      compute, data_comm + exposed)
+                      compute, data_comm + exposed, allocated_bytes=int(allocated))
+
+
+def reserved_bytes(allocated: float) -> float:
+    """What PyTorch's caching allocator holds at the live peak (what runs out of memory): freed blocks
+    stay cached and split blocks fragment, so it may exceed the tensors alive. ``ALLOCATOR_RESERVE``
+    says by how much; see its comment for why it is 1 here."""
+    return allocated * ALLOCATOR_RESERVE
+
+
+# The caching allocator's reservation over the live peak. Fitted as a constant on torchtitan's 128-GPU
+# row (max reserved) beside the selective share on its 8-GPU row, it went to 1.0, its physical floor:
+# the published reserved figures show no reservation beyond what the model counts live, so 1.0 until a
+# run publishes both its max allocated and its max reserved.
+ALLOCATOR_RESERVE = 1.0
 
 
 # --- memory ------------------------------------------------------------------------------------------
@@ -156,7 +169,7 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
     data = candidate.data_size(world)
     P, G, O = state_bytes(candidate, spec)
     if t * p > 1 or (candidate.sharding == "zero1" and work.distributed_optimizer):
-        return layout_memory(candidate, spec, work, facts, data, fp8) * ALLOCATOR_OVERHEAD
+        return layout_memory(candidate, spec, work, facts, data, fp8)
     tokens = work.tokens / data
     if work.sync_each_micro_step:  # one micro-batch's activations, and no unsharded gradients kept
         tokens /= max(candidate.micro, 1)
@@ -167,7 +180,18 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
                              int(P + G + O + act), 0.0, int(P), int(G), int(O))
     shard_group = shard_size(candidate, world)
     memory = estimate(candidate, variant, shard_group, _profile(spec, P), _hardware(cluster)).memory_bytes
-    return memory * ALLOCATOR_OVERHEAD
+    return memory + fp32_gather_bytes(candidate, spec, work, shard_group)
+
+
+def fp32_gather_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload, shard: int) -> float:
+    """FSDP without a mixed-precision policy (autocast over fp32 weights: ``fp32_residual``) gathers
+    its units in fp32, twice the bf16 ``cost.estimate`` counts: a gathered unit, the prefetched next
+    one and the unit's unsharded gradient, half of each again."""
+    if not (candidate.sharding in ("fsdp", "hsdp") and shard > 1 and work.fp32_residual
+            and candidate.precision.startswith("amp")):
+        return 0.0
+    root = spec.embedding_params + spec.head_params + spec.hidden
+    return 3 * 0.5 * 4.0 * max(spec.block_params, root)
 
 
 def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, facts: Optional[LayoutFacts],
