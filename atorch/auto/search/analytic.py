@@ -25,7 +25,7 @@ from typing import Optional
 from atorch.auto.search import calibration
 from atorch.auto.search.analyser import ModelProfile
 from atorch.auto.search.candidates import Candidate
-from atorch.auto.search.cost import EXTRA_MICRO_BATCHES_IN_FLIGHT, estimate
+from atorch.auto.search.cost import estimate
 from atorch.auto.search.hardware_specs import ClusterSpec
 from atorch.auto.search.layouts import LayoutFacts, divisors_above_one, micro_batches
 from atorch.auto.search.measure import HardwareProfile, VariantProfile
@@ -125,7 +125,7 @@ def checkpointing(candidate: Candidate, work: Workload) -> str:
 
 def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload, tokens: float,
                      tensor: int = 1, layers: Optional[float] = None, in_flight: float = 1.0,
-                     fp8: bool = False) -> float:
+                     fp8: bool = False, head: bool = True) -> float:
     """Activations of ``tokens`` tokens (one data rank's share of the step) over ``layers`` blocks, with
     ``in_flight`` micro-batches of them alive at once (pipelines). Under fp8 the matmuls' inputs are
     saved as their fp8 casts (Transformer Engine keeps those for the weight gradient): 1 byte, not 2."""
@@ -144,7 +144,8 @@ def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload
             "full": spec.hidden * residual}[mode]
     blocks = layers * kept * tokens * in_flight
     working = per_token * tokens * (2 if mode == "full" else 1)  # one block's backward (and its recompute)
-    logits = spec.vocab * tokens * work.logit_bytes / tensor  # vocab-parallel under tensor parallelism
+    # vocab-parallel under tensor parallelism; only the stage holding the head has them
+    logits = spec.vocab * tokens * work.logit_bytes / tensor if head else 0.0
     # the loss's logits are freed before the first block's backward begins: the two peaks do not add
     return blocks + (working + logits if work.logits_kept else max(working, logits))
 
@@ -216,8 +217,12 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
     micro = pipeline_micro_batches(candidate, work, data) if p > 1 else micro_steps(candidate, work, data)
     tokens = work.tokens / data / micro
     if p > 1:
+        # the first stage holds the most micro-batches, the last the logits: whichever peaks higher
         in_flight = min(micro_batches_in_flight(p, work.virtual_stages), micro)
-        act = activation_bytes(candidate, spec, work, tokens, t, math.ceil(spec.layers / p), in_flight, fp8)
+        layers = math.ceil(spec.layers / p)
+        first = activation_bytes(candidate, spec, work, tokens, t, layers, in_flight, fp8, head=False)
+        last = activation_bytes(candidate, spec, work, tokens, t, layers, 1.0, fp8)
+        act = max(first, last)
     else:
         act = activation_bytes(candidate, spec, work, tokens, t, fp8=fp8)
     return states + act
@@ -225,12 +230,13 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
 
 def micro_batches_in_flight(pipeline: int, virtual: int) -> float:
     """Micro-batches whose activations the first stage holds at its peak, in whole-stage units. 1F1B:
-    its ``pipeline`` warm-up forwards plus one being received. Interleaved (Megatron's schedule, ``virtual``
+    its p - 1 warm-up forwards and the one whose backward it waits for, p (Narayanan et al. 2021; the
+    first stage receives no activations, so none is in transit to it). Interleaved (Megatron's schedule, ``virtual``
     chunks per stage): 2 (p - 1) + (v - 1) p warm-up chunks plus the one in flight, each 1/v of the stage,
     i.e. p + (p - 1) / v stages' worth (Korthikanti et al. 2022, section 4.2.3)."""
     if virtual > 1:
         return pipeline + (pipeline - 1) / virtual
-    return pipeline + EXTRA_MICRO_BATCHES_IN_FLIGHT
+    return float(pipeline)
 
 
 def pipeline_micro_batches(candidate: Candidate, work: Workload, data: int) -> int:
