@@ -76,6 +76,7 @@ class Prediction:
     comm_s: float = 0.0
     notes: list = field(default_factory=list)
     allocated_bytes: int = 0  # the live tensors at the peak; memory_bytes is what the allocator reserves
+    checkpointing: str = "none"  # the activation checkpointing predicted: none / selective / full
 
 
 def predict(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,
@@ -92,7 +93,8 @@ def predict(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, w
     peak = cluster.device.fp8_flops if candidate.precision == "fp8" and cluster.device.fp8_flops else cluster.device.bf16_flops
     mfu = tokens * spec.model_flops_per_token(work.seq_len) / peak
     return Prediction(candidate, int(memory), step, tokens, mfu, memory <= cluster.device.memory_bytes,
-                      compute, data_comm + exposed, allocated_bytes=int(allocated))
+                      compute, data_comm + exposed, allocated_bytes=int(allocated),
+                      checkpointing=checkpointing(candidate, work))
 
 
 def reserved_bytes(allocated: float) -> float:
@@ -141,7 +143,7 @@ def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload
         per_token -= (3 * spec.hidden + spec.ffn) * (width - 1) / tensor
     mode = checkpointing(candidate, work)
     kept = {"none": per_token, "selective": calibration.value("selective activation share") * per_token,
-            "full": spec.hidden * residual}[mode]
+            "full": spec.hidden * residual / tensor}[mode]  # the block input, sequence-split too
     blocks = layers * kept * tokens * in_flight
     working = per_token * tokens * (2 if mode == "full" else 1)  # one block's backward (and its recompute)
     # vocab-parallel under tensor parallelism; only the stage holding the head has them
