@@ -453,6 +453,8 @@ def data_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
     syncs = steps if work is not None and work.sync_each_micro_step else 1
     bytes_moved = {"ddp": 2 * shed * G, "zero1": 2 * shed * G + shed * P, "zero2": shed * (syncs * G + steps * compute_params),
                    "fsdp": shed * (syncs * G + 2 * steps * compute_params)}[candidate.sharding]
+    if candidate.sharding == "zero1" and (t * p > 1 or (work is not None and work.distributed_optimizer)):
+        bytes_moved = shed * (G + compute_params)  # Megatron: reduce-scatter the gradients, gather bf16 weights
     seconds = bytes_moved / cluster.link_bytes_per_s(shard, t * p)
     collectives = {"ddp": 1, "zero1": 2, "zero2": 2 * spec.layers, "fsdp": 3 * spec.layers}[candidate.sharding]
     seconds += steps * collectives * COLLECTIVE_LATENCY_S
