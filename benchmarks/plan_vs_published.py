@@ -34,7 +34,13 @@ DATA = Path(__file__).resolve().parent / "published_runs.json"
 GIB = 2**30
 # source-level facts of how a run's code differs from the planner's defaults (never one row's)
 SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_kept": True},
-                   "llm-foundry": {"sync_each_micro_step": True}}  # Composer reduce-scatters every micro-batch
+                   # Composer reduce-scatters every micro-batch; MPT's default loss is flash-attn's fused
+                   # cross-entropy (llmfoundry/models/mpt/modeling_mpt.py: loss_fn='fused_crossentropy'):
+                   # bf16 logits and their bf16 gradient, no fp32 copy: 4 bytes per logit
+                   "llm-foundry": {"sync_each_micro_step": True, "logit_bytes": 4},
+                   # Megatron-Core's distributed optimizer; Transformer Engine's attention, which prefers
+                   # cuDNN's fused kernel on Hopper (TransformerEngine dot_product_attention/utils.py)
+                   "nemo": {"distributed_optimizer": True, "hopper_attention": True}}
 
 
 def load(path: Path = DATA) -> tuple[dict, list[dict]]:
@@ -79,12 +85,16 @@ def published_tokens(row: dict, models: dict) -> float:
     return row["tflops_per_gpu"] * 1e12 / flops
 
 
-def evaluate(rows: list[dict], models: dict) -> list[dict]:
+def evaluate(rows: list[dict], models: dict, sources: Optional[dict] = None) -> list[dict]:
+    """Each row predicted; its memory compared with what the source measured: the allocator's
+    reservation (max reserved) unless the source says it published the live tensors (max allocated)."""
+    sources = sources if sources is not None else load()[0]["sources"]
     out = []
     for row in rows:
         p = predict_row(row, models)
         published = published_tokens(row, models)
-        memory = p.memory_bytes / GIB
+        allocated = sources.get(row["source"], {}).get("memory") == "allocated"
+        memory = (p.allocated_bytes if allocated else p.memory_bytes) / GIB
         out.append({**row, "pred": p, "published": published, "ratio": p.tokens_per_s_per_gpu / published,
                     "mem_ratio": memory / row["memory_gib"] if row["memory_gib"] else None, "skip": not_modelled(row)})
     return out
@@ -109,8 +119,9 @@ def print_rows(results: list[dict]) -> None:
     for r in results:
         p = r["pred"]
         mem = f"{r['memory_gib']:>6.1f}" if r["memory_gib"] else f"{'':>6}"
+        predicted = r["memory_gib"] * r["mem_ratio"] if r["mem_ratio"] else p.memory_bytes / GIB
         print(f"{r['id']:<46}{r['role']:<12}{r['published']:>10.0f}{p.tokens_per_s_per_gpu:>9.0f}{r['ratio']:>7.2f}"
-              f"{p.memory_bytes / GIB:>9.1f}{mem}  {'yes' if p.fits else 'NO'}" + (f"  (not modelled: {r['skip']})" if r["skip"] else ""))
+              f"{predicted:>9.1f}{mem}  {'yes' if p.fits else 'NO'}" + (f"  (not modelled: {r['skip']})" if r["skip"] else ""))
 
 
 def print_tables(results: list[dict]) -> None:

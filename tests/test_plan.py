@@ -124,7 +124,7 @@ def test_estimate_of_the_top_plan_gives_the_figures_plan_reports():
         precision = {v: k for k, v in PRECISIONS.items()}[c.precision]
         mine = atorch.estimate("llama3-8b", "2x8xH100-80GB", global_batch=32, seq_len=8192, tensor=c.tensor,
                                pipeline=c.pipeline, sharding=sharding, precision=precision,
-                               activation_checkpointing="full" if c.checkpoint else "none",
+                               activation_checkpointing=best.checkpointing,
                                micro_batch_size=32 // data // c.micro if c.micro > 1 else None)
         assert mine.tokens_per_s_per_gpu == pytest.approx(best.tokens_per_s_per_gpu, rel=1e-9)
         assert mine.mfu == pytest.approx(best.mfu, rel=1e-9)
@@ -139,3 +139,20 @@ def test_estimate_names_a_bad_value_and_the_valid_choices(key, value, valid):
     with pytest.raises(InputError, match=valid) as error:
         atorch.estimate("llama3-8b", "8xH100-80GB", global_batch=16, seq_len=4096, **{key: value})
     assert key in str(error.value)
+
+
+def test_selective_checkpointing_is_ranked_but_the_strategy_is_one_atorch_applies():
+    """Selective checkpointing is a planner candidate (it keeps more than full recompute, so it is
+    faster and bigger); no atorch method offers it, so the strategy is the best plan without it."""
+    result = atorch.plan("llama3-8b", "8xH100-80GB", global_batch=16, seq_len=8192)
+    selective = [p for p in result.predictions if p.checkpointing == "selective"]
+    assert selective and "sel-ckpt" in result.table()
+    for p in selective:
+        full = next(q for q in result.predictions if q.candidate == p.candidate and q.checkpointing == "full")
+        assert p.step_time_s < full.step_time_s and p.memory_bytes > full.memory_bytes
+    assert result.applicable.checkpointing != "selective"
+    assert result.strategy.names() == result.applicable.candidate.strategy(8).names()
+    mine = atorch.estimate("llama3-8b", "8xH100-80GB", global_batch=16, seq_len=8192, sharding=selective[0].candidate.sharding,
+                           activation_checkpointing="selective")
+    same = next(p for p in selective if p.candidate.label == mine.candidate.label)
+    assert mine.tokens_per_s_per_gpu == pytest.approx(same.tokens_per_s_per_gpu, rel=1e-9)

@@ -51,9 +51,16 @@ class Plan:
         return next((p for p in self.predictions if p.fits), None)
 
     @property
+    def applicable(self) -> Optional[Prediction]:
+        """The best fitting plan atorch's methods can apply: selective checkpointing is ranked for
+        comparison, but atorch's ``checkpoint`` method recomputes whole modules, not an op policy."""
+        return next((p for p in self.predictions if p.fits and p.checkpointing != "selective"), None)
+
+    @property
     def strategy(self) -> Optional[Strategy]:
-        """The top plan as a strategy for ``auto_accelerate(load_strategy=...)``; None if none fits."""
-        best = self.best
+        """The best applicable plan as a strategy for ``auto_accelerate(load_strategy=...)``; None if
+        none fits."""
+        best = self.applicable
         return best.candidate.strategy(self.cluster.world_size) if best else None
 
     def table(self, limit: Optional[int] = None) -> str:
@@ -89,9 +96,25 @@ def plan(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
         else:
             kept.append(candidate)
     predictions = [predict(c, spec, cluster, work, facts) for c in kept]
+    predictions += selective_predictions(kept, spec, cluster, work, facts)
     # fitting plans by throughput (equal throughput: less memory first), then the rest by memory
     predictions.sort(key=lambda p: (not p.fits, -round(p.tokens_per_s_per_gpu) if p.fits else 0, p.memory_bytes))
     return Plan(spec, cluster, work, predictions, skipped)
+
+
+def selective_predictions(candidates: list[Candidate], spec: TransformerSpec, cluster: ClusterSpec,
+                          work: Workload, facts) -> list[Prediction]:
+    """Every checkpointed candidate once more under selective checkpointing (the op policy torchtitan
+    runs: matmul outputs kept, the rest recomputed), which often beats full recompute when it fits.
+    No atorch method applies it, so ``Plan.strategy`` skips these; they show what it would buy."""
+    selective = Workload(work.global_batch, work.seq_len, "selective")
+    return [predict(c, spec, cluster, selective, facts) for c in candidates if c.checkpoint]
+
+
+def plan_label(prediction: Prediction) -> str:
+    """The candidate's label, with ``ckpt`` named ``sel-ckpt`` under selective checkpointing."""
+    label = prediction.candidate.label
+    return label.replace("ckpt", "sel-ckpt") if prediction.checkpointing == "selective" else label
 
 
 # estimate()'s precision names -> the candidates' (amp: fp32 master weights, bf16 compute)
@@ -180,7 +203,7 @@ def format_plan(result: Plan, limit: Optional[int] = None) -> str:
     rows = result.predictions[:limit] if limit else result.predictions
     for i, p in enumerate(rows, 1):
         c = p.candidate
-        lines.append(f"{i:>3}  {c.label:<34}{c.tensor:>4}{c.pipeline:>4}{c.data_size(cluster.world_size):>5}"
+        lines.append(f"{i:>3}  {plan_label(p):<34}{c.tensor:>4}{c.pipeline:>4}{c.data_size(cluster.world_size):>5}"
                      f"{p.memory_bytes / GIB:>9.1f}{p.step_time_s:>9.3f}{p.tokens_per_s_per_gpu:>11.0f}"
                      f"{p.mfu * 100:>6.1f}%  {'yes' if p.fits else 'no'}")
     if limit and len(result.predictions) > limit:
@@ -198,7 +221,7 @@ def plot_plan(result: Plan, path: Union[str, Path]) -> Optional[Path]:
     fig, ax = plt.subplots(figsize=(8, 5))
     for p in result.predictions:
         ax.scatter(p.memory_bytes / GIB, p.tokens_per_s_per_gpu, marker="o" if p.fits else "x")
-        ax.annotate(p.candidate.label, (p.memory_bytes / GIB, p.tokens_per_s_per_gpu), fontsize=6)
+        ax.annotate(plan_label(p), (p.memory_bytes / GIB, p.tokens_per_s_per_gpu), fontsize=6)
     ax.axvline(result.cluster.device.memory_bytes / GIB, linestyle="--", color="grey")
     ax.set_xlabel("predicted memory per GPU (GiB)")
     ax.set_ylabel("predicted tokens/s per GPU")

@@ -25,7 +25,7 @@ from typing import Optional
 from atorch.auto.search import calibration
 from atorch.auto.search.analyser import ModelProfile
 from atorch.auto.search.candidates import Candidate
-from atorch.auto.search.cost import EXTRA_MICRO_BATCHES_IN_FLIGHT, estimate
+from atorch.auto.search.cost import estimate
 from atorch.auto.search.hardware_specs import ClusterSpec
 from atorch.auto.search.layouts import LayoutFacts, divisors_above_one, micro_batches
 from atorch.auto.search.measure import HardwareProfile, VariantProfile
@@ -34,9 +34,6 @@ from atorch.auto.search.model_specs import TransformerSpec
 # The loss reads bf16 logits, upcasts them to fp32 and keeps their fp32 gradient: 2 + 4 + 4 bytes per
 # logit (first principles; transformers and torchtitan both upcast before cross-entropy).
 LOGIT_BYTES = 10
-# What the caching allocator reserves beyond the live peak (fragmentation, freed blocks kept). 1.0:
-# the selective share above was fitted with it, so no second constant is taken from the same row.
-ALLOCATOR_OVERHEAD = 1.0
 AC_MODES = ("none", "selective", "full")
 
 
@@ -55,6 +52,12 @@ class Workload:
     # gradient accumulation reduce-scatters every micro-step (Composer, FSDP2 by default) instead of
     # keeping unsharded gradients until the last one (atorch's micro_batch, DDP's no_sync)
     sync_each_micro_step: bool = False
+    # zero1 is Megatron's distributed optimizer (bf16 weights and the gradient buffer whole, fp32 master
+    # weights and Adam moments sharded) also without tensor / pipeline parallelism (Megatron-LM, NeMo)
+    distributed_optimizer: bool = False
+    # attention runs a Hopper-native kernel (cuDNN fused attention, which Transformer Engine prefers on
+    # Hopper; FlashAttention-3) rather than FlashAttention-2
+    hopper_attention: bool = False
 
     @property
     def tokens(self) -> int:
@@ -72,13 +75,16 @@ class Prediction:
     compute_s: float = 0.0
     comm_s: float = 0.0
     notes: list = field(default_factory=list)
+    allocated_bytes: int = 0  # the live tensors at the peak; memory_bytes is what the allocator reserves
+    checkpointing: str = "none"  # the activation checkpointing predicted: none / selective / full
 
 
 def predict(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,
             facts: Optional[LayoutFacts] = None) -> Prediction:
     """Per-GPU peak memory, step time, tokens/s per GPU and MFU of ``candidate`` (see the module doc)."""
     world = cluster.world_size
-    memory = predict_memory(candidate, spec, cluster, work, facts)
+    allocated = predict_memory(candidate, spec, cluster, work, facts)
+    memory = reserved_bytes(allocated)
     compute = compute_seconds(candidate, spec, cluster, work)
     data_comm = data_comm_seconds(candidate, spec, cluster, facts, work)
     exposed = tensor_comm_seconds(candidate, spec, cluster, work) + pipeline_comm_seconds(candidate, spec, cluster, work)
@@ -87,7 +93,22 @@ def predict(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, w
     peak = cluster.device.fp8_flops if candidate.precision == "fp8" and cluster.device.fp8_flops else cluster.device.bf16_flops
     mfu = tokens * spec.model_flops_per_token(work.seq_len) / peak
     return Prediction(candidate, int(memory), step, tokens, mfu, memory <= cluster.device.memory_bytes,
-                      compute, data_comm + exposed)
+                      compute, data_comm + exposed, allocated_bytes=int(allocated),
+                      checkpointing=checkpointing(candidate, work))
+
+
+def reserved_bytes(allocated: float) -> float:
+    """What PyTorch's caching allocator holds at the live peak (what runs out of memory): freed blocks
+    stay cached and split blocks fragment, so it may exceed the tensors alive. ``ALLOCATOR_RESERVE``
+    says by how much; see its comment for why it is 1 here."""
+    return allocated * ALLOCATOR_RESERVE
+
+
+# The caching allocator's reservation over the live peak. Fitted as a constant on torchtitan's 128-GPU
+# row (max reserved) beside the selective share on its 8-GPU row, it went to 1.0, its physical floor:
+# the published reserved figures show no reservation beyond what the model counts live, so 1.0 until a
+# run publishes both its max allocated and its max reserved.
+ALLOCATOR_RESERVE = 1.0
 
 
 # --- memory ------------------------------------------------------------------------------------------
@@ -105,9 +126,11 @@ def checkpointing(candidate: Candidate, work: Workload) -> str:
 
 
 def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload, tokens: float,
-                     tensor: int = 1, layers: Optional[float] = None, in_flight: float = 1.0) -> float:
+                     tensor: int = 1, layers: Optional[float] = None, in_flight: float = 1.0,
+                     fp8: bool = False, head: bool = True) -> float:
     """Activations of ``tokens`` tokens (one data rank's share of the step) over ``layers`` blocks, with
-    ``in_flight`` micro-batches of them alive at once (pipelines)."""
+    ``in_flight`` micro-batches of them alive at once (pipelines). Under fp8 the matmuls' inputs are
+    saved as their fp8 casts (Transformer Engine keeps those for the weight gradient): 1 byte, not 2."""
     layers = spec.layers if layers is None else layers
     width = 4 if candidate.precision == "fp32" else 2
     residual = 4 if residual_is_fp32(candidate, work) else width
@@ -116,12 +139,15 @@ def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload
     # tensor parallelism runs with sequence parallelism (Megatron, torchtitan): the norms and the
     # residual stream are split over the sequence, so every activation divides by the tensor size
     per_token = (split * width + unsplit * residual) / tensor
+    if fp8:  # the two norm outputs, the attention output and the MLP's activation output, in fp8
+        per_token -= (3 * spec.hidden + spec.ffn) * (width - 1) / tensor
     mode = checkpointing(candidate, work)
     kept = {"none": per_token, "selective": calibration.value("selective activation share") * per_token,
-            "full": spec.hidden * residual}[mode]
+            "full": spec.hidden * residual / tensor}[mode]  # the block input, sequence-split too
     blocks = layers * kept * tokens * in_flight
     working = per_token * tokens * (2 if mode == "full" else 1)  # one block's backward (and its recompute)
-    logits = spec.vocab * tokens * work.logit_bytes / tensor  # vocab-parallel under tensor parallelism
+    # vocab-parallel under tensor parallelism; only the stage holding the head has them
+    logits = spec.vocab * tokens * work.logit_bytes / tensor if head else 0.0
     # the loss's logits are freed before the first block's backward begins: the two peaks do not add
     return blocks + (working + logits if work.logits_kept else max(working, logits))
 
@@ -137,30 +163,42 @@ def residual_is_fp32(candidate: Candidate, work: Workload) -> bool:
 def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,
                    facts: Optional[LayoutFacts] = None) -> float:
     """Per-GPU peak bytes. Data-parallel layouts go through ``cost.estimate`` with an analytical alone
-    profile; tensor / pipeline layouts through ``layout_memory``. fp8 keeps bf16 state and activations
-    here (its fp8 weight copies are small beside the fp32 state)."""
-    if candidate.precision == "fp8":
+    profile; tensor / pipeline layouts through ``layout_memory``. fp8 keeps bf16 state here (its fp8
+    weight copies are small beside the fp32 state) and saves its matmuls' inputs in fp8."""
+    fp8 = candidate.precision == "fp8"
+    if fp8:
         candidate = dataclasses.replace(candidate, precision="amp_bf16")
     world, t, p = cluster.world_size, candidate.tensor, candidate.pipeline
     data = candidate.data_size(world)
     P, G, O = state_bytes(candidate, spec)
-    if t * p > 1:
-        return layout_memory(candidate, spec, work, facts, data) * ALLOCATOR_OVERHEAD
+    if t * p > 1 or (candidate.sharding == "zero1" and work.distributed_optimizer):
+        return layout_memory(candidate, spec, work, facts, data, fp8)
     tokens = work.tokens / data
     if work.sync_each_micro_step:  # one micro-batch's activations, and no unsharded gradients kept
         tokens /= max(candidate.micro, 1)
         candidate = dataclasses.replace(candidate, micro=1)
     autocast_copies = 0.5 * P if candidate.precision.startswith("amp") and checkpointing(candidate, work) == "none" else 0.0
-    act = activation_bytes(candidate, spec, work, tokens) + autocast_copies
+    act = activation_bytes(candidate, spec, work, tokens, fp8=fp8) + autocast_copies
     variant = VariantProfile(candidate.precision, candidate.checkpoint, work.global_batch // data,
                              int(P + G + O + act), 0.0, int(P), int(G), int(O))
     shard_group = shard_size(candidate, world)
     memory = estimate(candidate, variant, shard_group, _profile(spec, P), _hardware(cluster)).memory_bytes
-    return memory * ALLOCATOR_OVERHEAD
+    return memory + fp32_gather_bytes(candidate, spec, work, shard_group)
+
+
+def fp32_gather_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload, shard: int) -> float:
+    """FSDP without a mixed-precision policy (autocast over fp32 weights: ``fp32_residual``) gathers
+    its units in fp32, twice the bf16 ``cost.estimate`` counts: a gathered unit, the prefetched next
+    one and the unit's unsharded gradient, half of each again."""
+    if not (candidate.sharding in ("fsdp", "hsdp") and shard > 1 and work.fp32_residual
+            and candidate.precision.startswith("amp")):
+        return 0.0
+    root = spec.embedding_params + spec.head_params + spec.hidden
+    return 3 * 0.5 * 4.0 * max(spec.block_params, root)
 
 
 def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, facts: Optional[LayoutFacts],
-                  data: int) -> float:
+                  data: int, fp8: bool = False) -> float:
     """A tensor / pipeline rank's state (its share of the model) sharded over the data dimension as the
     sharding says: fsdp all of it (plus two gathered blocks), zero1 as Megatron's distributed optimizer
     (bf16 weights and fp32 gradients whole, fp32 master weights and Adam moments sharded), ddp none
@@ -181,11 +219,26 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
     micro = pipeline_micro_batches(candidate, work, data) if p > 1 else micro_steps(candidate, work, data)
     tokens = work.tokens / data / micro
     if p > 1:
-        in_flight = min(p + EXTRA_MICRO_BATCHES_IN_FLIGHT, micro)
-        act = activation_bytes(candidate, spec, work, tokens, t, math.ceil(spec.layers / p), in_flight)
+        # the first stage holds the most micro-batches, the last the logits: whichever peaks higher
+        in_flight = min(micro_batches_in_flight(p, work.virtual_stages), micro)
+        layers = math.ceil(spec.layers / p)
+        first = activation_bytes(candidate, spec, work, tokens, t, layers, in_flight, fp8, head=False)
+        last = activation_bytes(candidate, spec, work, tokens, t, layers, 1.0, fp8)
+        act = max(first, last)
     else:
-        act = activation_bytes(candidate, spec, work, tokens, t)
+        act = activation_bytes(candidate, spec, work, tokens, t, fp8=fp8)
     return states + act
+
+
+def micro_batches_in_flight(pipeline: int, virtual: int) -> float:
+    """Micro-batches whose activations the first stage holds at its peak, in whole-stage units. 1F1B:
+    its p - 1 warm-up forwards and the one whose backward it waits for, p (Narayanan et al. 2021; the
+    first stage receives no activations, so none is in transit to it). Interleaved (Megatron's schedule, ``virtual``
+    chunks per stage): 2 (p - 1) + (v - 1) p warm-up chunks plus the one in flight, each 1/v of the stage,
+    i.e. p + (p - 1) / v stages' worth (Korthikanti et al. 2022, section 4.2.3)."""
+    if virtual > 1:
+        return pipeline + (pipeline - 1) / virtual
+    return float(pipeline)
 
 
 def pipeline_micro_batches(candidate: Candidate, work: Workload, data: int) -> int:
@@ -225,25 +278,37 @@ ELEMENTWISE_FFN_WIDTHS = {True: 9, False: 6}  # gated (SwiGLU) or not
 # The optimizer step reads fp32 parameters, gradients and both Adam moments and writes three back,
 # plus the bf16 copy: 30 bytes per parameter the rank updates (first principles).
 OPTIMIZER_BYTES_PER_PARAM = 30
+# fp8: bytes a cast-transpose moves per element (read bf16, write fp8 twice) and per weight (read the
+# bf16 weight, write its fp8 copy and its transpose, plus the amax pass)
+FP8_CAST_BYTES_PER_ELEMENT = 4
+FP8_WEIGHT_CAST_BYTES = 6
 # The loss reads and writes the logits a few times (softmax, its gradient): bytes per logit (first principles).
 LOSS_BYTES_PER_LOGIT = 16
 # Attention executed with flash attention and a causal mask: forward 4 * seq * d FLOPs per token and
 # layer halved by the mask, backward 2.5 x the forward (it recomputes the scores): 7 * seq * d.
 ATTENTION_FLOPS_PER_SEQ_DIM = 7.0
+# Host time to launch one block's kernels, forward and backward (first principles: about 30 kernels at
+# about 10 us of Python and driver time each); the GPU runs behind it, so it only bounds the step from below.
+HOST_SECONDS_PER_BLOCK = 300e-6
+# A Hopper-native attention kernel over FlashAttention-2 on H100: FlashAttention-3's paper (Shah et al.
+# 2024, arXiv 2407.08608, abstract) measures 1.5-2.0x, FA2 at 35 % of the peak; the low end is taken.
+HOPPER_NATIVE_ATTENTION_SPEEDUP = 1.5
 # Launch latency of one collective (NCCL, first principles: tens of microseconds).
 COLLECTIVE_LATENCY_S = 20e-6
 
 
 def compute_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
-    """Matmul, attention and memory-bound time of the step on one GPU, the per-layer host cost, and
-    the pipeline bubble."""
+    """Matmul, attention and memory-bound time of the step on one GPU (at least the host's launch time),
+    and the pipeline bubble."""
     t, p, world = candidate.tensor, candidate.pipeline, cluster.world_size
     data = candidate.data_size(world)
     tokens = work.tokens / data  # one data rank's tokens per step, shared by its t * p GPUs
     seconds = (matmul_seconds(candidate, spec, cluster, work) + attention_seconds(candidate, spec, cluster, work)
                + memory_bound_seconds(candidate, spec, cluster, work, tokens) + optimizer_seconds(candidate, spec, cluster))
-    steps = micro_steps(candidate, work, data)
-    seconds += calibration.value("layer overhead s") * math.ceil(spec.layers / p) * steps
+    # the host launches asynchronously: its per-block cost is a floor under the GPU's time, not added to it
+    host = HOST_SECONDS_PER_BLOCK * math.ceil(spec.layers / p) * micro_steps(candidate, work, data)
+    host *= 1 + recomputed_share(candidate, work) / 3  # recompute launches the forward's kernels again
+    seconds = max(seconds, host)
     if p > 1:
         micro = pipeline_micro_batches(candidate, work, data)
         seconds *= 1 + (p - 1) / (micro * max(work.virtual_stages, 1))
@@ -257,11 +322,20 @@ def micro_steps(candidate: Candidate, work: Workload, data: int) -> int:
     return max(candidate.micro, 1)
 
 
-def matmul_efficiency(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec) -> float:
-    """The chip's fitted efficiency, lower for narrow matmuls (small models, large tensor sizes): the
-    width at which it halves is fitted too."""
-    width = spec.hidden / candidate.tensor
-    return cluster.device.matmul_efficiency * width / (width + calibration.value("matmul half width"))
+def matmul_efficiency(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,
+                      peak: Optional[float] = None) -> float:
+    """The chip's fitted efficiency, lower for narrow matmuls (small models, large tensor sizes). The
+    width at which it halves is proportional to the chip's ridge point (``peak`` FLOPs over HBM bytes
+    per second; bf16 unless given): a matmul of width w does about w FLOPs per byte it moves, so the
+    faster the math beside the memory (Hopper over Ampere, fp8 over bf16) the wider a matmul must be
+    to hide its loads. The proportion is fitted. Under tensor parallelism each weight matmul keeps one
+    side whole (the hidden size) and splits the other: its FLOPs per byte go as the harmonic mean of
+    the two, 2 h (h / t) / (h + h / t) = 2 h / (1 + t)."""
+    width = 2 * spec.hidden / (1 + candidate.tensor)
+    device = cluster.device
+    ridge = (peak or device.bf16_flops) / device.hbm_bytes_per_s if device.hbm_bytes_per_s else 0.0
+    half = calibration.value("matmul half width per ridge") * ridge
+    return device.matmul_efficiency * width / (width + half)
 
 
 def _peak(candidate: Candidate, cluster: ClusterSpec) -> float:
@@ -279,10 +353,21 @@ def matmul_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
     flops = 6.0 * (spec.param_count - spec.embedding_params - (spec.head_params if spec.tied else 0))
     if spec.tied:
         flops += 6.0 * spec.embedding_params  # the tied head is still a matmul
-    if checkpointing(candidate, work) == "full":
-        flops += 2.0 * spec.layers * spec.block_params
+    flops += 2.0 * spec.layers * spec.block_params * recomputed_share(candidate, work)
     per_gpu = work.tokens * flops / cluster.world_size
-    return per_gpu / (_peak(candidate, cluster) * matmul_efficiency(candidate, spec, cluster))
+    fp8 = candidate.precision == "fp8" and cluster.device.fp8_flops
+    peak = cluster.device.fp8_flops if fp8 else None
+    return per_gpu / (_peak(candidate, cluster) * matmul_efficiency(candidate, spec, cluster, peak))
+
+
+def recomputed_share(candidate: Candidate, work: Workload) -> float:
+    """Share of the blocks' forward that backward runs again: all of it under full checkpointing; under
+    selective, what the policy does not keep is recomputed (torchtitan's op policy recomputes every
+    other matmul, its layer policy every other block: about the half of the activations it drops)."""
+    mode = checkpointing(candidate, work)
+    if mode == "selective":
+        return 1.0 - calibration.value("selective activation share")
+    return 1.0 if mode == "full" else 0.0
 
 
 def attention_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
@@ -292,8 +377,18 @@ def attention_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
     if checkpointing(candidate, work) == "full":
         per_token += 2.0 * spec.layers * spec.hidden * work.seq_len
     peak = cluster.device.fp32_flops if candidate.precision == "fp32" else cluster.device.bf16_flops
-    efficiency = matmul_efficiency(candidate, spec, cluster) * calibration.value("attention efficiency")
+    family = attention_family(cluster)
+    efficiency = matmul_efficiency(candidate, spec, cluster) * calibration.value(f"{family} attention efficiency")
+    if family == "hopper" and work.hopper_attention:
+        efficiency *= HOPPER_NATIVE_ATTENTION_SPEEDUP
     return work.tokens * per_token / cluster.world_size / (peak * efficiency)
+
+
+def attention_family(cluster: ClusterSpec) -> str:
+    """Flash attention's kernels differ by architecture (FlashAttention-2 is tuned for Ampere's mma
+    instructions and reaches a smaller share of Hopper's peak than its matmuls do), so its share of the
+    matmul efficiency is fitted per architecture: Ampere, or Hopper for every Hopper part."""
+    return "ampere" if cluster.device.family == "ampere" else "hopper"
 
 
 def memory_bound_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,
@@ -305,11 +400,26 @@ def memory_bound_seconds(candidate: Candidate, spec: TransformerSpec, cluster: C
         return 0.0
     width = 4 if candidate.precision == "fp32" else 2
     per_block = ELEMENTWISE_HIDDEN_WIDTHS * spec.hidden + ELEMENTWISE_FFN_WIDTHS[spec.gated] * spec.ffn
-    if checkpointing(candidate, work) == "full":
-        per_block *= 4 / 3  # the forward's share once more
-    blocks = per_block * spec.layers * width * tokens / (candidate.tensor * candidate.pipeline)
+    per_block *= 1 + recomputed_share(candidate, work) / 3  # the forward's share once more
+    per_block = per_block * width + (fp8_cast_bytes(spec) if candidate.precision == "fp8" else 0.0)
+    blocks = per_block * spec.layers * tokens / (candidate.tensor * candidate.pipeline)
     loss = LOSS_BYTES_PER_LOGIT * spec.vocab * tokens / candidate.tensor
-    return (blocks + loss) / hbm
+    weights = 0.0
+    if candidate.precision == "fp8":  # each weight cast (and transposed) once per step, per micro-step
+        passes = micro_steps(candidate, work, candidate.data_size(cluster.world_size)) if candidate.sharding in ("fsdp", "zero2", "hsdp") else 1
+        weights = FP8_WEIGHT_CAST_BYTES * spec.layers * spec.block_params / (candidate.tensor * candidate.pipeline) * passes
+    return (blocks + loss + weights) / hbm
+
+
+def fp8_cast_bytes(spec: TransformerSpec) -> float:
+    """Bytes per token and block that fp8 matmuls add (Transformer Engine's cast-transpose, first
+    principles): every GEMM input in the forward (the attention and MLP inputs, the attention output,
+    the MLP's intermediate) and every output gradient in the backward is read in bf16 (2 bytes, its
+    amax in the same pass) and written as fp8 twice, row- and column-major (1 + 1)."""
+    mlp_out = (2 if spec.gated else 1) * spec.ffn
+    forward = 3 * spec.hidden + spec.ffn
+    backward = (spec.hidden + 2 * spec.kv_dim) + spec.hidden + mlp_out + spec.hidden
+    return FP8_CAST_BYTES_PER_ELEMENT * (forward + backward)
 
 
 def optimizer_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec) -> float:
@@ -343,6 +453,8 @@ def data_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
     syncs = steps if work is not None and work.sync_each_micro_step else 1
     bytes_moved = {"ddp": 2 * shed * G, "zero1": 2 * shed * G + shed * P, "zero2": shed * (syncs * G + steps * compute_params),
                    "fsdp": shed * (syncs * G + 2 * steps * compute_params)}[candidate.sharding]
+    if candidate.sharding == "zero1" and (t * p > 1 or (work is not None and work.distributed_optimizer)):
+        bytes_moved = shed * (G + compute_params)  # Megatron: reduce-scatter the gradients, gather bf16 weights
     seconds = bytes_moved / cluster.link_bytes_per_s(shard, t * p)
     collectives = {"ddp": 1, "zero1": 2, "zero2": 2 * spec.layers, "fsdp": 3 * spec.layers}[candidate.sharding]
     seconds += steps * collectives * COLLECTIVE_LATENCY_S

@@ -2,7 +2,7 @@
 
 The analytic cost model (``analytic.py``) is first principles (FLOPs, bytes, link speeds) except for
 the few numbers below, which no datasheet gives: how close each chip's matmuls come to their peak,
-what a layer costs on the host, how much slower attention runs than a dense matmul. Each is fitted
+how narrow a matmul may be before it loses half its speed, how much slower attention runs than a dense matmul. Each is fitted
 on the rows of ``benchmarks/published_runs.json`` that name it (``role: calibration``, ``sets``), and
 only on those: ``benchmarks/plan_vs_published.py --fit`` refits them and prints the values below,
 ``tests/test_plan_calibration.py`` checks that refitting on the named rows alone gives these values
@@ -32,26 +32,28 @@ class Fitted:
 
 FITTED: dict[str, Fitted] = {
     "ampere efficiency": Fitted(
-        0.7013, ("lf A100-80GB 7b s2048 8gpu", "lf A100-80GB 13b s2048 8gpu", "atorch llama2-7b 8xA100 fsdp"),
+        0.6828, ("lf A100-80GB 7b s2048 8gpu", "lf A100-80GB 13b s2048 8gpu", "atorch llama2-7b 8xA100 fsdp"),
         0.3, 0.95, "share of the bf16 peak that large dense matmuls reach on A100 (40 and 80 GB: one chip)"),
     "hopper efficiency": Fitted(
-        0.4909, ("lf H100-80GB 7b s2048 8gpu", "lf H100-80GB 13b s2048 8gpu"),
+        0.526, ("lf H100-80GB 7b s2048 8gpu", "lf H100-80GB 13b s2048 8gpu", "lf H100-80GB 30b s2048 8gpu"),
         0.2, 0.95, "the same on H100 SXM 700 W (and H200 / GH200, the same chip with other memory)"),
     "hopper 500W efficiency": Fitted(
-        0.3965, ("titan llama3.1-8b 8xH100 fsdp",),
+        0.4925, ("titan llama3.1-8b 8xH100 fsdp",),
         0.2, 0.95, "the same on the power-capped 500 W H100 96 GB (torchtitan's Grand Teton parts)"),
     "fp8 efficiency": Fitted(
-        0.7083, ("lf H100-80GB 3b s2048 8gpu fp8", "lf H100-80GB 1b s8192 8gpu fp8"),
+        0.9097, ("lf H100-80GB 3b s2048 8gpu fp8", "lf H100-80GB 1b s8192 8gpu fp8"),
         0.1, 1.0, "fp8 matmuls' share of the fp8 peak, relative to bf16 matmuls' share of theirs"),
-    "matmul half width": Fitted(
-        186.0, ("lf A100-80GB 760m s2048 8gpu", "lf A100-40GB 350m s2048 8gpu", "lf H100-80GB 760m s2048 8gpu"),
-        0.0, 4096.0, "the matmul width (hidden / tensor) at which matmuls run at half the chip's efficiency"),
-    "layer overhead s": Fitted(
-        500e-6, ("lf A100-80GB 125m s2048 8gpu", "lf A100-40GB 125m s2048 8gpu"),
-        0.0, 500e-6, "host / launch time per block per micro-step (forward and backward), not hidden by the GPU"),
-    "attention efficiency": Fitted(
-        0.4532, ("lf A100-80GB 7b s32768 8gpu", "lf H100-80GB 1b s32768 8gpu"),
-        0.1, 1.0, "flash attention's share of the chip's dense-matmul efficiency"),
+    "matmul half width per ridge": Fitted(
+        1.401, ("lf A100-80GB 760m s2048 8gpu", "lf A100-40GB 350m s2048 8gpu", "lf H100-80GB 760m s2048 8gpu",
+              "lf A100-80GB 125m s2048 8gpu", "lf A100-40GB 125m s2048 8gpu"),
+        0.0, 20.0, "the matmul width (hidden / tensor) at which matmuls run at half the chip's efficiency, "
+        "over the chip's ridge point (peak FLOPs / HBM bytes per second)"),
+    "ampere attention efficiency": Fitted(
+        0.5828, ("lf A100-80GB 7b s32768 8gpu",),
+        0.1, 1.5, "flash attention's share of the chip's dense-matmul efficiency on A100"),
+    "hopper attention efficiency": Fitted(
+        0.4125, ("lf H100-80GB 1b s32768 8gpu",),
+        0.1, 1.5, "the same on Hopper parts (H100, H200, GH200)"),
     "selective activation share": Fitted(
         0.5122, ("titan llama3.1-8b 8xH100 fsdp",), 0.1, 1.0,
         "share of a block's activations selective checkpointing (torchtitan's op policy) keeps", "memory"),

@@ -96,9 +96,16 @@ class ClusterSpec:
 
     def link_bytes_per_s(self, group_size: int, stride: int = 1) -> float:
         """Per-GPU bandwidth of a ring over ``group_size`` ranks spaced ``stride`` apart: NVLink while
-        the group fits in one node, the network as soon as it crosses one."""
+        the group fits in one node. Across nodes, NCCL runs one ring channel per NIC: with ``k`` of the
+        group's ranks in each node (each with its own NIC), every channel carries 1/k of the data and
+        crosses each node boundary once, so a rank's collective moves at k NICs' bandwidth (the node's
+        aggregate when the whole node is in the group; one NIC for a strided group), NVLink at most."""
         inside = group_size * stride <= self.gpus_per_node or group_size == 1
-        return self.device.nvlink_bytes_per_s if inside else self.device.network_bytes_per_s
+        if inside:
+            return self.device.nvlink_bytes_per_s
+        per_node = min(group_size, max(1, self.gpus_per_node // max(stride, 1)))
+        network = self.device.network_bytes_per_s * per_node
+        return min(network, self.device.nvlink_bytes_per_s) if self.device.nvlink_bytes_per_s else network
 
 
 def device_spec(value: Union[str, Mapping[str, Any], DeviceSpec]) -> DeviceSpec:
