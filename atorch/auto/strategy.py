@@ -138,9 +138,6 @@ class Strategy:
         drop = set(names)
         return Strategy([item for item in self._items if item.name not in drop])
 
-    def with_first(self, name: str, config: Any, tunable: bool = True) -> "Strategy":
-        return Strategy([StrategyItem(name, config, tunable)] + self._items)
-
     def _normalized_items(self) -> list[tuple]:
         """(name, config as loading normalises it, in plain form, tunable)."""
         return [(item.name, _plain(_normalized(item.name, item.config)), item.tunable) for item in self._items]

@@ -31,7 +31,6 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["MemoryStats", "PeakMemoryTracker", "measure_peak_memory", "state_bytes"]
 
-_GIB = float(1 << 30)
 
 
 @dataclass
@@ -42,11 +41,6 @@ class MemoryStats:
     baseline_bytes: int  # live bytes at entry (params, grads, optimizer state already alive)
     peak_bytes: int  # highest live bytes seen during the region (includes baseline)
     end_bytes: int  # live bytes at exit
-
-    @property
-    def peak_gib(self) -> float:
-        """Peak in GiB, the unit memory budgets are usually stated in."""
-        return self.peak_bytes / _GIB
 
     @property
     def delta_bytes(self) -> int:

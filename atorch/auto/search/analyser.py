@@ -43,10 +43,6 @@ class ModelProfile:
     notes: list[str] = field(default_factory=list)
 
     @property
-    def trainable_share(self) -> float:
-        return self.trainable_count / max(self.param_count, 1)
-
-    @property
     def main_block(self) -> Optional[str]:
         return next(iter(self.repeated_blocks), None)
 
