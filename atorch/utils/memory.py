@@ -32,7 +32,6 @@ except ImportError:  # pragma: no cover
 __all__ = ["MemoryStats", "PeakMemoryTracker", "measure_peak_memory", "state_bytes"]
 
 
-
 @dataclass
 class MemoryStats:
     """Memory of one measured region on one rank, in bytes."""
