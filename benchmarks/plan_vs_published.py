@@ -68,7 +68,8 @@ def predict_row(row: dict, models: dict) -> Prediction:
     spec, cluster, candidate, work = configuration(
         spec, cluster, global_batch=row["global_batch"], seq_len=row["seq_len"], tensor=row["tensor"],
         pipeline=row["pipeline"], sharding=row["sharding"], precision=row["precision"],
-        activation_checkpointing=row["checkpointing"], micro_batch_size=micro)
+        activation_checkpointing=row["checkpointing"], micro_batch_size=micro,
+        optimizer_states=row["optimizer_states"])
     work = dataclasses.replace(work, virtual_stages=row["virtual"], **SOURCE_WORKLOAD.get(row["source"], {}))
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 

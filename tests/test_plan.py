@@ -134,6 +134,7 @@ def test_estimate_of_the_top_plan_gives_the_figures_plan_reports():
 @pytest.mark.parametrize("key, value, valid", [
     ("sharding", "fsdp2", "hsdp"), ("precision", "bfloat16", "pure_bf16"),
     ("activation_checkpointing", "op", "selective"), ("tensor", 3, "divide"), ("micro_batch_size", 0, "positive"),
+    ("optimizer_states", "fp16", "bf16_moments"),
 ])
 def test_estimate_names_a_bad_value_and_the_valid_choices(key, value, valid):
     with pytest.raises(InputError, match=valid) as error:
@@ -156,3 +157,28 @@ def test_selective_checkpointing_is_ranked_but_the_strategy_is_one_atorch_applie
                            activation_checkpointing="selective")
     same = next(p for p in selective if p.candidate.label == mine.candidate.label)
     assert mine.tokens_per_s_per_gpu == pytest.approx(same.tokens_per_s_per_gpu, rel=1e-9)
+
+
+@pytest.mark.parametrize("layout", [dict(tensor=4, pipeline=4, sharding="zero1"), dict(sharding="fsdp"),
+                                    dict(sharding="zero1"), dict(sharding="ddp")])
+def test_optimizer_state_precision_sets_the_state_bytes(layout):
+    """Adam's state in bf16: the moments alone (bf16_moments) save 4 bytes per parameter, no fp32 copy
+    at all (bf16: bf16 weights, gradients and moments) saves 8 of the 16 amp keeps; sharded as the
+    layout shards the state; the activations do not change."""
+    args = dict(global_batch=16, seq_len=4096, precision="bf16", **layout)
+    spec = model_spec("llama2-70b" if layout.get("tensor") else "llama3-8b")
+    cluster = "2x8xH100-80GB" if layout.get("tensor") else "8xH100-80GB"
+    by = {s: atorch.estimate(spec, cluster, optimizer_states=s, **args) for s in ("fp32", "bf16_moments", "bf16")}
+    gpus = 16 if layout.get("tensor") else 8
+    model_parallel = 16 if layout.get("tensor") else 1
+    data = gpus // model_parallel
+    sharded = layout["sharding"] != "ddp" and data > 1
+    moments = spec.param_count / model_parallel * 4 / (data if sharded else 1)
+    saved = by["fp32"].allocated_bytes - by["bf16_moments"].allocated_bytes
+    assert saved == pytest.approx(moments, rel=0.05)
+    assert by["bf16"].allocated_bytes < by["bf16_moments"].allocated_bytes
+    if not sharded:  # every byte of the state is on the GPU: 16 per parameter against 8 (DDP: its gradient
+        # buckets in bf16 and no autocast copies of fp32 weights save 2 + 2 more)
+        per_param = (by["fp32"].allocated_bytes - by["bf16"].allocated_bytes) / (spec.param_count / model_parallel)
+        assert 8 <= per_param <= 12
+    assert by["bf16"].tokens_per_s_per_gpu >= by["fp32"].tokens_per_s_per_gpu

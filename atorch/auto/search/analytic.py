@@ -35,6 +35,13 @@ from atorch.auto.search.model_specs import TransformerSpec
 # logit (first principles; transformers and torchtitan both upcast before cross-entropy).
 LOGIT_BYTES = 10
 AC_MODES = ("none", "selective", "full")
+# What the optimizer keeps beside the weights: "fp32" master weights, gradients and Adam moments (the
+# default of torch amp, FSDP and Megatron); "bf16_moments": fp32 master weights and gradients, bf16 Adam
+# moments (Megatron-Core's --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16);
+# "bf16": no fp32 copy at all, the optimizer updates the bf16 weights from bf16 gradients with bf16
+# moments (Apex DistributedFusedAdam with dtype=bf16 and grad_sync_dtype=bf16, NeMo's ``optim.dtype:
+# bf16``; the state ``pure_bf16`` training keeps).
+OPTIMIZER_STATES = ("fp32", "bf16_moments", "bf16")
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,7 @@ class Workload:
     # attention runs a Hopper-native kernel (cuDNN fused attention, which Transformer Engine prefers on
     # Hopper; FlashAttention-3) rather than FlashAttention-2
     hopper_attention: bool = False
+    optimizer_states: str = "fp32"                  # one of OPTIMIZER_STATES
 
     @property
     def tokens(self) -> int:
@@ -112,13 +120,23 @@ ALLOCATOR_RESERVE = 1.0
 
 
 # --- memory ------------------------------------------------------------------------------------------
-def state_bytes(candidate: Candidate, spec: TransformerSpec) -> tuple[float, float, float]:
+def state_bytes(candidate: Candidate, spec: TransformerSpec, states: str = "fp32") -> tuple[float, float, float]:
     """Parameter, gradient and optimizer-state (Adam) bytes of the whole model, unsharded. Under amp the
-    master weights, gradients and moments stay fp32; pure half keeps everything in bf16."""
+    master weights, gradients and moments stay fp32 (``states``: see ``OPTIMIZER_STATES``; bf16 moments
+    halve the last); pure half, or ``states="bf16"``, keeps everything in bf16."""
     n = spec.param_count
-    if candidate.precision == "half_bf16":
+    if candidate.precision == "half_bf16" or (states == "bf16" and candidate.precision != "fp32"):
         return 2.0 * n, 2.0 * n, 4.0 * n
-    return 4.0 * n, 4.0 * n, 8.0 * n
+    return 4.0 * n, 4.0 * n, (4.0 if states == "bf16_moments" else 8.0) * n
+
+
+def half_states(candidate: Candidate, work: Workload) -> Candidate:
+    """The candidate as the state formulas see it: with ``optimizer_states="bf16"`` there is no fp32
+    copy, so its weights, gradients and moments are counted as pure bf16 training's (the activations are
+    still the candidate's own)."""
+    if work.optimizer_states == "bf16" and candidate.precision.startswith("amp"):
+        return dataclasses.replace(candidate, precision="half_bf16")
+    return candidate
 
 
 def checkpointing(candidate: Candidate, work: Workload) -> str:
@@ -170,7 +188,7 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
         candidate = dataclasses.replace(candidate, precision="amp_bf16")
     world, t, p = cluster.world_size, candidate.tensor, candidate.pipeline
     data = candidate.data_size(world)
-    P, G, O = state_bytes(candidate, spec)
+    P, G, O = state_bytes(candidate, spec, work.optimizer_states)
     if t * p > 1 or (candidate.sharding == "zero1" and work.distributed_optimizer):
         return layout_memory(candidate, spec, work, facts, data, fp8)
     tokens = work.tokens / data
@@ -178,11 +196,13 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
         tokens /= max(candidate.micro, 1)
         candidate = dataclasses.replace(candidate, micro=1)
     autocast_copies = 0.5 * P if candidate.precision.startswith("amp") and checkpointing(candidate, work) == "none" else 0.0
-    act = activation_bytes(candidate, spec, work, tokens, fp8=fp8) + autocast_copies
-    variant = VariantProfile(candidate.precision, candidate.checkpoint, work.global_batch // data,
+    act = activation_bytes(candidate, spec, work, tokens, fp8=fp8)
+    stated = half_states(candidate, work)
+    act += autocast_copies if stated is candidate else 0.0
+    variant = VariantProfile(stated.precision, stated.checkpoint, work.global_batch // data,
                              int(P + G + O + act), 0.0, int(P), int(G), int(O))
     shard_group = shard_size(candidate, world)
-    memory = estimate(candidate, variant, shard_group, _profile(spec, P), _hardware(cluster)).memory_bytes
+    memory = estimate(stated, variant, shard_group, _profile(spec, P), _hardware(cluster)).memory_bytes
     return memory + fp32_gather_bytes(candidate, spec, work, shard_group)
 
 
@@ -205,9 +225,9 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
     (plus its gradient buckets); and the activations of the micro-batches the schedule keeps in flight
     (1F1B: as many as stages on the first stage, plus one being received)."""
     t, p = candidate.tensor, candidate.pipeline
-    P, G, O = state_bytes(candidate, spec)
+    P, G, O = state_bytes(candidate, spec, work.optimizer_states)
     share = facts.state_share[(t, p)] if facts and (t, p) in facts.state_share else 1.0 / (t * p)
-    amp = candidate.precision.startswith("amp")
+    amp = half_states(candidate, work).precision.startswith("amp")
     if candidate.sharding in ("fsdp", "zero2", "hsdp") and data > 1:
         block = spec.block_params * (2 if amp else P / spec.param_count) / t
         states = (P + G + O) * share / data + 2 * block
@@ -276,8 +296,9 @@ def _hardware(cluster: ClusterSpec) -> HardwareProfile:
 ELEMENTWISE_HIDDEN_WIDTHS = 30
 ELEMENTWISE_FFN_WIDTHS = {True: 9, False: 6}  # gated (SwiGLU) or not
 # The optimizer step reads fp32 parameters, gradients and both Adam moments and writes three back,
-# plus the bf16 copy: 30 bytes per parameter the rank updates (first principles).
-OPTIMIZER_BYTES_PER_PARAM = 30
+# plus the bf16 copy: 30 bytes per parameter the rank updates (first principles); with bf16 moments
+# 4 + 4 + 2 x 2 read, 4 + 2 x 2 written, the bf16 copy: 22; all in bf16 (no copy): 4 x 2 read, 3 x 2 written: 14.
+OPTIMIZER_BYTES_PER_PARAM = {"fp32": 30, "bf16_moments": 22, "bf16": 14}
 # fp8: bytes a cast-transpose moves per element (read bf16, write fp8 twice) and per weight (read the
 # bf16 weight, write its fp8 copy and its transpose, plus the amax pass)
 FP8_CAST_BYTES_PER_ELEMENT = 4
@@ -304,7 +325,7 @@ def compute_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cluste
     data = candidate.data_size(world)
     tokens = work.tokens / data  # one data rank's tokens per step, shared by its t * p GPUs
     seconds = (matmul_seconds(candidate, spec, cluster, work) + attention_seconds(candidate, spec, cluster, work)
-               + memory_bound_seconds(candidate, spec, cluster, work, tokens) + optimizer_seconds(candidate, spec, cluster))
+               + memory_bound_seconds(candidate, spec, cluster, work, tokens) + optimizer_seconds(candidate, spec, cluster, work))
     # the host launches asynchronously: its per-block cost is a floor under the GPU's time, not added to it
     host = HOST_SECONDS_PER_BLOCK * math.ceil(spec.layers / p) * micro_steps(candidate, work, data)
     host *= 1 + recomputed_share(candidate, work) / 3  # recompute launches the forward's kernels again
@@ -422,15 +443,17 @@ def fp8_cast_bytes(spec: TransformerSpec) -> float:
     return FP8_CAST_BYTES_PER_ELEMENT * (forward + backward)
 
 
-def optimizer_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec) -> float:
-    """Adam over the parameters this GPU updates (sharded ones: its shard)."""
+def optimizer_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,
+                      work: Optional[Workload] = None) -> float:
+    """Adam over the parameters this GPU updates (sharded ones: its shard), in the workload's state dtypes."""
     hbm = cluster.device.hbm_bytes_per_s
     if not hbm:
         return 0.0
     params = spec.param_count / (candidate.tensor * candidate.pipeline)
     if candidate.sharding != "ddp":
         params /= shard_size(candidate, cluster.world_size)
-    return OPTIMIZER_BYTES_PER_PARAM * params / hbm
+    states = "bf16" if candidate.precision == "half_bf16" else (work.optimizer_states if work else "fp32")
+    return OPTIMIZER_BYTES_PER_PARAM[states] * params / hbm
 
 
 def data_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,
@@ -443,10 +466,11 @@ def data_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
     data = candidate.data_size(world)
     if data == 1:
         return 0.0
-    P, G, _ = state_bytes(candidate, spec)
+    P, G, _ = state_bytes(candidate, spec, work.optimizer_states if work is not None else "fp32")
     share = facts.state_share.get((t, p), 1 / (t * p)) if facts and t * p > 1 else 1.0 / (t * p)
     P, G = P * share, G * share
-    compute_params = P / 2 if candidate.precision in ("amp_bf16", "amp_fp16", "fp8") else P  # gathered in bf16
+    # weights are gathered in the compute dtype: bf16 unless the whole run is fp32
+    compute_params = (4.0 if candidate.precision == "fp32" else 2.0) * spec.param_count * share
     shard = shard_size(candidate, world)
     shed = 1 - 1 / shard
     steps = micro_steps(candidate, work, data) if work is not None and t * p == 1 else 1
