@@ -5,6 +5,7 @@ the meta device), devices are rows of a table. The command line is run in a subp
 would; the top plan is applied with ``load_strategy`` to a small real model."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -182,3 +183,31 @@ def test_optimizer_state_precision_sets_the_state_bytes(layout):
         per_param = (by["fp32"].allocated_bytes - by["bf16"].allocated_bytes) / (spec.param_count / model_parallel)
         assert 8 <= per_param <= 12
     assert by["bf16"].tokens_per_s_per_gpu >= by["fp32"].tokens_per_s_per_gpu
+
+
+def test_a_pipeline_split_that_counts_the_ends_as_blocks_peaks_on_the_second_stage():
+    """Llama 3 405B's split: 126 blocks on 16 stages with the embedding and the output layer counted as a
+    block each, so 7 blocks on the first and the last stage and 8 between. Under 1F1B stage k holds p - k
+    micro-batches, so the peak moves to the second stage (8 blocks x 15) from the first (8 x 16 evenly)."""
+    from atorch.auto.search import analytic
+    from atorch.plan import configuration
+
+    spec = model_spec({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16384,
+                       "intermediate_size": 53248, "num_hidden_layers": 126, "num_attention_heads": 128,
+                       "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False})
+    spec, cluster, candidate, work = configuration(spec, "1024x8xH100-80GB", global_batch=2048, seq_len=8192, tensor=8,
+                                                   pipeline=16, sharding="fsdp", micro_batch_size=1)
+    ends = dataclasses.replace(work, pipeline_ends_as_layers=True)
+    assert analytic.stage_blocks(spec, 16, work) == [8] * 16
+    assert analytic.stage_blocks(spec, 16, ends) == [7] + [8] * 14 + [7]
+    assert [analytic.micro_batches_in_flight(16, 1, k) for k in (0, 1, 15)] == [16, 15, 1]
+    assert analytic.micro_batches_in_flight(16, 4, 0) == 16 + 15 / 4
+    even = analytic.layout_memory(candidate, spec, work, None, 64)
+    split = analytic.layout_memory(candidate, spec, ends, None, 64)
+
+    def blocks(n, in_flight):  # n blocks' activations for in_flight micro-batches of one sequence
+        return analytic.activation_bytes(candidate, spec, work, 8192, 8, n, in_flight, head=False)
+    # the activations' peak drops from the first stage's 8 x 16 to the second's 8 x 15 (the state, sharded
+    # over 64 data ranks, barely changes)
+    assert even - split == pytest.approx(blocks(8, 16) - blocks(8, 15), rel=0.02)
+    assert blocks(8, 15) > blocks(7, 16)

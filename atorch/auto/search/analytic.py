@@ -66,6 +66,10 @@ class Workload:
     # Hopper; FlashAttention-3) rather than FlashAttention-2
     hopper_attention: bool = False
     optimizer_states: str = "fp32"                  # one of OPTIMIZER_STATES
+    # the pipeline split counts the embedding and the output layer with its loss as one block each, so the
+    # first and the last stage hold one block fewer (Megatron-Core's account_for_embedding_in_pipeline_split
+    # and account_for_loss_in_pipeline_split; Llama 3 405B's 126 blocks on 16 stages)
+    pipeline_ends_as_layers: bool = False
 
     @property
     def tokens(self) -> int:
@@ -227,6 +231,8 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
     t, p = candidate.tensor, candidate.pipeline
     P, G, O = state_bytes(candidate, spec, work.optimizer_states)
     share = facts.state_share[(t, p)] if facts and (t, p) in facts.state_share else 1.0 / (t * p)
+    if work.pipeline_ends_as_layers and p > 1:
+        share = _largest_stage(spec, t, p, stage_blocks(spec, p, work)) / spec.param_count
     amp = half_states(candidate, work).precision.startswith("amp")
     if candidate.sharding in ("fsdp", "zero2", "hsdp") and data > 1:
         block = spec.block_params * (2 if amp else P / spec.param_count) / t
@@ -239,26 +245,36 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
     micro = pipeline_micro_batches(candidate, work, data) if p > 1 else micro_steps(candidate, work, data)
     tokens = work.tokens / data / micro
     if p > 1:
-        # the first stage holds the most micro-batches, the last the logits: whichever peaks higher
-        in_flight = min(micro_batches_in_flight(p, work.virtual_stages), micro)
-        layers = math.ceil(spec.layers / p)
-        first = activation_bytes(candidate, spec, work, tokens, t, layers, in_flight, fp8, head=False)
-        last = activation_bytes(candidate, spec, work, tokens, t, layers, 1.0, fp8)
-        act = max(first, last)
+        # each stage's blocks times the micro-batches it holds (the first the most, the last the logits)
+        blocks = stage_blocks(spec, p, work)
+        act = max(activation_bytes(candidate, spec, work, tokens, t, n,
+                                   min(micro_batches_in_flight(p, work.virtual_stages, k), micro), fp8, head=k == p - 1)
+                  for k, n in enumerate(blocks))
     else:
         act = activation_bytes(candidate, spec, work, tokens, t, fp8=fp8)
     return states + act
 
 
-def micro_batches_in_flight(pipeline: int, virtual: int) -> float:
-    """Micro-batches whose activations the first stage holds at its peak, in whole-stage units. 1F1B:
-    its p - 1 warm-up forwards and the one whose backward it waits for, p (Narayanan et al. 2021; the
-    first stage receives no activations, so none is in transit to it). Interleaved (Megatron's schedule, ``virtual``
-    chunks per stage): 2 (p - 1) + (v - 1) p warm-up chunks plus the one in flight, each 1/v of the stage,
-    i.e. p + (p - 1) / v stages' worth (Korthikanti et al. 2022, section 4.2.3)."""
+def stage_blocks(spec: TransformerSpec, pipeline: int, work: Optional[Workload] = None) -> list[int]:
+    """Blocks on each pipeline stage: ceil(L / p) each, or, when the split counts the embedding and the
+    output layer as a block each (``pipeline_ends_as_layers``), ceil((L + 2) / p) with one fewer on the
+    first and the last stage."""
+    if not (work and work.pipeline_ends_as_layers) or pipeline < 2:
+        return [math.ceil(spec.layers / pipeline)] * pipeline
+    per = math.ceil((spec.layers + 2) / pipeline)
+    return [per - 1] + [per] * (pipeline - 2) + [per - 1]
+
+
+def micro_batches_in_flight(pipeline: int, virtual: int, stage: int = 0) -> float:
+    """Micro-batches whose activations ``stage`` holds at its peak, in whole-stage units. 1F1B: its
+    p - k - 1 warm-up forwards and the one whose backward it waits for, p - k on stage k (Narayanan et
+    al. 2021; the first stage receives no activations, so none is in transit to it). Interleaved
+    (Megatron's schedule, ``virtual`` chunks per stage): 2 (p - k - 1) + (v - 1) p warm-up chunks plus
+    the one in flight, each 1/v of the stage: p + (p - 2k - 1) / v stages' worth (p + (p - 1) / v on the
+    first, Korthikanti et al. 2022, section 4.2.3)."""
     if virtual > 1:
-        return pipeline + (pipeline - 1) / virtual
-    return float(pipeline)
+        return pipeline + (pipeline - 2 * stage - 1) / virtual
+    return float(pipeline - stage)
 
 
 def pipeline_micro_batches(candidate: Candidate, work: Workload, data: int) -> int:
@@ -327,7 +343,7 @@ def compute_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cluste
     seconds = (matmul_seconds(candidate, spec, cluster, work) + attention_seconds(candidate, spec, cluster, work)
                + memory_bound_seconds(candidate, spec, cluster, work, tokens) + optimizer_seconds(candidate, spec, cluster, work))
     # the host launches asynchronously: its per-block cost is a floor under the GPU's time, not added to it
-    host = HOST_SECONDS_PER_BLOCK * math.ceil(spec.layers / p) * micro_steps(candidate, work, data)
+    host = HOST_SECONDS_PER_BLOCK * max(stage_blocks(spec, p, work)) * micro_steps(candidate, work, data)
     host *= 1 + recomputed_share(candidate, work) / 3  # recompute launches the forward's kernels again
     seconds = max(seconds, host)
     if p > 1:
@@ -498,7 +514,7 @@ def tensor_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cl
     width = 4 if candidate.precision == "fp32" else 2
     activation = work.tokens / data * spec.hidden * width
     per_block = 6 if checkpointing(candidate, work) == "full" else 4
-    layers = math.ceil(spec.layers / candidate.pipeline)
+    layers = max(stage_blocks(spec, candidate.pipeline, work))
     latency = per_block * layers * micro_steps(candidate, work, data) * COLLECTIVE_LATENCY_S
     return per_block * layers * 2 * (1 - 1 / t) * activation / cluster.link_bytes_per_s(t) + latency
 
@@ -539,10 +555,10 @@ def spec_layout_facts(spec: TransformerSpec, world: int) -> LayoutFacts:
     return facts
 
 
-def _largest_stage(spec: TransformerSpec, t: int, p: int) -> float:
-    per_stage = math.ceil(spec.layers / p)
+def _largest_stage(spec: TransformerSpec, t: int, p: int, blocks: Optional[list[int]] = None) -> float:
+    blocks = blocks or stage_blocks(spec, p)
     split_block = spec.block_params - 2 * spec.hidden
     block = (spec.block_params - split_block) + split_block / t
-    first = per_stage * block + spec.embedding_params / t + (0 if p > 1 else spec.head_params / t + spec.hidden)
-    last = per_stage * block + spec.head_params / t + spec.hidden + (spec.embedding_params / t if spec.tied else 0)
-    return max(first, last)
+    first = blocks[0] * block + spec.embedding_params / t + (0 if p > 1 else spec.head_params / t + spec.hidden)
+    last = blocks[-1] * block + spec.head_params / t + spec.hidden + (spec.embedding_params / t if spec.tied else 0)
+    return max(first, last, max(blocks) * block)
