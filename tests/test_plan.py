@@ -211,3 +211,6 @@ def test_a_pipeline_split_that_counts_the_ends_as_blocks_peaks_on_the_second_sta
     # over 64 data ranks, barely changes)
     assert even - split == pytest.approx(blocks(8, 16) - blocks(8, 15), rel=0.02)
     assert blocks(8, 15) > blocks(7, 16)
+    named = atorch.estimate(spec, "1024x8xH100-80GB", global_batch=2048, seq_len=8192, tensor=8, pipeline=16,
+                            micro_batch_size=1, pipeline_ends_as_layers=True)
+    assert named.allocated_bytes == pytest.approx(split, rel=1e-9)

@@ -126,7 +126,7 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
              cluster: Union[str, Mapping[str, Any], ClusterSpec], *, global_batch: int, seq_len: int,
              tensor: int = 1, pipeline: int = 1, sharding: str = "fsdp", precision: str = "bf16",
              activation_checkpointing: str = "none", micro_batch_size: Optional[int] = None,
-             optimizer_states: str = "fp32") -> Prediction:
+             optimizer_states: str = "fp32", pipeline_ends_as_layers: bool = False) -> Prediction:
     """How fast and how big is the one configuration you name ("what I run today")?
 
     The same analytic model ``plan()`` ranks its candidates with, so a configuration that ``plan()``
@@ -136,19 +136,23 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     full; ``micro_batch_size``: sequences per forward on one data rank (None: the whole per-rank batch,
     or the pipeline's default split); ``optimizer_states``: fp32 (fp32 master weights, gradients and Adam
     moments), bf16_moments (bf16 Adam moments beside fp32 master weights) or bf16 (no fp32 copy: bf16
-    weights, gradients and moments, as Apex's DistributedFusedAdam with dtype=bf16). Returns a ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``,
+    weights, gradients and moments, as Apex's DistributedFusedAdam with dtype=bf16);
+    ``pipeline_ends_as_layers``: the pipeline split counts the embedding and the output layer as a block
+    each, one block fewer on the first and the last stage (Megatron-Core's
+    account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split). Returns a ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``,
     ``memory_bytes``, ``fits`` and the time breakdown)."""
     spec, cluster, candidate, work = configuration(
         model, cluster, global_batch=global_batch, seq_len=seq_len, tensor=tensor, pipeline=pipeline, sharding=sharding,
         precision=precision, activation_checkpointing=activation_checkpointing, micro_batch_size=micro_batch_size,
-        optimizer_states=optimizer_states)
+        optimizer_states=optimizer_states, pipeline_ends_as_layers=pipeline_ends_as_layers)
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 
 def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, tensor: int = 1, pipeline: int = 1,
                   sharding: str = "fsdp", precision: str = "bf16", activation_checkpointing: str = "none",
                   micro_batch_size: Optional[int] = None,
-                  optimizer_states: str = "fp32") -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
+                  optimizer_states: str = "fp32",
+                  pipeline_ends_as_layers: bool = False) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
     """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
     callers that adjust the workload further, such as the published-runs benchmark)."""
     spec, cluster = model_spec(model), cluster_spec(cluster)
@@ -176,7 +180,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     candidate = Candidate(sharding, PRECISIONS[precision], activation_checkpointing != "none", block=spec.block,
                           tensor=tensor, pipeline=pipeline, micro=micro, shard=shard)
     work = Workload(global_batch, seq_len, activation_checkpointing, micro_batch_size=micro_batch_size,
-                    optimizer_states=optimizer_states)
+                    optimizer_states=optimizer_states, pipeline_ends_as_layers=bool(pipeline_ends_as_layers))
     return spec, cluster, candidate, work
 
 
