@@ -215,7 +215,7 @@ def fp32_gather_bytes(candidate: Candidate, spec: TransformerSpec, work: Workloa
     its units in fp32, twice the bf16 ``cost.estimate`` counts: a gathered unit, the prefetched next
     one and the unit's unsharded gradient, half of each again."""
     if not (candidate.sharding in ("fsdp", "hsdp") and shard > 1 and work.fp32_residual
-            and candidate.precision.startswith("amp")):
+            and half_states(candidate, work).precision.startswith("amp")):
         return 0.0
     root = spec.embedding_params + spec.head_params + spec.hidden
     return 3 * 0.5 * 4.0 * max(spec.block_params, root)
