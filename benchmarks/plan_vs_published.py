@@ -40,7 +40,10 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    "llm-foundry": {"sync_each_micro_step": True, "logit_bytes": 4},
                    # Megatron-Core's distributed optimizer; Transformer Engine's attention, which prefers
                    # cuDNN's fused kernel on Hopper (TransformerEngine dot_product_attention/utils.py)
-                   "nemo": {"distributed_optimizer": True, "hopper_attention": True}}
+                   "nemo": {"distributed_optimizer": True, "hopper_attention": True},
+                   # the pipeline split counts the embedding and the output layer + loss as a block each: one
+                   # block fewer on the first and the last stage (the paper's section 3.3.2; 126 = 16 x 8 - 2)
+                   "llama3": {"pipeline_ends_as_layers": True}}
 
 
 def load(path: Path = DATA) -> tuple[dict, list[dict]]:
@@ -68,7 +71,8 @@ def predict_row(row: dict, models: dict) -> Prediction:
     spec, cluster, candidate, work = configuration(
         spec, cluster, global_batch=row["global_batch"], seq_len=row["seq_len"], tensor=row["tensor"],
         pipeline=row["pipeline"], sharding=row["sharding"], precision=row["precision"],
-        activation_checkpointing=row["checkpointing"], micro_batch_size=micro)
+        activation_checkpointing=row["checkpointing"], micro_batch_size=micro,
+        optimizer_states=row["optimizer_states"])
     work = dataclasses.replace(work, virtual_stages=row["virtual"], **SOURCE_WORKLOAD.get(row["source"], {}))
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 

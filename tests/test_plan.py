@@ -5,6 +5,7 @@ the meta device), devices are rows of a table. The command line is run in a subp
 would; the top plan is applied with ``load_strategy`` to a small real model."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -134,6 +135,7 @@ def test_estimate_of_the_top_plan_gives_the_figures_plan_reports():
 @pytest.mark.parametrize("key, value, valid", [
     ("sharding", "fsdp2", "hsdp"), ("precision", "bfloat16", "pure_bf16"),
     ("activation_checkpointing", "op", "selective"), ("tensor", 3, "divide"), ("micro_batch_size", 0, "positive"),
+    ("optimizer_states", "fp16", "bf16_moments"),
 ])
 def test_estimate_names_a_bad_value_and_the_valid_choices(key, value, valid):
     with pytest.raises(InputError, match=valid) as error:
@@ -156,3 +158,59 @@ def test_selective_checkpointing_is_ranked_but_the_strategy_is_one_atorch_applie
                            activation_checkpointing="selective")
     same = next(p for p in selective if p.candidate.label == mine.candidate.label)
     assert mine.tokens_per_s_per_gpu == pytest.approx(same.tokens_per_s_per_gpu, rel=1e-9)
+
+
+@pytest.mark.parametrize("layout", [dict(tensor=4, pipeline=4, sharding="zero1"), dict(sharding="fsdp"),
+                                    dict(sharding="zero1"), dict(sharding="ddp")])
+def test_optimizer_state_precision_sets_the_state_bytes(layout):
+    """Adam's state in bf16: the moments alone (bf16_moments) save 4 bytes per parameter, no fp32 copy
+    at all (bf16: bf16 weights, gradients and moments) saves 8 of the 16 amp keeps; sharded as the
+    layout shards the state; the activations do not change."""
+    args = dict(global_batch=16, seq_len=4096, precision="bf16", **layout)
+    spec = model_spec("llama2-70b" if layout.get("tensor") else "llama3-8b")
+    cluster = "2x8xH100-80GB" if layout.get("tensor") else "8xH100-80GB"
+    by = {s: atorch.estimate(spec, cluster, optimizer_states=s, **args) for s in ("fp32", "bf16_moments", "bf16")}
+    gpus = 16 if layout.get("tensor") else 8
+    model_parallel = 16 if layout.get("tensor") else 1
+    data = gpus // model_parallel
+    sharded = layout["sharding"] != "ddp" and data > 1
+    moments = spec.param_count / model_parallel * 4 / (data if sharded else 1)
+    saved = by["fp32"].allocated_bytes - by["bf16_moments"].allocated_bytes
+    assert saved == pytest.approx(moments, rel=0.05)
+    assert by["bf16"].allocated_bytes < by["bf16_moments"].allocated_bytes
+    if not sharded:  # every byte of the state is on the GPU: 16 per parameter against 8 (DDP: its gradient
+        # buckets in bf16 and no autocast copies of fp32 weights save 2 + 2 more)
+        per_param = (by["fp32"].allocated_bytes - by["bf16"].allocated_bytes) / (spec.param_count / model_parallel)
+        assert 8 <= per_param <= 12
+    assert by["bf16"].tokens_per_s_per_gpu >= by["fp32"].tokens_per_s_per_gpu
+
+
+def test_a_pipeline_split_that_counts_the_ends_as_blocks_peaks_on_the_second_stage():
+    """Llama 3 405B's split: 126 blocks on 16 stages with the embedding and the output layer counted as a
+    block each, so 7 blocks on the first and the last stage and 8 between. Under 1F1B stage k holds p - k
+    micro-batches, so the peak moves to the second stage (8 blocks x 15) from the first (8 x 16 evenly)."""
+    from atorch.auto.search import analytic
+    from atorch.plan import configuration
+
+    spec = model_spec({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16384,
+                       "intermediate_size": 53248, "num_hidden_layers": 126, "num_attention_heads": 128,
+                       "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False})
+    spec, cluster, candidate, work = configuration(spec, "1024x8xH100-80GB", global_batch=2048, seq_len=8192, tensor=8,
+                                                   pipeline=16, sharding="fsdp", micro_batch_size=1)
+    ends = dataclasses.replace(work, pipeline_ends_as_layers=True)
+    assert analytic.stage_blocks(spec, 16, work) == [8] * 16
+    assert analytic.stage_blocks(spec, 16, ends) == [7] + [8] * 14 + [7]
+    assert [analytic.micro_batches_in_flight(16, 1, k) for k in (0, 1, 15)] == [16, 15, 1]
+    assert analytic.micro_batches_in_flight(16, 4, 0) == 16 + 15 / 4
+    even = analytic.layout_memory(candidate, spec, work, None, 64)
+    split = analytic.layout_memory(candidate, spec, ends, None, 64)
+
+    def blocks(n, in_flight):  # n blocks' activations for in_flight micro-batches of one sequence
+        return analytic.activation_bytes(candidate, spec, work, 8192, 8, n, in_flight, head=False)
+    # the activations' peak drops from the first stage's 8 x 16 to the second's 8 x 15 (the state, sharded
+    # over 64 data ranks, barely changes)
+    assert even - split == pytest.approx(blocks(8, 16) - blocks(8, 15), rel=0.02)
+    assert blocks(8, 15) > blocks(7, 16)
+    named = atorch.estimate(spec, "1024x8xH100-80GB", global_batch=2048, seq_len=8192, tensor=8, pipeline=16,
+                            micro_batch_size=1, pipeline_ends_as_layers=True)
+    assert named.allocated_bytes == pytest.approx(split, rel=1e-9)

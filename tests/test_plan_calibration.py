@@ -89,3 +89,15 @@ def test_held_out_rows_meet_the_accuracy_goal():
     assert sum(errors) / len(errors) <= 0.10
     assert sum(e <= 0.20 for e in errors) >= 0.90 * len(errors)
     assert all(abs(r["mem_ratio"] - 1) <= 0.15 for r in results if r["mem_ratio"])
+
+
+def test_a_row_that_runs_non_default_optimizer_states_says_where_that_comes_from():
+    """optimizer_states is a row's configuration, like its precision: a valid choice, and where it is not
+    the fp32 default, the row's source records the file it was read from."""
+    from atorch.auto.search.analytic import OPTIMIZER_STATES
+
+    for row in ROWS:
+        assert row["optimizer_states"] in OPTIMIZER_STATES, row["id"]
+        if row["optimizer_states"] != "fp32":
+            assert "optimizer_states" in DATA["sources"][row["source"]], row["id"]
+            assert "optimizer states" in row["note"], row["id"]

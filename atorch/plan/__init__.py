@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from atorch.auto.search.analyser import ModelProfile
-from atorch.auto.search.analytic import AC_MODES, Prediction, Workload, predict, spec_layout_facts
+from atorch.auto.search.analytic import AC_MODES, OPTIMIZER_STATES, Prediction, Workload, predict, spec_layout_facts
 from atorch.auto.search.candidates import SHARDINGS, Candidate, SearchSpace, enumerate_candidates
 from atorch.auto.search.hardware_specs import ClusterSpec, DeviceSpec, cluster_spec
 from atorch.auto.search.model_specs import TransformerSpec, model_spec
@@ -125,7 +125,8 @@ ESTIMATE_SHARDINGS = SHARDINGS + ("hsdp",)
 def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
              cluster: Union[str, Mapping[str, Any], ClusterSpec], *, global_batch: int, seq_len: int,
              tensor: int = 1, pipeline: int = 1, sharding: str = "fsdp", precision: str = "bf16",
-             activation_checkpointing: str = "none", micro_batch_size: Optional[int] = None) -> Prediction:
+             activation_checkpointing: str = "none", micro_batch_size: Optional[int] = None,
+             optimizer_states: str = "fp32", pipeline_ends_as_layers: bool = False) -> Prediction:
     """How fast and how big is the one configuration you name ("what I run today")?
 
     The same analytic model ``plan()`` ranks its candidates with, so a configuration that ``plan()``
@@ -133,17 +134,25 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     fsdp / hsdp (fsdp inside a node, replicated across); ``precision``: bf16 / fp16 (autocast over fp32
     weights), pure_bf16, fp32 or fp8 (fp8 matmuls); ``activation_checkpointing``: none / selective /
     full; ``micro_batch_size``: sequences per forward on one data rank (None: the whole per-rank batch,
-    or the pipeline's default split). Returns a ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``,
+    or the pipeline's default split); ``optimizer_states``: fp32 (fp32 master weights, gradients and Adam
+    moments), bf16_moments (bf16 Adam moments beside fp32 master weights) or bf16 (no fp32 copy: bf16
+    weights, gradients and moments, as Apex's DistributedFusedAdam with dtype=bf16);
+    ``pipeline_ends_as_layers``: the pipeline split counts the embedding and the output layer as a block
+    each, one block fewer on the first and the last stage (Megatron-Core's
+    account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split). Returns a ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``,
     ``memory_bytes``, ``fits`` and the time breakdown)."""
     spec, cluster, candidate, work = configuration(
         model, cluster, global_batch=global_batch, seq_len=seq_len, tensor=tensor, pipeline=pipeline, sharding=sharding,
-        precision=precision, activation_checkpointing=activation_checkpointing, micro_batch_size=micro_batch_size)
+        precision=precision, activation_checkpointing=activation_checkpointing, micro_batch_size=micro_batch_size,
+        optimizer_states=optimizer_states, pipeline_ends_as_layers=pipeline_ends_as_layers)
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 
 def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, tensor: int = 1, pipeline: int = 1,
                   sharding: str = "fsdp", precision: str = "bf16", activation_checkpointing: str = "none",
-                  micro_batch_size: Optional[int] = None) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
+                  micro_batch_size: Optional[int] = None,
+                  optimizer_states: str = "fp32",
+                  pipeline_ends_as_layers: bool = False) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
     """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
     callers that adjust the workload further, such as the published-runs benchmark)."""
     spec, cluster = model_spec(model), cluster_spec(cluster)
@@ -152,6 +161,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     _check_choice("sharding", sharding, ESTIMATE_SHARDINGS)
     _check_choice("precision", precision, tuple(PRECISIONS))
     _check_choice("activation_checkpointing", activation_checkpointing, AC_MODES)
+    _check_choice("optimizer_states", optimizer_states, OPTIMIZER_STATES)
     world = cluster.world_size
     data = _check_layout(spec, cluster, tensor, pipeline)
     if global_batch % data:
@@ -169,7 +179,8 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
         sharding, shard = "fsdp", (cluster.gpus_per_node if cluster.nodes > 1 else 0)
     candidate = Candidate(sharding, PRECISIONS[precision], activation_checkpointing != "none", block=spec.block,
                           tensor=tensor, pipeline=pipeline, micro=micro, shard=shard)
-    work = Workload(global_batch, seq_len, activation_checkpointing, micro_batch_size=micro_batch_size)
+    work = Workload(global_batch, seq_len, activation_checkpointing, micro_batch_size=micro_batch_size,
+                    optimizer_states=optimizer_states, pipeline_ends_as_layers=bool(pipeline_ends_as_layers))
     return spec, cluster, candidate, work
 
 

@@ -35,6 +35,13 @@ from atorch.auto.search.model_specs import TransformerSpec
 # logit (first principles; transformers and torchtitan both upcast before cross-entropy).
 LOGIT_BYTES = 10
 AC_MODES = ("none", "selective", "full")
+# What the optimizer keeps beside the weights: "fp32" master weights, gradients and Adam moments (the
+# default of torch amp, FSDP and Megatron); "bf16_moments": fp32 master weights and gradients, bf16 Adam
+# moments (Megatron-Core's --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16);
+# "bf16": no fp32 copy at all, the optimizer updates the bf16 weights from bf16 gradients with bf16
+# moments (Apex DistributedFusedAdam with dtype=bf16 and grad_sync_dtype=bf16, NeMo's ``optim.dtype:
+# bf16``; the state ``pure_bf16`` training keeps).
+OPTIMIZER_STATES = ("fp32", "bf16_moments", "bf16")
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,11 @@ class Workload:
     # attention runs a Hopper-native kernel (cuDNN fused attention, which Transformer Engine prefers on
     # Hopper; FlashAttention-3) rather than FlashAttention-2
     hopper_attention: bool = False
+    optimizer_states: str = "fp32"                  # one of OPTIMIZER_STATES
+    # the pipeline split counts the embedding and the output layer with its loss as one block each, so the
+    # first and the last stage hold one block fewer (Megatron-Core's account_for_embedding_in_pipeline_split
+    # and account_for_loss_in_pipeline_split; Llama 3 405B's 126 blocks on 16 stages)
+    pipeline_ends_as_layers: bool = False
 
     @property
     def tokens(self) -> int:
@@ -112,13 +124,23 @@ ALLOCATOR_RESERVE = 1.0
 
 
 # --- memory ------------------------------------------------------------------------------------------
-def state_bytes(candidate: Candidate, spec: TransformerSpec) -> tuple[float, float, float]:
+def state_bytes(candidate: Candidate, spec: TransformerSpec, states: str = "fp32") -> tuple[float, float, float]:
     """Parameter, gradient and optimizer-state (Adam) bytes of the whole model, unsharded. Under amp the
-    master weights, gradients and moments stay fp32; pure half keeps everything in bf16."""
+    master weights, gradients and moments stay fp32 (``states``: see ``OPTIMIZER_STATES``; bf16 moments
+    halve the last); pure half, or ``states="bf16"``, keeps everything in bf16."""
     n = spec.param_count
-    if candidate.precision == "half_bf16":
+    if candidate.precision == "half_bf16" or (states == "bf16" and candidate.precision != "fp32"):
         return 2.0 * n, 2.0 * n, 4.0 * n
-    return 4.0 * n, 4.0 * n, 8.0 * n
+    return 4.0 * n, 4.0 * n, (4.0 if states == "bf16_moments" else 8.0) * n
+
+
+def half_states(candidate: Candidate, work: Workload) -> Candidate:
+    """The candidate as the state formulas see it: with ``optimizer_states="bf16"`` there is no fp32
+    copy, so its weights, gradients and moments are counted as pure bf16 training's (the activations are
+    still the candidate's own)."""
+    if work.optimizer_states == "bf16" and candidate.precision.startswith("amp"):
+        return dataclasses.replace(candidate, precision="half_bf16")
+    return candidate
 
 
 def checkpointing(candidate: Candidate, work: Workload) -> str:
@@ -170,7 +192,7 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
         candidate = dataclasses.replace(candidate, precision="amp_bf16")
     world, t, p = cluster.world_size, candidate.tensor, candidate.pipeline
     data = candidate.data_size(world)
-    P, G, O = state_bytes(candidate, spec)
+    P, G, O = state_bytes(candidate, spec, work.optimizer_states)
     if t * p > 1 or (candidate.sharding == "zero1" and work.distributed_optimizer):
         return layout_memory(candidate, spec, work, facts, data, fp8)
     tokens = work.tokens / data
@@ -178,11 +200,13 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
         tokens /= max(candidate.micro, 1)
         candidate = dataclasses.replace(candidate, micro=1)
     autocast_copies = 0.5 * P if candidate.precision.startswith("amp") and checkpointing(candidate, work) == "none" else 0.0
-    act = activation_bytes(candidate, spec, work, tokens, fp8=fp8) + autocast_copies
-    variant = VariantProfile(candidate.precision, candidate.checkpoint, work.global_batch // data,
+    act = activation_bytes(candidate, spec, work, tokens, fp8=fp8)
+    stated = half_states(candidate, work)
+    act += autocast_copies if stated is candidate else 0.0
+    variant = VariantProfile(stated.precision, stated.checkpoint, work.global_batch // data,
                              int(P + G + O + act), 0.0, int(P), int(G), int(O))
     shard_group = shard_size(candidate, world)
-    memory = estimate(candidate, variant, shard_group, _profile(spec, P), _hardware(cluster)).memory_bytes
+    memory = estimate(stated, variant, shard_group, _profile(spec, P), _hardware(cluster)).memory_bytes
     return memory + fp32_gather_bytes(candidate, spec, work, shard_group)
 
 
@@ -191,7 +215,7 @@ def fp32_gather_bytes(candidate: Candidate, spec: TransformerSpec, work: Workloa
     its units in fp32, twice the bf16 ``cost.estimate`` counts: a gathered unit, the prefetched next
     one and the unit's unsharded gradient, half of each again."""
     if not (candidate.sharding in ("fsdp", "hsdp") and shard > 1 and work.fp32_residual
-            and candidate.precision.startswith("amp")):
+            and half_states(candidate, work).precision.startswith("amp")):
         return 0.0
     root = spec.embedding_params + spec.head_params + spec.hidden
     return 3 * 0.5 * 4.0 * max(spec.block_params, root)
@@ -205,9 +229,11 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
     (plus its gradient buckets); and the activations of the micro-batches the schedule keeps in flight
     (1F1B: as many as stages on the first stage, plus one being received)."""
     t, p = candidate.tensor, candidate.pipeline
-    P, G, O = state_bytes(candidate, spec)
+    P, G, O = state_bytes(candidate, spec, work.optimizer_states)
     share = facts.state_share[(t, p)] if facts and (t, p) in facts.state_share else 1.0 / (t * p)
-    amp = candidate.precision.startswith("amp")
+    if work.pipeline_ends_as_layers and p > 1:
+        share = _largest_stage(spec, t, p, stage_blocks(spec, p, work)) / spec.param_count
+    amp = half_states(candidate, work).precision.startswith("amp")
     if candidate.sharding in ("fsdp", "zero2", "hsdp") and data > 1:
         block = spec.block_params * (2 if amp else P / spec.param_count) / t
         states = (P + G + O) * share / data + 2 * block
@@ -219,26 +245,36 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
     micro = pipeline_micro_batches(candidate, work, data) if p > 1 else micro_steps(candidate, work, data)
     tokens = work.tokens / data / micro
     if p > 1:
-        # the first stage holds the most micro-batches, the last the logits: whichever peaks higher
-        in_flight = min(micro_batches_in_flight(p, work.virtual_stages), micro)
-        layers = math.ceil(spec.layers / p)
-        first = activation_bytes(candidate, spec, work, tokens, t, layers, in_flight, fp8, head=False)
-        last = activation_bytes(candidate, spec, work, tokens, t, layers, 1.0, fp8)
-        act = max(first, last)
+        # each stage's blocks times the micro-batches it holds (the first the most, the last the logits)
+        blocks = stage_blocks(spec, p, work)
+        act = max(activation_bytes(candidate, spec, work, tokens, t, n,
+                                   min(micro_batches_in_flight(p, work.virtual_stages, k), micro), fp8, head=k == p - 1)
+                  for k, n in enumerate(blocks))
     else:
         act = activation_bytes(candidate, spec, work, tokens, t, fp8=fp8)
     return states + act
 
 
-def micro_batches_in_flight(pipeline: int, virtual: int) -> float:
-    """Micro-batches whose activations the first stage holds at its peak, in whole-stage units. 1F1B:
-    its p - 1 warm-up forwards and the one whose backward it waits for, p (Narayanan et al. 2021; the
-    first stage receives no activations, so none is in transit to it). Interleaved (Megatron's schedule, ``virtual``
-    chunks per stage): 2 (p - 1) + (v - 1) p warm-up chunks plus the one in flight, each 1/v of the stage,
-    i.e. p + (p - 1) / v stages' worth (Korthikanti et al. 2022, section 4.2.3)."""
+def stage_blocks(spec: TransformerSpec, pipeline: int, work: Optional[Workload] = None) -> list[int]:
+    """Blocks on each pipeline stage: ceil(L / p) each, or, when the split counts the embedding and the
+    output layer as a block each (``pipeline_ends_as_layers``), ceil((L + 2) / p) with one fewer on the
+    first and the last stage."""
+    if not (work and work.pipeline_ends_as_layers) or pipeline < 2:
+        return [math.ceil(spec.layers / pipeline)] * pipeline
+    per = math.ceil((spec.layers + 2) / pipeline)
+    return [per - 1] + [per] * (pipeline - 2) + [per - 1]
+
+
+def micro_batches_in_flight(pipeline: int, virtual: int, stage: int = 0) -> float:
+    """Micro-batches whose activations ``stage`` holds at its peak, in whole-stage units. 1F1B: its
+    p - k - 1 warm-up forwards and the one whose backward it waits for, p - k on stage k (Narayanan et
+    al. 2021; the first stage receives no activations, so none is in transit to it). Interleaved
+    (Megatron's schedule, ``virtual`` chunks per stage): 2 (p - k - 1) + (v - 1) p warm-up chunks plus
+    the one in flight, each 1/v of the stage: p + (p - 2k - 1) / v stages' worth (p + (p - 1) / v on the
+    first, Korthikanti et al. 2022, section 4.2.3)."""
     if virtual > 1:
-        return pipeline + (pipeline - 1) / virtual
-    return float(pipeline)
+        return pipeline + (pipeline - 2 * stage - 1) / virtual
+    return float(pipeline - stage)
 
 
 def pipeline_micro_batches(candidate: Candidate, work: Workload, data: int) -> int:
@@ -276,8 +312,9 @@ def _hardware(cluster: ClusterSpec) -> HardwareProfile:
 ELEMENTWISE_HIDDEN_WIDTHS = 30
 ELEMENTWISE_FFN_WIDTHS = {True: 9, False: 6}  # gated (SwiGLU) or not
 # The optimizer step reads fp32 parameters, gradients and both Adam moments and writes three back,
-# plus the bf16 copy: 30 bytes per parameter the rank updates (first principles).
-OPTIMIZER_BYTES_PER_PARAM = 30
+# plus the bf16 copy: 30 bytes per parameter the rank updates (first principles); with bf16 moments
+# 4 + 4 + 2 x 2 read, 4 + 2 x 2 written, the bf16 copy: 22; all in bf16 (no copy): 4 x 2 read, 3 x 2 written: 14.
+OPTIMIZER_BYTES_PER_PARAM = {"fp32": 30, "bf16_moments": 22, "bf16": 14}
 # fp8: bytes a cast-transpose moves per element (read bf16, write fp8 twice) and per weight (read the
 # bf16 weight, write its fp8 copy and its transpose, plus the amax pass)
 FP8_CAST_BYTES_PER_ELEMENT = 4
@@ -304,9 +341,9 @@ def compute_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cluste
     data = candidate.data_size(world)
     tokens = work.tokens / data  # one data rank's tokens per step, shared by its t * p GPUs
     seconds = (matmul_seconds(candidate, spec, cluster, work) + attention_seconds(candidate, spec, cluster, work)
-               + memory_bound_seconds(candidate, spec, cluster, work, tokens) + optimizer_seconds(candidate, spec, cluster))
+               + memory_bound_seconds(candidate, spec, cluster, work, tokens) + optimizer_seconds(candidate, spec, cluster, work))
     # the host launches asynchronously: its per-block cost is a floor under the GPU's time, not added to it
-    host = HOST_SECONDS_PER_BLOCK * math.ceil(spec.layers / p) * micro_steps(candidate, work, data)
+    host = HOST_SECONDS_PER_BLOCK * max(stage_blocks(spec, p, work)) * micro_steps(candidate, work, data)
     host *= 1 + recomputed_share(candidate, work) / 3  # recompute launches the forward's kernels again
     seconds = max(seconds, host)
     if p > 1:
@@ -422,15 +459,17 @@ def fp8_cast_bytes(spec: TransformerSpec) -> float:
     return FP8_CAST_BYTES_PER_ELEMENT * (forward + backward)
 
 
-def optimizer_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec) -> float:
-    """Adam over the parameters this GPU updates (sharded ones: its shard)."""
+def optimizer_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,
+                      work: Optional[Workload] = None) -> float:
+    """Adam over the parameters this GPU updates (sharded ones: its shard), in the workload's state dtypes."""
     hbm = cluster.device.hbm_bytes_per_s
     if not hbm:
         return 0.0
     params = spec.param_count / (candidate.tensor * candidate.pipeline)
     if candidate.sharding != "ddp":
         params /= shard_size(candidate, cluster.world_size)
-    return OPTIMIZER_BYTES_PER_PARAM * params / hbm
+    states = "bf16" if candidate.precision == "half_bf16" else (work.optimizer_states if work else "fp32")
+    return OPTIMIZER_BYTES_PER_PARAM[states] * params / hbm
 
 
 def data_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,
@@ -443,10 +482,11 @@ def data_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
     data = candidate.data_size(world)
     if data == 1:
         return 0.0
-    P, G, _ = state_bytes(candidate, spec)
+    P, G, _ = state_bytes(candidate, spec, work.optimizer_states if work is not None else "fp32")
     share = facts.state_share.get((t, p), 1 / (t * p)) if facts and t * p > 1 else 1.0 / (t * p)
     P, G = P * share, G * share
-    compute_params = P / 2 if candidate.precision in ("amp_bf16", "amp_fp16", "fp8") else P  # gathered in bf16
+    # weights are gathered in the compute dtype: bf16 unless the whole run is fp32
+    compute_params = (4.0 if candidate.precision == "fp32" else 2.0) * spec.param_count * share
     shard = shard_size(candidate, world)
     shed = 1 - 1 / shard
     steps = micro_steps(candidate, work, data) if work is not None and t * p == 1 else 1
@@ -474,7 +514,7 @@ def tensor_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cl
     width = 4 if candidate.precision == "fp32" else 2
     activation = work.tokens / data * spec.hidden * width
     per_block = 6 if checkpointing(candidate, work) == "full" else 4
-    layers = math.ceil(spec.layers / candidate.pipeline)
+    layers = max(stage_blocks(spec, candidate.pipeline, work))
     latency = per_block * layers * micro_steps(candidate, work, data) * COLLECTIVE_LATENCY_S
     return per_block * layers * 2 * (1 - 1 / t) * activation / cluster.link_bytes_per_s(t) + latency
 
@@ -515,10 +555,10 @@ def spec_layout_facts(spec: TransformerSpec, world: int) -> LayoutFacts:
     return facts
 
 
-def _largest_stage(spec: TransformerSpec, t: int, p: int) -> float:
-    per_stage = math.ceil(spec.layers / p)
+def _largest_stage(spec: TransformerSpec, t: int, p: int, blocks: Optional[list[int]] = None) -> float:
+    blocks = blocks or stage_blocks(spec, p)
     split_block = spec.block_params - 2 * spec.hidden
     block = (spec.block_params - split_block) + split_block / t
-    first = per_stage * block + spec.embedding_params / t + (0 if p > 1 else spec.head_params / t + spec.hidden)
-    last = per_stage * block + spec.head_params / t + spec.hidden + (spec.embedding_params / t if spec.tied else 0)
-    return max(first, last)
+    first = blocks[0] * block + spec.embedding_params / t + (0 if p > 1 else spec.head_params / t + spec.hidden)
+    last = blocks[-1] * block + spec.head_params / t + spec.hidden + (spec.embedding_params / t if spec.tied else 0)
+    return max(first, last, max(blocks) * block)
