@@ -23,12 +23,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from atorch.auto.accelerate import auto_accelerate
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason
 from atorch.models import GPTConfig, SyntheticTokenDataset, gpt_loss
 from atorch.testing import run_distributed
 from atorch.testing.training import build_gpt
 from atorch.utils.memory import training_state_bytes
-from atorch.auto.accelerate import auto_accelerate
 
 GLOBAL_BATCH = 8
 METHODS = {

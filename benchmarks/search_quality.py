@@ -28,6 +28,7 @@ import argparse
 import copy
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,9 @@ from atorch.auto.accelerate import auto_accelerate
 from atorch.models import GPTConfig, SyntheticTokenDataset, gpt_loss
 from atorch.testing import run_distributed
 from atorch.testing.training import build_gpt
+
+if TYPE_CHECKING:
+    from atorch.auto.search.candidates import Candidate
 
 EXCLUDED = ["native_dynamo"]
 GLOBAL_BATCH = 8

@@ -19,8 +19,7 @@ from atorch.auto.opt_lib import fp8 as fp8_module
 from atorch.auto.opt_lib.fp8 import select_fp8_linears
 from atorch.auto.opt_lib.module_replace import register_replace_pair, replace_modules
 from atorch.auto.opt_lib.module_replace_optimization import register_replace_pair as seed_path_register
-from atorch.errors import MethodConfigError
-from atorch.errors import UnsupportedAttentionError
+from atorch.errors import MethodConfigError, UnsupportedAttentionError
 from atorch.kernels import FusedLayerNorm, attention, reference_attention, reference_layer_norm
 from atorch.testing.hf_models import ZOO
 from atorch.testing.training import build_gpt, relative_difference, train_gpt, weight_difference

@@ -16,9 +16,9 @@ from torch import nn
 
 from atorch.auto import opt_lib
 from atorch.auto.opt_lib import BUILTIN_METHODS
+from atorch.auto.opt_lib.activation_checkpoint import CheckpointConfig
 from atorch.auto.opt_lib.amp import AmpNativeConfig
 from atorch.auto.opt_lib.base import Optimization
-from atorch.auto.opt_lib.activation_checkpoint import CheckpointConfig
 from atorch.auto.opt_lib.fsdp import FSDPConfig
 from atorch.auto.opt_lib.half import HalfConfig
 from atorch.auto.opt_lib.module_replace import ModuleReplaceConfig

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from atorch.auto.opt_lib.pipeline_parallel import balance_stages, plan_stages

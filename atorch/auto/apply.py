@@ -19,11 +19,11 @@ from atorch.auto.opt_lib import data_parallel
 from atorch.auto.opt_lib.compat import check_compatible
 from atorch.auto.strategy import Strategy, StrategyItem
 from atorch.distributed import mesh
-from atorch.distributed.shutdown import register_gil_release_at_exit
-from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.distributed.agreement import is_multi_rank
 from atorch.distributed.agreement import world_size as current_world_size
 from atorch.distributed.fault import run_isolated
+from atorch.distributed.shutdown import register_gil_release_at_exit
+from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.errors import AtorchError, InputError, MethodConfigError, PeerRankError, RequirementError
 
 logger = logging.getLogger("atorch")

@@ -20,10 +20,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from atorch.errors import AtorchError, IncompatibleMethodsError, InputError, nearest_name
+from atorch.auto.optimizer import AtorchOptimizer
 from atorch.distributed import mesh
 from atorch.distributed.distributed import get_data_partition_rank_and_size  # noqa: F401  (ATorch's import path)
-from atorch.auto.optimizer import AtorchOptimizer
+from atorch.errors import AtorchError, IncompatibleMethodsError, InputError, nearest_name
 from atorch.utils.batch import call_with_batch, cast_floating, move_to_device
 from atorch.utils.data import RankShareCollate, ResumableDataLoader
 

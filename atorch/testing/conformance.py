@@ -33,15 +33,15 @@ import torch
 import torch.distributed as dist
 
 from atorch import errors
-from atorch.distributed.fault import Outcome, describe, run_isolated
 from atorch.auto.opt_lib.tensor_parallel import find_tp_plan, split_share
 from atorch.auto.opt_lib.tp_mha import split_mha
+from atorch.distributed.fault import Outcome, describe, run_isolated
 from atorch.testing.hf_models import ZOO, ZooModel
+from atorch.testing.launcher import DistributedRunError, run_distributed
+from atorch.testing.training import relative_difference, train_gpt, weight_difference
 from atorch.utils.batch import call_with_batch
 from atorch.utils.dataflow import record_dataflow
 from atorch.utils.modules import repeated_blocks
-from atorch.testing.launcher import DistributedRunError, run_distributed
-from atorch.testing.training import relative_difference, train_gpt, weight_difference
 
 STEPS, GLOBAL_BATCH, LR = 3, 8, 0.05
 DP_TOL, MP_TOL, LOW_TOL = 1e-5, 1e-4, 2e-2

@@ -10,10 +10,9 @@ import os
 import pickle
 import queue
 import socket
+import time
 import traceback
 from typing import Any, Callable
-
-import time
 
 import torch
 import torch.distributed as dist

@@ -12,13 +12,12 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-
 from torch.amp.grad_scaler import OptState
 
-from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.checkpoint.adapters import register_optimizer_adapter
+from atorch.errors import MethodConfigError
 from atorch.utils.config import LOW_PRECISION_DTYPES, MethodConfig, option
 
 _UNSCALED = OptState.UNSCALED  # the grad scaler's per-optimizer stage marker

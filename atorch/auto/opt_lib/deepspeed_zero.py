@@ -17,11 +17,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from atorch.errors import CheckpointError, MethodConfigError, RequirementError
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.checkpoint.adapters import register_optimizer_adapter
 from atorch.distributed import mesh
 from atorch.distributed.fault import register_rebuild_callback
+from atorch.errors import CheckpointError, MethodConfigError, RequirementError
 
 logger = logging.getLogger(__name__)
 

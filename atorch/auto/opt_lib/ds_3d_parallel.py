@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from atorch.errors import CheckpointError, MethodConfigError, RequirementError
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason
 from atorch.auto.opt_lib.pipeline_parallel import PipelineOutput, pipeline_loss
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.checkpoint.adapters import register_optimizer_adapter
 from atorch.distributed import mesh
+from atorch.errors import CheckpointError, MethodConfigError, RequirementError
 from atorch.utils.batch import batch_size_of, loss_value, select_rows
 from atorch.utils.config import MethodConfig, option
 

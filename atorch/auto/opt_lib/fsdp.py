@@ -46,10 +46,10 @@ try:  # the custom-collective hooks of FSDP2 (torch >= 2.9); without them the de
 except ImportError:  # pragma: no cover
     ReduceScatter = DefaultAllocMixin = None  # type: ignore[assignment,misc]
 
-from atorch.errors import MethodConfigError
-from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.activation_checkpoint import matching_modules
+from atorch.auto.opt_lib.base import Optimization
 from atorch.distributed import mesh
+from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, ModuleTargets, option, validate_config
 
 logger = logging.getLogger(__name__)

@@ -39,8 +39,8 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
+from atorch.errors import MethodConfigError
 from atorch.kernels.attention import attention, hf_attention_forward
 from atorch.kernels.norm import FusedLayerNorm, fused_layer_norm_available
 from atorch.models.gpt import CausalSelfAttention

@@ -12,8 +12,8 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 
-from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
+from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, option
 
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]

@@ -62,13 +62,23 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from atorch.errors import MethodConfigError
 from atorch.auto.gradients import mark_counted_elsewhere
 from atorch.auto.opt_lib.base import Optimization
-from atorch.auto.opt_lib.pipeline_layout import (ModelLayout, PassThrough, StandIn, canonical_names, check_supported,
-                                                 held_parameters, layout_from_order, no_cache_kwargs, replace_everywhere,
-                                                 shared_between_stages, trace_layout)
+from atorch.auto.opt_lib.pipeline_layout import (
+    ModelLayout,
+    PassThrough,
+    StandIn,
+    canonical_names,
+    check_supported,
+    held_parameters,
+    layout_from_order,
+    no_cache_kwargs,
+    replace_everywhere,
+    shared_between_stages,
+    trace_layout,
+)
 from atorch.distributed import mesh
+from atorch.errors import MethodConfigError
 from atorch.utils.batch import batch_of_call, first_tensor, loss_value, select_rows, tensors
 from atorch.utils.config import MethodConfig, option
 from atorch.utils.modules import full_state_dict, repeated_blocks
@@ -187,7 +197,10 @@ class PipelineModule(nn.Module):
         self.schedule.step(target=index if self.is_last else None, losses=losses, return_outputs=False, **inputs)
         if self.shared:
             self.shared.sum_gradients(stashed)
-        loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros((), device=index.device)
+        if losses:
+            loss = torch.stack([micro_loss.detach().float() for micro_loss in losses]).mean()
+        else:
+            loss = torch.zeros((), device=index.device)
         dist.broadcast(loss, src=dist.get_global_rank(self.group, dist.get_world_size(self.group) - 1), group=self.group)
         return PipelineOutput(loss)
 

@@ -49,7 +49,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.sequence_parallel import apply_sequence_parallel, plan_sequence_parallel
 from atorch.auto.opt_lib.tp_check import Probe, check_plan, probe_from_context
@@ -58,6 +57,7 @@ from atorch.auto.opt_lib.tp_mha import split_mha
 from atorch.auto.opt_lib.tp_shapes import install_localizer, localize_attributes
 from atorch.checkpoint.tensors import SAVED_LAYOUTS_ATTR
 from atorch.distributed import mesh
+from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, option
 from atorch.utils.dataflow import Dataflow
 from atorch.utils.modules import repeated_blocks

@@ -29,7 +29,7 @@ from typing import Optional
 
 from torch import nn
 
-from atorch.utils.dataflow import Dataflow, Op, SOFTMAX, is_transparent
+from atorch.utils.dataflow import SOFTMAX, Dataflow, Op, is_transparent
 
 
 @dataclass

@@ -21,13 +21,13 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from atorch.errors import MethodConfigError
 from atorch.auto.gradients import scale_grads_to_norm, total_grad_norm
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason, use_deepspeed_zero
 from atorch.auto.opt_lib.fsdp import FSDPConfig, normalize_fsdp_config, shard_model, use_foreach_optimizer
 from atorch.checkpoint.adapters import register_optimizer_adapter
 from atorch.distributed import mesh
+from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, option
 
 logger = logging.getLogger(__name__)

@@ -79,7 +79,7 @@ def estimate(candidate: Candidate, variant: VariantProfile, world: int, profile:
     if candidate.tensor * candidate.pipeline > 1:
         return _estimate_layout(candidate, variant, world, profile, hardware)
     n = max(world, 1)
-    P, G, O = variant.params, variant.grads, variant.optim_state
+    P, G, O = variant.params, variant.grads, variant.optim_state  # noqa: E741  (O as in the formulas above)
     amp = candidate.precision.startswith("amp")
     compute = 0.5 if amp else 1.0
     act = variant.peak_bytes - (P + G + O)
