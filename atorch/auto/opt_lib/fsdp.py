@@ -235,7 +235,8 @@ def _blocks_to_shard(model: torch.nn.Module, config: FSDPConfig) -> list[torch.n
         blocks = matching_modules(model, config.atorch_wrap_cls)
         if not blocks:
             present = sorted({type(m).__name__ for m in model.modules()})
-            raise MethodConfigError("fsdp", f"atorch_wrap_cls {config.atorch_wrap_cls!r} matches no submodule; module types: {present}")
+            raise MethodConfigError("fsdp", f"atorch_wrap_cls {config.atorch_wrap_cls!r} matches no submodule; "
+                                            f"module types: {present}")
     elif config.atorch_size_based_min_num_params is not None:
         blocks = _size_based_blocks(model, config.atorch_size_based_min_num_params)
     else:
