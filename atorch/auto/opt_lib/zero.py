@@ -154,7 +154,8 @@ class Zero2Optimization(Optimization):
         if fsdp_keys and (config.use_ds_zero or config.not_use_fsdp):
             raise MethodConfigError(self.name, f"fsdp keys {fsdp_keys} apply only to the default FSDP implementation")
         if config.reshard_after_forward or config.sharding_strategy == "FULL_SHARD":
-            raise MethodConfigError(self.name, "zero2 keeps parameters gathered after forward; use the fsdp method for ZeRO-3")
+            raise MethodConfigError(self.name,
+                                    "zero2 keeps parameters gathered after forward; use the fsdp method for ZeRO-3")
         return config
 
     def requirements(self, config: Any = None) -> Optional[str]:
@@ -230,7 +231,8 @@ class ShardedGradientDataParallel(torch.nn.Module):
         if not self.sync or param.grad is None:
             return
         if self._owner is None:
-            raise RuntimeError("ShardedGradientDataParallel needs the optimizer's partition (set_owners) before backward")
+            raise RuntimeError(
+                "ShardedGradientDataParallel needs the optimizer's partition (set_owners) before backward")
         owner = self._owner[param]
         param.grad.div_(self.group_size)
         dist.reduce(param.grad, dst=dist.get_global_rank(self.group, owner), group=self.group)

@@ -164,7 +164,8 @@ def estimate_layout_memory(candidate: Candidate, variant: VariantProfile, world:
     act *= REPLICATED_ACTIVATION_SHARE + (1 - REPLICATED_ACTIVATION_SHARE) / tensor
     if pipeline > 1:
         micro = micro_batches(pipeline, variant.batch * tensor * pipeline)
-        act *= facts.stage_block_share[pipeline] * min(min(pipeline, micro) + EXTRA_MICRO_BATCHES_IN_FLIGHT, micro) / micro
+        act *= (facts.stage_block_share[pipeline] * min(min(pipeline, micro) + EXTRA_MICRO_BATCHES_IN_FLIGHT, micro)
+                / micro)
     memory = state * share + act
     if data > 1:
         memory += variant.grads * share  # the data group's gradient all-reduce buffers

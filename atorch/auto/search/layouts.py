@@ -74,7 +74,8 @@ def layout_facts(model: nn.Module, world: int, run: Optional[Callable[[nn.Module
     for t, p in layouts_for(world):
         if facts.reason(t, p) or p not in stages:
             continue
-        facts.state_share[(t, p)] = max(total - split * (1 - 1 / t) for total, split in stages[p]) / max(facts.param_bytes, 1)
+        facts.state_share[(t, p)] = (max(total - split * (1 - 1 / t) for total, split in stages[p])
+                                     / max(facts.param_bytes, 1))
     return facts
 
 
