@@ -350,7 +350,8 @@ def print_search(summary: SearchSummary) -> None:
 
 def ratios(rows: dict) -> dict:
     auto = rows["auto_accelerate"].tokens_per_s
-    return {f"auto / {name}": auto / rows[name].tokens_per_s for name in ("expert", "eager fp32", "eager bf16 autocast")}
+    return {f"auto / {name}": auto / rows[name].tokens_per_s
+            for name in ("expert", "eager fp32", "eager bf16 autocast")}
 
 
 def write_results(out: Path, setup: Setup, rows: list[Row], summary: SearchSummary, ratio: dict,
@@ -410,7 +411,8 @@ def main() -> int:
     timed["expert"] = run_hand(setup, "expert", expert_dtype, expert=True)
     auto_s, auto_detail, summary = run_auto(setup)
     timed["auto_accelerate"] = (auto_s, auto_detail)
-    rows = {name: make_row(name, s, d, flops, setup, peaks["table"], peaks["measured"]) for name, (s, d) in timed.items()}
+    rows = {name: make_row(name, s, d, flops, setup, peaks["table"], peaks["measured"])
+            for name, (s, d) in timed.items()}
     print_table(list(rows.values()))
     print_search(summary)
     ratio = ratios(rows)

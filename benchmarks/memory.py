@@ -110,7 +110,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--tiny", action="store_true", help="a one-block model, one round of one step: checks the script")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a one-block model, one round of one step: checks the script")
     args = parser.parse_args()
     config = GPTConfig(vocab_size=2048, block_size=128, n_layer=args.layers, n_head=4, n_embd=args.width)
     if args.tiny:

@@ -53,7 +53,8 @@ def rewrite(text: str, tables: dict[str, str]) -> tuple[str, list[str], list[str
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--file", type=Path, default=ROOT / "docs" / "architecture.md", help="Markdown file with markers")
+    parser.add_argument("--file", type=Path, default=ROOT / "docs" / "architecture.md",
+                        help="Markdown file with markers")
     parser.add_argument("--stdout", action="store_true", help="print the tables instead of rewriting a file")
     args = parser.parse_args(argv)
     tables = all_tables()
