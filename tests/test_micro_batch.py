@@ -100,7 +100,8 @@ def test_search_splits_a_batch_whose_activations_do_not_fit(tmp_path, monkeypatc
     probe.analyse()
     probe.measure()
     variant = probe.variants[("fp32", False)]
-    whole, split = (estimate(Candidate(micro=k), variant, 1, probe.profile, probe.hardware).memory_bytes for k in (1, 2))
+    whole, split = (estimate(Candidate(micro=k), variant, 1, probe.profile, probe.hardware).memory_bytes
+                    for k in (1, 2))
     limit = (whole + split) // 2
     status, result, strategy = auto_accelerate(build_gpt(0, SEARCH_GPT), torch.optim.SGD, dataset, gpt_loss,
                                                memory_limit=limit, excluded=excluded, **kwargs)
