@@ -493,6 +493,7 @@ def _save_on_ranks(directory: str) -> dict:
     return results
 
 
+@pytest.mark.multirank
 def test_save_strategy_to_file_fails_together_on_two_ranks(tmp_path):
     path = tmp_path / "strategy.pkl"
     GOOD.save(path)
