@@ -35,7 +35,9 @@ demo: $(STAMP)
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) \
 		examples/auto_accelerate/train.py --steps 30 --save-strategy outputs/demo_strategy.json
 
+# ruff (lint and import order; config in pyproject.toml) first: a finding fails the target
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -rs tests
 
 # every method on every model of the zoo; rewrites docs/models.md (the suite checks it is current)

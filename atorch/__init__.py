@@ -10,5 +10,6 @@ from atorch.distributed.init import init_distributed
 from atorch.plan import estimate, plan
 
 __version__ = "0.1.0"
-__all__ = ["auto_accelerate", "save_checkpoint", "load_checkpoint", "wait_for_checkpoint", "export_model", "clip_grad_norm_", "init_distributed", "rank", "local_rank", "world_size",
-           "reset_distributed", "Strategy", "plan", "estimate", "__version__"]
+__all__ = ["auto_accelerate", "save_checkpoint", "load_checkpoint", "wait_for_checkpoint", "export_model",
+           "clip_grad_norm_", "init_distributed", "rank", "local_rank", "world_size", "reset_distributed",
+           "Strategy", "plan", "estimate", "__version__"]

@@ -174,7 +174,8 @@ def main() -> None:
     print(f"asynchronous save: training blocked {r['async_stall']:.3f} s vs {r['save']:.3f} s for a synchronous save "
           f"(stall ratio {r['ratio_stall']:.2f}); written and renamed into place {r['async_rest']:.3f} s later")
     for rank, row in enumerate(per_rank):
-        print(f"rank {rank} wrote {row['rank_bytes'] / 2**20:.2f} MiB  ratio {row['rank_bytes'] / row['base_bytes']:.2f}")
+        print(f"rank {rank} wrote {row['rank_bytes'] / 2**20:.2f} MiB  "
+              f"ratio {row['rank_bytes'] / row['base_bytes']:.2f}")
 
 
 if __name__ == "__main__":

@@ -68,7 +68,8 @@ def _time(step, steps: int) -> float:
 
 
 def compare(label, model_fn, baseline, method, loss, rounds, steps, config: GPTConfig):
-    base, with_method = _stepper(model_fn, baseline, loss, config), _stepper(model_fn, baseline + [method], loss, config)
+    base, with_method = (_stepper(model_fn, baseline, loss, config),
+                         _stepper(model_fn, baseline + [method], loss, config))
     _time(base, 2), _time(with_method, 3)  # warm-up (and compilation)
     times = {"base": [], "method": []}
     for r in range(rounds):

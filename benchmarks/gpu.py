@@ -268,6 +268,19 @@ def run_hand(setup: Setup, name: str, dtype: Optional[torch.dtype], expert: bool
 
 
 # --- auto_accelerate ----------------------------------------------------------------------------------
+def training_step(result: Any, batches: list) -> Callable[[int], None]:
+    """One step of auto_accelerate's result on batch ``i`` (cycling); dropping the returned function
+    releases what it holds."""
+    def step(i: int) -> None:
+        batch = batches[i % len(batches)]
+        loss = result.loss_func(batch, result.model(**batch))
+        result.optim.backward(loss) if result.args.use_optim_backward else loss.backward()
+        result.optim.step()
+        result.optim.zero_grad()
+
+    return step
+
+
 def run_auto(setup: Setup) -> tuple[float, str, SearchSummary]:
     """The fully automatic search (timed apart), then the chosen strategy's steady-state step."""
     model = build_model(setup)
@@ -284,14 +297,7 @@ def run_auto(setup: Setup) -> tuple[float, str, SearchSummary]:
         raise RuntimeError("auto_accelerate found no strategy that trains within the limits")
     summary = summarize_search(result.args.extras.get("search"), search_s, strategy)
     batches = [result.prepare_input(b) for b in result.dataloader]
-
-    def step(i: int) -> None:
-        batch = batches[i % len(batches)]
-        loss = result.loss_func(batch, result.model(**batch))
-        result.optim.backward(loss) if result.args.use_optim_backward else loss.backward()
-        result.optim.step()
-        result.optim.zero_grad()
-
+    step = training_step(result, batches)
     seconds = time_steps(setup, step, setup.steps, setup.warmup)
     del result, step, batches
     release(setup)
@@ -344,7 +350,8 @@ def print_search(summary: SearchSummary) -> None:
 
 def ratios(rows: dict) -> dict:
     auto = rows["auto_accelerate"].tokens_per_s
-    return {f"auto / {name}": auto / rows[name].tokens_per_s for name in ("expert", "eager fp32", "eager bf16 autocast")}
+    return {f"auto / {name}": auto / rows[name].tokens_per_s
+            for name in ("expert", "eager fp32", "eager bf16 autocast")}
 
 
 def write_results(out: Path, setup: Setup, rows: list[Row], summary: SearchSummary, ratio: dict,
@@ -404,7 +411,8 @@ def main() -> int:
     timed["expert"] = run_hand(setup, "expert", expert_dtype, expert=True)
     auto_s, auto_detail, summary = run_auto(setup)
     timed["auto_accelerate"] = (auto_s, auto_detail)
-    rows = {name: make_row(name, s, d, flops, setup, peaks["table"], peaks["measured"]) for name, (s, d) in timed.items()}
+    rows = {name: make_row(name, s, d, flops, setup, peaks["table"], peaks["measured"])
+            for name, (s, d) in timed.items()}
     print_table(list(rows.values()))
     print_search(summary)
     ratio = ratios(rows)

@@ -23,12 +23,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from atorch.auto.accelerate import auto_accelerate
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason
 from atorch.models import GPTConfig, SyntheticTokenDataset, gpt_loss
 from atorch.testing import run_distributed
 from atorch.testing.training import build_gpt
 from atorch.utils.memory import training_state_bytes
-from atorch.auto.accelerate import auto_accelerate
 
 GLOBAL_BATCH = 8
 METHODS = {
@@ -110,7 +110,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--tiny", action="store_true", help="a one-block model, one round of one step: checks the script")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a one-block model, one round of one step: checks the script")
     args = parser.parse_args()
     config = GPTConfig(vocab_size=2048, block_size=128, n_layer=args.layers, n_head=4, n_embd=args.width)
     if args.tiny:

@@ -27,7 +27,8 @@ LAYOUTS = {
     "DP (data 4)": [("parallel_mode", ([("data", 4)], None))],
     "TP (tensor 4)": [("parallel_mode", ([("tensor", 4)], None)), "tensor_parallel"],
     "TP+SP (tensor 4)": [("parallel_mode", ([("tensor", 4)], None)), "tensor_parallel", "sequence_parallel"],
-    "PP (pipeline 4, 1F1B)": [("parallel_mode", ([("pipeline", 4)], None)), ("pipeline_parallel", {"num_micro_batch": 8})],
+    "PP (pipeline 4, 1F1B)": [("parallel_mode", ([("pipeline", 4)], None)),
+                              ("pipeline_parallel", {"num_micro_batch": 8})],
     "TP2 x PP2": [("parallel_mode", ([("tensor", 2), ("pipeline", 2)], None)),
                   ("mixed_parallel", {"pipeline": {"num_micro_batch": 8}})],
 }

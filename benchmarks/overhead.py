@@ -87,7 +87,8 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--tiny", action="store_true", help="a one-block model, one round of one step: checks the script")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a one-block model, one round of one step: checks the script")
     args = parser.parse_args()
     config = TINY if args.tiny else CONFIG
     if args.tiny:

@@ -28,6 +28,7 @@ import argparse
 import copy
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,9 @@ from atorch.auto.accelerate import auto_accelerate
 from atorch.models import GPTConfig, SyntheticTokenDataset, gpt_loss
 from atorch.testing import run_distributed
 from atorch.testing.training import build_gpt
+
+if TYPE_CHECKING:
+    from atorch.auto.search.candidates import Candidate
 
 EXCLUDED = ["native_dynamo"]
 GLOBAL_BATCH = 8
@@ -215,7 +219,8 @@ def memory_limited_split(scale: Scale) -> dict:
             times[label].append(run.step_time_s if run.ok else float("inf"))
             if not run.ok and dist.get_rank() == 0:
                 print(f"{label}: {run}", flush=True)
-    return {"shape": f"{shape.n_layer}x{shape.n_embd}", "limit": limit, "chosen": chosen.label, "chosen_peak": chosen.measured_memory, "table": found.table,
+    return {"shape": f"{shape.n_layer}x{shape.n_embd}", "limit": limit, "chosen": chosen.label,
+            "chosen_peak": chosen.measured_memory, "table": found.table,
             "times": {label: statistics.median(v) for label, v in times.items()}}
 
 
@@ -224,7 +229,8 @@ def print_split(r: dict) -> None:
 
     t = r["times"]
     overhead = [(t[f"ddp+fp32+mb{k}"] / t["ddp+fp32"] - 1) / (k - 1) for k in (2, 4)]
-    print(f"\nmemory-limited (repo GPT {r['shape']}, global batch {SPLIT_BATCH}, limit {r['limit'] / 2**20:.1f} MiB/rank): "
+    print(f"\nmemory-limited (repo GPT {r['shape']}, global batch {SPLIT_BATCH}, "
+          f"limit {r['limit'] / 2**20:.1f} MiB/rank): "
           f"chosen {r['chosen']} (peak {r['chosen_peak'] / 2**20:.1f} MiB); step ms side by side: "
           + ", ".join(f"{label} {v * 1000:.1f}" for label, v in t.items()))
     print(f"  ddp+fp32+ckpt / chosen step time {t['ddp+fp32+ckpt'] / t[r['chosen']]:.3f} (> 1: the chosen is faster); "
@@ -256,8 +262,8 @@ def main() -> None:
         print(f"{name:<18}{r['chosen']:<22}{r['best']:<22}{single:>12.3f}{again:>13.3f}{r['search_s']:>10.1f}"
               f"{r['exhaustive_s']:>9.1f}{r['search_s'] / r['exhaustive_s']:>11.3f}")
     print("throughput ratio = best step time / chosen step time (goal >= 0.95), from the exhaustive pass and "
-          f"re-measured side by side ({scale.rounds} alternating rounds, medians); time ratio = search wall time / exhaustive wall time "
-          "(goal <= 0.25)")
+          f"re-measured side by side ({scale.rounds} alternating rounds, medians); time ratio = search wall time / "
+          "exhaustive wall time (goal <= 0.25)")
     for name, r in results.items():
         print(f"\n{name}: exhaustive step times (ms)")
         for label, t in sorted(r["times"].items(), key=lambda kv: kv[1] or float("inf")):

@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT))  # runs from a checkout without installing atorch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared marker helper beside this file
 
 import markers  # noqa: E402
+
 from atorch.auto.model_context import RECORD_TIME_FACTS, STAGE_CONTRACT  # noqa: E402
 
 MARKERS = markers.marker_pattern("table")
@@ -52,7 +53,8 @@ def rewrite(text: str, tables: dict[str, str]) -> tuple[str, list[str], list[str
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--file", type=Path, default=ROOT / "docs" / "architecture.md", help="Markdown file with markers")
+    parser.add_argument("--file", type=Path, default=ROOT / "docs" / "architecture.md",
+                        help="Markdown file with markers")
     parser.add_argument("--stdout", action="store_true", help="print the tables instead of rewriting a file")
     args = parser.parse_args(argv)
     tables = all_tables()

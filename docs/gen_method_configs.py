@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT))  # runs from a checkout without installing atorch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared marker helper beside this file
 
 import markers  # noqa: E402
+
 from atorch.auto.opt_lib import BUILTIN_METHODS  # noqa: E402
 
 MARKERS = markers.marker_pattern("config")

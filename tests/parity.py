@@ -51,7 +51,8 @@ def assert_matches(run: dict, reference: dict, strategy, label: str) -> None:
     tol = tolerance(strategy)
     assert "error" not in run, f"{label}: {run.get('error')}"
     loss_diff = relative_difference(run["losses"], reference["losses"])
-    assert loss_diff < tol, f"{label}: losses differ by {loss_diff:.2e} (tolerance {tol})\n{run['losses']}\n{reference['losses']}"
+    assert loss_diff < tol, (f"{label}: losses differ by {loss_diff:.2e} (tolerance {tol})\n"
+                             f"{run['losses']}\n{reference['losses']}")
     if run["weights"] is not None:
         weight_diff = weight_difference(run["weights"], reference["weights"])
         assert weight_diff < tol, f"{label}: final weights differ by {weight_diff:.2e} (tolerance {tol})"

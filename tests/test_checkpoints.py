@@ -248,7 +248,8 @@ def test_resume_equals_the_uninterrupted_run(saved, loaded, name):
     assert run["step"] == N and run["extra"] == {"case": name}
     loss_diff = relative_difference(run["losses"], reference["losses"])
     weight_diff = weight_difference(run["weights"], reference["weights"])
-    print(f"{name}: losses {run['losses']} vs {reference['losses']}: rel {loss_diff:.1e}; weights rel {weight_diff:.1e}")
+    print(f"{name}: losses {run['losses']} vs {reference['losses']}: rel {loss_diff:.1e}; "
+          f"weights rel {weight_diff:.1e}")
     assert loss_diff < EXACT and weight_diff < EXACT
     assert _state_difference(run["loaded_optim"], reference["saved_optim"]) < EXACT
     assert run["lr"] == pytest.approx(reference["lr"], rel=1e-12)
@@ -304,7 +305,8 @@ def test_a_plain_model_exports_for_load_state_dict(saved):
     state = load_exported(os.path.join(root, "export-gpt-fsdp"))
     model = build_gpt(1)
     model.load_state_dict(state, strict=True)
-    assert weight_difference({k: v.float() for k, v in model.state_dict().items()}, references["fsdp"]["weights"]) == 0.0
+    weights = {k: v.float() for k, v in model.state_dict().items()}
+    assert weight_difference(weights, references["fsdp"]["weights"]) == 0.0
 
 
 # --- atomic saves ------------------------------------------------------------------------------------

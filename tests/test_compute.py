@@ -19,8 +19,7 @@ from atorch.auto.opt_lib import fp8 as fp8_module
 from atorch.auto.opt_lib.fp8 import select_fp8_linears
 from atorch.auto.opt_lib.module_replace import register_replace_pair, replace_modules
 from atorch.auto.opt_lib.module_replace_optimization import register_replace_pair as seed_path_register
-from atorch.errors import MethodConfigError
-from atorch.errors import UnsupportedAttentionError
+from atorch.errors import MethodConfigError, UnsupportedAttentionError
 from atorch.kernels import FusedLayerNorm, attention, reference_attention, reference_layer_norm
 from atorch.testing.hf_models import ZOO
 from atorch.testing.training import build_gpt, relative_difference, train_gpt, weight_difference
@@ -66,8 +65,8 @@ def test_fused_layer_norm_matches_reference_and_keeps_keys():
 
 # --- module_replace on HF models and the repo model ----------------------------------------------
 def _gpt2(attn="sdpa"):
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0,
+                                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return transformers.GPT2LMHeadModel._from_config(config, attn_implementation=attn)
 
 
@@ -85,8 +84,9 @@ def _bert(attn="sdpa"):
 
 
 def _clip(attn="sdpa"):
-    config = transformers.CLIPTextConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                         vocab_size=64, max_position_embeddings=32, attention_dropout=0.0)
+    config = transformers.CLIPTextConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                         num_attention_heads=4, vocab_size=64, max_position_embeddings=32,
+                                         attention_dropout=0.0)
     return transformers.CLIPTextModel._from_config(config, attn_implementation=attn)
 
 
@@ -260,7 +260,8 @@ def test_fp8_without_hardware_is_ignored_with_a_warning(caplog):
     model = build_gpt()
     before = {n: type(m) for n, m in model.named_modules()}
     with caplog.at_level(logging.WARNING, logger="atorch"):
-        status, result, strategy = auto_accelerate(model, load_strategy=[("fp8", {"include": ("blocks",)}), "amp_native"])
+        status, result, strategy = auto_accelerate(model,
+                                                   load_strategy=[("fp8", {"include": ("blocks",)}), "amp_native"])
     assert status and "fp8" not in strategy.names()
     assert any("fp8 is ignored" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
     assert {n: type(m) for n, m in result.model.named_modules()} == before

@@ -16,9 +16,9 @@ from torch import nn
 
 from atorch.auto import opt_lib
 from atorch.auto.opt_lib import BUILTIN_METHODS
+from atorch.auto.opt_lib.activation_checkpoint import CheckpointConfig
 from atorch.auto.opt_lib.amp import AmpNativeConfig
 from atorch.auto.opt_lib.base import Optimization
-from atorch.auto.opt_lib.activation_checkpoint import CheckpointConfig
 from atorch.auto.opt_lib.fsdp import FSDPConfig
 from atorch.auto.opt_lib.half import HalfConfig
 from atorch.auto.opt_lib.module_replace import ModuleReplaceConfig
@@ -46,8 +46,10 @@ NON_DEFAULT = {
     "native_dynamo": {"backend": "eager", "mode": "max-autotune", "dynamic": False},
     "tensor_parallel": {"plan": {"blocks.*.attn.c_attn": "colwise", "blocks.*.attn.c_proj": "rowwise"}},
     "sequence_parallel": True,
-    "pipeline_parallel": {"schedule": "Interleaved1F1B", "num_micro_batch": 4, "pivots": ["blocks.2"], "stages_per_rank": 2},
-    "mixed_parallel": {"pipeline": {"schedule": "GPipe", "num_micro_batch": 8}, "tensor": {"plan": {"blocks.*.mlp.fc": "colwise"}}},
+    "pipeline_parallel": {"schedule": "Interleaved1F1B", "num_micro_batch": 4, "pivots": ["blocks.2"],
+                          "stages_per_rank": 2},
+    "mixed_parallel": {"pipeline": {"schedule": "GPipe", "num_micro_batch": 8},
+                       "tensor": {"plan": {"blocks.*.mlp.fc": "colwise"}}},
     "ds_3d_parallel": {"num_micro_batch": 4, "partition_method": "uniform"},
     "micro_batch": {"num_micro_batch": 4},
 }
@@ -101,7 +103,8 @@ def test_configs_round_trip_through_json_and_pickle(name, tmp_path):
     ("half", "bf16", HalfConfig(dtype=torch.bfloat16)),
     ("checkpoint", (GPTBlock,), CheckpointConfig(wrap_class=(GPTBlock,))),
     ("checkpoint", "GPTBlock", CheckpointConfig(wrap_class=("GPTBlock",))),
-    ("checkpoint", {"wrap_class": ["GPTBlock"], "no_reentrant": False}, CheckpointConfig(("GPTBlock",), no_reentrant=False)),
+    ("checkpoint", {"wrap_class": ["GPTBlock"], "no_reentrant": False},
+     CheckpointConfig(("GPTBlock",), no_reentrant=False)),
     ("parallel_mode", ([("data", 2)], None), ParallelModeConfig(dims=(("data", 1),))),  # fitted to one process
     ("parallel_mode", None, ParallelModeConfig(dims=(("data", 1),))),
     ("module_replace", None, ModuleReplaceConfig()),
@@ -132,7 +135,8 @@ def test_fsdp1_enums_are_taken_by_name():
                                       "skip_if_nonfinite, init_scale, growth_factor, backoff_factor, growth_interval"),
     ("fsdp", {"atorch_wrap_class": ("GPTBlock",)}, "unknown key 'atorch_wrap_class' (did you mean 'atorch_wrap_cls'?)"),
     ("pipeline_parallel", {"num_microbatch": 2}, "unknown key 'num_microbatch' (did you mean 'num_micro_batch'?)"),
-    ("mixed_parallel", {"pipeline": {"shedule": "GPipe"}}, "unknown key 'pipeline.shedule' (did you mean 'pipeline.schedule'?)"),
+    ("mixed_parallel", {"pipeline": {"shedule": "GPipe"}},
+     "unknown key 'pipeline.shedule' (did you mean 'pipeline.schedule'?)"),
     ("native_dynamo", {"full_graph": True}, "unknown key 'full_graph' (did you mean 'fullgraph'?)"),
     ("zero2", {"use_ds_zero": True, "cpu_ofload": True}, "unknown key 'cpu_ofload' (did you mean 'cpu_offload'?)"),
     ("sequence_parallel", {"on": True}, "valid keys: none (this method takes no config)"),
@@ -143,13 +147,14 @@ def test_unknown_keys_name_the_nearest_valid_key(name, config, message):
 
 @pytest.mark.parametrize("name, config, message", [
     ("amp_native", {"skip_if_nonfinite": 1}, "skip_if_nonfinite=1 is not valid: expected a bool (True or False)"),
-    ("amp_native", {"dtype": torch.float32}, "dtype=torch.float32 is not valid: expected one of [torch.float16 ('fp16'), "
-                                             "torch.bfloat16 ('bf16')]"),
+    ("amp_native", {"dtype": torch.float32}, "dtype=torch.float32 is not valid: expected one of "
+                                             "[torch.float16 ('fp16'), torch.bfloat16 ('bf16')]"),
     ("half", "fp8", "dtype='fp8' is not valid: expected one of [torch.float16 ('fp16'), torch.bfloat16 ('bf16')]"),
     ("fsdp", {"cpu_offload": "yes"}, "cpu_offload='yes' is not valid: expected a bool"),
     ("fsdp", {"atorch_size_based_min_num_params": 1e6}, "atorch_size_based_min_num_params=1000000.0 is not valid: "
                                                         "expected an int or None"),
-    ("fsdp", {"atorch_ignored_cls": [nn.LayerNorm, 3]}, "atorch_ignored_cls[1]=3 is not valid: expected str or nn.Module class"),
+    ("fsdp", {"atorch_ignored_cls": [nn.LayerNorm, 3]},
+     "atorch_ignored_cls[1]=3 is not valid: expected str or nn.Module class"),
     ("ds_3d_parallel", {"num_micro_batch": True}, "num_micro_batch=True is not valid: expected an int"),
     ("pipeline_parallel", {"schedule": "ZeroBubble"}, "schedule='ZeroBubble' is not valid: expected one of ['1F1B', "),
     ("native_dynamo", {"mode": "fastest"}, "mode='fastest' is not valid: expected one of ['default', "),
@@ -165,7 +170,8 @@ def test_wrong_types_name_the_key_the_value_and_what_is_valid(name, config, mess
 
 
 @pytest.mark.parametrize("name, config, message", [
-    ("fsdp", {"atorch_size_based_min_num_params": 0}, "atorch_size_based_min_num_params=0 is out of range: expected >= 1"),
+    ("fsdp", {"atorch_size_based_min_num_params": 0},
+     "atorch_size_based_min_num_params=0 is out of range: expected >= 1"),
     ("pipeline_parallel", {"num_micro_batch": -2}, "num_micro_batch=-2 is out of range: expected >= 1"),
     ("ds_3d_parallel", {"num_micro_batch": 0}, "num_micro_batch=0 is out of range: expected >= 1"),
     ("amp_native", {"backoff_factor": 1.5}, "backoff_factor=1.5 is out of range: expected >= 0.0 and <= 1.0"),
@@ -211,7 +217,8 @@ def test_validator_conversions_and_to_dict():
     with pytest.raises(MethodConfigError, match=r"module=<class 'int'> is not valid: expected nn.Module class or None"):
         validate_config("toy", _Toy, {"module": int})
     rows = {row.name: row for row in _Toy.field_docs()}
-    assert rows["kind"].type == "'a' | 'b'" and rows["ratio"].default == "0.5" and rows["module"].doc == "a module class"
+    assert rows["kind"].type == "'a' | 'b'" and rows["ratio"].default == "0.5"
+    assert rows["module"].doc == "a module class"
 
 
 def test_a_users_method_may_declare_a_config_class_or_take_any_config():
@@ -261,6 +268,7 @@ def test_generated_config_docs_cover_every_builtin_method(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "docs" / "gen_method_configs.py"), "--file", str(page)], check=True,
                    capture_output=True)
     text = page.read_text()
-    assert "old table" not in text and "kept\n" in text and text.startswith("# Methods\n<!-- config:amp_native -->\n| key")
+    assert "old table" not in text and "kept\n" in text
+    assert text.startswith("# Methods\n<!-- config:amp_native -->\n| key")
     assert "| `skip_if_nonfinite` | bool | `False` |" in text and "| `atorch_wrap_cls` |" in text
     assert text.count("<!-- /config:") == 2

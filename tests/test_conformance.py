@@ -108,4 +108,5 @@ def test_tensor_plan_splits_what_megatron_splits(name):
     Megatron-style scheme splits (counted from module types, independently of the plan)."""
     ours, megatron, found_by = tensor_plan_share(name)
     assert found_by == "structure"
-    assert ours >= 0.9 * megatron, f"{name}: the plan splits {ours:.1%} of the parameters, Megatron-style {megatron:.1%}"
+    assert ours >= 0.9 * megatron, (f"{name}: the plan splits {ours:.1%} of the parameters, "
+                                    f"Megatron-style {megatron:.1%}")

@@ -1,6 +1,7 @@
 """The docs stay true to the code: the example of docs/extending.md runs as written, the generated
 tables (method configs, stage contract) are up to date, the layer table matches the layering test,
-every search option is documented with its default, and relative links point at files that exist."""
+every search option is documented with its default, relative links point at files that exist, and
+tests/README.md maps every registered method and every test file to tests that exist."""
 from __future__ import annotations
 
 import os
@@ -18,7 +19,8 @@ from tests.test_layering import LAYER_OF_PREFIX, LAYERS, layer_of
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted(DOCS.glob("*.md"))]
+TESTS_README = ROOT / "tests" / "README.md"
+PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", TESTS_README, *sorted(DOCS.glob("*.md"))]
 
 
 def first_python_block(text: str) -> str:
@@ -159,3 +161,22 @@ def test_relative_links_point_at_existing_files(page):
         if not (page.parent / path).exists():
             broken.append(target)
     assert not broken, f"{page.relative_to(ROOT)} links to missing files: {broken}"
+
+
+# --- tests/README.md ---------------------------------------------------------------------------------
+def test_tests_readme_maps_every_method_and_test_file():
+    from atorch.auto import opt_lib
+
+    text = TESTS_README.read_text()
+    methods = text.split("### Methods", 1)[1].split("\n### ", 1)[0]
+    rows = set(re.findall(r"^\| `(\w+)`", methods, re.M))
+    missing = [name for name in opt_lib.registered_names() if name not in rows]
+    assert not missing, f"tests/README.md has no row for the method(s) {missing}"
+    files = {path.name for path in (ROOT / "tests").glob("test_*.py")}
+    named = set(re.findall(r"`(test_\w+\.py)`", text))
+    assert not named - files, f"tests/README.md names test files that do not exist: {sorted(named - files)}"
+    assert not files - named, f"tests/README.md does not map {sorted(files - named)}"
+    defined = {name for path in (ROOT / "tests").glob("test_*.py")
+               for name in re.findall(r"^\s*def (test_\w+)\(", path.read_text(), re.M)}
+    tests = set(re.findall(r"`(test_\w+)`", text)) - {name[:-3] for name in named}
+    assert not tests - defined, f"tests/README.md names tests that do not exist: {sorted(tests - defined)}"

@@ -137,7 +137,8 @@ def test_old_checkpoint_import_paths():
     from atorch.auto import checkpointing
     from atorch.auto.opt_lib import get_optimization
     from atorch.auto.opt_lib.activation_checkpoint import CheckpointConfig
-    from atorch.auto.opt_lib.checkpoint import CheckpointConfig as old_config, CheckpointOptimization
+    from atorch.auto.opt_lib.checkpoint import CheckpointConfig as old_config
+    from atorch.auto.opt_lib.checkpoint import CheckpointOptimization
     assert old_config is CheckpointConfig and isinstance(get_optimization("checkpoint"), CheckpointOptimization)
     import atorch.checkpoint as package
     for name in ("save_checkpoint", "load_checkpoint", "wait_for_checkpoint", "export_model"):

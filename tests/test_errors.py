@@ -36,12 +36,14 @@ def test_unknown_method_names_the_nearest_valid_one():
 
 @pytest.mark.parametrize("strategy, match", [
     ([("amp_native", {"dtype": torch.float32})], "dtype=torch.float32 is not valid: expected one of \\[torch.float16"),
-    ([("amp_native", {"dtpye": torch.bfloat16})], "unknown key 'dtpye' \\(did you mean 'dtype'\\?\\); valid keys: dtype, "),
+    ([("amp_native", {"dtpye": torch.bfloat16})],
+     "unknown key 'dtpye' \\(did you mean 'dtype'\\?\\); valid keys: dtype, "),
     ([("amp_native", {"dtype": "bf16", "init_scale": 8.0})], "apply to fp16 only"),
     ([("amp_native", 3)], "config must be a dict"),
     ([("half", "fp8")], "dtype='fp8' is not valid"),
     (["checkpoint"], "needs the modules to checkpoint"),
-    ([("checkpoint", {"wrap_class": (GPTBlock,), "reentrant": True})], "unknown key 'reentrant' \\(did you mean 'no_reentrant'"),
+    ([("checkpoint", {"wrap_class": (GPTBlock,), "reentrant": True})],
+     "unknown key 'reentrant' \\(did you mean 'no_reentrant'"),
     ([("checkpoint", (42,))], "wrap_class\\[0\\]=42 is not valid: expected str or nn.Module class"),
     ([("checkpoint", ("NoSuchBlock",))], "no submodule matches.*GPTBlock"),
 ])

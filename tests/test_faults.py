@@ -195,8 +195,9 @@ def killed_launch() -> dict:
     loss_func.calls = 0
     started = time.monotonic()
     try:
-        auto_accelerate(build_gpt(0), torch.optim.SGD, SyntheticTokenDataset(64, SMALL_GPT.block_size, SMALL_GPT.vocab_size),
-                        loss_func, optim_args={"lr": 0.1}, dataloader_args={"batch_size": 4},
+        auto_accelerate(build_gpt(0), torch.optim.SGD,
+                        SyntheticTokenDataset(64, SMALL_GPT.block_size, SMALL_GPT.vocab_size), loss_func,
+                        optim_args={"lr": 0.1}, dataloader_args={"batch_size": 4},
                         model_input_format="unpack_dict", load_strategy=["fsdp"], ignore_dryrun_on_load_strategy=False,
                         dryrun_collective_timeout=COLLECTIVE_TIMEOUT_S)
         outcome = "no error"

@@ -32,7 +32,8 @@ def nccl_runs() -> dict:
         "ddp_bf16": ["parallel_mode", BF16],
         "ddp_fp16": ["parallel_mode", FP16],
         "zero1_bf16": ["parallel_mode", "zero1", BF16],
-        "fsdp_bf16_ckpt": ["parallel_mode", BF16, ("checkpoint", ("GPTBlock",)), ("fsdp", {"atorch_wrap_cls": ("GPTBlock",)})],
+        "fsdp_bf16_ckpt": ["parallel_mode", BF16, ("checkpoint", ("GPTBlock",)),
+                           ("fsdp", {"atorch_wrap_cls": ("GPTBlock",)})],
     }
     out = {"backend": dist.get_backend()}
     for key, strategy in cases.items():
@@ -60,10 +61,12 @@ def _tiny_hf(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if name == "gpt2":
         config = transformers.GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=512, n_positions=128,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                         eos_token_id=0)
         return transformers.GPT2LMHeadModel._from_config(config, attn_implementation="eager")
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=128)
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=256, intermediate_size=512,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                      max_position_embeddings=128)
     return transformers.LlamaForCausalLM._from_config(config, attn_implementation="eager")
 
 

@@ -81,7 +81,7 @@ SEARCH_GPT = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_emb
 def test_search_splits_a_batch_whose_activations_do_not_fit(tmp_path, monkeypatch):
     """A memory limit between the predicted peaks of the unsplit batch and of 2 micro-batches: the
     unsplit candidates are over it, the search picks a split, and the chosen strategy trains."""
-    from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates
+    from atorch.auto.search.candidates import Candidate
     from atorch.auto.search.cost import estimate
     from atorch.auto.search.options import SearchOptions
     from atorch.auto.search.planner import Planner
@@ -100,7 +100,8 @@ def test_search_splits_a_batch_whose_activations_do_not_fit(tmp_path, monkeypatc
     probe.analyse()
     probe.measure()
     variant = probe.variants[("fp32", False)]
-    whole, split = (estimate(Candidate(micro=k), variant, 1, probe.profile, probe.hardware).memory_bytes for k in (1, 2))
+    whole, split = (estimate(Candidate(micro=k), variant, 1, probe.profile, probe.hardware).memory_bytes
+                    for k in (1, 2))
     limit = (whole + split) // 2
     status, result, strategy = auto_accelerate(build_gpt(0, SEARCH_GPT), torch.optim.SGD, dataset, gpt_loss,
                                                memory_limit=limit, excluded=excluded, **kwargs)

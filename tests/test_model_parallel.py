@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from atorch.auto.opt_lib.pipeline_parallel import balance_stages, plan_stages
@@ -36,7 +35,8 @@ REFUSED = {  # case -> what the MethodConfigError must say
 
 CASES_2 = {
     "tp": [TP2, "tensor_parallel"],
-    "tp_explicit_plan": [TP2, ("tensor_parallel", {"plan": {"blocks.*.mlp.up_proj": "colwise", "blocks.*.mlp.down_proj": "rowwise"}})],
+    "tp_explicit_plan": [TP2, ("tensor_parallel", {"plan": {"blocks.*.mlp.up_proj": "colwise",
+                                                             "blocks.*.mlp.down_proj": "rowwise"}})],
     "tp_hf_gpt2": {"strategy": [TP2, "tensor_parallel"], "hf_model": "gpt2"},
     "tp_hf_llama": {"strategy": [TP2, "tensor_parallel"], "hf_model": "llama"},
     "tp_hf_bert": {"strategy": [TP2, "tensor_parallel"], "hf_model": "bert"},
@@ -44,11 +44,13 @@ CASES_2 = {
     "tp_clip": {"strategy": [TP2, "tensor_parallel"], "max_grad_norm": 0.5},
     "pp_gpipe": [PP2, ("pipeline_parallel", {"schedule": "GPipe", "num_micro_batch": 4})],
     "pp_1f1b": [PP2, ("pipeline_parallel", {"num_micro_batch": 4})],
-    "pp_1f1b_checkpoint_clip": {"strategy": [PP2, ("pipeline_parallel", {"num_micro_batch": 4}), ("checkpoint", ("GPTBlock",))],
+    "pp_1f1b_checkpoint_clip": {"strategy": [PP2, ("pipeline_parallel", {"num_micro_batch": 4}),
+                                             ("checkpoint", ("GPTBlock",))],
                                 "max_grad_norm": 0.5},
     "pp_interleaved": {"strategy": [PP2, ("pipeline_parallel", {"schedule": "Interleaved1F1B", "num_micro_batch": 4})],
                        "config": FOUR_BLOCKS},
-    "pp_pivots": {"strategy": [PP2, ("pipeline_parallel", {"pivots": ["blocks.3"], "num_micro_batch": 2})], "config": FOUR_BLOCKS},
+    "pp_pivots": {"strategy": [PP2, ("pipeline_parallel", {"pivots": ["blocks.3"], "num_micro_batch": 2})],
+                  "config": FOUR_BLOCKS},
     **{f"zoo_tp_{m}": {"strategy": [TP2, "tensor_parallel"], "hf_model": m, "steps": 3, "lr": 0.05} for m in ZOO_TP},
     **{f"zoo_sp_{m}": {"strategy": SP, "hf_model": m, "steps": 3, "lr": 0.05} for m in ZOO_SP},
 }
@@ -71,7 +73,8 @@ CASES_4 = {
     "mixed_2x2": [MIXED, ("mixed_parallel", {"pipeline": {"num_micro_batch": 4}})],
     "mixed_2x2_zero1": [MIXED, ("mixed_parallel", {"pipeline": {"num_micro_batch": 4}}), "zero1"],
     "tp2_data2_zero1": [("parallel_mode", ([("tensor", 2), ("data", 2)], None)), "tensor_parallel", "zero1"],
-    "pp2_data2_gpipe": [("parallel_mode", ([("pipeline", 2), ("data", 2)], None)), ("pipeline_parallel", {"schedule": "GPipe"})],
+    "pp2_data2_gpipe": [("parallel_mode", ([("pipeline", 2), ("data", 2)], None)),
+                        ("pipeline_parallel", {"schedule": "GPipe"})],
     **{f"mixed_zoo_{name}": {"strategy": MIXED_1F1B, "hf_model": name, **ZOO_KW} for name in ("gpt2", "llama", "bert")},
     "mixed_zoo_gpt2_clip": {"strategy": MIXED_1F1B, "hf_model": "gpt2", "max_grad_norm": 0.5, **ZOO_KW},
 }
@@ -119,7 +122,8 @@ def inspect_parallel_layouts() -> dict:
                     split[f"{name}.{child_name}"] = (local.numel(), child.weight.numel())
     out["llama_split"] = split
     vocab = {}
-    for hf_model, embedding, head in (("llama", "model.embed_tokens", "lm_head"), ("gpt2", "transformer.wte", "lm_head")):
+    for hf_model, embedding, head in (("llama", "model.embed_tokens", "lm_head"),
+                                      ("gpt2", "transformer.wte", "lm_head")):
         model = train_gpt([TP2, "tensor_parallel"], hf_model=hf_model, steps=1)["result"].model
         emb, lm = model.get_submodule(embedding).weight, model.get_submodule(head).weight
         vocab[hf_model] = {"placements": [str(w.placements) if isinstance(w, DTensor) else "whole" for w in (emb, lm)],
@@ -141,7 +145,8 @@ def inspect_parallel_layouts() -> dict:
     out["pp_params"] = sorted(n.removeprefix("model.") for n, _ in pp.model.stage_modules[0].named_parameters())
     out["pp_extras"] = pp.args.extras["pipeline"]
     try:
-        train_gpt([TP2, "tensor_parallel"], config=GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=3, n_embd=48))
+        train_gpt([TP2, "tensor_parallel"],
+                  config=GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=3, n_embd=48))
         out["bad_heads"] = "no error"
     except Exception as error:
         out["bad_heads"] = f"{type(error).__name__}: {error}"
@@ -157,12 +162,14 @@ def inspect_zoo_layouts() -> dict:
     for hf_model, norm in norms.items():
         result = train_gpt(SP, hf_model=hf_model, steps=1)["result"]
         seen = []
-        result.model.get_submodule(norm).register_forward_pre_hook(lambda module, args: seen.append(args[0].to_local().shape))
+        result.model.get_submodule(norm).register_forward_pre_hook(
+            lambda module, args: seen.append(args[0].to_local().shape))
         result.model(**result.prepare_input(next(iter(result.dataloader))))
         out["norm_input"][hf_model] = tuple(seen[0])
     attention = result.model.get_submodule("encoder.block.0.layer.0.SelfAttention")
     out["t5"] = {"bias": tuple(attention.relative_attention_bias.weight.to_local().shape), "n_heads": attention.n_heads,
-                 "wi": tuple(result.model.get_submodule("encoder.block.0.layer.1.DenseReluDense.wi").weight.to_local().shape)}
+                 "wi": tuple(result.model.get_submodule("encoder.block.0.layer.1.DenseReluDense.wi")
+                             .weight.to_local().shape)}
     return out
 
 
@@ -199,7 +206,8 @@ def residual_blocks_on_sequences(steps: int = 3) -> dict:
             losses.append(float(loss.detach()))
         runs[label] = {"losses": losses, "weights": full_state_dict(model)}
     return {"losses": relative_difference(runs["sp"]["losses"], runs["reference"]["losses"]),
-            "weights": weight_difference(runs["sp"]["weights"], runs["reference"]["weights"]), "norm_input": tuple(seen[0])}
+            "weights": weight_difference(runs["sp"]["weights"], runs["reference"]["weights"]),
+            "norm_input": tuple(seen[0])}
 
 
 DS_3D = [PP2, ("ds_3d_parallel", {"num_micro_batch": 4})]
@@ -326,7 +334,8 @@ def test_pipeline_stage_holds_only_its_blocks(two_ranks):
 
 def test_head_count_not_divisible_is_a_clear_error(two_ranks):
     error = two_ranks[0]["layouts"]["bad_heads"]
-    assert error.startswith("MethodConfigError") and "blocks.0.attn" in error and "3 heads" in error and "tensor size 2" in error
+    assert (error.startswith("MethodConfigError") and "blocks.0.attn" in error and "3 heads" in error
+            and "tensor size 2" in error)
 
 
 def test_pipeline_refuses_what_stages_cannot_reproduce(two_ranks):
@@ -346,8 +355,8 @@ def test_pipeline_places_layers_by_execution_and_ties_embeddings(two_ranks):
     assert extras["after_blocks"] == ["transformer.ln_f", "lm_head"], extras
     assert extras["tied"] == {"transformer.wte.weight": [0, 1]}, extras
     params = refusals["gpt2_params"]
-    assert "transformer.wte.weight" in params and not any(n.startswith(("lm_head", "transformer.ln_f", "transformer.h.2.", "transformer.h.3."))
-                                                          for n in params), params
+    assert "transformer.wte.weight" in params and not any(
+        n.startswith(("lm_head", "transformer.ln_f", "transformer.h.2.", "transformer.h.3.")) for n in params), params
 
 
 @pytest.mark.parametrize("stages", [2, 4])

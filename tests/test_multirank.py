@@ -24,10 +24,12 @@ CASES_2 = {
     "ddp": ["parallel_mode"],
     "bf16": ["parallel_mode", BF16],
     "fp16": ["parallel_mode", "amp_native"],
-    "bf16_skip_nonfinite": [("amp_native", {"dtype": torch.bfloat16, "skip_if_nonfinite": True})],  # parallel_mode implied
+    # parallel_mode implied
+    "bf16_skip_nonfinite": [("amp_native", {"dtype": torch.bfloat16, "skip_if_nonfinite": True})],
     "half_bf16": ["parallel_mode", ("half", "bf16")],
     "checkpoint": ["parallel_mode", CKPT],
-    "reentrant_checkpoint_bf16": ["parallel_mode", ("checkpoint", {"wrap_class": ("GPTBlock",), "no_reentrant": False}), BF16],
+    "reentrant_checkpoint_bf16": ["parallel_mode", ("checkpoint", {"wrap_class": ("GPTBlock",), "no_reentrant": False}),
+                                  BF16],
     # made for 4 ranks: data 4 -> 2; tensor 2 x data 2 -> tensor 2 x data 1 (no data split, no DDP)
     "from_4_ranks_data": Strategy([("parallel_mode", ([("data", 4)], None))]).to_bytes(),
     "from_4_ranks_tensor_data": Strategy([("parallel_mode", ([("tensor", 2), ("data", 2)], None))]).to_bytes(),

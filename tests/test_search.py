@@ -67,7 +67,8 @@ def launch(report_dir: str) -> dict:
     out["memory_limited"]["asked_limit"] = limit
     out["memory_limited"]["ddp_peak"] = ddp_peak
     out["tensor_layout"] = _search(f"{report_dir}/tensor", included=["tensor_parallel"], excluded=["amp_native"])
-    out["finetune"] = _search(f"{report_dir}/finetune", load_strategy=[("amp_native", {"dtype": torch.bfloat16}), "zero1"],
+    out["finetune"] = _search(f"{report_dir}/finetune",
+                              load_strategy=[("amp_native", {"dtype": torch.bfloat16}), "zero1"],
                               finetune_strategy=True)
     return out
 
@@ -93,7 +94,8 @@ def test_excluded_and_included_are_honoured(searched):
     for row in rank0["excluded"]["rows"]:
         assert not {"fsdp", "zero2", "ckpt", "amp_bf16"} & set(row["label"].split("+")), row["label"]
     assert not {"fsdp", "zero2", "checkpoint", "amp_native"} & set(_names(rank0["excluded"]["strategy"]))
-    assert all(r["label"].startswith("fsdp+") for r in rank0["included"]["rows"]), [r["label"] for r in rank0["included"]["rows"]]
+    assert all(r["label"].startswith("fsdp+") for r in rank0["included"]["rows"]), [
+        r["label"] for r in rank0["included"]["rows"]]
     assert "fsdp" in _names(rank0["included"]["strategy"])
 
 
@@ -181,7 +183,8 @@ def test_search_options_defaults_and_accepted_forms():
 
     defaults = SearchOptions.from_kargs({})
     assert defaults == SearchOptions() and defaults.report_dir is None
-    assert (defaults.topk, defaults.dryrun_steps, defaults.use_cache, defaults.refine) == (4, DEFAULT_DRYRUN_STEPS, True, True)
+    assert ((defaults.topk, defaults.dryrun_steps, defaults.use_cache, defaults.refine)
+            == (4, DEFAULT_DRYRUN_STEPS, True, True))
     for value, expected in [("6GiB", 6 * 2**30), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1.5 gib", 3 * 2**29),
                             (123456, 123456)]:
         assert SearchOptions.from_kargs({"memory_limit": value}).memory_limit == expected, value

@@ -144,7 +144,8 @@ def _check_memory(results: list, world: int) -> None:
             held = per_rank[f"memory_{name}"]["state_bytes"]
             for kind in kinds:
                 ratio = held[kind] / ddp[kind]
-                assert ratio <= 1.1 / world, f"rank {rank} {name}: {kind} {held[kind]} B is {ratio:.3f} of DDP's (limit {1.1 / world:.3f})"
+                assert ratio <= 1.1 / world, (f"rank {rank} {name}: {kind} {held[kind]} B is {ratio:.3f} of DDP's "
+                                              f"(limit {1.1 / world:.3f})")
 
 
 def _check_collectives(results: list) -> None:
@@ -155,7 +156,8 @@ def _check_collectives(results: list) -> None:
                 assert not grads, f"{key}: gradient collectives {grads} inside an accumulation window"
             if key == "zero2":  # parameters stay gathered between micro-steps: only the first gathers
                 assert seen["micro"][1] == [], f"zero2: second micro-step communicates {seen['micro'][1]}"
-            assert any(any(c in n for c in GRADIENT_COLLECTIVES) for n in seen["boundary"][0]), f"{key}: boundary did not reduce"
+            assert any(any(c in n for c in GRADIENT_COLLECTIVES) for n in seen["boundary"][0]), (
+                f"{key}: boundary did not reduce")
 
 
 def _cases(world: int) -> dict:
@@ -222,7 +224,8 @@ def offload_on_gpu() -> dict:
                     optim_func=torch.optim.AdamW, optim_args={"lr": 1e-3})
     result = run["result"]
     params = [p.to_local() if isinstance(p, DTensor) else p for p in result.model.parameters()]
-    states = [v for s in result.optim.torch_optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+    states = [v for s in result.optim.torch_optimizer.state.values() for v in s.values()
+              if torch.is_tensor(v) and v.dim()]
     return {"param_devices": sorted({p.device.type for p in params}),
             "state_devices": sorted({(v.to_local() if isinstance(v, DTensor) else v).device.type for v in states}),
             "losses": run["losses"]}

@@ -24,7 +24,8 @@ def test_sequence_api_and_readable_str():
     assert [item.name for item in STRATEGY] == ["parallel_mode", "amp_native", "half", "checkpoint"]
     assert "amp_native" in STRATEGY and "fsdp" not in STRATEGY
     text = str(STRATEGY)
-    assert "1. amp_native: {'dtype': torch.bfloat16" in text and "GPTBlock" in text and "2. half: default (tunable)" in text
+    assert ("1. amp_native: {'dtype': torch.bfloat16" in text and "GPTBlock" in text
+            and "2. half: default (tunable)" in text)
     assert Strategy(["half"]) != Strategy([("half", "bf16")])
 
 

@@ -395,7 +395,8 @@ def test_write_failures_keep_the_previous_file(tmp_path, monkeypatch, failing):
         raise OSError(28, "No space left on device")
 
     if failing == "write":
-        monkeypatch.setattr(files_module, "open", lambda *a, **k: _FailingWriter(*a, **k), raising=False)  # write_atomic's
+        # the open that write_atomic calls
+        monkeypatch.setattr(files_module, "open", lambda *a, **k: _FailingWriter(*a, **k), raising=False)
     else:
         monkeypatch.setattr(os, failing, fail)
     with pytest.raises(StrategyFileError, match="cannot write strategy file.*No space left"):
@@ -492,6 +493,7 @@ def _save_on_ranks(directory: str) -> dict:
     return results
 
 
+@pytest.mark.multirank
 def test_save_strategy_to_file_fails_together_on_two_ranks(tmp_path):
     path = tmp_path / "strategy.pkl"
     GOOD.save(path)

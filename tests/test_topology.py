@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
+from atorch.auto.search import measure
 from atorch.auto.search.analyser import analyse_model
 from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates
 from atorch.auto.search.layouts import layout_facts
-from atorch.auto.search import measure
 from atorch.auto.search.measure import HardwareProfile, NodeLayout, VariantProfile
 from atorch.auto.search.options import SearchOptions
 from atorch.auto.search.topology import Links, Topology, keep_tensor_in_node, topology_estimate, topology_for

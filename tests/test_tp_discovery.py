@@ -149,7 +149,8 @@ def _tp_run(model_name: str) -> dict:
     try:
         status, result, _ = auto_accelerate(model, torch.optim.SGD, dataset, loss, optim_args={"lr": 0.01},
                                             dataloader_args={"batch_size": 4},
-                                            load_strategy=[("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"],
+                                            load_strategy=[("parallel_mode", ([("tensor", 2)], None)),
+                                                           "tensor_parallel"],
                                             ignore_dryrun_on_load_strategy=True)
     except MethodConfigError as error:
         return {"refused": str(error)}

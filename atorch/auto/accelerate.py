@@ -29,8 +29,8 @@ AutoAccelerateResult = namedtuple(
 # with their defaults, by SearchOptions.from_kargs; find_unused_parameters goes to DDP
 KARGS = ("find_unused_parameters", "sample_batch", "batch_size", *SEARCH_KARGS)
 # kargs that only the search reads: refused in semi-automatic mode rather than ignored
-SEARCH_ONLY_KARGS = ("time_limit", "search_topk", "report_dir", "use_profile_cache", "search_exhaustive", "ranks_per_node",
-                     "intra_node_bandwidth", "inter_node_bandwidth")
+SEARCH_ONLY_KARGS = ("time_limit", "search_topk", "report_dir", "use_profile_cache", "search_exhaustive",
+                     "ranks_per_node", "intra_node_bandwidth", "inter_node_bandwidth")
 # kargs of semi-automatic mode's dry run: refused when the dry run is skipped rather than ignored
 DRY_RUN_KARGS = ("dryrun_steps", "dryrun_collective_timeout", "memory_limit", "sample_batch", "batch_size")
 

@@ -19,11 +19,11 @@ from atorch.auto.opt_lib import data_parallel
 from atorch.auto.opt_lib.compat import check_compatible
 from atorch.auto.strategy import Strategy, StrategyItem
 from atorch.distributed import mesh
-from atorch.distributed.shutdown import register_gil_release_at_exit
-from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.distributed.agreement import is_multi_rank
 from atorch.distributed.agreement import world_size as current_world_size
 from atorch.distributed.fault import run_isolated
+from atorch.distributed.shutdown import register_gil_release_at_exit
+from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.errors import AtorchError, InputError, MethodConfigError, PeerRankError, RequirementError
 
 logger = logging.getLogger("atorch")
@@ -125,8 +125,8 @@ def apply_strategy_together(ctx: ModelContext, strategy: Strategy,
     Applying runs collectives (FSDP's and DDP's set-up, the tensor plan's check on a sample). When
     one rank raises there while its peers wait inside one, ``run_isolated`` ends every rank within
     ``collective_timeout_s``: a rank that refused (an atorch error) or failed first re-raises its own
-    error, the others raise ``PeerRankError`` with the first failure's reason, and the process group stays usable. A success costs one small
-    all-reduce."""
+    error, the others raise ``PeerRankError`` with the first failure's reason, and the process group
+    stays usable. A success costs one small all-reduce."""
     if not is_multi_rank():
         return apply_strategy(ctx, strategy)
     raised: list[BaseException] = []

@@ -42,7 +42,8 @@ class DryRunResult:
     def __str__(self) -> str:
         if not self.ok:
             return f"dry run failed: {self.error}"
-        return f"dry run: {self.step_time_s * 1000:.1f} ms/step, peak memory {self.peak_memory_bytes / 2**20:.1f} MiB/rank"
+        return (f"dry run: {self.step_time_s * 1000:.1f} ms/step, "
+                f"peak memory {self.peak_memory_bytes / 2**20:.1f} MiB/rank")
 
 
 def train_step(ctx: ModelContext, batch) -> torch.Tensor:

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-
 COUNTED_ELSEWHERE = "_atorch_grad_counted_elsewhere"
 
 

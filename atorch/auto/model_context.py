@@ -20,10 +20,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from atorch.errors import AtorchError, IncompatibleMethodsError, InputError, nearest_name
+from atorch.auto.optimizer import AtorchOptimizer
 from atorch.distributed import mesh
 from atorch.distributed.distributed import get_data_partition_rank_and_size  # noqa: F401  (ATorch's import path)
-from atorch.auto.optimizer import AtorchOptimizer
+from atorch.errors import AtorchError, IncompatibleMethodsError, InputError, nearest_name
 from atorch.utils.batch import call_with_batch, cast_floating, move_to_device
 from atorch.utils.data import RankShareCollate, ResumableDataLoader
 
@@ -245,7 +245,8 @@ class ModelContext:
             raise InputError(f"model must be a torch.nn.Module, got {type(self.model).__name__}")
         if self.model_input_format not in MODEL_INPUT_FORMATS:
             raise InputError(
-                f"model_input_format={self.model_input_format!r} is not valid; choose one of {list(MODEL_INPUT_FORMATS)}"
+                f"model_input_format={self.model_input_format!r} is not valid; "
+                f"choose one of {list(MODEL_INPUT_FORMATS)}"
             )
         if self.optim_func is not None and not callable(self.optim_func):
             raise InputError("optim_func must be callable: an optimizer class or fn(parameters, **optim_args)")
@@ -298,7 +299,8 @@ class ModelContext:
             return
         if not callable(self.lr_scheduler_cls):
             raise InputError(f"lr_scheduler_cls must be a scheduler class (e.g. torch.optim.lr_scheduler.StepLR) "
-                             f"built as lr_scheduler_cls(optimizer, **lr_scheduler_args), got {self.lr_scheduler_cls!r}")
+                             f"built as lr_scheduler_cls(optimizer, **lr_scheduler_args), "
+                             f"got {self.lr_scheduler_cls!r}")
         if self.optim_func is None:
             raise InputError("lr_scheduler_cls needs optim_func: a scheduler wraps the optimizer")
         check_call_keywords("lr_scheduler_args", self.lr_scheduler_args, self.lr_scheduler_cls, "lr_scheduler_cls")
@@ -332,7 +334,8 @@ class ModelContext:
         """Claim the data-parallel slot (fsdp, zero2, ...) instead of the default DDP."""
         if self.data_parallel_wrapper is not None:
             raise IncompatibleMethodsError(
-                f"{method} and {self.data_parallel_wrapper[0]} both want to wrap the model for data parallelism; keep one"
+                f"{method} and {self.data_parallel_wrapper[0]} both want to wrap the model for data parallelism; "
+                "keep one"
             )
         self.data_parallel_wrapper = (method, wrapper)
 

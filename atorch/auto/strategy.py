@@ -356,7 +356,8 @@ def _file_path(path: Any) -> str:
     try:
         return os.fsdecode(os.fspath(path))
     except TypeError as error:
-        raise StrategyFileError(f"a strategy file path must be a str or os.PathLike, not {type(path).__name__}") from error
+        raise StrategyFileError(
+            f"a strategy file path must be a str or os.PathLike, not {type(path).__name__}") from error
 
 
 def _check_savable(value: Any, where: str) -> None:

@@ -22,14 +22,37 @@ from atorch.auto.strategy import Strategy
 from atorch.checkpoint.agreement import agree, agreed_tmp_dir, attempt, gather, on_every_rank
 from atorch.checkpoint.async_save import PendingSave, start_background, wait_for_checkpoint
 from atorch.checkpoint.files import META_FILE, RNG_DIR, check_path, replace_dir, resolve_checkpoint, write_json
-from atorch.checkpoint.optimizer_state import (OptimizerView, load_optimizer, optimizer_destinations,
-                                               optimizer_state_tensors)
+from atorch.checkpoint.optimizer_state import (
+    OptimizerView,
+    load_optimizer,
+    optimizer_destinations,
+    optimizer_state_tensors,
+)
 from atorch.checkpoint.safe_load import SafeFileSystemReader
-from atorch.checkpoint.tensors import (host_copy, in_saved_layout, into_live_layout, model_tensors, param_names,
-                                       saved_layout_destinations, saved_layouts)
-from atorch.checkpoint.train_state import (check_extra, check_model_keys, check_step, check_unexpected_keys,
-                                           local_metadata, merge, metadata, read_meta, read_rng, restore_dataloader,
-                                           rng_state, scheduler_of, set_rng_state)
+from atorch.checkpoint.tensors import (
+    host_copy,
+    in_saved_layout,
+    into_live_layout,
+    model_tensors,
+    param_names,
+    saved_layout_destinations,
+    saved_layouts,
+)
+from atorch.checkpoint.train_state import (
+    check_extra,
+    check_model_keys,
+    check_step,
+    check_unexpected_keys,
+    local_metadata,
+    merge,
+    metadata,
+    read_meta,
+    read_rng,
+    restore_dataloader,
+    rng_state,
+    scheduler_of,
+    set_rng_state,
+)
 from atorch.distributed.agreement import is_main_rank
 from atorch.errors import AtorchError, CheckpointError
 

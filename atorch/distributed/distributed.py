@@ -63,4 +63,5 @@ def reset_distributed() -> None:
         logger.info("process groups destroyed")
 
 
-__all__ = ["init_distributed", "rank", "local_rank", "world_size", "get_data_partition_rank_and_size", "reset_distributed"]
+__all__ = ["init_distributed", "rank", "local_rank", "world_size", "get_data_partition_rank_and_size",
+           "reset_distributed"]

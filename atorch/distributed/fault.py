@@ -12,9 +12,10 @@ connections while wrappers hold the group, so its peers give up when the capped 
 at once when the failed rank's process is gone). The peers' failed collectives send them down the
 same path. Every rank then waits, bounded, for all ranks to reach this point (a rank that never
 does was lost: killed or hung, and ``RankLostError`` names it), rebuilds the default process group
-on the same store under a new prefix, and returns the first failure's reason. When ``fn`` succeeds on every rank the only cost is
-one small all-reduce. Groups made from the old process group (the device mesh, a user's own
-subgroups) are gone after a failure; atorch rebuilds its mesh with the next strategy it applies.
+on the same store under a new prefix, and returns the first failure's reason. When ``fn``
+succeeds on every rank the only cost is one small all-reduce. Groups made from the old process
+group (the device mesh, a user's own subgroups) are gone after a failure; atorch rebuilds its mesh
+with the next strategy it applies.
 """
 from __future__ import annotations
 

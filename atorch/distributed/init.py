@@ -23,9 +23,10 @@ def init_distributed(backend: Optional[str] = None, set_cuda_device_using_local_
     Returns True when a process group is ready (already initialised, or initialised now). In a plain
     single process (no launcher's env) it creates a one-process group, as ATorch does: rank 0 of 1,
     meeting at MASTER_ADDR / MASTER_PORT when set, else on loopback at a free port (the environment
-    is left as it was). auto_accelerate itself calls ``init_from_launcher``. The backend defaults to nccl with CUDA and gloo otherwise; "nccl"
-    asked for on a machine without CUDA falls back to gloo (with a warning), so one script serves
-    both. With CUDA, each rank's device is set to its LOCAL_RANK whether or not
+    is left as it was). auto_accelerate itself calls ``init_from_launcher``. The backend defaults to
+    nccl with CUDA and gloo otherwise; "nccl" asked for on a machine without CUDA falls back to gloo
+    (with a warning), so one script serves both. With CUDA, each rank's device is set to its
+    LOCAL_RANK whether or not
     ``set_cuda_device_using_local_rank`` (ATorch's name, accepted) is True: that is the only layout
     auto_accelerate supports. ``timeout_s`` (or ATorch's ``timeout``, a timedelta) bounds every
     collective, so a rank that dies cannot leave the others waiting for ever.

@@ -61,7 +61,8 @@ def attention(
     k, v = repeat_kv_heads(k, q.shape[1]), repeat_kv_heads(v, q.shape[1])
     if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
         attn_mask = attn_mask.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                          scale=scale)
 
 
 def repeat_kv_heads(t: torch.Tensor, query_heads: int) -> torch.Tensor:
@@ -90,7 +91,8 @@ def reference_attention(
         keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
         scores = scores.masked_fill(~keep, float("-inf"))
     if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask.float()
+        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask.float())
     return (scores.softmax(dim=-1) @ v).to(dtype)
 
 
@@ -124,7 +126,8 @@ def _check_hf_call(module: torch.nn.Module, kwargs: dict) -> None:
     """Refuse what this function would otherwise drop silently: attention weights, and terms the
     model adds to the scores (T5's position bias, Gemma's soft cap, sink logits)."""
     if kwargs.get("output_attentions"):
-        raise UnsupportedAttentionError("module_replace attention does not return attention weights; drop output_attentions")
+        raise UnsupportedAttentionError(
+            "module_replace attention does not return attention weights; drop output_attentions")
     terms = [name for name in SCORE_TERMS if kwargs.get(name) is not None]
     if terms:
         raise UnsupportedAttentionError(

@@ -33,15 +33,15 @@ import torch
 import torch.distributed as dist
 
 from atorch import errors
-from atorch.distributed.fault import Outcome, describe, run_isolated
 from atorch.auto.opt_lib.tensor_parallel import find_tp_plan, split_share
 from atorch.auto.opt_lib.tp_mha import split_mha
+from atorch.distributed.fault import Outcome, describe, run_isolated
 from atorch.testing.hf_models import ZOO, ZooModel
+from atorch.testing.launcher import DistributedRunError, run_distributed
+from atorch.testing.training import relative_difference, train_gpt, weight_difference
 from atorch.utils.batch import call_with_batch
 from atorch.utils.dataflow import record_dataflow
 from atorch.utils.modules import repeated_blocks
-from atorch.testing.launcher import DistributedRunError, run_distributed
-from atorch.testing.training import relative_difference, train_gpt, weight_difference
 
 STEPS, GLOBAL_BATCH, LR = 3, 8, 0.05
 DP_TOL, MP_TOL, LOW_TOL = 1e-5, 1e-4, 2e-2
@@ -143,7 +143,8 @@ def run_column(column_key: str, models: list[str], progress: Optional[str] = Non
 
         def cell() -> dict:
             try:
-                run = train_gpt(column.strategy(ZOO[name]), hf_model=name, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR)
+                run = train_gpt(column.strategy(ZOO[name]), hf_model=name, steps=STEPS, global_batch=GLOBAL_BATCH,
+                                lr=LR)
             except Exception:
                 print(f"[conformance] {column_key} x {name} raised:\n{traceback.format_exc()}", file=sys.stderr)
                 raise
@@ -206,7 +207,8 @@ def judge(column: Column, name: str, ran: dict, typed: set[str]) -> Cell:
         return Cell("fail", str(error), loss_diff, None, ran["seconds"])
     cell = Cell("pass", "", loss_diff, weight_diff, ran["seconds"])
     if not all(math.isfinite(d) and d < column.tolerance for d in (loss_diff, weight_diff)):
-        cell.status, cell.detail = "fail", f"parity: losses {loss_diff:.1e}, weights {weight_diff:.1e} (tolerance {column.tolerance:g})"
+        cell.status, cell.detail = "fail", (f"parity: losses {loss_diff:.1e}, weights {weight_diff:.1e} "
+                                            f"(tolerance {column.tolerance:g})")
     return cell
 
 
@@ -228,7 +230,8 @@ def run_matrix(columns: Optional[list[str]] = None, models: Optional[list[str]] 
         started = time.monotonic()
         with tempfile.NamedTemporaryFile("r", suffix=".progress") as progress:
             try:
-                per_rank = run_distributed(run_column, column.world, column.key, models, progress.name, timeout_s=timeout_s)
+                per_rank = run_distributed(run_column, column.world, column.key, models, progress.name,
+                                           timeout_s=timeout_s)
                 ran = per_rank[0]
             except DistributedRunError as error:
                 ran = _partial_after_crash(progress.name, models, error)
@@ -236,7 +239,8 @@ def run_matrix(columns: Optional[list[str]] = None, models: Optional[list[str]] 
             cells[(column.key, name)] = judge(column, name, ran[name], typed)
         if verbose:
             summary = ", ".join(f"{n} {_symbol(cells[(column.key, n)])}" for n in models)
-            print(f"[conformance] {column.label} ({time.monotonic() - started:.0f}s): {summary}", file=sys.stderr, flush=True)
+            print(f"[conformance] {column.label} ({time.monotonic() - started:.0f}s): {summary}", file=sys.stderr,
+                  flush=True)
     return cells
 
 
@@ -307,8 +311,9 @@ never edit by hand. Each cell trains a tiny random-weight model of that family f
 final weights with single-process PyTorch on the same data: ✔ with the largest relative
 difference, *refused* when atorch declines the combination with a typed error (the reason is in
 the notes), *ignored* when the method does not apply on the machine that generated the page (CPU:
-fp8 needs a recent GPU) and the run trained without it, ✗ when it fails. Tolerances: data parallel and single-process fp32 methods 1e-5, model
-parallel fp32 1e-4, bf16 2e-2. The models are built in `atorch/testing/hf_models.py` (HF families, plain
+fp8 needs a recent GPU) and the run trained without it, ✗ when it fails. Tolerances: data parallel and
+single-process fp32 methods 1e-5, model parallel fp32 1e-4, bf16 2e-2. The models are built in
+`atorch/testing/hf_models.py` (HF families, plain
 models) and `atorch/testing/community_models.py` (transformers written as PyTorch's, torchtitan's,
 timm's, nanoGPT's and lucidrains' codebases write them, an MoE, an MLP of `up` / `down`); the columns
 in `atorch/testing/conformance.py`. The CNN's BatchNorm normalises each forward's batch, so its
@@ -334,7 +339,8 @@ def megatron_share(model: torch.nn.Module) -> float:
         vocab = max(embeddings, key=lambda m: m.num_embeddings)
         inner |= {id(vocab.weight)}
         inner |= {id(m.weight) for m in model.modules()
-                  if isinstance(m, torch.nn.Linear) and m.out_features == vocab.num_embeddings and id(m.weight) not in inner}
+                  if isinstance(m, torch.nn.Linear) and m.out_features == vocab.num_embeddings
+                  and id(m.weight) not in inner}
     return _numel_share(model, inner)
 
 

@@ -24,8 +24,16 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from atorch.models import SyntheticTokenDataset
-from atorch.testing.community_models import (MoELM, NanoGPT, ParallelLM, PerceiverLM, TimmViT, TitanLlama,
-                                             TorchEncoderLM, UpDownMLP)
+from atorch.testing.community_models import (
+    MoELM,
+    NanoGPT,
+    ParallelLM,
+    PerceiverLM,
+    TimmViT,
+    TitanLlama,
+    TorchEncoderLM,
+    UpDownMLP,
+)
 
 VOCAB, SEQ = 64, 16
 

@@ -10,10 +10,9 @@ import os
 import pickle
 import queue
 import socket
+import time
 import traceback
 from typing import Any, Callable
-
-import time
 
 import torch
 import torch.distributed as dist
@@ -84,7 +83,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
                 gone = {i for i in dead if i in may_die}
                 dead = [i for i in dead if i not in may_die]
                 if dead:
-                    raise DistributedRunError(f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
+                    raise DistributedRunError(
+                        f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
                 continue
             if not ok:
                 raise DistributedRunError(f"rank {rank} failed:\n{value}")

@@ -39,8 +39,8 @@ def pair_loss(batch, output) -> torch.Tensor:
 
 
 def train_sequential(strategy, steps: int = 5, global_batch: int = 8) -> dict:
-    status, result, _ = auto_accelerate(tiny_sequential(), torch.optim.SGD, PairDataset(global_batch * steps), pair_loss,
-                                        optim_args={"lr": 0.1, "momentum": 0.9},
+    status, result, _ = auto_accelerate(tiny_sequential(), torch.optim.SGD, PairDataset(global_batch * steps),
+                                        pair_loss, optim_args={"lr": 0.1, "momentum": 0.9},
                                         dataloader_args={"batch_size": global_batch}, load_strategy=strategy)
     losses = []
     for batch in result.dataloader:

@@ -8,12 +8,12 @@ import torch.distributed as dist
 
 from atorch.auto.accelerate import auto_accelerate
 from atorch.auto.gradients import clip_grad_norm_
-from atorch.testing.hf_models import ZOO
 from atorch.distributed import mesh
+from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
+from atorch.testing.hf_models import ZOO
 from atorch.utils.batch import call_with_batch
 from atorch.utils.memory import training_state_bytes
 from atorch.utils.modules import full_state_dict
-from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
 
 SMALL_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 

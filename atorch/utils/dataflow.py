@@ -28,9 +28,9 @@ TRANSPARENT = frozenset({
     "movedim", "swapaxes", "narrow", "select", "index_select", "clone", "float", "half", "bfloat16", "to", "type",
     "type_as", "dropout", "gelu", "silu", "relu", "tanh", "sigmoid", "mish", "leaky_relu", "elu", "selu", "softplus",
     "relu6", "hardswish", "hardtanh", "glu", "mul", "__mul__", "__rmul__", "mul_", "__imul__", "add", "__add__",
-    "__radd__", "add_", "__iadd__", "sub", "__sub__", "__rsub__", "sub_", "div", "__truediv__", "div_", "neg", "__neg__",
-    "cat", "concat", "stack", "masked_fill", "masked_fill_", "where", "clamp", "pow", "__pow__", "square", "exp",
-    "sin", "cos", "abs", "sqrt", "rsqrt", "erf", "contiguous", "__and__", "detach",
+    "__radd__", "add_", "__iadd__", "sub", "__sub__", "__rsub__", "sub_", "div", "__truediv__", "div_", "neg",
+    "__neg__", "cat", "concat", "stack", "masked_fill", "masked_fill_", "where", "clamp", "pow", "__pow__", "square",
+    "exp", "sin", "cos", "abs", "sqrt", "rsqrt", "erf", "contiguous", "__and__", "detach",
 })
 SOFTMAX = frozenset({"softmax", "_softmax", "log_softmax"})
 MATMUL = frozenset({"matmul", "__matmul__", "__rmatmul__", "bmm", "einsum"})
@@ -71,7 +71,8 @@ class Dataflow:
     def calls_of(self, module: str) -> list[Op]:
         return [op for op in self.ops if op.module == module and op.kind == "linear"]
 
-    def forward_closure(self, nodes: Iterable[int], passes: Callable[[Op], bool]) -> tuple[set[int], list[tuple[Op, int]]]:
+    def forward_closure(self, nodes: Iterable[int],
+                        passes: Callable[[Op], bool]) -> tuple[set[int], list[tuple[Op, int]]]:
         """Nodes reachable from ``nodes`` through ops ``passes`` accepts, and the (op, node) pairs where
         the walk stopped: the sinks, each with the node it reached them by."""
         seen, stack, sinks = set(nodes), list(nodes), []

@@ -31,7 +31,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch size (strong scaling)")
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--strategy", default=None, help="a saved strategy file (.json or .pkl); default: bf16 DDP + checkpoint")
+    parser.add_argument("--strategy", default=None,
+                        help="a saved strategy file (.json or .pkl); default: bf16 DDP + checkpoint")
     parser.add_argument("--save-strategy", default=None, help="where to save the strategy that ran")
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--checkpoint-dir", default="outputs/checkpoint", help="where --save-every writes checkpoints")
@@ -48,7 +49,8 @@ def main() -> None:
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=128, block_size=64, n_layer=4, n_head=4, n_embd=64)
     model = GPT(config)
-    dataset = SyntheticTokenDataset(num_samples=args.batch_size * args.steps, seq_len=config.block_size, vocab_size=config.vocab_size)
+    dataset = SyntheticTokenDataset(num_samples=args.batch_size * args.steps, seq_len=config.block_size,
+                                    vocab_size=config.vocab_size)
 
     status, result, strategy = auto_accelerate(
         model,
@@ -64,7 +66,8 @@ def main() -> None:
     )
     if rank == 0:
         world = dist.get_world_size() if dist.is_initialized() else 1
-        print(f"auto_accelerate status={status} on {world} process(es), device {next(result.model.parameters()).device}")
+        print(f"auto_accelerate status={status} on {world} process(es), "
+              f"device {next(result.model.parameters()).device}")
         print(strategy)
         print(result.args.dryrun)
 
@@ -97,7 +100,8 @@ def main() -> None:
     if rank == 0 and first is None:
         print(f"nothing left to train: the checkpoint is at step {done} of {len(dataloader)}")
     elif rank == 0:
-        print(f"loss fell from {first:.4f} to {last:.4f}" if last < first else f"loss did not fall: {first:.4f} -> {last:.4f}")
+        print(f"loss fell from {first:.4f} to {last:.4f}" if last < first
+              else f"loss did not fall: {first:.4f} -> {last:.4f}")
         if args.save_strategy:
             print(f"strategy saved to {args.save_strategy}; reuse it with --strategy {args.save_strategy}")
     if dist.is_initialized():

@@ -29,7 +29,8 @@ CASES: dict[str, Any] = {
     "fsdp": [("parallel_mode", ([("data", 4)], None)), "fsdp"],
     "hsdp": [("parallel_mode", ([("zero", 2), ("data", 2)], None)), "fsdp"],
     "tensor": [("parallel_mode", ([("tensor", 2), ("data", 2)], None)), "tensor_parallel"],
-    "pipeline": [("parallel_mode", ([("pipeline", 2), ("data", 2)], None)), ("pipeline_parallel", {"schedule": "GPipe"})],
+    "pipeline": [("parallel_mode", ([("pipeline", 2), ("data", 2)], None)),
+                 ("pipeline_parallel", {"schedule": "GPipe"})],
     "search": None,  # fully automatic
     "search_tensor": None,  # fully automatic, every candidate with tensor_parallel, the inter-node link given
 }
@@ -75,7 +76,8 @@ def search_facts(result: Any) -> dict:
     """What the search saw and chose: the rows, the chosen layout, the links it measured or was given."""
     found = result.args.extras["search"]
     hardware = found.hardware
-    return {"labels": [row.label for row in found.rows], "table": found.table, "statuses": [r.status for r in found.rows],
+    return {"labels": [row.label for row in found.rows], "table": found.table,
+            "statuses": [r.status for r in found.rows],
             "parallel_mode": [list(d) for d in mesh.parallel_config().dims],  # as applied (None in the strategy: data)
             "hardware": {k: v for k, v in vars(hardware).items() if isinstance(v, (int, float, str, dict, type(None)))},
             "links": hardware.describe_links()}

@@ -7,12 +7,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Type
 
-from atorch.errors import UnknownMethodError
-from atorch.utils.config import MethodConfig
-from atorch.auto.strategy import set_config_normalizer
-from atorch.auto.opt_lib.base import Optimization
-from atorch.auto.opt_lib.amp import AmpNativeOptimization
 from atorch.auto.opt_lib.activation_checkpoint import CheckpointOptimization
+from atorch.auto.opt_lib.amp import AmpNativeOptimization
+from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.ds_3d_parallel import DS3DParallelOptimization
 from atorch.auto.opt_lib.fp8 import FP8Optimization
 from atorch.auto.opt_lib.fsdp import FSDPOptimization
@@ -26,6 +23,9 @@ from atorch.auto.opt_lib.pipeline_parallel import PipelineParallelOptimization
 from atorch.auto.opt_lib.sequence_parallel import SequenceParallelOptimization
 from atorch.auto.opt_lib.tensor_parallel import TensorParallelOptimization
 from atorch.auto.opt_lib.zero import Zero1Optimization, Zero2Optimization
+from atorch.auto.strategy import set_config_normalizer
+from atorch.errors import UnknownMethodError
+from atorch.utils.config import MethodConfig
 
 _REGISTRY: dict[str, Optimization] = {}
 

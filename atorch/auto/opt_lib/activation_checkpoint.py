@@ -16,8 +16,8 @@ from typing import Any, Mapping
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
+from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, ModuleTargets, option
 
 logger = logging.getLogger(__name__)

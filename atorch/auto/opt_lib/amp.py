@@ -12,13 +12,12 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-
 from torch.amp.grad_scaler import OptState
 
-from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.checkpoint.adapters import register_optimizer_adapter
+from atorch.errors import MethodConfigError
 from atorch.utils.config import LOW_PRECISION_DTYPES, MethodConfig, option
 
 _UNSCALED = OptState.UNSCALED  # the grad scaler's per-optimizer stage marker
@@ -33,8 +32,10 @@ class AmpNativeConfig(MethodConfig):
     skip_if_nonfinite: bool = option(False, doc="bf16: skip a step whose gradients hold inf/nan on any rank "
                                      "(fp16 always does, through the grad scaler)")
     init_scale: float = option(2.0**16, doc="fp16 only: the grad scaler's first loss scale", minimum=0.0)
-    growth_factor: float = option(2.0, doc="fp16 only: scale multiplier after growth_interval finite steps", minimum=1.0)
-    backoff_factor: float = option(0.5, doc="fp16 only: scale multiplier after a non-finite step", minimum=0.0, maximum=1.0)
+    growth_factor: float = option(2.0, doc="fp16 only: scale multiplier after growth_interval finite steps",
+                                  minimum=1.0)
+    backoff_factor: float = option(0.5, doc="fp16 only: scale multiplier after a non-finite step",
+                                   minimum=0.0, maximum=1.0)
     growth_interval: int = option(2000, doc="fp16 only: finite steps before the scale grows", minimum=1)
 
 

@@ -10,8 +10,10 @@ from atorch.errors import IncompatibleMethodsError
 # At most one method of each set may appear in a strategy.
 EXCLUSIVE_SETS: tuple[tuple[frozenset, str], ...] = (
     (frozenset({"zero1", "zero2", "fsdp", "ds_3d_parallel"}), "choose one sharding level"),
-    (frozenset({"tensor_parallel", "mixed_parallel", "ds_3d_parallel"}), "mixed_parallel already includes tensor parallel"),
-    (frozenset({"pipeline_parallel", "mixed_parallel", "ds_3d_parallel"}), "mixed_parallel already includes pipeline parallel"),
+    (frozenset({"tensor_parallel", "mixed_parallel", "ds_3d_parallel"}),
+     "mixed_parallel already includes tensor parallel"),
+    (frozenset({"pipeline_parallel", "mixed_parallel", "ds_3d_parallel"}),
+     "mixed_parallel already includes pipeline parallel"),
     (frozenset({"micro_batch", "pipeline_parallel", "mixed_parallel", "ds_3d_parallel"}),
      "a pipeline splits the batch into micro-batches itself: set its num_micro_batch"),
 )
@@ -34,7 +36,8 @@ def check_compatible(items: Sequence[tuple[str, Any]]) -> None:
     names = [name for name, _ in items]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise IncompatibleMethodsError(f"method(s) {duplicates} appear more than once in the strategy; keep one of each")
+        raise IncompatibleMethodsError(
+            f"method(s) {duplicates} appear more than once in the strategy; keep one of each")
     for members, why in EXCLUSIVE_SETS:
         clash = [n for n in names if n in members]
         if len(clash) > 1:

@@ -17,11 +17,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from atorch.errors import CheckpointError, MethodConfigError, RequirementError
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.checkpoint.adapters import register_optimizer_adapter
 from atorch.distributed import mesh
 from atorch.distributed.fault import register_rebuild_callback
+from atorch.errors import CheckpointError, MethodConfigError, RequirementError
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,8 @@ def deepspeed_unavailable_reason() -> Optional[str]:
 
         get_accelerator().device_name()
     except Exception as error:  # ImportError, or an accelerator that cannot start here
-        return f"DeepSpeed is not usable here ({type(error).__name__}: {error}); install it with pip install 'atorch[deepspeed]'"
+        return (f"DeepSpeed is not usable here ({type(error).__name__}: {error}); "
+                "install it with pip install 'atorch[deepspeed]'")
     return None
 
 
@@ -72,9 +73,11 @@ def _build_engine(ctx, params: Any, method: str, stage: int) -> "DeepSpeedOptimi
 
     dp_size = mesh.data_parallel_size()
     if dist.is_initialized() and dp_size != dist.get_world_size():
-        raise MethodConfigError(method, f"use_ds_zero supports pure data parallelism (data size {dp_size} != world size {dist.get_world_size()})")
+        raise MethodConfigError(method, f"use_ds_zero supports pure data parallelism "
+                                        f"(data size {dp_size} != world size {dist.get_world_size()})")
     if ctx.amp_dtype == torch.float16:
-        raise MethodConfigError(method, "use_ds_zero with amp_native fp16 is not supported (DeepSpeed keeps its own loss scale); use bf16")
+        raise MethodConfigError(method, "use_ds_zero with amp_native fp16 is not supported "
+                                        "(DeepSpeed keeps its own loss scale); use bf16")
     scalars = [name for name, p in ctx.model.named_parameters() if p.dim() == 0]
     if scalars:
         raise MethodConfigError(method, f"use_ds_zero: DeepSpeed ZeRO flattens parameters into byte buffers and cannot "
@@ -91,7 +94,8 @@ def _build_engine(ctx, params: Any, method: str, stage: int) -> "DeepSpeedOptimi
         "steps_per_print": 2**31 - 1,
     }
     optimizer = ctx.optim_func(params, **ctx.optim_args)
-    engine, _, _, _ = deepspeed.initialize(model=ctx.model, optimizer=optimizer, config=config, dist_init_required=False)
+    engine, _, _, _ = deepspeed.initialize(model=ctx.model, optimizer=optimizer, config=config,
+                                           dist_init_required=False)
     ctx.model = engine
     logger.info("%s: DeepSpeed ZeRO-%d engine over %d ranks", method, stage, dp_size)
     return DeepSpeedOptimizer(engine, optimizer)
@@ -221,7 +225,8 @@ class ZeroPartitions:
     def _partitions(self) -> list[tuple[torch.Tensor, list[torch.Tensor], Any]]:
         return list(zip(self.zero.single_partition_of_fp32_groups, self.group_params, self.zero.real_dp_process_group))
 
-    def _full(self, param: torch.Tensor, value: torch.Tensor, flat: torch.Tensor, group: Any, owner: int) -> torch.Tensor:
+    def _full(self, param: torch.Tensor, value: torch.Tensor, flat: torch.Tensor, group: Any,
+              owner: int) -> torch.Tensor:
         if not (value.dim() and value.shape == flat.shape):
             return value.detach().clone()
         buffer = torch.zeros(param.numel(), dtype=value.dtype, device=value.device)

@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from atorch.errors import CheckpointError, MethodConfigError, RequirementError
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason
 from atorch.auto.opt_lib.pipeline_parallel import PipelineOutput, pipeline_loss
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.checkpoint.adapters import register_optimizer_adapter
 from atorch.distributed import mesh
+from atorch.errors import CheckpointError, MethodConfigError, RequirementError
 from atorch.utils.batch import batch_size_of, loss_value, select_rows
 from atorch.utils.config import MethodConfig, option
 
@@ -52,10 +52,12 @@ class DS3DParallelOptimization(Optimization):
         if reason:
             raise RequirementError(f"ds_3d_parallel: {reason}")
         if not isinstance(ctx.model, nn.Sequential):
-            raise MethodConfigError(self.name, f"DeepSpeed pipelines a list of layers: give the model as torch.nn.Sequential "
-                                    f"(got {type(ctx.model).__name__}), or use pipeline_parallel / mixed_parallel")
+            raise MethodConfigError(self.name, f"DeepSpeed pipelines a list of layers: give the model as "
+                                               f"torch.nn.Sequential (got {type(ctx.model).__name__}), "
+                                               f"or use pipeline_parallel / mixed_parallel")
         if ctx.model_input_format is not None:
-            raise MethodConfigError(self.name, "needs model_input_format None: the first layer receives the whole batch")
+            raise MethodConfigError(self.name,
+                                    "needs model_input_format None: the first layer receives the whole batch")
         if ctx.optim_func is None:
             raise MethodConfigError(self.name, "needs optim_func: DeepSpeed builds the optimizer into its engine")
         ctx.set_data_parallel_wrapper(self.name, lambda ctx: None)  # the engine does data parallelism
@@ -70,7 +72,8 @@ def _build_engine(ctx, config: DS3DParallelConfig) -> "EngineStepOptimizer":
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     if mesh.parallel_group_size("tensor") > 1:
-        raise MethodConfigError("ds_3d_parallel", "a tensor dimension above 1 needs a Megatron model; use mixed_parallel")
+        raise MethodConfigError("ds_3d_parallel",
+                                "a tensor dimension above 1 needs a Megatron model; use mixed_parallel")
     pp, dp = mesh.parallel_group_size("pipeline"), mesh.data_parallel_size()
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)  # wraps our process group
     holder: dict = {}
@@ -81,11 +84,13 @@ def _build_engine(ctx, config: DS3DParallelConfig) -> "EngineStepOptimizer":
     per_rank = ctx.per_rank_batch_size
     micro = config.num_micro_batch
     if per_rank % micro:
-        raise MethodConfigError("ds_3d_parallel", f"the per-rank batch {per_rank} does not split into {micro} micro-batches")
+        raise MethodConfigError("ds_3d_parallel",
+                                f"the per-rank batch {per_rank} does not split into {micro} micro-batches")
     ds_config = {"train_micro_batch_size_per_gpu": per_rank // micro, "gradient_accumulation_steps": micro,
                  "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1}
     optimizer = ctx.optim_func([p for p in module.parameters() if p.requires_grad], **ctx.optim_args)
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, dist_init_required=False)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config,
+                                           dist_init_required=False)
     wrapper = DeepSpeedPipeline(engine, ctx.loss_func, micro)
     holder["wrapper"] = wrapper
     ctx.model = wrapper

@@ -46,10 +46,10 @@ try:  # the custom-collective hooks of FSDP2 (torch >= 2.9); without them the de
 except ImportError:  # pragma: no cover
     ReduceScatter = DefaultAllocMixin = None  # type: ignore[assignment,misc]
 
-from atorch.errors import MethodConfigError
-from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.activation_checkpoint import matching_modules
+from atorch.auto.opt_lib.base import Optimization
 from atorch.distributed import mesh
+from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, ModuleTargets, option, validate_config
 
 logger = logging.getLogger(__name__)
@@ -235,7 +235,8 @@ def _blocks_to_shard(model: torch.nn.Module, config: FSDPConfig) -> list[torch.n
         blocks = matching_modules(model, config.atorch_wrap_cls)
         if not blocks:
             present = sorted({type(m).__name__ for m in model.modules()})
-            raise MethodConfigError("fsdp", f"atorch_wrap_cls {config.atorch_wrap_cls!r} matches no submodule; module types: {present}")
+            raise MethodConfigError("fsdp", f"atorch_wrap_cls {config.atorch_wrap_cls!r} matches no submodule; "
+                                            f"module types: {present}")
     elif config.atorch_size_based_min_num_params is not None:
         blocks = _size_based_blocks(model, config.atorch_size_based_min_num_params)
     else:

@@ -27,9 +27,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.optimizer import AtorchOptimizer
+from atorch.errors import MethodConfigError
 from atorch.utils.batch import batch_of_call, batch_size_of, call_with_batch, loss_value, map_tensors
 from atorch.utils.config import MethodConfig, option
 

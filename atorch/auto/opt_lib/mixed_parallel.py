@@ -42,4 +42,5 @@ class MixedParallelOptimization(Optimization):
             apply_pipeline(ctx, config.pipeline)
 
         ctx.add_wrapper("pipeline", self.name, pipeline)
-        ctx.add_wrapper("model_parallel", self.name, lambda ctx: apply_tensor_parallel(ctx, config.tensor, found.get("plan")))
+        ctx.add_wrapper("model_parallel", self.name,
+                        lambda ctx: apply_tensor_parallel(ctx, config.tensor, found.get("plan")))

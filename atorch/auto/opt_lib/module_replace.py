@@ -39,8 +39,8 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
+from atorch.errors import MethodConfigError
 from atorch.kernels.attention import attention, hf_attention_forward
 from atorch.kernels.norm import FusedLayerNorm, fused_layer_norm_available
 from atorch.models.gpt import CausalSelfAttention
@@ -87,14 +87,16 @@ def register_replace_pair(
         raise ValueError(f"replace pair {name!r} is already registered (pass replace=True)")
     dtypes = frozenset(supported_dtypes)
     if not dtypes or not dtypes <= ALL_DTYPES:
-        raise ValueError(f"supported_dtypes must be a non-empty subset of {sorted(map(str, ALL_DTYPES))}, got {supported_dtypes!r}")
+        raise ValueError(f"supported_dtypes must be a non-empty subset of {sorted(map(str, ALL_DTYPES))}, "
+                         f"got {supported_dtypes!r}")
     if pair_cls is not None:
         original, optimized = pair_cls
         matches = matches or _class_matcher(original)
         build = build or functools.partial(_build_from_class, optimized)
     if matches is None or build is None:
         raise ValueError("register_replace_pair needs pair_cls=(original, optimized) or both matches= and build=")
-    pair = ReplacePair(name, dtypes, matches, build, unavailable or (lambda device: None), declines or (lambda module: None))
+    pair = ReplacePair(name, dtypes, matches, build, unavailable or (lambda device: None),
+                       declines or (lambda module: None))
     _PAIRS[name] = pair
     return pair
 
@@ -291,7 +293,8 @@ _register_builtins()
 # --- the method ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModuleReplaceConfig(MethodConfig):
-    pairs: Optional[tuple[str, ...]] = option(None, doc="names of registered replace pairs; None: every registered pair")
+    pairs: Optional[tuple[str, ...]] = option(None,
+                                              doc="names of registered replace pairs; None: every registered pair")
 
 
 class ModuleReplaceOptimization(Optimization):

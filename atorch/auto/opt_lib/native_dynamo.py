@@ -12,8 +12,8 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 
-from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
+from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, option
 
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
@@ -35,7 +35,8 @@ class NativeDynamoOptimization(Optimization):
         config = super().normalize(config)
         backend = config.backend
         if isinstance(backend, str) and backend not in torch._dynamo.list_backends(exclude_tags=()):
-            raise MethodConfigError(self.name, f"backend {backend!r} is unknown; available: {torch._dynamo.list_backends()}")
+            raise MethodConfigError(self.name,
+                                    f"backend {backend!r} is unknown; available: {torch._dynamo.list_backends()}")
         return config
 
     def transform(self, ctx, config: NativeDynamoConfig) -> None:

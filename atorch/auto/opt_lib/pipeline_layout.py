@@ -84,10 +84,11 @@ def check_supported(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> No
                                     "from the full batch (and running statistics would be updated per micro-batch); "
                                     "use data parallelism, or GroupNorm / LayerNorm")
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        raise MethodConfigError(METHOD, f"{type(model).__name__} is an encoder-decoder model, which is not pipelined: "
-                                "the decoder's blocks also read the encoder's output (cross-attention) and the decoder's "
-                                "embedding runs between the two stacks, so a cut would have to carry more than the one "
-                                "hidden state a stage boundary carries; use tensor or data parallelism")
+        raise MethodConfigError(METHOD, f"{type(model).__name__} is an encoder-decoder model, which is not "
+                                "pipelined: the decoder's blocks also read the encoder's output (cross-attention) "
+                                "and the decoder's embedding runs between the two stacks, so a cut would have to "
+                                "carry more than the one hidden state a stage boundary carries; use tensor or data "
+                                "parallelism")
     inside = {id(m) for _, b in blocks for m in b.modules() if any(True for _ in m.parameters(recurse=False))}
     block_ids = {id(b) for _, b in blocks}
     for name, module in model.named_modules(remove_duplicate=False):
@@ -162,9 +163,10 @@ def trace_layout(model: nn.Module, blocks: list[tuple[str, nn.Module]], run: Cal
     seen = {name: [i for i, event in enumerate(tracer.events) if event == ("unit", name)] for name in units}
     between = [n for n, at in seen.items() if any(first < i < last for i in at)]
     if between:
-        raise MethodConfigError(METHOD, f"layers with parameters run between the repeated blocks ({', '.join(between)}): "
-                                "the model is not one stack of blocks (e.g. two towers such as CLIP's text and vision "
-                                "encoders), and a stage boundary carries one hidden state; use tensor or data parallelism")
+        raise MethodConfigError(METHOD, f"layers with parameters run between the repeated blocks "
+                                f"({', '.join(between)}): the model is not one stack of blocks (e.g. two towers "
+                                "such as CLIP's text and vision encoders), and a stage boundary carries one hidden "
+                                "state; use tensor or data parallelism")
     before = [n for n, at in seen.items() if at and min(at) < first]
     after = [n for n, at in seen.items() if not at or max(at) > last]  # a unit run on both sides is on both lists
     output = tracer.outputs.get(0)
@@ -178,15 +180,17 @@ def _check_block_chain(blocks: list, calls: list[int], tracer: _Tracer) -> None:
         raise MethodConfigError(METHOD, f"the repeated blocks ({type(blocks[0][1]).__name__}) did not run in a forward "
                                 "of the sample batch")
     if calls != list(range(len(blocks))):
-        raise MethodConfigError(METHOD, "the repeated blocks must each run once, in registration order, as one chain "
-                                f"to be cut into stages; they ran as {[names[i] for i in calls]} (a model of two towers, "
-                                "such as CLIP's text and vision encoders, is not one chain); use tensor or data parallelism")
+        raise MethodConfigError(METHOD, "the repeated blocks must each run once, in registration order, as one "
+                                f"chain to be cut into stages; they ran as {[names[i] for i in calls]} (a model of "
+                                "two towers, such as CLIP's text and vision encoders, is not one chain); use tensor "
+                                "or data parallelism")
     for index in range(1, len(blocks)):
         previous = tensors(tracer.outputs.get(index - 1))
         if tracer.inputs.get(index) is None or not previous or tracer.inputs[index] is not previous[0]:
-            raise MethodConfigError(METHOD, f"{names[index]} does not take the hidden state {names[index - 1]} returned "
-                                    "(code between the blocks changes it, or the block takes it under another name than "
-                                    "the first argument or 'hidden_states'): a stage boundary carries exactly that tensor")
+            raise MethodConfigError(METHOD, f"{names[index]} does not take the hidden state {names[index - 1]} "
+                                    "returned (code between the blocks changes it, or the block takes it under "
+                                    "another name than the first argument or 'hidden_states'): a stage boundary "
+                                    "carries exactly that tensor")
 
 
 def _cuda_devices(model: nn.Module) -> list:

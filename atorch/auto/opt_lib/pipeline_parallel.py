@@ -62,13 +62,23 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from atorch.errors import MethodConfigError
 from atorch.auto.gradients import mark_counted_elsewhere
 from atorch.auto.opt_lib.base import Optimization
-from atorch.auto.opt_lib.pipeline_layout import (ModelLayout, PassThrough, StandIn, canonical_names, check_supported,
-                                                 held_parameters, layout_from_order, no_cache_kwargs, replace_everywhere,
-                                                 shared_between_stages, trace_layout)
+from atorch.auto.opt_lib.pipeline_layout import (
+    ModelLayout,
+    PassThrough,
+    StandIn,
+    canonical_names,
+    check_supported,
+    held_parameters,
+    layout_from_order,
+    no_cache_kwargs,
+    replace_everywhere,
+    shared_between_stages,
+    trace_layout,
+)
 from atorch.distributed import mesh
+from atorch.errors import MethodConfigError
 from atorch.utils.batch import batch_of_call, first_tensor, loss_value, select_rows, tensors
 from atorch.utils.config import MethodConfig, option
 from atorch.utils.modules import full_state_dict, repeated_blocks
@@ -187,8 +197,12 @@ class PipelineModule(nn.Module):
         self.schedule.step(target=index if self.is_last else None, losses=losses, return_outputs=False, **inputs)
         if self.shared:
             self.shared.sum_gradients(stashed)
-        loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros((), device=index.device)
-        dist.broadcast(loss, src=dist.get_global_rank(self.group, dist.get_world_size(self.group) - 1), group=self.group)
+        if losses:
+            loss = torch.stack([micro_loss.detach().float() for micro_loss in losses]).mean()
+        else:
+            loss = torch.zeros((), device=index.device)
+        dist.broadcast(loss, src=dist.get_global_rank(self.group, dist.get_world_size(self.group) - 1),
+                       group=self.group)
         return PipelineOutput(loss)
 
     @property
@@ -258,8 +272,9 @@ class SharedWeights:
                 shapes.setdefault(name, set()).add(shape)
         uneven = {name: sorted(s) for name, s in shapes.items() if len(s) > 1}
         if uneven:
-            raise MethodConfigError("pipeline_parallel", f"weights tied between pipeline stages are laid out differently "
-                                    f"on them {uneven} (tensor parallelism split one copy and not the other); untie them")
+            raise MethodConfigError("pipeline_parallel", f"weights tied between pipeline stages are laid out "
+                                    f"differently on them {uneven} (tensor parallelism split one copy and not the "
+                                    f"other); untie them")
         return {name: torch.Size(next(iter(s))) for name, s in shapes.items()}
 
     def stash(self) -> dict[str, list]:
@@ -311,7 +326,8 @@ def pipeline_loss(batch: Any, output: Any) -> torch.Tensor:
 def _first_tensor(data: Any) -> torch.Tensor:
     tensor = first_tensor(data)
     if tensor is None:
-        raise MethodConfigError("pipeline_parallel", f"the batch holds no tensor to split into micro-batches: {type(data)}")
+        raise MethodConfigError("pipeline_parallel",
+                                f"the batch holds no tensor to split into micro-batches: {type(data)}")
     return tensor
 
 
@@ -335,7 +351,8 @@ def stages_per_rank(config: PipelineParallelConfig, method: str) -> int:
     interleaved = SCHEDULES[config.schedule] == "ScheduleInterleaved1F1B"
     per_rank = config.stages_per_rank or (2 if interleaved else 1)
     if per_rank < 2 and interleaved or per_rank > 1 and not interleaved:
-        raise MethodConfigError(method, "stages_per_rank above 1 goes with schedule 'Interleaved1F1B' (and only with it)")
+        raise MethodConfigError(method,
+                                "stages_per_rank above 1 goes with schedule 'Interleaved1F1B' (and only with it)")
     return per_rank
 
 
@@ -351,7 +368,8 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
         logger.warning("pipeline_parallel: one process: nothing to split")
         return
     if ctx.amp_dtype == torch.float16:
-        raise MethodConfigError("pipeline_parallel", "fp16 amp's loss scaling inside the schedule is not supported; use bf16")
+        raise MethodConfigError("pipeline_parallel",
+                                "fp16 amp's loss scaling inside the schedule is not supported; use bf16")
     if ctx.model_input_format not in ("unpack_dict", None):
         raise MethodConfigError("pipeline_parallel", "needs model_input_format 'unpack_dict' or None (a single input)")
     group = mesh.parallel_group("pipeline")
@@ -363,7 +381,8 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     per_rank_batch = ctx.per_rank_batch_size
     micro = config.num_micro_batch or min(2 * pp, per_rank_batch)
     if per_rank_batch % micro:
-        raise MethodConfigError("pipeline_parallel", f"the per-rank batch {per_rank_batch} does not split into {micro} micro-batches")
+        raise MethodConfigError("pipeline_parallel",
+                                f"the per-rank batch {per_rank_batch} does not split into {micro} micro-batches")
     rank = dist.get_rank(group)
     indices = [rank + pp * v for v in range(per_rank)]
     bounds = list(zip(starts, starts[1:] + [len(blocks)]))
@@ -378,8 +397,8 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     schedule_cls = getattr(schedules, SCHEDULES[config.schedule])
     schedule = schedule_cls(stages if len(stages) > 1 else stages[0], micro, loss_fn=loss_fn)
     shared = SharedWeights(modules, holders, group, ctx.device)
-    module = PipelineModule(modules, schedule, ctx.loss_func, ctx.model_input_format, group, (num_stages - 1) in indices,
-                            shared)
+    module = PipelineModule(modules, schedule, ctx.loss_func, ctx.model_input_format, group,
+                            (num_stages - 1) in indices, shared)
     holder["module"] = module
     ctx.model = module
     ctx.loss_func = pipeline_loss
@@ -398,7 +417,8 @@ def _stage_starts(model: nn.Module, blocks: list, config: PipelineParallelConfig
     if config.pivots:
         return _starts_from_pivots(blocks, config.pivots, num_stages)
     split = plan_stages(model, num_stages)
-    logger.info("pipeline_parallel: stages start at %s (cost imbalance max/mean %.2f)", split.split_points, split.imbalance)
+    logger.info("pipeline_parallel: stages start at %s (cost imbalance max/mean %.2f)", split.split_points,
+                split.imbalance)
     return split.starts
 
 
@@ -444,13 +464,15 @@ def _blocks(model: nn.Module, num_stages: int = 1, detail: str = "") -> list[tup
 def _starts_from_pivots(blocks: list, pivots: tuple, num_stages: int) -> list[int]:
     names = [n for n, _ in blocks]
     if len(pivots) != num_stages - 1:
-        raise MethodConfigError("pipeline_parallel", f"{len(pivots)} pivots make {len(pivots) + 1} stages; {num_stages} are needed")
+        raise MethodConfigError("pipeline_parallel",
+                                f"{len(pivots)} pivots make {len(pivots) + 1} stages; {num_stages} are needed")
     unknown = [p for p in pivots if p not in names]
     if unknown:
         raise MethodConfigError("pipeline_parallel", f"pivots {unknown} are not blocks; blocks: {names}")
     starts = [0] + [names.index(p) for p in pivots]
     if starts != sorted(set(starts)):
-        raise MethodConfigError("pipeline_parallel", f"pivots {list(pivots)} must be distinct, in model order, after the first block")
+        raise MethodConfigError("pipeline_parallel",
+                                f"pivots {list(pivots)} must be distinct, in model order, after the first block")
     return starts
 
 

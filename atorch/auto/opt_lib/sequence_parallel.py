@@ -112,11 +112,13 @@ def plan_sequence_parallel(model: nn.Module, split: dict[str, str], flow: Option
         block = next((b for b in region_of if name.startswith(b + ".")), None)
         if block is None:
             raise MethodConfigError("sequence_parallel", f"{name} is split by tensor_parallel but lies outside the "
-                                    f"repeated blocks ({_summary(region_of)}): its output would leave the sharded region")
+                                    f"repeated blocks ({_summary(region_of)}): its output would leave the sharded "
+                                    f"region")
         if style == "colwise":
             point = _gather_point(name, block, flow)
             plan.gathers[point] = region_of[block]
-            if flow is not None and point != name and flow.module_inputs.get(point) != flow.module_inputs.get(name.rpartition(".")[0]):
+            if (flow is not None and point != name
+                    and flow.module_inputs.get(point) != flow.module_inputs.get(name.rpartition(".")[0])):
                 plan.reshard[point] = region_of[block]
     for name, style in split.items():
         if style == "rowwise" and any(name.startswith(p + ".") for p in plan.reshard):
@@ -189,9 +191,9 @@ def _classify(module: nn.Module, name: str, region: SequenceRegion, split: dict[
             plan.norms[full] = region
         elif any(True for _ in child.parameters(recurse=False)):
             raise MethodConfigError(
-                "sequence_parallel", f"{full} ({type(child).__name__}) holds parameters on the sequence-sharded residual "
-                "stream but is neither a LayerNorm / RMSNorm, a Linear nor a projection tensor_parallel splits: it may mix "
-                "tokens across the shard boundary")
+                "sequence_parallel", f"{full} ({type(child).__name__}) holds parameters on the sequence-sharded "
+                "residual stream but is neither a LayerNorm / RMSNorm, a Linear nor a projection tensor_parallel "
+                "splits: it may mix tokens across the shard boundary")
         else:
             _classify(child, full, region, split, plan)
 
@@ -240,8 +242,8 @@ def _shard(device_mesh, region: SequenceRegion, hidden: torch.Tensor, where: str
     [rows, features] (a plain MLP's tokens are its rows)."""
     if hidden.dim() < 2:
         raise MethodConfigError("sequence_parallel", f"{where} receives a {list(hidden.shape)} tensor: there is no "
-                                "token dimension to shard (sequence_parallel shards the dimension before the features); "
-                                "use tensor_parallel alone")
+                                "token dimension to shard (sequence_parallel shards the dimension before the "
+                                "features); use tensor_parallel alone")
     region.dim, region.length = hidden.dim() - 2, hidden.shape[-2]
     replicated = DTensor.from_local(hidden, device_mesh, [Replicate()], run_check=False)
     return replicated.redistribute(device_mesh, [Shard(region.dim)]).to_local()
@@ -276,8 +278,8 @@ def _map_hidden_output(fn: Callable[[torch.Tensor], torch.Tensor], where: str, o
         return fn(output)
     if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
         return (fn(output[0]), *output[1:])
-    raise MethodConfigError("sequence_parallel", f"{where} returned {type(output).__name__}; expected its hidden states "
-                            "as a tensor or as the first item of a tuple")
+    raise MethodConfigError("sequence_parallel", f"{where} returned {type(output).__name__}; expected its hidden "
+                            "states as a tensor or as the first item of a tuple")
 
 
 def _gather_output(device_mesh, region: SequenceRegion, where: str, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -285,7 +287,8 @@ def _gather_output(device_mesh, region: SequenceRegion, where: str, module: nn.M
     return _map_hidden_output(lambda local: _gather(device_mesh, region, local, where).to_local(), where, output)
 
 
-def _reshard_output(device_mesh, region: SequenceRegion, where: str, module: nn.Module, args: tuple, output: Any) -> Any:
+def _reshard_output(device_mesh, region: SequenceRegion, where: str, module: nn.Module, args: tuple,
+                    output: Any) -> Any:
     """A gathered layer whose row-wise projections all-reduced: its (whole, equal on every rank)
     output is cut back to this rank's tokens; the backward all-gathers."""
     def cut(full: torch.Tensor) -> torch.Tensor:

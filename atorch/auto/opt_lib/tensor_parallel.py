@@ -49,7 +49,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from atorch.errors import MethodConfigError
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.sequence_parallel import apply_sequence_parallel, plan_sequence_parallel
 from atorch.auto.opt_lib.tp_check import Probe, check_plan, probe_from_context
@@ -58,6 +57,7 @@ from atorch.auto.opt_lib.tp_mha import split_mha
 from atorch.auto.opt_lib.tp_shapes import install_localizer, localize_attributes
 from atorch.checkpoint.tensors import SAVED_LAYOUTS_ATTR
 from atorch.distributed import mesh
+from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, option
 from atorch.utils.dataflow import Dataflow
 from atorch.utils.modules import repeated_blocks
@@ -68,7 +68,8 @@ QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k
 FUSED_QKV_NAMES = ("c_attn", "qkv", "qkv_proj", "Wqkv", "query_key_value")
 OUT_NAMES = ("o_proj", "out_proj", "c_proj", "o", "out_lin", "dense")
 MLP_PAIRS = ((("gate_proj", "up_proj"), "down_proj"), (("up_proj",), "down_proj"), (("fc1",), "fc2"),
-             (("c_fc",), "c_proj"), (("w1", "w3"), "w2"), (("lin1",), "lin2"), (("wi_0", "wi_1"), "wo"), (("wi",), "wo"))
+             (("c_fc",), "c_proj"), (("w1", "w3"), "w2"), (("lin1",), "lin2"), (("wi_0", "wi_1"), "wo"),
+             (("wi",), "wo"))
 HEAD_ATTRS = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim")
 Style = Literal["colwise", "rowwise"]
 
@@ -212,7 +213,8 @@ def _plan_from_names(model: nn.Module, tp: int) -> TPPlan:
         qkv = next((t for t in QKV_NAMES if all(n in children for n in t)), None)
         fused = next((n for n in FUSED_QKV_NAMES if n in children), None)
         if qkv or fused:
-            heads = _check_heads(name, module, [children[n] for n in (qkv or (fused,))], tp, fused=bool(fused) and not qkv)
+            heads = _check_heads(name, module, [children[n] for n in (qkv or (fused,))], tp,
+                                 fused=bool(fused) and not qkv)
             if heads:
                 plan.regions[name] = {v for pair in heads for v in pair}
                 plan.head_bias += _head_bias(module, prefix, heads[0][1])
@@ -266,8 +268,8 @@ def _find_vocab_parallel(model: nn.Module, tp: int, plan: TPPlan) -> None:
     embedding_name, embedding = max(embeddings, key=lambda item: item[1].num_embeddings)
     vocab = embedding.num_embeddings
     if vocab % tp:
-        logger.info("tensor_parallel: vocabulary %d does not divide by %d; %s and the LM head stay replicated", vocab, tp,
-                    embedding_name)
+        logger.info("tensor_parallel: vocabulary %d does not divide by %d; %s and the LM head stay replicated",
+                    vocab, tp, embedding_name)
         return
     owners: dict[int, list[str]] = {}
     for name, module in model.named_modules():
@@ -275,18 +277,21 @@ def _find_vocab_parallel(model: nn.Module, tp: int, plan: TPPlan) -> None:
             owners.setdefault(id(param), []).append(name)
     in_blocks = _inside_blocks(model)
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or module.out_features != vocab or name in plan.styles or name in in_blocks:
+        if (not isinstance(module, nn.Linear) or module.out_features != vocab or name in plan.styles
+                or name in in_blocks):
             continue
         shared = {o for p in module.parameters(recurse=False) for o in owners[id(p)]} - {name, embedding_name}
         if shared:
-            logger.info("tensor_parallel: LM head %s shares parameters with %s; it stays replicated", name, sorted(shared))
+            logger.info("tensor_parallel: LM head %s shares parameters with %s; it stays replicated", name,
+                        sorted(shared))
             continue
         plan.vocab[name] = "head"
         if module.weight is embedding.weight:
             plan.tied_head = (name, embedding_name)
     others = set(owners[id(embedding.weight)]) - {embedding_name} - set(plan.vocab)
     if others:  # tied to a module that stays whole: splitting either side would untie them
-        logger.info("tensor_parallel: %s shares its weight with %s; both stay replicated", embedding_name, sorted(others))
+        logger.info("tensor_parallel: %s shares its weight with %s; both stay replicated", embedding_name,
+                    sorted(others))
         plan.vocab = {n: r for n, r in plan.vocab.items() if model.get_submodule(n).weight is not embedding.weight}
         plan.tied_head = None
         return
@@ -343,7 +348,8 @@ def plan_from_patterns(model: nn.Module, patterns: dict) -> TPPlan:
         for pattern, style in patterns.items():
             if fnmatch.fnmatchcase(name, pattern):
                 if not _is_linear(module):
-                    raise MethodConfigError("tensor_parallel", f"plan pattern {pattern!r} matches {name}, which is not a Linear")
+                    raise MethodConfigError("tensor_parallel",
+                                            f"plan pattern {pattern!r} matches {name}, which is not a Linear")
                 plan.styles[name] = style
                 break
     if not plan.styles:
@@ -503,7 +509,8 @@ def _apply_to_stage(stage: nn.Module, whole: TPPlan, config: TensorParallelConfi
     tied = tuple(f"model.{n}" for n in whole.tied_head) if whole.tied_head else None
     vocab = _on_stage(stage, whole.vocab)
     plan = dataclasses.replace(whole, styles=_on_stage(stage, whole.styles), fused=_on_stage(stage, whole.fused),
-                               vocab=vocab, tied_head=tied if tied and set(tied) <= set(vocab) else None, head_bias=list(_on_stage(stage, whole.head_bias)),
+                               vocab=vocab, tied_head=tied if tied and set(tied) <= set(vocab) else None,
+                               head_bias=list(_on_stage(stage, whole.head_bias)),
                                regions=_on_stage(stage, whole.regions, linear=False),
                                region_heads=_on_stage(stage, whole.region_heads, linear=False), replicated=[])
     return _parallelize(stage, config, tp, tp_mesh, sequence, None, given=plan)
@@ -575,7 +582,8 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
         for name, module in regions.items():
             localize_attributes(module, chosen.get(name, set()), tp)
     logger.info("tensor_parallel (%s): split %d projections and %s on the vocabulary over %d ranks; replicated: %s",
-                plan.found_by, len(plan.styles), list(plan.vocab) or "nothing", tp, ", ".join(plan.replicated) or "nothing")
+                plan.found_by, len(plan.styles), list(plan.vocab) or "nothing", tp,
+                ", ".join(plan.replicated) or "nothing")
     return plan
 
 

@@ -20,8 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from atorch.auto.opt_lib.pipeline_layout import no_cache_kwargs
-from atorch.auto.opt_lib.tp_shapes import (ShapeLocalizer, localize_attributes, remove_localizer,
-                                            restore_attributes)
+from atorch.auto.opt_lib.tp_shapes import ShapeLocalizer, localize_attributes, remove_localizer, restore_attributes
 from atorch.distributed.agreement import exchange_outside_collectives
 from atorch.errors import MethodConfigError
 from atorch.utils.batch import call_with_batch, loss_value, tensors

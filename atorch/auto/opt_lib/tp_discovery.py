@@ -29,7 +29,7 @@ from typing import Optional
 
 from torch import nn
 
-from atorch.utils.dataflow import Dataflow, Op, SOFTMAX, is_transparent
+from atorch.utils.dataflow import SOFTMAX, Dataflow, Op, is_transparent
 
 
 @dataclass
@@ -240,7 +240,8 @@ def _heads(flow: Dataflow, slots: dict[str, int], attention: FoundAttention, fou
     for name, parts in owners.items():
         width = _width(flow, name)
         if width % (len(parts) * attention.head_dim):
-            found.why_whole.setdefault(name, f"its {width} outputs do not make whole heads of size {attention.head_dim}")
+            found.why_whole.setdefault(
+                name, f"its {width} outputs do not make whole heads of size {attention.head_dim}")
             return False
         attention.heads[name] = width // attention.head_dim
         if len(parts) > 1:

@@ -21,13 +21,13 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from atorch.errors import MethodConfigError
 from atorch.auto.gradients import scale_grads_to_norm, total_grad_norm
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason, use_deepspeed_zero
 from atorch.auto.opt_lib.fsdp import FSDPConfig, normalize_fsdp_config, shard_model, use_foreach_optimizer
 from atorch.checkpoint.adapters import register_optimizer_adapter
 from atorch.distributed import mesh
+from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, option
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,8 @@ class Zero2Optimization(Optimization):
         if fsdp_keys and (config.use_ds_zero or config.not_use_fsdp):
             raise MethodConfigError(self.name, f"fsdp keys {fsdp_keys} apply only to the default FSDP implementation")
         if config.reshard_after_forward or config.sharding_strategy == "FULL_SHARD":
-            raise MethodConfigError(self.name, "zero2 keeps parameters gathered after forward; use the fsdp method for ZeRO-3")
+            raise MethodConfigError(self.name,
+                                    "zero2 keeps parameters gathered after forward; use the fsdp method for ZeRO-3")
         return config
 
     def requirements(self, config: Any = None) -> Optional[str]:
@@ -230,7 +231,8 @@ class ShardedGradientDataParallel(torch.nn.Module):
         if not self.sync or param.grad is None:
             return
         if self._owner is None:
-            raise RuntimeError("ShardedGradientDataParallel needs the optimizer's partition (set_owners) before backward")
+            raise RuntimeError(
+                "ShardedGradientDataParallel needs the optimizer's partition (set_owners) before backward")
         owner = self._owner[param]
         param.grad.div_(self.group_size)
         dist.reduce(param.grad, dst=dist.get_global_rank(self.group, owner), group=self.group)

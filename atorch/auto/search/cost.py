@@ -79,7 +79,7 @@ def estimate(candidate: Candidate, variant: VariantProfile, world: int, profile:
     if candidate.tensor * candidate.pipeline > 1:
         return _estimate_layout(candidate, variant, world, profile, hardware)
     n = max(world, 1)
-    P, G, O = variant.params, variant.grads, variant.optim_state
+    P, G, O = variant.params, variant.grads, variant.optim_state  # noqa: E741  (O as in the formulas above)
     amp = candidate.precision.startswith("amp")
     compute = 0.5 if amp else 1.0
     act = variant.peak_bytes - (P + G + O)
@@ -164,7 +164,8 @@ def estimate_layout_memory(candidate: Candidate, variant: VariantProfile, world:
     act *= REPLICATED_ACTIVATION_SHARE + (1 - REPLICATED_ACTIVATION_SHARE) / tensor
     if pipeline > 1:
         micro = micro_batches(pipeline, variant.batch * tensor * pipeline)
-        act *= facts.stage_block_share[pipeline] * min(min(pipeline, micro) + EXTRA_MICRO_BATCHES_IN_FLIGHT, micro) / micro
+        act *= (facts.stage_block_share[pipeline] * min(min(pipeline, micro) + EXTRA_MICRO_BATCHES_IN_FLIGHT, micro)
+                / micro)
     memory = state * share + act
     if data > 1:
         memory += variant.grads * share  # the data group's gradient all-reduce buffers

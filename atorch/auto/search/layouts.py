@@ -17,13 +17,18 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from atorch.auto.opt_lib.pipeline_layout import (ModelLayout, check_supported, held_parameters, layout_from_order,
-                                                 trace_layout)
+from atorch.auto.opt_lib.pipeline_layout import (
+    ModelLayout,
+    check_supported,
+    held_parameters,
+    layout_from_order,
+    trace_layout,
+)
 from atorch.auto.opt_lib.pipeline_parallel import plan_stages
 from atorch.auto.opt_lib.tensor_parallel import find_tp_plan, split_names
 from atorch.auto.opt_lib.tp_mha import split_mha
-from atorch.utils.dataflow import Dataflow, record_dataflow
 from atorch.errors import AtorchError
+from atorch.utils.dataflow import Dataflow, record_dataflow
 from atorch.utils.modules import repeated_blocks
 
 logger = logging.getLogger(__name__)
@@ -69,7 +74,8 @@ def layout_facts(model: nn.Module, world: int, run: Optional[Callable[[nn.Module
     for t, p in layouts_for(world):
         if facts.reason(t, p) or p not in stages:
             continue
-        facts.state_share[(t, p)] = max(total - split * (1 - 1 / t) for total, split in stages[p]) / max(facts.param_bytes, 1)
+        facts.state_share[(t, p)] = (max(total - split * (1 - 1 / t) for total, split in stages[p])
+                                     / max(facts.param_bytes, 1))
     return facts
 
 

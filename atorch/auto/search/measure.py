@@ -29,7 +29,10 @@ from atorch.auto.model_context import ModelContext
 from atorch.auto.search.analyser import ModelProfile
 from atorch.auto.strategy import Strategy
 from atorch.distributed.agreement import (
-    is_multi_rank, max_over_ranks, min_over_ranks, world_size,
+    is_multi_rank,
+    max_over_ranks,
+    min_over_ranks,
+    world_size,
 )
 from atorch.utils.memory import state_bytes
 

@@ -16,8 +16,8 @@ from typing import Any, Iterable, Mapping, Optional
 
 from atorch.auto import opt_lib
 from atorch.auto.dryrun import DEFAULT_DRYRUN_STEPS
-from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.auto.strategy import Strategy
+from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.errors import InputError
 
 # auto_accelerate keyword argument -> SearchOptions field (the user-facing names predate the fields)

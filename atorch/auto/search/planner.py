@@ -28,17 +28,25 @@ from atorch.auto.apply import apply_strategy, resolve_strategy
 from atorch.auto.dryrun import DryRunResult, dry_run
 from atorch.auto.search.analyser import ModelProfile, analyse_model
 from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates, needless_split, refinements
-from atorch.auto.search.topology import Links, keep_tensor_in_node, topology_estimate, topology_for
 from atorch.auto.search.layouts import layout_facts
 from atorch.auto.search.measure import (
-    HardwareProfile, NodeLayout, Setting, VariantProfile, cache_key, load_cached, measure_hardware, measure_variant,
-    store_cached, train_alone,
+    HardwareProfile,
+    NodeLayout,
+    Setting,
+    VariantProfile,
+    cache_key,
+    load_cached,
+    measure_hardware,
+    measure_variant,
+    store_cached,
+    train_alone,
 )
 from atorch.auto.search.options import SearchOptions
 from atorch.auto.search.report import Row, format_table, write_report
+from atorch.auto.search.topology import Links, keep_tensor_in_node, topology_estimate, topology_for
 from atorch.auto.strategy import Strategy, StrategyItem
-from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.distributed.agreement import all_ranks_true, broadcast_flag, is_main_rank, world_size
+from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.utils.batch import first_tensor, loss_value
 
 logger = logging.getLogger("atorch")

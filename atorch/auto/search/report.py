@@ -40,7 +40,8 @@ class Row:
 
 
 def format_table(rows: list[Row], memory_limit: int) -> str:
-    header = (f"{'':2}{'candidate':<40}{'pred MiB':>10}{'meas MiB':>10}{'err':>7}{'pred ms':>10}{'meas ms':>10}  status")
+    header = (f"{'':2}{'candidate':<40}{'pred MiB':>10}{'meas MiB':>10}{'err':>7}"
+              f"{'pred ms':>10}{'meas ms':>10}  status")
     lines = [f"memory limit per rank: {memory_limit / MIB:.1f} MiB", header, "-" * (len(header) + 20)]
     for row in rows:
         measured_mem = f"{row.measured_memory / MIB:>10.1f}" if row.measured_memory else f"{'':>10}"

@@ -82,8 +82,10 @@ def topology_estimate(candidate: Candidate, variant: VariantProfile, world: int,
         stride = candidate.tensor * candidate.pipeline
         crosses = topology.crosses_nodes(candidate.data_size(world), stride) or stride > topology.ranks_per_node
         bandwidth = inter if crosses else intra
-        return estimate(candidate, variant, world, profile, dataclasses.replace(hardware, bandwidth_bytes_per_s=bandwidth))
-    inner = estimate(candidate, variant, candidate.shard, profile, dataclasses.replace(hardware, bandwidth_bytes_per_s=intra))
+        return estimate(candidate, variant, world, profile,
+                        dataclasses.replace(hardware, bandwidth_bytes_per_s=bandwidth))
+    inner = estimate(candidate, variant, candidate.shard, profile,
+                     dataclasses.replace(hardware, bandwidth_bytes_per_s=intra))
     replicas = candidate.data_size(world) // candidate.shard
     across = 2 * (1 - 1 / replicas) * variant.grads / candidate.shard / max(inter, 1.0) + hardware.latency_s
     return Estimate(inner.memory_bytes + int(variant.grads / candidate.shard), inner.step_time_s + across,
