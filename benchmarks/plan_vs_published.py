@@ -60,14 +60,22 @@ def not_modelled(row: dict) -> Optional[str]:
     return None
 
 
+def row_spec(row: dict, models: dict):
+    """The row's model: from its HF config when the data file gives one, else by name."""
+    if row["model"] in models:
+        return from_hf_config(models[row["model"]], name=row["model"])
+    return model_spec(row["model"])
+
+
 def predict_row(row: dict, models: dict) -> Prediction:
-    spec = from_hf_config(models[row["model"]], name=row["model"]) if row["model"] in models else model_spec(row["model"])
+    spec = row_spec(row, models)
     device = DEVICES[row["device"]]
     if row["network_gbps_per_gpu"]:
         device = dataclasses.replace(device, network_bytes_per_s=row["network_gbps_per_gpu"] * 1e9 / 8)
     cluster = ClusterSpec(row["nodes"], row["gpus_per_node"], device)
     data = cluster.world_size // (row["tensor"] * row["pipeline"] * row["context"])
-    micro = row["micro_batch"] if row["micro_batch"] and (row["global_batch"] // data) % row["micro_batch"] == 0 else None
+    divides = row["micro_batch"] and (row["global_batch"] // data) % row["micro_batch"] == 0
+    micro = row["micro_batch"] if divides else None
     spec, cluster, candidate, work = configuration(
         spec, cluster, global_batch=row["global_batch"], seq_len=row["seq_len"], tensor=row["tensor"],
         pipeline=row["pipeline"], sharding=row["sharding"], precision=row["precision"],
@@ -82,7 +90,7 @@ def published_tokens(row: dict, models: dict) -> float:
     (with one more forward when the source's TFLOPs count recompute: ATorch's)."""
     if row["tokens_per_s_per_gpu"]:
         return row["tokens_per_s_per_gpu"]
-    spec = from_hf_config(models[row["model"]], name=row["model"]) if row["model"] in models else model_spec(row["model"])
+    spec = row_spec(row, models)
     flops = spec.model_flops_per_token(row["seq_len"])
     if row["source"] == "atorch" and row["checkpointing"] == "full":
         flops += spec.recompute_flops_per_token(row["seq_len"])
@@ -113,7 +121,8 @@ def summary(results: list[dict]) -> str:
     fits = sum(r["pred"].fits for r in results)
     mem = [abs(r["mem_ratio"] - 1) for r in results if r["mem_ratio"]]
     mem_text = f"{len(mem)} mem MAE {100 * sum(mem) / len(mem):4.1f}%" if mem else ""
-    return (f"{n:>3} rows  +-10%: {sum(e <= 0.10 for e in errors) / n:4.0%}  +-20%: {sum(e <= 0.20 for e in errors) / n:4.0%}"
+    within_10, within_20 = sum(e <= 0.10 for e in errors) / n, sum(e <= 0.20 for e in errors) / n
+    return (f"{n:>3} rows  +-10%: {within_10:4.0%}  +-20%: {within_20:4.0%}"
             f"  MAE {100 * sum(errors) / n:5.1f}%  fit {fits:>3}/{n:<3} {mem_text}")
 
 
@@ -125,7 +134,8 @@ def print_rows(results: list[dict]) -> None:
         mem = f"{r['memory_gib']:>6.1f}" if r["memory_gib"] else f"{'':>6}"
         predicted = r["memory_gib"] * r["mem_ratio"] if r["mem_ratio"] else p.memory_bytes / GIB
         print(f"{r['id']:<46}{r['role']:<12}{r['published']:>10.0f}{p.tokens_per_s_per_gpu:>9.0f}{r['ratio']:>7.2f}"
-              f"{predicted:>9.1f}{mem}  {'yes' if p.fits else 'NO'}" + (f"  (not modelled: {r['skip']})" if r["skip"] else ""))
+               f"{predicted:>9.1f}{mem}  {'yes' if p.fits else 'NO'}"
+              + (f"  (not modelled: {r['skip']})" if r["skip"] else ""))
 
 
 def print_tables(results: list[dict]) -> None:
@@ -202,7 +212,8 @@ def golden_section(f, low: float, high: float, iterations: int = 40) -> float:
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--fit", action="store_true", help="refit the calibrated constants on their rows and print them")
+    parser.add_argument("--fit", action="store_true",
+                        help="refit the calibrated constants on their rows and print them")
     parser.add_argument("--rows", action="store_true", help="print every row")
     args = parser.parse_args(argv)
     data, rows = load()

@@ -154,8 +154,8 @@ def test_selective_checkpointing_is_ranked_but_the_strategy_is_one_atorch_applie
         assert p.step_time_s < full.step_time_s and p.memory_bytes > full.memory_bytes
     assert result.applicable.checkpointing != "selective"
     assert result.strategy.names() == result.applicable.candidate.strategy(8).names()
-    mine = atorch.estimate("llama3-8b", "8xH100-80GB", global_batch=16, seq_len=8192, sharding=selective[0].candidate.sharding,
-                           activation_checkpointing="selective")
+    mine = atorch.estimate("llama3-8b", "8xH100-80GB", global_batch=16, seq_len=8192,
+                           sharding=selective[0].candidate.sharding, activation_checkpointing="selective")
     same = next(p for p in selective if p.candidate.label == mine.candidate.label)
     assert mine.tokens_per_s_per_gpu == pytest.approx(same.tokens_per_s_per_gpu, rel=1e-9)
 

@@ -139,8 +139,9 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     weights, gradients and moments, as Apex's DistributedFusedAdam with dtype=bf16);
     ``pipeline_ends_as_layers``: the pipeline split counts the embedding and the output layer as a block
     each, one block fewer on the first and the last stage (Megatron-Core's
-    account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split). Returns a ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``,
-    ``memory_bytes``, ``fits`` and the time breakdown)."""
+    account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split). Returns a
+    ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``, ``memory_bytes``, ``fits`` and the time
+    breakdown)."""
     spec, cluster, candidate, work = configuration(
         model, cluster, global_batch=global_batch, seq_len=seq_len, tensor=tensor, pipeline=pipeline, sharding=sharding,
         precision=precision, activation_checkpointing=activation_checkpointing, micro_batch_size=micro_batch_size,
@@ -209,7 +210,8 @@ def format_plan(result: Plan, limit: Optional[int] = None) -> str:
     head = (f"model {spec.name}: {spec.param_count / 1e9:.2f} B parameters; cluster {cluster.label} "
             f"({cluster.device.memory_bytes / GIB:.1f} GiB per GPU); global batch {work.global_batch} x "
             f"{work.seq_len} tokens")
-    header = f"{'#':>3}  {'candidate':<34}{'tp':>4}{'pp':>4}{'dp':>5}{'GiB/GPU':>9}{'step s':>9}{'tok/s/GPU':>11}{'MFU':>7}  fits"
+    header = (f"{'#':>3}  {'candidate':<34}{'tp':>4}{'pp':>4}{'dp':>5}{'GiB/GPU':>9}{'step s':>9}{'tok/s/GPU':>11}"
+              f"{'MFU':>7}  fits")
     lines = [head, header, "-" * len(header)]
     rows = result.predictions[:limit] if limit else result.predictions
     for i, p in enumerate(rows, 1):

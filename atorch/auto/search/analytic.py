@@ -99,10 +99,12 @@ def predict(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, w
     memory = reserved_bytes(allocated)
     compute = compute_seconds(candidate, spec, cluster, work)
     data_comm = data_comm_seconds(candidate, spec, cluster, facts, work)
-    exposed = tensor_comm_seconds(candidate, spec, cluster, work) + pipeline_comm_seconds(candidate, spec, cluster, work)
+    exposed = (tensor_comm_seconds(candidate, spec, cluster, work)
+               + pipeline_comm_seconds(candidate, spec, cluster, work))
     step = max(compute, data_comm) + exposed
     tokens = work.tokens / world / step
-    peak = cluster.device.fp8_flops if candidate.precision == "fp8" and cluster.device.fp8_flops else cluster.device.bf16_flops
+    fp8 = candidate.precision == "fp8" and cluster.device.fp8_flops
+    peak = cluster.device.fp8_flops if fp8 else cluster.device.bf16_flops
     mfu = tokens * spec.model_flops_per_token(work.seq_len) / peak
     return Prediction(candidate, int(memory), step, tokens, mfu, memory <= cluster.device.memory_bytes,
                       compute, data_comm + exposed, allocated_bytes=int(allocated),
@@ -192,14 +194,15 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
         candidate = dataclasses.replace(candidate, precision="amp_bf16")
     world, t, p = cluster.world_size, candidate.tensor, candidate.pipeline
     data = candidate.data_size(world)
-    P, G, O = state_bytes(candidate, spec, work.optimizer_states)
+    P, G, O = state_bytes(candidate, spec, work.optimizer_states)  # noqa: E741 (the docstring's P / G / O)
     if t * p > 1 or (candidate.sharding == "zero1" and work.distributed_optimizer):
         return layout_memory(candidate, spec, work, facts, data, fp8)
     tokens = work.tokens / data
     if work.sync_each_micro_step:  # one micro-batch's activations, and no unsharded gradients kept
         tokens /= max(candidate.micro, 1)
         candidate = dataclasses.replace(candidate, micro=1)
-    autocast_copies = 0.5 * P if candidate.precision.startswith("amp") and checkpointing(candidate, work) == "none" else 0.0
+    kept_casts = candidate.precision.startswith("amp") and checkpointing(candidate, work) == "none"
+    autocast_copies = 0.5 * P if kept_casts else 0.0
     act = activation_bytes(candidate, spec, work, tokens, fp8=fp8)
     stated = half_states(candidate, work)
     act += autocast_copies if stated is candidate else 0.0
@@ -229,7 +232,7 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
     (plus its gradient buckets); and the activations of the micro-batches the schedule keeps in flight
     (1F1B: as many as stages on the first stage, plus one being received)."""
     t, p = candidate.tensor, candidate.pipeline
-    P, G, O = state_bytes(candidate, spec, work.optimizer_states)
+    P, G, O = state_bytes(candidate, spec, work.optimizer_states)  # noqa: E741 (the docstring's P / G / O)
     share = facts.state_share[(t, p)] if facts and (t, p) in facts.state_share else 1.0 / (t * p)
     if work.pipeline_ends_as_layers and p > 1:
         share = _largest_stage(spec, t, p, stage_blocks(spec, p, work)) / spec.param_count
@@ -337,11 +340,12 @@ COLLECTIVE_LATENCY_S = 20e-6
 def compute_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
     """Matmul, attention and memory-bound time of the step on one GPU (at least the host's launch time),
     and the pipeline bubble."""
-    t, p, world = candidate.tensor, candidate.pipeline, cluster.world_size
+    p, world = candidate.pipeline, cluster.world_size
     data = candidate.data_size(world)
     tokens = work.tokens / data  # one data rank's tokens per step, shared by its t * p GPUs
     seconds = (matmul_seconds(candidate, spec, cluster, work) + attention_seconds(candidate, spec, cluster, work)
-               + memory_bound_seconds(candidate, spec, cluster, work, tokens) + optimizer_seconds(candidate, spec, cluster, work))
+               + memory_bound_seconds(candidate, spec, cluster, work, tokens)
+               + optimizer_seconds(candidate, spec, cluster, work))
     # the host launches asynchronously: its per-block cost is a floor under the GPU's time, not added to it
     host = HOST_SECONDS_PER_BLOCK * max(stage_blocks(spec, p, work)) * micro_steps(candidate, work, data)
     host *= 1 + recomputed_share(candidate, work) / 3  # recompute launches the forward's kernels again
@@ -443,8 +447,10 @@ def memory_bound_seconds(candidate: Candidate, spec: TransformerSpec, cluster: C
     loss = LOSS_BYTES_PER_LOGIT * spec.vocab * tokens / candidate.tensor
     weights = 0.0
     if candidate.precision == "fp8":  # each weight cast (and transposed) once per step, per micro-step
-        passes = micro_steps(candidate, work, candidate.data_size(cluster.world_size)) if candidate.sharding in ("fsdp", "zero2", "hsdp") else 1
-        weights = FP8_WEIGHT_CAST_BYTES * spec.layers * spec.block_params / (candidate.tensor * candidate.pipeline) * passes
+        gathers_per_micro_step = candidate.sharding in ("fsdp", "zero2", "hsdp")
+        passes = micro_steps(candidate, work, candidate.data_size(cluster.world_size)) if gathers_per_micro_step else 1
+        weights = (FP8_WEIGHT_CAST_BYTES * spec.layers * spec.block_params
+                   / (candidate.tensor * candidate.pipeline) * passes)
     return (blocks + loss + weights) / hbm
 
 
@@ -491,7 +497,8 @@ def data_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
     shed = 1 - 1 / shard
     steps = micro_steps(candidate, work, data) if work is not None and t * p == 1 else 1
     syncs = steps if work is not None and work.sync_each_micro_step else 1
-    bytes_moved = {"ddp": 2 * shed * G, "zero1": 2 * shed * G + shed * P, "zero2": shed * (syncs * G + steps * compute_params),
+    bytes_moved = {"ddp": 2 * shed * G, "zero1": 2 * shed * G + shed * P,
+                   "zero2": shed * (syncs * G + steps * compute_params),
                    "fsdp": shed * (syncs * G + 2 * steps * compute_params)}[candidate.sharding]
     if candidate.sharding == "zero1" and (t * p > 1 or (work is not None and work.distributed_optimizer)):
         bytes_moved = shed * (G + compute_params)  # Megatron: reduce-scatter the gradients, gather bf16 weights

@@ -2,7 +2,8 @@
 
 The analytic cost model (``analytic.py``) is first principles (FLOPs, bytes, link speeds) except for
 the few numbers below, which no datasheet gives: how close each chip's matmuls come to their peak,
-how narrow a matmul may be before it loses half its speed, how much slower attention runs than a dense matmul. Each is fitted
+how narrow a matmul may be before it loses half its speed, how much slower attention runs than a
+dense matmul. Each is fitted
 on the rows of ``benchmarks/published_runs.json`` that name it (``role: calibration``, ``sets``), and
 only on those: ``benchmarks/plan_vs_published.py --fit`` refits them and prints the values below,
 ``tests/test_plan_calibration.py`` checks that refitting on the named rows alone gives these values

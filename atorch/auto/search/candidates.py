@@ -172,8 +172,9 @@ def _rule_layout(c: Candidate, space: SearchSpace) -> Optional[str]:
         if c.precision == "amp_fp16":
             return "pipeline schedules do not run fp16 loss scaling"
         batch = space.per_rank_batch * c.tensor * c.pipeline
-        if batch % micro_batches(c.pipeline, batch):
-            return f"the per-data-rank batch {batch} does not split into {micro_batches(c.pipeline, batch)} micro-batches"
+        micro = micro_batches(c.pipeline, batch)
+        if batch % micro:
+            return f"the per-data-rank batch {batch} does not split into {micro} micro-batches"
     return None
 
 
