@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from atorch import errors
-from atorch.auto.opt_lib.tensor_parallel import find_tp_plan, split_share
 from atorch.auto.opt_lib.tp_mha import split_mha
+from atorch.auto.opt_lib.tp_plan import find_tp_plan, split_share
 from atorch.distributed.fault import Outcome, describe, run_isolated
 from atorch.testing.hf_models import ZOO, ZooModel
 from atorch.testing.launcher import DistributedRunError, run_distributed

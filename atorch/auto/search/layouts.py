@@ -25,8 +25,8 @@ from atorch.auto.opt_lib.pipeline_layout import (
     trace_layout,
 )
 from atorch.auto.opt_lib.pipeline_parallel import plan_stages
-from atorch.auto.opt_lib.tensor_parallel import find_tp_plan, split_names
 from atorch.auto.opt_lib.tp_mha import split_mha
+from atorch.auto.opt_lib.tp_plan import find_tp_plan, split_names
 from atorch.errors import AtorchError
 from atorch.utils.dataflow import Dataflow, record_dataflow
 from atorch.utils.modules import repeated_blocks

@@ -1,0 +1,308 @@
+"""tensor_parallel's plan: which modules are split how, found from the recorded dataflow of one
+forward (``tp_discovery``) or, without a sample, from the projection name lists (the fast path), or
+given as patterns; with the vocabulary split of the embedding and LM head and the per-head biases.
+
+``tensor_parallel.py`` applies the plan; this module only finds it (the search's model analysis
+reads it too).
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+from torch import nn
+
+from atorch.auto.opt_lib.tp_discovery import Discovery, discover
+from atorch.errors import MethodConfigError
+from atorch.utils.dataflow import Dataflow
+from atorch.utils.modules import repeated_blocks
+
+logger = logging.getLogger("atorch.auto.opt_lib.tensor_parallel")  # the method's log lines, as before
+
+QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"), ("q_lin", "k_lin", "v_lin"))
+FUSED_QKV_NAMES = ("c_attn", "qkv", "qkv_proj", "Wqkv", "query_key_value")
+OUT_NAMES = ("o_proj", "out_proj", "c_proj", "o", "out_lin", "dense")
+MLP_PAIRS = ((("gate_proj", "up_proj"), "down_proj"), (("up_proj",), "down_proj"), (("fc1",), "fc2"),
+             (("c_fc",), "c_proj"), (("w1", "w3"), "w2"), (("lin1",), "lin2"), (("wi_0", "wi_1"), "wo"),
+             (("wi",), "wo"))
+HEAD_ATTRS = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim")
+
+
+@dataclass
+class TPPlan:
+    styles: dict[str, str] = field(default_factory=dict)        # module name -> colwise / rowwise
+    fused: dict[str, list[int]] = field(default_factory=dict)   # fused projection -> widths of its parts (q|k|v)
+    replicated: list[str] = field(default_factory=list)         # parameter-holding leaves left whole
+    vocab: dict[str, str] = field(default_factory=dict)         # module name -> "embedding" / "head" (vocab split)
+    tied_head: Optional[tuple[str, str]] = None                 # (head, embedding) sharing one weight
+    head_bias: list[str] = field(default_factory=list)          # per-head embeddings (T5 relative bias): column split
+    regions: dict[str, set] = field(default_factory=dict)       # module holding a split group -> its full sizes
+    region_heads: dict[str, set] = field(default_factory=dict)  # the same -> its full head counts
+    found_by: str = "structure"                                 # structure / names / plan
+    why_whole: dict[str, str] = field(default_factory=dict)     # Linear left whole -> why
+    shapes: str = "views"                                       # how run-time shapes were made local (tp_shapes)
+    share: float = 0.0                                          # share of the parameters split
+
+    def report(self) -> dict:
+        """What ``result.args.extras["tensor_parallel"]`` shows: what was split how, what stayed whole."""
+        return {"found_by": self.found_by,
+                "colwise": [n for n, s in self.styles.items() if s == "colwise"],
+                "rowwise": [n for n, s in self.styles.items() if s == "rowwise"],
+                "vocabulary": dict(self.vocab), "per_head": list(self.head_bias), "fused": dict(self.fused),
+                "replicated": list(self.replicated), "why_whole": dict(self.why_whole), "run_time_shapes": self.shapes,
+                "split_share": round(self.share, 4)}
+
+
+def split_names(plan: "TPPlan") -> list[str]:
+    return [*plan.styles, *plan.vocab, *plan.head_bias]
+
+
+def split_share(model: nn.Module, plan: "TPPlan") -> float:
+    """The share of the model's parameters (by count) that the plan splits."""
+    split = {id(p) for name in split_names(plan) for p in model.get_submodule(name).parameters()}
+    total = {id(p): p.numel() for p in model.parameters()}
+    return sum(n for i, n in total.items() if i in split) / max(1, sum(total.values()))
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _out_features(module: nn.Module) -> int:
+    return module.weight.shape[0] if isinstance(module, nn.Linear) else module.weight.shape[1]
+
+
+# --- finding the plan ------------------------------------------------------------------------------
+def find_tp_plan(model: nn.Module, tp: int, flow: Optional[Dataflow] = None) -> TPPlan:
+    """The plan from the recorded dataflow of one forward (``flow``), or from the name lists when
+    there is no sample to record. A model with nothing to split is refused: tensor_parallel would
+    silently leave every rank computing the whole model."""
+    plan = plan_from_structure(model, flow, tp) if flow is not None else _plan_from_names(model, tp)
+    if not plan.styles:
+        _refuse_nothing_to_split(model, plan)
+    _find_vocab_parallel(model, tp, plan)
+    split = set(split_names(plan))
+    plan.why_whole = {n: why for n, why in plan.why_whole.items() if n not in split}
+    for name, module in model.named_modules():
+        leaf = not list(module.children())
+        if leaf and any(True for _ in module.parameters(recurse=False)) and name not in split:
+            plan.replicated.append(name)
+    return plan
+
+
+def plan_from_structure(model: nn.Module, flow: Dataflow, tp: int) -> TPPlan:
+    """The plan ``tp_discovery`` reads off the dataflow, with head counts and widths checked."""
+    found = discover(model, flow)
+    plan = TPPlan(found_by="structure", why_whole=dict(found.why_whole))
+    for name in found.colwise:
+        plan.styles[name] = "colwise"
+    for name in found.rowwise:
+        plan.styles[name] = "rowwise"
+    plan.fused = {n: parts for n, parts in found.fused.items()}
+    plan.head_bias = list(found.head_bias)
+    sizes = _full_sizes(model, found)
+    widths = {n: {_out_features(model.get_submodule(n)), *found.fused.get(n, [])} for n in found.colwise}
+    for cols, rows in found.groups:
+        region = _common_parent([*cols, *rows])
+        plan.regions.setdefault(region, set()).update(s for n in cols for s in sizes[n])
+        plan.region_heads.setdefault(region, set()).update(s for n in cols for s in sizes[n] - widths[n])
+    _check_divisible(model, found, sizes, tp)
+    return plan
+
+
+def _full_sizes(model: nn.Module, found: Discovery) -> dict[str, set[int]]:
+    """Per column-split Linear, the sizes that become 1/tp on a rank: its width, its parts' widths,
+    and the head counts of each part."""
+    sizes: dict[str, set[int]] = {}
+    for name in found.colwise:
+        width = _out_features(model.get_submodule(name))
+        sizes[name] = {width, *found.fused.get(name, [])}
+    for attention in found.attentions:
+        for name, heads in attention.heads.items():
+            parts = len(found.fused.get(name, [1]))
+            sizes[name] |= {heads // parts}
+    return sizes
+
+
+def _check_divisible(model: nn.Module, found: Discovery, sizes: dict[str, set[int]], tp: int) -> None:
+    """Every split width and head count must divide by ``tp``: a rank holds whole heads."""
+    for attention in found.attentions:
+        for name, heads in attention.heads.items():
+            per_part = heads // len(found.fused.get(name, [1]))
+            if per_part % tp:
+                raise MethodConfigError(
+                    "tensor_parallel", f"{name} computes {per_part} heads of size {attention.head_dim} "
+                    f"({_out_features(model.get_submodule(name))} features), which do not divide over tensor size {tp}")
+    for name in found.colwise:
+        width = _out_features(model.get_submodule(name))
+        if width % tp:
+            raise MethodConfigError("tensor_parallel", f"{name} has {width} output features, which do not divide over "
+                                    f"tensor size {tp}")
+
+
+def _common_parent(names: list[str]) -> str:
+    """The innermost module holding all ``names`` ("" for the model itself)."""
+    parts = [n.split(".")[:-1] for n in names]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _plan_from_names(model: nn.Module, tp: int) -> TPPlan:
+    """The fast path by the usual projection names (no sample batch to record a forward with)."""
+    plan = TPPlan(found_by="names", shapes="attributes")
+    for name, module in model.named_modules():
+        children = {n: c for n, c in module.named_children() if _is_linear(c)}
+        prefix = f"{name}." if name else ""
+        qkv = next((t for t in QKV_NAMES if all(n in children for n in t)), None)
+        fused = next((n for n in FUSED_QKV_NAMES if n in children), None)
+        if qkv or fused:
+            heads = _check_heads(name, module, [children[n] for n in (qkv or (fused,))], tp,
+                                 fused=bool(fused) and not qkv)
+            if heads:
+                plan.regions[name] = {v for pair in heads for v in pair}
+                plan.head_bias += _head_bias(module, prefix, heads[0][1])
+            for n in qkv or (fused,):
+                plan.styles[prefix + n] = "colwise"
+            if fused and not qkv:
+                width = _out_features(children[fused])
+                plan.fused[prefix + fused] = [width // 3] * 3
+                plan.regions.setdefault(name, set()).update({width // 3, width})
+            out = next((n for n in OUT_NAMES if n in children and n not in (qkv or ())), None)
+            if out:
+                plan.styles[prefix + out] = "rowwise"
+            continue
+        for ups, down in MLP_PAIRS:
+            if all(n in children for n in ups) and down in children and prefix + down not in plan.styles:
+                for n in ups:
+                    plan.styles[prefix + n] = "colwise"
+                plan.styles[prefix + down] = "rowwise"
+                break
+    _bert_style_outputs(model, plan)
+    return plan
+
+
+def _refuse_nothing_to_split(model: nn.Module, plan: TPPlan) -> None:
+    """The reason, with what the model does hold, so a user sees why (a CNN has no Linear pairs)."""
+    linears = [n for n, m in model.named_modules() if _is_linear(m)]
+    held = (f"its Linear layers ({', '.join(linears[:4])}{', ...' if len(linears) > 4 else ''}) form none"
+            if linears else "it holds no Linear")
+    whys = "; ".join(f"{n}: {why}" for n, why in list(plan.why_whole.items())[:3])
+    how = "in its traced forward" if plan.found_by == "structure" else "by name (no sample batch to trace)"
+    raise MethodConfigError(
+        "tensor_parallel", f"{type(model).__name__} has no attention projections and no MLP Linear pair {how} "
+        f"({held}{'; ' + whys if whys else ''}): with nothing to split every rank would hold and compute the whole "
+        "model; name the projections with {'plan': {...}} or use data parallelism")
+
+
+def _head_bias(attention: nn.Module, prefix: str, heads: int) -> list[str]:
+    """Embeddings of an attention with one column per head (T5's relative_attention_bias): split
+    with the heads, so each rank adds the bias of its own heads."""
+    return [prefix + n for n, child in attention.named_children()
+            if isinstance(child, nn.Embedding) and child.embedding_dim == heads]
+
+
+def _find_vocab_parallel(model: nn.Module, tp: int, plan: TPPlan) -> None:
+    """The token embedding (the largest nn.Embedding) and the LM head (a Linear projecting to that
+    vocabulary) are split on the vocabulary when it divides by ``tp``. A head whose parameters are
+    shared with anything but that embedding stays replicated."""
+    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        return
+    embedding_name, embedding = max(embeddings, key=lambda item: item[1].num_embeddings)
+    vocab = embedding.num_embeddings
+    if vocab % tp:
+        logger.info("tensor_parallel: vocabulary %d does not divide by %d; %s and the LM head stay replicated",
+                    vocab, tp, embedding_name)
+        return
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(name)
+    in_blocks = _inside_blocks(model)
+    for name, module in model.named_modules():
+        if (not isinstance(module, nn.Linear) or module.out_features != vocab or name in plan.styles
+                or name in in_blocks):
+            continue
+        shared = {o for p in module.parameters(recurse=False) for o in owners[id(p)]} - {name, embedding_name}
+        if shared:
+            logger.info("tensor_parallel: LM head %s shares parameters with %s; it stays replicated", name,
+                        sorted(shared))
+            continue
+        plan.vocab[name] = "head"
+        if module.weight is embedding.weight:
+            plan.tied_head = (name, embedding_name)
+    others = set(owners[id(embedding.weight)]) - {embedding_name} - set(plan.vocab)
+    if others:  # tied to a module that stays whole: splitting either side would untie them
+        logger.info("tensor_parallel: %s shares its weight with %s; both stay replicated", embedding_name,
+                    sorted(others))
+        plan.vocab = {n: r for n, r in plan.vocab.items() if model.get_submodule(n).weight is not embedding.weight}
+        plan.tied_head = None
+        return
+    plan.vocab[embedding_name] = "embedding"
+
+
+def _inside_blocks(model: nn.Module) -> set[str]:
+    """Names of modules inside the repeated blocks: an MLP whose width equals the vocabulary is no head."""
+    classes = set(repeated_blocks(model)[0])
+    blocks = [n for n, m in model.named_modules() if type(m).__name__ in classes]
+    return {n for n, _ in model.named_modules() if any(n.startswith(b + ".") for b in blocks)}
+
+
+def _bert_style_outputs(model: nn.Module, plan: TPPlan) -> None:
+    """BERT keeps the output projections in sibling modules: BertSelfOutput.dense after the self
+    attention, and BertIntermediate.dense (column) / BertOutput.dense (row) for the MLP."""
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        children = dict(module.named_children())
+        output = children.get("output")
+        if output is None or not _is_linear(getattr(output, "dense", nn.Identity())):
+            continue
+        if "self" in children and any(k.startswith(prefix + "self.") for k in plan.styles):
+            plan.styles[prefix + "output.dense"] = "rowwise"
+        intermediate = children.get("intermediate")
+        if intermediate is not None and _is_linear(getattr(intermediate, "dense", nn.Identity())):
+            plan.styles[prefix + "intermediate.dense"] = "colwise"
+            plan.styles[prefix + "output.dense"] = "rowwise"
+
+
+def _check_heads(name: str, module: nn.Module, projections: list, tp: int, fused: bool) -> list[tuple[int, int]]:
+    """(width, heads) of each projection, [] when the module names no head size; refuses head
+    counts that do not divide by ``tp`` (a rank would hold part of a head)."""
+    head_dim = next((getattr(module, a) for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)), None)
+    if head_dim is None:
+        return []
+    found = []
+    for projection in projections:
+        width = _out_features(projection) // (3 if fused else 1)
+        heads = width // head_dim
+        if heads % tp:
+            raise MethodConfigError(
+                "tensor_parallel",
+                f"{name or type(module).__name__} has {heads} heads of size {head_dim} ({width} features), "
+                f"which do not divide over tensor size {tp}",
+            )
+        found.append((width, heads))
+    return found
+
+
+def plan_from_patterns(model: nn.Module, patterns: dict) -> TPPlan:
+    plan = TPPlan()
+    for name, module in model.named_modules():
+        for pattern, style in patterns.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                if not _is_linear(module):
+                    raise MethodConfigError("tensor_parallel",
+                                            f"plan pattern {pattern!r} matches {name}, which is not a Linear")
+                plan.styles[name] = style
+                break
+    if not plan.styles:
+        raise MethodConfigError("tensor_parallel", f"plan patterns {list(patterns)} match no module")
+    return plan
+
+
