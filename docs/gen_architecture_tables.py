@@ -1,4 +1,4 @@
-"""The stage tables of docs/architecture.md, from ``STAGE_CONTRACT`` and ``RECORD_TIME_FACTS``.
+"""The stage tables of docs/architecture.md, from the facts the registered methods declare.
 
     python docs/gen_architecture_tables.py            # refresh the tables in docs/architecture.md
     python docs/gen_architecture_tables.py --stdout   # print them
@@ -6,7 +6,9 @@
 
 In the Markdown file, the text between a line ``<!-- table:NAME -->`` and a line
 ``<!-- /table:NAME -->`` is replaced by table NAME (``stages``, ``record-time``); everything else is
-left as it is. The tables come from ``atorch/auto/model_context.py``, so they cannot drift.
+left as it is. The tables come from ``atorch.auto.opt_lib.stage_contract()`` and
+``record_time_facts()``, assembled from each method's declarations (``opt_lib/base.py``) and the
+context's own work per stage (``atorch/auto/stages.py``), so they cannot drift.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared marker he
 
 import markers  # noqa: E402
 
-from atorch.auto.model_context import RECORD_TIME_FACTS, STAGE_CONTRACT  # noqa: E402
+from atorch.auto.opt_lib import record_time_facts, stage_contract  # noqa: E402
 
 MARKERS = markers.marker_pattern("table")
 
@@ -32,13 +34,13 @@ def _code(names) -> str:
 def stages_table() -> str:
     lines = ["| stage | methods | reads | writes |", "| --- | --- | --- | --- |"]
     lines += [f"| `{row.stage}` | {', '.join(row.methods)} | {_code(row.reads)} | {_code(row.writes)} |"
-              for row in STAGE_CONTRACT]
+              for row in stage_contract()]
     return "\n".join(lines) + "\n"
 
 
 def record_time_table() -> str:
     lines = ["| fact | written by the `transform` of |", "| --- | --- |"]
-    lines += [f"| `{fact}` | {writers} |" for fact, writers in RECORD_TIME_FACTS.items()]
+    lines += [f"| `{fact}` | {', '.join(writers)} |" for fact, writers in record_time_facts().items()]
     return "\n".join(lines) + "\n"
 
 

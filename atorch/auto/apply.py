@@ -29,24 +29,14 @@ from atorch.errors import AtorchError, InputError, MethodConfigError, PeerRankEr
 logger = logging.getLogger("atorch")
 
 
-# The parallel_mode dimensions a method works on: without them (size above 1) it would do nothing,
-# so on several ranks a strategy naming it without them is refused, not trained as plain DDP.
-REQUIRED_DIMS = {
-    "tensor_parallel": ("tensor",),
-    "sequence_parallel": ("tensor",),
-    "pipeline_parallel": ("pipeline",),
-    "mixed_parallel": ("tensor", "pipeline"),
-}
-
-
 def resolve_strategy(strategy: Strategy, excluded: Optional[list] = None) -> Strategy:
     """Validate names and configs for this process layout; returns the strategy that will run.
 
     Every config is validated, also those of distributed-only methods, which are then dropped
-    (logged) in a single process (a dropped parallel_mode is checked for its structure only: there
-    is no world size to fit it to). Under several ranks a missing parallel_mode is added (data
-    parallel over all ranks); parallel_mode is fitted to the world size, and the dimensions that
-    tensor / sequence / pipeline / mixed parallelism work on must be in it.
+    (logged) in a single process (``check_structure``: there is no world size to fit them to). Under
+    several ranks a missing mesh method (the one that ``provides_mesh``) is added with its defaults
+    (data parallel over all ranks), and the ``mesh_dims`` each method declares must be in its
+    config. Method names appear nowhere here: every rule is a fact a method declares.
     """
     world_size = current_world_size()
     distributed = dist.is_initialized()
@@ -58,10 +48,7 @@ def resolve_strategy(strategy: Strategy, excluded: Optional[list] = None) -> Str
         if excluded and item.name in excluded:
             raise InputError(f"method {item.name!r} is both in load_strategy and in excluded")
         if method.distributed_only and not distributed:
-            if item.name == "parallel_mode":
-                checked.append((item.name, mesh.parse_parallel_config(item.config)))
-            else:  # no other distributed-only normalize depends on the world size
-                checked.append((item.name, method.normalize(item.config)))
+            checked.append((item.name, method.check_structure(item.config)))  # no world size to fit it to
             dropped.append(item.name)
             continue
         config = method.normalize(item.config)
@@ -76,9 +63,11 @@ def resolve_strategy(strategy: Strategy, excluded: Optional[list] = None) -> Str
     check_compatible(checked)
     if dropped:
         logger.warning("single process: dropping distributed-only method(s) %s", dropped)
-    if distributed and world_size > 1 and "parallel_mode" not in [i.name for i in items]:
-        logger.info("%d ranks and no parallel_mode in the strategy: adding data parallel over all ranks", world_size)
-        items.insert(0, StrategyItem("parallel_mode", opt_lib.get_optimization("parallel_mode").normalize(None), True))
+    mesh_method = _mesh_method()
+    if distributed and world_size > 1 and mesh_method.name not in [i.name for i in items]:
+        logger.info("%d ranks and no %s in the strategy: adding data parallel over all ranks", world_size,
+                    mesh_method.name)
+        items.insert(0, StrategyItem(mesh_method.name, mesh_method.normalize(None), True))
     _log_parallel_adjustment(strategy, items, world_size)
     if distributed and world_size > 1:
         _check_required_dims(items, world_size)
@@ -86,23 +75,22 @@ def resolve_strategy(strategy: Strategy, excluded: Optional[list] = None) -> Str
     return Strategy(items)
 
 
+def _mesh_method() -> opt_lib.Optimization:
+    """The registered method whose config is the device mesh (``provides_mesh``)."""
+    return next(m for m in opt_lib.registered_methods() if m.provides_mesh)
+
+
 def _check_required_dims(items: list[StrategyItem], world_size: int) -> None:
-    layout = next(i.config for i in items if i.name == "parallel_mode")
-    lacking = {item.name: [d for d in REQUIRED_DIMS.get(item.name, ()) if layout.size(d) <= 1] for item in items}
+    """Each method's declared ``mesh_dims`` must be above 1 in the mesh method's config."""
+    layout = next(i.config for i in items if i.name == _mesh_method().name)
+    needed = opt_lib.required_dims()
+    lacking = {item.name: [d for d in needed.get(item.name, ()) if layout.size(d) <= 1] for item in items}
     lacking = {name: dims for name, dims in lacking.items() if dims}
     if lacking:
         (first, missing), *others = lacking.items()
         also = f" ({', '.join(name for name, _ in others)} too)" if others else ""
-        raise MethodConfigError(first, missing_dims_message(missing, list(layout.dims), world_size) + also)
-
-
-def missing_dims_message(missing: list[str], dims: list, world_size: int) -> str:
-    """What to tell a user whose parallel_mode lacks dimensions a method works on."""
-    add = ", ".join(f"({d!r}, N)" for d in missing)
-    example = [(d, 2) for d in missing]
-    return (f"needs the {' and '.join(repr(d) for d in missing)} dimension(s) of parallel_mode above 1, but "
-            f"parallel_mode is {dims} on {world_size} rank(s), so it would do nothing; add {add} to parallel_mode "
-            f"(N ranks each, dividing the world size), e.g. (\"parallel_mode\", ({example}, None))")
+        raise MethodConfigError(first, _mesh_method().missing_dims_message(missing, list(layout.dims), world_size)
+                                + also)
 
 
 def apply_strategy(ctx: ModelContext, strategy: Strategy) -> ModelContext:
@@ -161,7 +149,8 @@ def dry_run_strategy(make_context: Callable[[], ModelContext], strategy: Strateg
 
 
 def _log_parallel_adjustment(original: Strategy, items: list[StrategyItem], world_size: int) -> None:
-    given = original.get("parallel_mode")
-    final = next((i.config for i in items if i.name == "parallel_mode"), None)
+    name = _mesh_method().name
+    given = original.get(name)
+    final = next((i.config for i in items if i.name == name), None)
     if given is not None and final is not None and mesh.parse_parallel_config(given).dims != final.dims:
-        logger.warning("parallel_mode %s adjusted to %s for world size %d", given, final, world_size)
+        logger.warning("%s %s adjusted to %s for world size %d", name, given, final, world_size)

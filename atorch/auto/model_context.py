@@ -2,9 +2,10 @@
 
 Methods never call each other. A method's ``transform`` (record time) writes facts and registers
 wrappers on the context; ``apply_wrappers`` (apply time) runs the wrappers in the one canonical
-order of ``STAGES``. Every fact one method leaves for another is a declared attribute of
-``ModelContext`` below, and ``STAGE_CONTRACT`` lists, per stage, what its wrappers read and write;
-``docs/architecture.md`` shows the same table.
+order of ``STAGES`` (``atorch/auto/stages.py``). Every fact one method leaves for another is a
+declared attribute of ``ModelContext`` below; each method declares which it reads and writes, and
+``atorch.auto.opt_lib.stage_contract()`` assembles them per stage (the table of
+``docs/architecture.md``).
 """
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ import logging
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Iterable, NamedTuple, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from atorch.auto.optimizer import AtorchOptimizer
+from atorch.auto.stages import STAGES
 from atorch.distributed import mesh
 from atorch.distributed.distributed import get_data_partition_rank_and_size  # noqa: F401  (ATorch's import path)
 from atorch.errors import AtorchError, IncompatibleMethodsError, InputError, nearest_name
@@ -28,79 +30,6 @@ from atorch.utils.batch import call_with_batch, cast_floating, move_to_device
 from atorch.utils.data import RankShareCollate, ResumableDataLoader
 
 logger = logging.getLogger(__name__)
-
-# The canonical wrapper order (one list, in one place).
-STAGES = (
-    "parallel_mode",    # build the device mesh; then the batch plan (data-parallel size, per-rank batch)
-    "module_replace",
-    "fp8",
-    "half",
-    "pipeline",         # cut into pipeline stages (before tensor parallel splits the stage's layers)
-    "model_parallel",   # tensor / mixed parallel
-    "checkpoint",
-    "data_parallel",    # fsdp / zero2 / DDP (the default data-parallel wrapper)
-    "compile",          # native_dynamo, after the parallel wrappers
-    "optimizer",        # build the optimizer (zero1 swaps its factory)
-    "amp",              # autocast + grad scaler
-    "micro_batch",      # one call runs the per-rank batch as micro-steps (wraps the finished model / loss / optim)
-    "dataloader",
-)
-
-
-class StageContract(NamedTuple):
-    stage: str
-    methods: tuple[str, ...]
-    reads: tuple[str, ...]
-    writes: tuple[str, ...]
-
-
-# What the wrappers of each stage read from and write to the context (apply time). Record-time
-# facts (written by ``transform`` before any stage runs) are listed under ``RECORD_TIME_FACTS``.
-STAGE_CONTRACT = (
-    StageContract("parallel_mode", ("parallel_mode",), ("device", "global_batch_size", "local"),
-                  ("data_parallel_size", "per_rank_batch_size")),
-    StageContract("module_replace", ("module_replace",), ("model", "device", "amp_dtype", "half_dtype"),
-                  ("model", "args")),
-    StageContract("fp8", ("fp8",), ("model",), ("model",)),
-    StageContract("half", ("half",), ("model",), ("model", "input_dtype")),
-    StageContract("pipeline", ("pipeline_parallel", "mixed_parallel"),
-                  ("model", "loss_func", "model_input_format", "amp_dtype", "per_rank_batch_size", "device", "dataset",
-                   "dataloader_args", "user_prepare_input", "input_dtype", "sequence_parallel"),
-                  ("model", "loss_func", "model_parallel", "backward_in_forward", "grad_partition_group", "args")),
-    StageContract("model_parallel", ("tensor_parallel", "mixed_parallel"),
-                  ("model", "sequence_parallel", "dataset", "dataloader_args", "user_prepare_input", "input_dtype",
-                   "model_input_format", "loss_func"),
-                  ("model", "model_parallel", "args")),
-    StageContract("checkpoint", ("checkpoint",), ("model",), ("model",)),
-    StageContract("data_parallel", ("fsdp", "zero2", "zero1 (DeepSpeed)", "ds_3d_parallel", "ddp (default)"),
-                  ("model", "device", "amp_dtype", "half_dtype", "model_parallel", "find_unused_parameters",
-                   "per_rank_batch_size", "data_parallel_wrapper", "local"),
-                  ("model", "sync_toggles", "grad_partition_group", "args")),
-    StageContract("compile", ("native_dynamo",), ("model",), ("model",)),
-    StageContract("optimizer", ("context; zero1 / DeepSpeed through optimizer_factory",),
-                  ("model", "optim_func", "optim_args", "optim_param_func", "optimizer_factory", "sync_toggles",
-                   "grad_partition_group", "backward_in_forward", "per_rank_batch_size", "amp_dtype"),
-                  ("optim", "raw_optim", "model", "loss_func", "args")),
-    StageContract("amp", ("amp_native",), ("model", "loss_func", "optim", "amp_dtype", "device"),
-                  ("model", "loss_func", "optim", "args")),
-    StageContract("micro_batch", ("micro_batch",),
-                  ("model", "loss_func", "optim", "model_input_format", "per_rank_batch_size", "backward_in_forward"),
-                  ("model", "loss_func", "optim", "args")),
-    StageContract("dataloader", ("context",),
-                  ("dataset", "dataloader_args", "distributed_sampler_cls", "global_batch_size",
-                   "per_rank_batch_size", "data_parallel_size"), ("dataloader", "args")),
-)
-
-# Facts a method's transform writes at record time, so that wrappers of other stages can read them.
-RECORD_TIME_FACTS = {
-    "amp_dtype": "amp_native",
-    "half_dtype": "half",
-    "sequence_parallel": "sequence_parallel",
-    "optimizer_factory": "zero1, zero2, fsdp (foreach over CPU DTensors), DeepSpeed ZeRO, ds_3d_parallel",
-    "data_parallel_wrapper": "fsdp, zero2, DeepSpeed ZeRO, ds_3d_parallel (ddp when none claims it)",
-    "backward_in_forward": "ds_3d_parallel",
-    "args": "DeepSpeed ZeRO, ds_3d_parallel (use_optim_backward)",
-}
 
 MODEL_INPUT_FORMATS = (None, "unpack_sequence", "unpack_dict")
 # the keys dataloader_args may hold: DataLoader's own arguments but the dataset (auto_accelerate's
@@ -166,7 +95,7 @@ class ModelContext:
     search measuring one rank alone) there is no data-parallel wrapper and the per-rank batch is the
     one given.
 
-    Facts methods share (see ``STAGE_CONTRACT`` and ``RECORD_TIME_FACTS``): ``device``,
+    Facts methods share (each method declares which; ``opt_lib.stage_contract()``): ``device``,
     ``amp_dtype``, ``half_dtype``, ``input_dtype``, ``sequence_parallel``, ``model_parallel``,
     ``backward_in_forward``, ``grad_partition_group``, ``sync_toggles``, ``optimizer_factory``,
     ``data_parallel_wrapper``.

@@ -33,6 +33,9 @@ class CheckpointConfig(MethodConfig):
 class CheckpointOptimization(Optimization):
     name = "checkpoint"
     config_class = CheckpointConfig
+    stages = ("checkpoint",)
+    reads = ("model",)
+    writes = ("model",)
 
     def normalize(self, config: Any) -> CheckpointConfig:
         """Also accepts the modules alone: ``(GPTBlock,)``, ``"GPTBlock"``, ``["blocks.*"]``."""

@@ -42,6 +42,10 @@ class AmpNativeConfig(MethodConfig):
 class AmpNativeOptimization(Optimization):
     name = "amp_native"
     config_class = AmpNativeConfig
+    stages = ("amp",)
+    reads = ("model", "loss_func", "optim", "device")
+    writes = ("model", "loss_func", "optim", "args")
+    record_writes = ("amp_dtype",)  # sharding wrappers pick their mixed-precision policy from it
 
     def normalize(self, config: Any) -> AmpNativeConfig:
         """Also accepts the dtype alone: ``torch.bfloat16`` or ``"bf16"``."""
@@ -52,6 +56,9 @@ class AmpNativeOptimization(Optimization):
         if config.dtype == torch.bfloat16 and scaler_keys:
             raise MethodConfigError(self.name, f"grad-scaler keys {scaler_keys} apply to fp16 only")
         return config
+
+    def precision(self, config: AmpNativeConfig) -> torch.dtype:
+        return config.dtype
 
     def transform(self, ctx, config: AmpNativeConfig) -> None:
         dtype = config.dtype

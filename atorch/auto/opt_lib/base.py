@@ -1,7 +1,9 @@
-"""The one small interface every optimization method implements."""
+"""The one small interface every optimization method implements, and the facts it declares."""
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Union
+
+import torch
 
 from atorch.auto.model_context import ModelContext
 from atorch.utils.config import MethodConfig, validate_config
@@ -26,6 +28,49 @@ class Optimization:
     ignored_when_unavailable: ClassVar[bool] = False
     """When ``requirements`` says no: warn and skip the method instead of raising."""
 
+    # --- facts: read by the registry (the stage contract, the mesh check, the compatibility check,
+    # the docs), never by other methods. Names are context attributes (``ModelContext``) and stages.
+    stages: ClassVar[tuple[str, ...]] = ()
+    """The stages (``atorch.auto.stages.STAGES``) at which what ``transform`` records runs: its
+    wrappers, a data-parallel wrapper it claims (``data_parallel``), an optimizer factory it sets
+    (``optimizer``)."""
+    reads: ClassVar[Union[tuple[str, ...], dict[str, tuple[str, ...]]]] = ()
+    """Context attributes what runs at those stages reads; a dict ``{stage: names}`` where the
+    stages differ."""
+    writes: ClassVar[Union[tuple[str, ...], dict[str, tuple[str, ...]]]] = ()
+    """Context attributes what runs at those stages writes (``args``: ``result.args``); a dict
+    ``{stage: names}`` where the stages differ."""
+    record_writes: ClassVar[tuple[str, ...]] = ()
+    """Context attributes ``transform`` itself sets when the strategy is recorded, before any stage
+    runs, for wrappers of other stages to read."""
+    mesh_dims: ClassVar[tuple[str, ...]] = ()
+    """``parallel_mode`` dimensions the method works on: under several ranks a strategy naming it
+    without them (size above 1) is refused rather than trained as plain data parallelism."""
+    requires_one_of: ClassVar[tuple[str, ...]] = ()
+    """Methods of which at least one must be in the same strategy."""
+    excludes: ClassVar[dict[str, str]] = {}
+    """Exclusive groups the method belongs to, ``{group: why}``: at most one method of a group may
+    be in a strategy, and ``why`` is said when two are (members of a group give the same reason)."""
+    provides_mesh: ClassVar[bool] = False
+    """The method whose config is the device mesh (``parallel_mode``): added with its defaults under
+    several ranks when a strategy has none; ``mesh_dims`` are checked against its config."""
+
+    def facts_at(self, stage: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(reads, writes) declared for ``stage``; empty where the method does not act there."""
+        if stage not in self.stages:
+            return (), ()
+        return tuple(_at(self.reads, stage)), tuple(_at(self.writes, stage))
+
+    def precision(self, config: Any) -> Optional[torch.dtype]:
+        """The low-precision dtype this method (with this normalized config) trains in, if any:
+        methods asking for different ones cannot be combined."""
+        return None
+
+    def check_structure(self, config: Any) -> Any:
+        """The config checked where the method is dropped (a single process): by default
+        ``normalize``; a method whose config is fitted to the world size checks its form only."""
+        return self.normalize(config)
+
     def requirements(self, config: Any = None) -> Optional[str]:
         """Why this method (with this normalized config) cannot run here (missing package or
         hardware), or None when it can: checked before anything is applied, so a strategy fails
@@ -45,3 +90,7 @@ class Optimization:
         """Record this method's effect on ``ctx`` (config is already normalized): wrappers at the
         canonical stages, applied later in one order so methods compose without knowing each other."""
         raise NotImplementedError(f"{type(self).__name__}.transform")
+
+
+def _at(declared: Union[tuple[str, ...], dict[str, tuple[str, ...]]], stage: str) -> tuple[str, ...]:
+    return declared.get(stage, ()) if isinstance(declared, dict) else declared

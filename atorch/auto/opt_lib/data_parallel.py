@@ -13,6 +13,10 @@ from torch.distributed.tensor import DTensor
 from atorch.distributed import mesh
 
 NAME = "ddp"
+# its facts, as a method declares them (``base.Optimization``): the stage contract lists it
+STAGES = ("data_parallel",)
+READS = ("model", "device", "model_parallel", "find_unused_parameters")
+WRITES = ("model", "sync_toggles", "args")
 
 
 def wrap_data_parallel(ctx) -> None:

@@ -43,6 +43,15 @@ class DS3DParallelOptimization(Optimization):
     name = "ds_3d_parallel"
     distributed_only = True
     config_class = DS3DParallelConfig
+    stages = ("data_parallel", "optimizer")  # the engine (built by the optimizer factory) is the data-parallel wrapper
+    reads = {"optimizer": ("model", "loss_func", "model_input_format", "per_rank_batch_size", "optim_func",
+                           "optim_args")}
+    writes = {"optimizer": ("model", "loss_func")}
+    record_writes = ("data_parallel_wrapper", "optimizer_factory", "backward_in_forward", "args")
+    excludes = {"sharding": "choose one sharding level",
+                "tensor parallel": "mixed_parallel already includes tensor parallel",
+                "pipeline parallel": "mixed_parallel already includes pipeline parallel",
+                "micro-batches": "a pipeline splits the batch into micro-batches itself: set its num_micro_batch"}
 
     def requirements(self, config: Any = None) -> Optional[str]:
         return deepspeed_unavailable_reason()

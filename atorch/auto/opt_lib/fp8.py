@@ -73,6 +73,9 @@ class FP8Optimization(Optimization):
     name = "fp8"
     config_class = FP8Config
     ignored_when_unavailable = True  # the seed: ignored (with a warning) without the hardware
+    stages = ("fp8",)
+    reads = ("model",)
+    writes = ("model",)
 
     def requirements(self, config: Any = None) -> Optional[str]:
         return fp8_unavailable_reason()

@@ -95,6 +95,11 @@ class FSDPOptimization(Optimization):
     name = "fsdp"
     distributed_only = True
     config_class = FSDPConfig
+    stages = ("data_parallel", "optimizer")  # its data-parallel wrapper; the optimizer factory
+    reads = {"data_parallel": ("model", "amp_dtype"), "optimizer": ("optim_func", "optim_args")}
+    writes = {"data_parallel": ("model", "sync_toggles", "args")}
+    record_writes = ("data_parallel_wrapper", "optimizer_factory")
+    excludes = {"sharding": "choose one sharding level"}
 
     def normalize(self, config: Any) -> FSDPConfig:
         return normalize_fsdp_config(self.name, self.config_class, config)

@@ -19,12 +19,19 @@ class HalfConfig(MethodConfig):
 class HalfOptimization(Optimization):
     name = "half"
     config_class = HalfConfig
+    stages = ("half",)
+    reads = ("model",)
+    writes = ("model", "input_dtype")
+    record_writes = ("half_dtype",)  # module_replace checks its pairs' dtypes against it
 
     def normalize(self, config: Any) -> HalfConfig:
         """Also accepts the dtype alone: ``"bf16"`` or ``torch.bfloat16``."""
         if isinstance(config, (str, torch.dtype)):
             config = {"dtype": config}
         return super().normalize(config)
+
+    def precision(self, config: HalfConfig) -> torch.dtype:
+        return config.dtype
 
     def transform(self, ctx, config: HalfConfig) -> None:
         dtype = config.dtype

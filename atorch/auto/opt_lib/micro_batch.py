@@ -113,6 +113,10 @@ def micro_batch_loss(user_loss: Any):
 class MicroBatchOptimization(Optimization):
     name = "micro_batch"
     config_class = MicroBatchConfig
+    stages = ("micro_batch",)
+    reads = ("model", "loss_func", "optim", "model_input_format", "per_rank_batch_size", "backward_in_forward")
+    writes = ("model", "loss_func", "optim", "args")
+    excludes = {"micro-batches": "a pipeline splits the batch into micro-batches itself: set its num_micro_batch"}
 
     def normalize(self, config: Any) -> MicroBatchConfig:
         """Also accepts the count alone: ``("micro_batch", 4)``."""

@@ -11,8 +11,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from atorch.auto.opt_lib.base import Optimization
-from atorch.auto.opt_lib.pipeline_parallel import PipelineParallelConfig, apply_pipeline, stages_per_rank
-from atorch.auto.opt_lib.tensor_parallel import TensorParallelConfig, apply_tensor_parallel, find_plan_before_pipeline
+from atorch.auto.opt_lib.pipeline_parallel import (
+    PipelineParallelConfig,
+    PipelineParallelOptimization,
+    apply_pipeline,
+    stages_per_rank,
+)
+from atorch.auto.opt_lib.tensor_parallel import (
+    TensorParallelConfig,
+    TensorParallelOptimization,
+    apply_tensor_parallel,
+    find_plan_before_pipeline,
+)
 from atorch.utils.config import MethodConfig, option
 
 
@@ -28,6 +38,14 @@ class MixedParallelOptimization(Optimization):
     name = "mixed_parallel"
     distributed_only = True
     config_class = MixedParallelConfig
+    stages = ("pipeline", "model_parallel")
+    reads = {"pipeline": PipelineParallelOptimization.reads + ("sequence_parallel",),  # the plan is found first
+             "model_parallel": TensorParallelOptimization.reads}
+    writes = {"pipeline": PipelineParallelOptimization.writes, "model_parallel": TensorParallelOptimization.writes}
+    mesh_dims = ("tensor", "pipeline")
+    excludes = {"tensor parallel": "mixed_parallel already includes tensor parallel",
+                "pipeline parallel": "mixed_parallel already includes pipeline parallel",
+                "micro-batches": "a pipeline splits the batch into micro-batches itself: set its num_micro_batch"}
 
     def normalize(self, config: Any) -> MixedParallelConfig:
         config = super().normalize(config)

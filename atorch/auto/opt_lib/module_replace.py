@@ -300,6 +300,9 @@ class ModuleReplaceConfig(MethodConfig):
 class ModuleReplaceOptimization(Optimization):
     name = "module_replace"
     config_class = ModuleReplaceConfig
+    stages = ("module_replace",)
+    reads = ("model", "device", "amp_dtype", "half_dtype")
+    writes = ("model", "args")
 
     def normalize(self, config: Any) -> ModuleReplaceConfig:
         """Also accepts the pair names alone: ``["hf_attention"]`` or ``"fused_layernorm"``."""

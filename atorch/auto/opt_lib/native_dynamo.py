@@ -30,6 +30,9 @@ class NativeDynamoConfig(MethodConfig):
 class NativeDynamoOptimization(Optimization):
     name = "native_dynamo"
     config_class = NativeDynamoConfig
+    stages = ("compile",)
+    reads = ("model",)
+    writes = ("model",)
 
     def normalize(self, config: Any) -> NativeDynamoConfig:
         config = super().normalize(config)

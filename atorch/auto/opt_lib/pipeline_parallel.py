@@ -336,6 +336,13 @@ class PipelineParallelOptimization(Optimization):
     name = "pipeline_parallel"
     distributed_only = True
     config_class = PipelineParallelConfig
+    stages = ("pipeline",)
+    reads = ("model", "loss_func", "model_input_format", "amp_dtype", "per_rank_batch_size", "device", "dataset",
+             "dataloader_args", "user_prepare_input", "input_dtype")
+    writes = ("model", "loss_func", "model_parallel", "backward_in_forward", "grad_partition_group", "args")
+    mesh_dims = ("pipeline",)
+    excludes = {"pipeline parallel": "mixed_parallel already includes pipeline parallel",
+                "micro-batches": "a pipeline splits the batch into micro-batches itself: set its num_micro_batch"}
 
     def normalize(self, config: Any) -> PipelineParallelConfig:
         config = super().normalize(config)

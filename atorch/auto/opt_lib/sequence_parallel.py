@@ -68,6 +68,9 @@ class SequenceParallelOptimization(Optimization):
     name = "sequence_parallel"
     distributed_only = True
     config_class = SequenceParallelConfig
+    record_writes = ("sequence_parallel",)  # tensor_parallel reads it
+    mesh_dims = ("tensor",)
+    requires_one_of = ("tensor_parallel", "mixed_parallel")
 
     def normalize(self, config: Any) -> SequenceParallelConfig:
         """Also accepts True (on)."""

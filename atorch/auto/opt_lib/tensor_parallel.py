@@ -161,6 +161,12 @@ class TensorParallelOptimization(Optimization):
     name = "tensor_parallel"
     distributed_only = True
     config_class = TensorParallelConfig
+    stages = ("model_parallel",)
+    reads = ("model", "sequence_parallel", "dataset", "dataloader_args", "user_prepare_input", "input_dtype",
+             "model_input_format", "loss_func", "device")
+    writes = ("model", "model_parallel", "args")
+    mesh_dims = ("tensor",)
+    excludes = {"tensor parallel": "mixed_parallel already includes tensor parallel"}
 
     def transform(self, ctx, config: TensorParallelConfig) -> None:
         ctx.add_wrapper("model_parallel", self.name, lambda ctx: apply_tensor_parallel(ctx, config))

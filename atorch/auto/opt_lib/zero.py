@@ -47,6 +47,11 @@ class Zero1Optimization(Optimization):
     name = "zero1"
     distributed_only = True
     config_class = Zero1Config
+    stages = ("data_parallel", "optimizer")  # DeepSpeed's engine claims data parallelism; the optimizer factory
+    reads = {"optimizer": ("model", "amp_dtype", "per_rank_batch_size", "optim_func", "optim_args")}
+    writes = {"optimizer": ("model",)}  # DeepSpeed's engine
+    record_writes = ("optimizer_factory", "data_parallel_wrapper", "args")  # data_parallel_wrapper, args: DeepSpeed
+    excludes = {"sharding": "choose one sharding level"}
 
     def requirements(self, config: Any = None) -> Optional[str]:
         return deepspeed_unavailable_reason() if config is not None and config.use_ds_zero else None
@@ -145,6 +150,12 @@ class Zero2Optimization(Optimization):
     name = "zero2"
     distributed_only = True
     config_class = Zero2Config
+    stages = ("data_parallel", "optimizer")  # its data-parallel wrapper; the optimizer factory
+    reads = {"data_parallel": ("model", "amp_dtype"),
+             "optimizer": ("model", "amp_dtype", "per_rank_batch_size", "optim_func", "optim_args")}
+    writes = {"data_parallel": ("model", "grad_partition_group", "sync_toggles", "args"), "optimizer": ("model",)}
+    record_writes = ("data_parallel_wrapper", "optimizer_factory", "args")  # args: DeepSpeed
+    excludes = {"sharding": "choose one sharding level"}
 
     def normalize(self, config: Any) -> Zero2Config:
         config = normalize_fsdp_config(self.name, self.config_class, config)

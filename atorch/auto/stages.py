@@ -1,0 +1,61 @@
+"""The canonical stage order, and what the context itself does at each stage.
+
+Methods declare their own facts (their stages, what their wrappers read and write on the context:
+``atorch/auto/opt_lib/base.py``); the contract of a stage is the context's own work there plus the
+declarations of the methods registered at it, assembled by the registry
+(``atorch.auto.opt_lib.stage_contract()``). This module names no method.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+# The canonical wrapper order (one list, in one place).
+STAGES = (
+    "parallel_mode",    # build the device mesh; then the batch plan (data-parallel size, per-rank batch)
+    "module_replace",
+    "fp8",
+    "half",
+    "pipeline",         # cut into pipeline stages (before tensor parallel splits the stage's layers)
+    "model_parallel",   # tensor / mixed parallel
+    "checkpoint",
+    "data_parallel",    # fsdp / zero2 / DDP (the default data-parallel wrapper)
+    "compile",          # native_dynamo, after the parallel wrappers
+    "optimizer",        # build the optimizer (a method's optimizer_factory when one is set)
+    "amp",              # autocast + grad scaler
+    "micro_batch",      # one call runs the per-rank batch as micro-steps (wraps the finished model / loss / optim)
+    "dataloader",
+)
+
+
+class StageContract(NamedTuple):
+    """One stage: who acts there (methods, the default data-parallel wrapper, the context) and the
+    context attributes they read and write."""
+
+    stage: str
+    methods: tuple[str, ...]
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+
+
+class StageWork(NamedTuple):
+    """What the context itself reads and writes at a stage, after that stage's wrappers."""
+
+    does: str
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+
+
+CONTEXT_WORK = {
+    "parallel_mode": StageWork("plans the batch", ("local", "dataset", "global_batch_size", "per_rank_batch_size"),
+                               ("data_parallel_size", "per_rank_batch_size", "args")),
+    "data_parallel": StageWork("installs the data-parallel wrapper", ("local", "data_parallel_wrapper"), ()),
+    "optimizer": StageWork("builds the optimizer",
+                           ("model", "optim_func", "optim_args", "optim_param_func", "optimizer_factory",
+                            "sync_toggles", "grad_partition_group", "backward_in_forward"),
+                           ("optim", "raw_optim")),
+    "dataloader": StageWork("builds the dataloader, then the lr scheduler",
+                            ("dataset", "dataloader_args", "distributed_sampler_cls", "global_batch_size",
+                             "per_rank_batch_size", "data_parallel_size", "lr_scheduler_cls", "lr_scheduler_args",
+                             "raw_optim"),
+                            ("dataloader", "lr_scheduler")),
+}
