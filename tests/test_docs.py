@@ -83,7 +83,7 @@ def test_architecture_generator_fills_every_marker(tmp_path):
                    capture_output=True, timeout=120)
     text = page.read_text()
     assert "old" not in text and "kept\n" in text
-    assert "| `parallel_mode` | parallel_mode |" in text and "| `amp_dtype` | amp_native |" in text
+    assert "| `parallel_mode` | parallel_mode, context |" in text and "| `amp_dtype` | amp_native |" in text
 
 
 # --- docs/architecture.md: layers ------------------------------------------------------------------
