@@ -5,8 +5,8 @@
     python docs/gen_architecture_tables.py --file F   # refresh the tables in F
 
 In the Markdown file, the text between a line ``<!-- table:NAME -->`` and a line
-``<!-- /table:NAME -->`` is replaced by table NAME (``stages``, ``record-time``); everything else is
-left as it is. The tables come from ``atorch.auto.opt_lib.stage_contract()`` and
+``<!-- /table:NAME -->`` is replaced by table NAME (``stages``, ``record-time``, ``facts``); everything
+else is left as it is. The tables come from ``atorch.auto.opt_lib.stage_contract()`` and
 ``record_time_facts()``, assembled from each method's declarations (``opt_lib/base.py``) and the
 context's own work per stage (``atorch/auto/stages.py``), so they cannot drift.
 """
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared marker he
 
 import markers  # noqa: E402
 
-from atorch.auto.opt_lib import record_time_facts, stage_contract  # noqa: E402
+from atorch.auto.opt_lib import BUILTIN_METHODS, Optimization, record_time_facts, stage_contract  # noqa: E402
 
 MARKERS = markers.marker_pattern("table")
 
@@ -44,8 +44,20 @@ def record_time_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+def facts_table() -> str:
+    """Per built-in method, the facts the registry derives its checks from."""
+    lines = ["| method | stages | mesh dimensions | needs one of | exclusive groups | precision |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for method in BUILTIN_METHODS:
+        groups = ", ".join(method.excludes) or "-"
+        precision = "its `dtype`" if method.precision is not Optimization.precision else "-"
+        lines.append(f"| `{method.name}` | {_code(method.stages)} | {_code(method.mesh_dims)} | "
+                     f"{_code(method.requires_one_of)} | {groups} | {precision} |")
+    return "\n".join(lines) + "\n"
+
+
 def all_tables() -> dict[str, str]:
-    return {"stages": stages_table(), "record-time": record_time_table()}
+    return {"stages": stages_table(), "record-time": record_time_table(), "facts": facts_table()}
 
 
 def rewrite(text: str, tables: dict[str, str]) -> tuple[str, list[str], list[str]]:

@@ -18,13 +18,14 @@ import torch
 from torch import nn
 
 from atorch.auto import auto_accelerate, opt_lib
-from atorch.auto.apply import apply_strategy, resolve_strategy
+from atorch.auto.apply import _check_required_dims, apply_strategy, resolve_strategy
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib import data_parallel
 from atorch.auto.opt_lib.compat import check_compatible
 from atorch.auto.stages import CONTEXT_WORK, STAGES
-from atorch.auto.strategy import Strategy
-from atorch.errors import IncompatibleMethodsError
+from atorch.auto.strategy import Strategy, StrategyItem
+from atorch.distributed.mesh import ParallelModeConfig
+from atorch.errors import IncompatibleMethodsError, MethodConfigError
 from atorch.utils.config import MethodConfig, option
 
 RECORD = "(record)"  # what transform does, before any stage runs
@@ -280,3 +281,13 @@ def test_a_registered_method_is_in_every_derived_table_and_trains(registered):
     loss = result.loss_func(batch, result.model(batch["x"]))
     result.optim.backward(loss) if result.args["use_optim_backward"] else loss.backward()
     result.optim.step()
+
+
+def test_the_mesh_check_reads_each_methods_declared_dims():
+    data_only = StrategyItem("parallel_mode", ParallelModeConfig(dims=(("data", 2),)), True)
+    items = [data_only, StrategyItem("mixed_parallel", None, True), StrategyItem("sequence_parallel", None, True)]
+    with pytest.raises(MethodConfigError, match=r"mixed_parallel: needs the 'tensor' and 'pipeline' dimension\(s\) "
+                       r"of parallel_mode above 1.*\(sequence_parallel too\)"):
+        _check_required_dims(items, world_size=2)
+    tensor = StrategyItem("parallel_mode", ParallelModeConfig(dims=(("tensor", 2),)), True)
+    _check_required_dims([tensor, StrategyItem("tensor_parallel", None, True)], world_size=2)

@@ -78,12 +78,14 @@ def test_generated_tables_are_up_to_date(tmp_path, generator, page):
 def test_architecture_generator_fills_every_marker(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("# A\n<!-- table:stages -->\nold\n<!-- /table:stages -->\nkept\n"
-                    "<!-- table:record-time -->\n<!-- /table:record-time -->\n")
+                    "<!-- table:record-time -->\n<!-- /table:record-time -->\n"
+                    "<!-- table:facts -->\n<!-- /table:facts -->\n")
     subprocess.run([sys.executable, str(DOCS / "gen_architecture_tables.py"), "--file", str(page)], check=True,
                    capture_output=True, timeout=120)
     text = page.read_text()
     assert "old" not in text and "kept\n" in text
     assert "| `parallel_mode` | parallel_mode, context |" in text and "| `amp_dtype` | amp_native |" in text
+    assert "| `sequence_parallel` | - | `tensor` | `tensor_parallel`, `mixed_parallel` | - | - |" in text
 
 
 # --- docs/architecture.md: layers ------------------------------------------------------------------
