@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from atorch.auto.optimizer import AtorchOptimizer
-from atorch.auto.stages import STAGES
+from atorch.auto.stages import CONTEXT_WORK, STAGES
 from atorch.distributed import mesh
 from atorch.distributed.distributed import get_data_partition_rank_and_size  # noqa: F401  (ATorch's import path)
 from atorch.errors import AtorchError, IncompatibleMethodsError, InputError, nearest_name
@@ -149,10 +149,10 @@ class ModelContext:
         self.wrappers: dict[str, list[tuple[str, Wrapper]]] = defaultdict(list)
         self.data_parallel_wrapper: Optional[tuple[str, Wrapper]] = None
         self.optimizer_factory: Optional[Callable[["ModelContext", Any], Any]] = None
-        self.input_dtype: Optional[torch.dtype] = None  # half: floating inputs are cast to it
-        self.amp_dtype: Optional[torch.dtype] = None  # amp_native; sharding picks its mixed-precision policy from it
-        self.half_dtype: Optional[torch.dtype] = None  # half; module_replace checks its pairs' dtypes against it
-        self.sequence_parallel = False  # sequence_parallel; tensor_parallel reads it
+        self.input_dtype: Optional[torch.dtype] = None  # floating inputs are cast to it
+        self.amp_dtype: Optional[torch.dtype] = None  # autocast's dtype; sharding picks its mixed precision from it
+        self.half_dtype: Optional[torch.dtype] = None  # the dtype parameters are cast to
+        self.sequence_parallel = False  # the residual stream between split projections is sequence-sharded
         self.model_parallel = False  # tensor / pipeline parallel: parameters are DTensors or stage-local
         self.backward_in_forward = False  # pipeline schedules run backward inside model(...)
         self.grad_partition_group: Any = None  # ranks hold disjoint gradient shares (clipping reduces over it)
@@ -260,7 +260,7 @@ class ModelContext:
         self.wrappers[stage].append((method, wrapper))
 
     def set_data_parallel_wrapper(self, method: str, wrapper: Wrapper) -> None:
-        """Claim the data-parallel slot (fsdp, zero2, ...) instead of the default DDP."""
+        """Claim the data-parallel slot instead of the default DDP."""
         if self.data_parallel_wrapper is not None:
             raise IncompatibleMethodsError(
                 f"{method} and {self.data_parallel_wrapper[0]} both want to wrap the model for data parallelism; "
@@ -275,14 +275,9 @@ class ModelContext:
             for method, wrapper in self.wrappers.get(stage, []):
                 logger.debug("applying %s at stage %s", method, stage)
                 wrapper(self)
-            if stage == "parallel_mode":
-                self.plan_batches()
-            elif stage == "data_parallel":
-                self._wrap_data_parallel()
-            elif stage == "optimizer":
-                self._build_optimizer()
-            elif stage == "dataloader":
-                self._build_dataloader()
+            work = CONTEXT_WORK.get(stage)  # the context's own step there (the batch plan, the optimizer, ...)
+            if work is not None:
+                getattr(self, work.step)()
         self._build_lr_scheduler()
 
     def _wrap_data_parallel(self) -> None:

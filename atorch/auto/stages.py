@@ -16,10 +16,10 @@ STAGES = (
     "fp8",
     "half",
     "pipeline",         # cut into pipeline stages (before tensor parallel splits the stage's layers)
-    "model_parallel",   # tensor / mixed parallel
+    "model_parallel",   # tensor parallelism (split layers)
     "checkpoint",
-    "data_parallel",    # fsdp / zero2 / DDP (the default data-parallel wrapper)
-    "compile",          # native_dynamo, after the parallel wrappers
+    "data_parallel",    # the data-parallel wrapper a method claims, or DDP (the default)
+    "compile",          # torch.compile, after the parallel wrappers
     "optimizer",        # build the optimizer (a method's optimizer_factory when one is set)
     "amp",              # autocast + grad scaler
     "micro_batch",      # one call runs the per-rank batch as micro-steps (wraps the finished model / loss / optim)
@@ -38,22 +38,23 @@ class StageContract(NamedTuple):
 
 
 class StageWork(NamedTuple):
-    """What the context itself reads and writes at a stage, after that stage's wrappers."""
+    """What the context itself does at a stage, after that stage's wrappers: the ``ModelContext``
+    method it runs, and what that reads and writes."""
 
-    does: str
+    step: str
     reads: tuple[str, ...]
     writes: tuple[str, ...]
 
 
 CONTEXT_WORK = {
-    "parallel_mode": StageWork("plans the batch", ("local", "dataset", "global_batch_size", "per_rank_batch_size"),
+    "parallel_mode": StageWork("plan_batches", ("local", "dataset", "global_batch_size", "per_rank_batch_size"),
                                ("data_parallel_size", "per_rank_batch_size", "args")),
-    "data_parallel": StageWork("installs the data-parallel wrapper", ("local", "data_parallel_wrapper"), ()),
-    "optimizer": StageWork("builds the optimizer",
+    "data_parallel": StageWork("_wrap_data_parallel", ("local", "data_parallel_wrapper"), ()),
+    "optimizer": StageWork("_build_optimizer",
                            ("model", "optim_func", "optim_args", "optim_param_func", "optimizer_factory",
                             "sync_toggles", "grad_partition_group", "backward_in_forward"),
                            ("optim", "raw_optim")),
-    "dataloader": StageWork("builds the dataloader, then the lr scheduler",
+    "dataloader": StageWork("_build_dataloader",  # and, after the last stage, _build_lr_scheduler
                             ("dataset", "dataloader_args", "distributed_sampler_cls", "global_batch_size",
                              "per_rank_batch_size", "data_parallel_size", "lr_scheduler_cls", "lr_scheduler_args",
                              "raw_optim"),
