@@ -182,3 +182,15 @@ def test_tests_readme_maps_every_method_and_test_file():
                for name in re.findall(r"^\s*def (test_\w+)\(", path.read_text(), re.M)}
     tests = set(re.findall(r"`(test_\w+)`", text)) - {name[:-3] for name in named}
     assert not tests - defined, f"tests/README.md names tests that do not exist: {sorted(tests - defined)}"
+
+
+def test_methods_page_states_every_declared_clash_rule():
+    """docs/methods.md's list of methods that cannot be combined covers the rules the methods declare."""
+    from atorch.auto import opt_lib
+
+    section = (DOCS / "methods.md").read_text().split("Methods that cannot be combined:", 1)[1].split("A clash", 1)[0]
+    bullets = section.split("\n- ")
+    rules = [members for _, members, _ in opt_lib.exclusive_groups()]
+    rules += [(m.name, *m.requires_one_of) for m in opt_lib.registered_methods() if m.requires_one_of]
+    missing = [rule for rule in rules if not any(all(f"`{name}`" in b for name in rule) for b in bullets)]
+    assert not missing, f"docs/methods.md does not state the rule(s) over {missing}"
