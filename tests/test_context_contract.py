@@ -26,6 +26,9 @@ from atorch.auto.stages import CONTEXT_WORK, STAGES
 from atorch.auto.strategy import Strategy, StrategyItem
 from atorch.distributed.mesh import ParallelModeConfig
 from atorch.errors import IncompatibleMethodsError, MethodConfigError
+from atorch.models import GPTConfig, SyntheticTokenDataset, gpt_loss
+from atorch.testing.launcher import run_distributed
+from atorch.testing.training import build_gpt
 from atorch.utils.config import MethodConfig, option
 
 RECORD = "(record)"  # what transform does, before any stage runs
@@ -178,13 +181,30 @@ def _declared(names, stage):
     return reads, writes
 
 
-def _record(strategy) -> dict:
-    dataset = [{"x": torch.randn(4), "y": torch.randn(1)} for _ in range(8)]
-    ctx = RecordingContext(
-        nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)), optim_func=torch.optim.SGD, dataset=dataset,
-        loss_func=lambda batch, out: nn.functional.mse_loss(out, batch["y"]), optim_args={"lr": 0.1},
-        dataloader_args={"batch_size": 4}, lr_scheduler_cls=torch.optim.lr_scheduler.StepLR,
-        lr_scheduler_args={"step_size": 1}, prepare_input=lambda batch, device: batch)
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(4, 8), nn.Linear(8, 1)
+
+    def forward(self, batch):
+        return self.head(torch.relu(self.body(batch["x"])))
+
+
+def _net_inputs() -> dict:
+    return dict(model=Net(), dataset=[{"x": torch.randn(4), "y": torch.randn(1)} for _ in range(8)],
+                loss_func=lambda batch, out: nn.functional.mse_loss(out, batch["y"]), dataloader_args={"batch_size": 4})
+
+
+def _gpt_inputs() -> dict:
+    return dict(model=build_gpt(0, GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)),
+                dataset=SyntheticTokenDataset(16, 16, 64), loss_func=gpt_loss, model_input_format="unpack_dict",
+                dataloader_args={"batch_size": 4})
+
+
+def _record(strategy, inputs=_net_inputs) -> dict:
+    ctx = RecordingContext(optim_func=torch.optim.SGD, optim_args={"lr": 0.1},
+                           lr_scheduler_cls=torch.optim.lr_scheduler.StepLR, lr_scheduler_args={"step_size": 1},
+                           **inputs())
     resolved = resolve_strategy(Strategy(strategy))
     apply_strategy(ctx, resolved)
     return {"names": [item.name for item in resolved], "seen": dict(ctx._seen)}
@@ -209,6 +229,27 @@ def _check_recorded(recorded) -> None:
 ], ids=lambda s: "+".join(i if isinstance(i, str) else i[0] for i in s) or "none")
 def test_what_each_stage_touches_is_declared(strategy):
     _check_recorded(_record(strategy))
+
+
+TP2 = ("parallel_mode", ([("tensor", 2)], None))
+PP2 = ("parallel_mode", ([("pipeline", 2)], None))
+TWO_RANK_STRATEGIES = [
+    ([], _net_inputs), (["fsdp", "amp_native"], _net_inputs), (["zero1"], _net_inputs), (["zero2"], _net_inputs),
+    ([("zero2", {"not_use_fsdp": True})], _net_inputs), ([TP2, "tensor_parallel"], _gpt_inputs),
+    ([TP2, "tensor_parallel", "sequence_parallel"], _gpt_inputs),
+    ([PP2, ("pipeline_parallel", {"num_micro_batch": 2})], _gpt_inputs),
+]
+
+
+def two_rank_records() -> list:
+    return [_record(strategy, inputs) for strategy, inputs in TWO_RANK_STRATEGIES]
+
+
+@pytest.mark.multirank
+def test_what_each_stage_touches_is_declared_on_two_ranks():
+    for records in run_distributed(two_rank_records, 2, timeout_s=300):
+        for recorded in records:
+            _check_recorded(recorded)
 
 
 def test_the_recorder_sees_what_a_stage_does():
