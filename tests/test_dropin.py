@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from collections import namedtuple
 
@@ -183,6 +184,8 @@ def _two_ranks_names():
     assert ok
     with_mesh = get_data_partition_rank_and_size()
     names = (atorch.rank(), atorch.local_rank(), atorch.world_size(), os.environ["LOCAL_RANK"])
+    del result  # the DDP wrapper holds the process group: free it before the group is destroyed
+    gc.collect()
     atorch.reset_distributed()
     after = (dist.is_initialized(), mesh.parallel_state() is None, atorch.rank(), atorch.world_size())
     return without_mesh, with_mesh, names, after

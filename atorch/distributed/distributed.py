@@ -55,7 +55,8 @@ def get_data_partition_rank_and_size() -> tuple[int, int]:
 def reset_distributed() -> None:
     """Destroy atorch's mesh state and the default process group (and every group made from it),
     so that a new ``init_distributed`` / ``auto_accelerate`` starts clean. A no-op when nothing is
-    initialised."""
+    initialised. Drop the returned model and optimizer first: a DDP wrapper still holding the gloo
+    group when it is freed after the group was destroyed can block that process."""
     mesh.destroy_parallel_group()
     fault.forget_process_group()
     if dist.is_initialized():
