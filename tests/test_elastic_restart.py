@@ -44,7 +44,7 @@ STRATEGIES = os.environ.get("ATORCH_RESTART_STRATEGIES", "ddp").split(",")
 TIMEOUT_S = 240
 
 
-def launch(out: Path, strategy: str, kill_step: int, nodes: int = 1) -> None:
+def launch(out: Path, strategy: str, kill_step: int, nodes: int = 1, hold: bool = False) -> None:
     """One torchrun launch of the script on 2 ranks, with one restart allowed: one agent with 2 ranks, or
     ``nodes=2`` agents of 1 rank joined by c10d rendezvous (two "nodes" that count their restarts apart).
     Fails the test on a bad exit or a hang."""
@@ -54,7 +54,7 @@ def launch(out: Path, strategy: str, kill_step: int, nodes: int = 1) -> None:
     where = (["--standalone"] if nodes == 1 else ["--nnodes", str(nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint",
                                                   f"127.0.0.1:{free_port()}", "--rdzv-id", out.name])
     command = [sys.executable, "-m", "torch.distributed.run", *where, "--nproc-per-node", str(2 // nodes),
-               "--max-restarts", "1", str(SCRIPT), str(out), strategy, str(kill_step)]
+               "--max-restarts", "1", str(SCRIPT), str(out), strategy, str(kill_step), *(["hold"] if hold else [])]
     logs = [out / f"agent{node}.log" for node in range(nodes)]
     agents = [subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
               for log in logs]
@@ -119,10 +119,11 @@ def test_a_rank_killed_mid_training_resumes_exactly_after_torchrun_restarts_it(t
 
 def test_two_nodes_whose_restart_counts_disagree_resume_exactly(tmp_path, reference):
     """Rank 1's agent counts a restart, rank 0's does not (it restarts its rank because the membership
-    changed): the attempt atorch agrees on must not depend on TORCHELASTIC_RESTART_COUNT."""
+    changed): the attempt atorch agrees on must not depend on TORCHELASTIC_RESTART_COUNT. Rank 0 holds after
+    the kill step so that it cannot fail on its dead peer first (then both agents would count a restart)."""
     expected, expected_weights = reference("ddp")
     out = tmp_path / "killed-two-nodes"
-    launch(out, "ddp", KILL_STEP, nodes=2)
+    launch(out, "ddp", KILL_STEP, nodes=2, hold=True)
     check_resumed(out, expected, expected_weights, "two nodes")
     counts = [{row["attempt"] for row in losses(out, rank)[KILL_STEP:]} for rank in (0, 1)]
     assert counts[0] != counts[1], counts  # what this test is about: the agents disagree
