@@ -6,7 +6,7 @@ predicted in its own configuration through ``atorch.plan.estimate``'s model. The
 row, then per source and per device, separately for calibration and held-out rows: the rows, the
 share within +-10 % and +-20 % of the published tokens/s, the mean absolute error, how many are
 predicted to fit (all of them ran) and the memory error where memory was published. It asserts
-nothing. ``--fit`` refits every constant of ``atorch/auto/search/calibration.py`` on its own
+nothing. ``--fit`` refits every constant of ``atorch/plan/calibration.py`` on its own
 calibration rows only and prints the values.
 
     .venv/bin/python benchmarks/plan_vs_published.py [--fit] [--rows]
@@ -24,11 +24,13 @@ from typing import Iterator, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from atorch.auto.search import calibration  # noqa: E402
-from atorch.auto.search.analytic import Prediction, predict, spec_layout_facts  # noqa: E402
-from atorch.auto.search.hardware_specs import DEVICES, ClusterSpec  # noqa: E402
-from atorch.auto.search.model_specs import from_hf_config, model_spec  # noqa: E402
-from atorch.plan import configuration  # noqa: E402
+from atorch.plan import (
+    calibration,  # noqa: E402
+    configuration,  # noqa: E402
+)
+from atorch.plan.analytic import Prediction, predict, spec_layout_facts  # noqa: E402
+from atorch.plan.hardware_specs import DEVICES, ClusterSpec  # noqa: E402
+from atorch.plan.model_specs import from_hf_config, model_spec  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "published_runs.json"
 GIB = 2**30

@@ -124,7 +124,7 @@ def _every_candidate(name: str, scale: Scale) -> tuple[list, dict, "torch.nn.Mod
 
 def _dry_run(model, arguments: dict, candidate, steps: int):
     from atorch.auto.model_context import ModelContext
-    from atorch.auto.search.planner import dry_run_candidate
+    from atorch.auto.search.strategy_search import dry_run_candidate
 
     def make_context(target, local=False, batch_size=None):
         return ModelContext(target, **arguments, local=local)
@@ -185,7 +185,7 @@ def memory_limited_split(scale: Scale) -> dict:
     from atorch.auto.search.candidates import Candidate
     from atorch.auto.search.cost import estimate
     from atorch.auto.search.options import SearchOptions
-    from atorch.auto.search.planner import Planner, dry_run_candidate
+    from atorch.auto.search.strategy_search import StrategySearch, dry_run_candidate
 
     shape = scale.shape
     arguments = {**_arguments("repo GPT", scale), "dataloader_args": {"batch_size": SPLIT_BATCH},
@@ -196,7 +196,7 @@ def memory_limited_split(scale: Scale) -> dict:
     def make_context(target, local=False, batch_size=None):
         return ModelContext(target, **arguments, local=local, per_rank_batch_size=batch_size)
 
-    probe = Planner(model, make_context, SearchOptions(excluded=excluded, use_cache=False))
+    probe = StrategySearch(model, make_context, SearchOptions(excluded=excluded, use_cache=False))
     probe.analyse()
     probe.measure()
     world, variant = dist.get_world_size(), probe.variants[("fp32", False)]

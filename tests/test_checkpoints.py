@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 import atorch
 from atorch.checkpoint.export import load_exported
 from atorch.checkpoint.optimizer_state import OptimizerView, optimizer_state_tensors
-from atorch.checkpoint.tensors import in_saved_layout, model_tensors, param_names, saved_layouts
+from atorch.checkpoint.tensors import in_saved_order, model_tensors, param_names, saved_orders
 from atorch.errors import CheckpointError, ShardedStateError
 from atorch.models import SyntheticTokenDataset, gpt_loss
 from atorch.testing import run_distributed
@@ -113,7 +113,7 @@ def full_optimizer_state(result) -> dict[str, torch.Tensor]:
     """{'<param name>/<key>': full fp32 CPU tensor} over every rank (collective)."""
     model = model_tensors(result.model)
     local = optimizer_state_tensors(OptimizerView(result.optim), param_names(model))
-    local = in_saved_layout(local, model, saved_layouts(result.model))  # the user's layout, as saved
+    local = in_saved_order(local, model, saved_orders(result.model))  # the user's layout, as saved
     mine = {k.removeprefix("optim/"): (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu().clone()
             for k, v in local.items()}
     parts = [mine]

@@ -43,6 +43,7 @@ def nccl_runs() -> dict:
     return out
 
 
+@pytest.mark.multirank
 def test_nccl_low_precision_strategies_match_the_fp32_reference():
     got = run_distributed(nccl_runs, 1)[0]
     assert got["backend"] == "nccl"

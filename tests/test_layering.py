@@ -8,6 +8,7 @@ Checked statically with ``ast``, so the check itself imports nothing.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,22 @@ def test_module_level_import_graph_has_no_cycle():
     for module in graph:
         if module not in state:
             visit(module)
+
+
+def test_each_overloaded_word_names_one_thing():
+    """docs/architecture.md "Words": a class named *Layout* is a tensor x pipeline layout of the search;
+    no class is a *Planner* (that word is ``atorch.plan``'s alone); the word "planner" appears in no
+    module outside ``atorch/plan`` (torch's own ``torch.distributed.checkpoint.planner`` aside)."""
+    problems = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            if "Layout" in node.name and not module.startswith("atorch.auto.search"):
+                problems.append(f"{module}.{node.name}: 'layout' is the search's tensor x pipeline sizes")
+            if "Planner" in node.name:
+                problems.append(f"{module}.{node.name}: 'planner' is atorch.plan alone")
+        if not module.startswith("atorch.plan") and re.search(r"(?<![.\w])planners?\b", path.read_text(), re.I):
+            problems.append(f"{module} says 'planner' outside atorch/plan")
+    assert not problems, "\n".join(problems)

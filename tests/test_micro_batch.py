@@ -84,7 +84,7 @@ def test_search_splits_a_batch_whose_activations_do_not_fit(tmp_path, monkeypatc
     from atorch.auto.search.candidates import Candidate
     from atorch.auto.search.cost import estimate
     from atorch.auto.search.options import SearchOptions
-    from atorch.auto.search.planner import Planner
+    from atorch.auto.search.strategy_search import StrategySearch
 
     monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))  # the probe's measurement is reused by the search
     kwargs = dict(optim_args={"lr": 0.1}, dataloader_args={"batch_size": 16}, model_input_format="unpack_dict")
@@ -96,7 +96,7 @@ def test_search_splits_a_batch_whose_activations_do_not_fit(tmp_path, monkeypatc
         return ModelContext(model, torch.optim.SGD, dataset, gpt_loss, local=local, per_rank_batch_size=batch_size,
                             **kwargs)
 
-    probe = Planner(build_gpt(0, SEARCH_GPT), make_context, SearchOptions(excluded=excluded))
+    probe = StrategySearch(build_gpt(0, SEARCH_GPT), make_context, SearchOptions(excluded=excluded))
     probe.analyse()
     probe.measure()
     variant = probe.variants[("fp32", False)]

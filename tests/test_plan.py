@@ -17,11 +17,11 @@ import torch
 
 import atorch
 from atorch.auto import auto_accelerate
-from atorch.auto.search.hardware_specs import DEVICES, cluster_spec, device_spec
-from atorch.auto.search.model_specs import BUILTIN_CONFIGS, model_spec
 from atorch.errors import InputError
 from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
 from atorch.plan import PRECISIONS
+from atorch.plan.hardware_specs import DEVICES, cluster_spec, device_spec
+from atorch.plan.model_specs import BUILTIN_CONFIGS, model_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA3_8B_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -189,8 +189,7 @@ def test_a_pipeline_split_that_counts_the_ends_as_blocks_peaks_on_the_second_sta
     """Llama 3 405B's split: 126 blocks on 16 stages with the embedding and the output layer counted as a
     block each, so 7 blocks on the first and the last stage and 8 between. Under 1F1B stage k holds p - k
     micro-batches, so the peak moves to the second stage (8 blocks x 15) from the first (8 x 16 evenly)."""
-    from atorch.auto.search import analytic
-    from atorch.plan import configuration
+    from atorch.plan import analytic, configuration
 
     spec = model_spec({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16384,
                        "intermediate_size": 53248, "num_hidden_layers": 126, "num_attention_heads": 128,
@@ -206,7 +205,8 @@ def test_a_pipeline_split_that_counts_the_ends_as_blocks_peaks_on_the_second_sta
     split = analytic.layout_memory(candidate, spec, ends, None, 64)
 
     def blocks(n, in_flight):  # n blocks' activations for in_flight micro-batches of one sequence
-        return analytic.activation_bytes(candidate, spec, work, 8192, 8, n, in_flight, head=False)
+        return analytic.activation_bytes(candidate, spec, work, 8192, tensor=8, layers=n, in_flight=in_flight,
+                                         head=False)
     # the activations' peak drops from the first stage's 8 x 16 to the second's 8 x 15 (the state, sharded
     # over 64 data ranks, barely changes)
     assert even - split == pytest.approx(blocks(8, 16) - blocks(8, 15), rel=0.02)

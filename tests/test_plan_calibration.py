@@ -1,6 +1,6 @@
 """The planner's fitted constants come from their calibration rows only.
 
-``atorch/auto/search/calibration.py`` names, for every constant the analytic model fits, the rows of
+``atorch/plan/calibration.py`` names, for every constant the analytic model fits, the rows of
 ``benchmarks/published_runs.json`` it was fitted on. This pins the split: those rows (and only they)
 are ``role: calibration`` in the data file and name the constant in ``sets``; at most a third of the
 rows are calibration rows; and refitting every constant on its own rows alone (the held-out rows are
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from atorch.auto.search import calibration
+from atorch.plan import calibration
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,7 @@ def test_workload_facts_are_recorded_per_source_never_per_row():
     keyed by source and naming real Workload fields."""
     from dataclasses import fields
 
-    from atorch.auto.search.analytic import Workload
+    from atorch.plan.analytic import Workload
 
     names = {f.name for f in fields(Workload)}
     for source, facts in BENCH.SOURCE_WORKLOAD.items():
@@ -94,7 +94,7 @@ def test_held_out_rows_meet_the_accuracy_goal():
 def test_a_row_that_runs_non_default_optimizer_states_says_where_that_comes_from():
     """optimizer_states is a row's configuration, like its precision: a valid choice, and where it is not
     the fp32 default, the row's source records the file it was read from."""
-    from atorch.auto.search.analytic import OPTIMIZER_STATES
+    from atorch.plan.analytic import OPTIMIZER_STATES
 
     for row in ROWS:
         assert row["optimizer_states"] in OPTIMIZER_STATES, row["id"]

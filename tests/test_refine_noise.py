@@ -8,7 +8,7 @@ import torch
 
 from atorch.auto.accelerate import auto_accelerate
 from atorch.auto.dryrun import DryRunResult
-from atorch.auto.search import planner as planner_module
+from atorch.auto.search import strategy_search as search_module
 from atorch.auto.search.analyser import analyse_model
 from atorch.auto.search.candidates import Candidate, SearchSpace
 from atorch.auto.search.cost import Estimate
@@ -30,17 +30,17 @@ def _refine(monkeypatch, base_runs: list, refined_runs: list) -> Row:
     """The chosen ddp+fp32 (first measured 100 ms) refined with module_replace alone; returns its row."""
     model = build_gpt()
     runs = {"ddp+fp32": list(base_runs), "ddp+fp32+module_replace": list(refined_runs)}
-    monkeypatch.setattr(planner_module, "dry_run_candidate", lambda m, f, c, *a: runs[c.label].pop(0))
-    monkeypatch.setattr(planner_module, "topology_estimate", lambda *a: Estimate(2**20, 0.1))
-    planner = planner_module.Planner(model, None, SearchOptions(excluded={"native_dynamo"}))
-    planner.space = SearchSpace(1, torch.device("cpu"), analyse_model(model), frozenset({"native_dynamo"}))
-    planner.candidates = [Candidate()]
-    planner.rows = [Row("ddp+fp32", 2**20, 0.1, "ok", 2**20, 0.100, samples=[0.100], spread_s=0.002, chosen=True)]
-    planner.variants = {("fp32", False): VariantProfile("fp32", False, 8)}
-    planner.hardware = HardwareProfile("cpu", 2**30, float("inf"))
-    chosen = planner.refine(0)
-    row = planner.rows[1]
-    assert row.chosen == (chosen == 1) and planner.rows[0].chosen == (chosen == 0)
+    monkeypatch.setattr(search_module, "dry_run_candidate", lambda m, f, c, *a: runs[c.label].pop(0))
+    monkeypatch.setattr(search_module, "topology_estimate", lambda *a, **k: Estimate(2**20, 0.1))
+    search = search_module.StrategySearch(model, None, SearchOptions(excluded={"native_dynamo"}))
+    search.space = SearchSpace(1, torch.device("cpu"), analyse_model(model), frozenset({"native_dynamo"}))
+    search.candidates = [Candidate()]
+    search.rows = [Row("ddp+fp32", 2**20, 0.1, "ok", 2**20, 0.100, samples=[0.100], spread_s=0.002, chosen=True)]
+    search.variants = {("fp32", False): VariantProfile("fp32", False, 8)}
+    search.hardware = HardwareProfile("cpu", 2**30, float("inf"))
+    chosen = search.refine(0)
+    row = search.rows[1]
+    assert row.chosen == (chosen == 1) and search.rows[0].chosen == (chosen == 0)
     return row
 
 

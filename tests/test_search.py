@@ -200,19 +200,19 @@ def test_report_files_are_written_only_under_report_dir(tmp_path, monkeypatch):
     from atorch.auto.search.candidates import Candidate
     from atorch.auto.search.measure import HardwareProfile
     from atorch.auto.search.options import SearchOptions
-    from atorch.auto.search.planner import Planner
     from atorch.auto.search.report import Row
+    from atorch.auto.search.strategy_search import StrategySearch
 
     monkeypatch.chdir(tmp_path)
-    planner = Planner(build_gpt(), None, SearchOptions())
-    planner.candidates = [Candidate()]
-    planner.rows = [Row("ddp+fp32", 2**20, 0.01, "ok", 2**20, 0.011, chosen=True)]
-    planner.hardware = HardwareProfile("cpu", 2**30, float("inf"))
-    found = planner.report(0)
+    search = StrategySearch(build_gpt(), None, SearchOptions())
+    search.candidates = [Candidate()]
+    search.rows = [Row("ddp+fp32", 2**20, 0.01, "ok", 2**20, 0.011, chosen=True)]
+    search.hardware = HardwareProfile("cpu", 2**30, float("inf"))
+    found = search.report(0)
     assert "ddp+fp32" in found.table and found.report_files == [] and not list(tmp_path.iterdir())
     assert found.strategy.names() == [] and found.candidate == Candidate()
-    planner.options = SearchOptions(report_dir=str(tmp_path / "report"))
-    files = planner.report(0).report_files
+    search.options = SearchOptions(report_dir=str(tmp_path / "report"))
+    files = search.report(0).report_files
     assert {f.name for f in files} >= {"search_report.txt", "search_report.csv"}
     assert all(f.parent == tmp_path / "report" for f in files)
 

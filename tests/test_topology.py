@@ -12,7 +12,7 @@ from atorch.auto.search import measure
 from atorch.auto.search.analyser import analyse_model
 from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates
 from atorch.auto.search.layouts import layout_facts
-from atorch.auto.search.measure import HardwareProfile, NodeLayout, VariantProfile
+from atorch.auto.search.measure import HardwareProfile, NodeGrid, VariantProfile
 from atorch.auto.search.options import SearchOptions
 from atorch.auto.search.topology import Links, Topology, keep_tensor_in_node, topology_estimate, topology_for
 from atorch.models import GPT, GPTConfig
@@ -70,7 +70,8 @@ def _times(intra: float, inter: float) -> dict[str, float]:
     fsdp = Candidate("fsdp", "amp_bf16", block="GPTBlock")
     out = {}
     for candidate in (fsdp, dataclasses.replace(fsdp, shard=2), Candidate("ddp", "amp_bf16")):
-        out[candidate.label] = topology_estimate(candidate, _variant(), 8, space.profile, hardware, topology, links)
+        out[candidate.label] = topology_estimate(candidate, _variant(), world=8, profile=space.profile,
+                                                 hardware=hardware, topology=topology, links=links)
     return out
 
 
@@ -111,8 +112,8 @@ def test_planner_avoids_flat_fsdp_across_slow_nodes_and_ranks_hybrid_sharding_ab
     assert results[100e9].best.candidate.shard == 0 and results[100e9].best.candidate.sharding == "fsdp"
 
 
-def test_node_layout_groups_follow_the_launchers_rank_numbering():
-    layout = NodeLayout(nodes=2, ranks_per_node=3)
+def test_node_grid_groups_follow_the_launchers_rank_numbering():
+    layout = NodeGrid(nodes=2, ranks_per_node=3)
     assert layout.node_groups() == [[0, 1, 2], [3, 4, 5]]
     assert layout.cross_groups() == [[0, 3], [1, 4], [2, 5]]
 
@@ -139,7 +140,7 @@ def _fake_links(monkeypatch, speeds: dict) -> list:
 def test_each_link_is_measured_on_its_own_unless_given(monkeypatch, given, expected_measured, sources):
     measured = _fake_links(monkeypatch, {"intra": 30e9, "inter": 3e9})
     hardware = HardwareProfile("sim", 2**30, bandwidth_bytes_per_s=3e9)
-    measure.measure_links(hardware, torch.device("cpu"), NodeLayout(2, 2, *given))
+    measure.measure_links(hardware, torch.device("cpu"), NodeGrid(2, 2, *given))
     assert measured == expected_measured
     assert hardware.link_sources == sources
     assert hardware.intra_node_bandwidth == (given[0] or 30e9) and hardware.inter_node_bandwidth == (given[1] or 3e9)
@@ -149,17 +150,17 @@ def test_each_link_is_measured_on_its_own_unless_given(monkeypatch, given, expec
 def test_one_node_has_no_inter_node_link(monkeypatch):
     measured = _fake_links(monkeypatch, {})
     hardware = HardwareProfile("sim", 2**30, bandwidth_bytes_per_s=5e9)
-    measure.measure_links(hardware, torch.device("cpu"), NodeLayout(1, 4))
+    measure.measure_links(hardware, torch.device("cpu"), NodeGrid(1, 4))
     assert measured == [] and hardware.intra_node_bandwidth == 5e9 and hardware.inter_node_bandwidth is None
     assert hardware.describe_links() == "links: intra-node 5 GB/s (measured)"
 
 
-def test_the_planner_costs_collectives_on_the_measured_or_given_links(monkeypatch, caplog):
-    """Options -> NodeLayout -> measure_hardware -> Links used by the estimates, and the log names the sources."""
-    from atorch.auto.search import planner as planner_module
+def test_the_search_costs_collectives_on_the_measured_or_given_links(monkeypatch, caplog):
+    """Options -> NodeGrid -> measure_hardware -> Links used by the estimates, and the log names the sources."""
+    from atorch.auto.search import strategy_search as search_module
 
-    monkeypatch.setattr(planner_module, "world_size", lambda: 4)
-    monkeypatch.setattr(planner_module, "is_main_rank", lambda: True)
+    monkeypatch.setattr(search_module, "world_size", lambda: 4)
+    monkeypatch.setattr(search_module, "is_main_rank", lambda: True)
     layouts = []
 
     def measure_hardware(device, memory_limit, layout):
@@ -168,13 +169,13 @@ def test_the_planner_costs_collectives_on_the_measured_or_given_links(monkeypatc
         measure.measure_links(hardware, device, layout)
         return hardware
 
-    monkeypatch.setattr(planner_module, "measure_hardware", measure_hardware)
+    monkeypatch.setattr(search_module, "measure_hardware", measure_hardware)
     measured = _fake_links(monkeypatch, {"intra": 30e9, "inter": 3e9})
     options = SearchOptions.from_kargs({"inter_node_bandwidth": 1e9})
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    planner = planner_module.Planner(torch.nn.Linear(2, 2), None, options)
+    search = search_module.StrategySearch(torch.nn.Linear(2, 2), None, options)
     with caplog.at_level("INFO", logger="atorch"):
-        planner.measure_machine(torch.device("cpu"))
-    assert layouts == [NodeLayout(2, 2, None, 1e9)] and measured == ["intra"]
-    assert planner.links == Links(30e9, 1e9)
+        search.measure_machine(torch.device("cpu"))
+    assert layouts == [NodeGrid(2, 2, None, 1e9)] and measured == ["intra"]
+    assert search.links == Links(30e9, 1e9)
     assert "2 node(s) x 2 rank(s); links: intra-node 30 GB/s (measured), inter-node 1 GB/s (given)" in caplog.text

@@ -12,7 +12,7 @@ import torch
 from atorch.auto.apply import apply_strategy_together, dry_run_strategy, resolve_strategy
 from atorch.auto.model_context import ModelContext
 from atorch.auto.search.options import SEARCH_KARGS, SearchOptions
-from atorch.auto.search.planner import search
+from atorch.auto.search.strategy_search import search
 from atorch.auto.strategy import Strategy
 from atorch.checkpoint.agreement import main_rank_error
 from atorch.distributed.agreement import is_main_rank
@@ -82,9 +82,11 @@ def auto_accelerate(
         batch of ``batch_size`` (the search's single-rank profiles). Dry runs and the search train
         on ``sample_batch``'s rows when it is given (``trial``); the result's context does not."""
         return ModelContext(
-            target, optim_func, trial_dataset if trial else dataset, loss_func, prepare_input, model_input_format,
-            optim_args, optim_param_func, dataloader_args, distributed_sampler_cls, lr_scheduler_cls,
-            lr_scheduler_args, find_unused_parameters=bool(kargs.get("find_unused_parameters", False)), local=local,
+            target, optim_func, trial_dataset if trial else dataset, loss_func, prepare_input=prepare_input,
+            model_input_format=model_input_format, optim_args=optim_args, optim_param_func=optim_param_func,
+            dataloader_args=dataloader_args, distributed_sampler_cls=distributed_sampler_cls,
+            lr_scheduler_cls=lr_scheduler_cls, lr_scheduler_args=lr_scheduler_args,
+            find_unused_parameters=bool(kargs.get("find_unused_parameters", False)), local=local,
             per_rank_batch_size=batch_size,
         )
 

@@ -110,6 +110,7 @@ class ModelContext:
         optim_func: Optional[Callable] = None,
         dataset: Optional[Dataset] = None,
         loss_func: Optional[Callable] = None,
+        *,
         prepare_input: Optional[Callable] = None,
         model_input_format: Optional[str] = None,
         optim_args: Optional[dict] = None,

@@ -1,11 +1,11 @@
 """Training checkpoints under every strategy, one file per job.
 
-One canonical layout whatever the strategy, so a checkpoint saved under one strategy (or number of
+One canonical form whatever the strategy, so a checkpoint saved under one strategy (or number of
 processes) loads under another (docs/checkpoints.md). The public names are ``atorch.save_checkpoint``,
 ``atorch.load_checkpoint``, ``atorch.wait_for_checkpoint`` and ``atorch.export_model``.
 
 - ``api.py``: ``save_checkpoint`` / ``load_checkpoint``, the order of a save and of a load;
-- ``tensors.py``: the model's tensors under canonical names, layouts of a method's own;
+- ``tensors.py``: the model's tensors under canonical names, element orders of a method's own;
 - ``optimizer_state.py``: the optimizer's state and hyperparameters by parameter name;
 - ``adapters.py``: how a method declares what its optimizer holds (``register_optimizer_adapter``);
 - ``train_state.py``: the metadata file and the RNG files;

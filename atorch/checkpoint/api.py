@@ -31,12 +31,12 @@ from atorch.checkpoint.optimizer_state import (
 from atorch.checkpoint.safe_load import SafeFileSystemReader
 from atorch.checkpoint.tensors import (
     host_copy,
-    in_saved_layout,
-    into_live_layout,
+    in_saved_order,
+    into_live_order,
     model_tensors,
     param_names,
-    saved_layout_destinations,
-    saved_layouts,
+    saved_order_destinations,
+    saved_orders,
 )
 from atorch.checkpoint.train_state import (
     check_extra,
@@ -107,7 +107,7 @@ def _collect(result: Any) -> tuple[dict, dict, Optional[OptimizerView], dict]:
     local = on_every_rank(lambda: local_metadata(model, optim, view, names))
     tensors = {f"model/{k}": v for k, v in model.items()}
     tensors.update(optim)
-    tensors = in_saved_layout(tensors, model, saved_layouts(result.model))  # collective where a layout applies
+    tensors = in_saved_order(tensors, model, saved_orders(result.model))  # collective where an order applies
     return tensors, model, view, merge(gather(local))
 
 
@@ -176,12 +176,12 @@ def _found(target: str) -> tuple[str, dict]:
 
 def _read_tensors(source: str, result: Any, meta: dict, model: dict, optim_targets: dict) -> dict:
     """DCP reads the model's tensors in place and the optimizer state into ``optim_targets``
-    (collective); returns ``optim_targets`` with state kept in another layout converted."""
-    layouts = saved_layouts(result.model)
+    (collective); returns ``optim_targets`` with state kept in another order converted."""
+    orders = saved_orders(result.model)
     destinations = {f"model/{k}": v for k, v in model.items() if k in meta["model"]}
     destinations.update({key: tensor for key, (tensor, _, _) in optim_targets.items()})
-    relayout = saved_layout_destinations(destinations, model, layouts)
-    destinations.update(relayout)
+    reordered = saved_order_destinations(destinations, model, orders)
+    destinations.update(reordered)
     try:
         with torch.no_grad():
             dcp.load(destinations, storage_reader=SafeFileSystemReader(source))
@@ -189,7 +189,7 @@ def _read_tensors(source: str, result: Any, meta: dict, model: dict, optim_targe
         raise
     except (Exception, CheckpointException) as error:
         raise CheckpointError(f"load_checkpoint: reading the tensors of {source!r} failed: {error}") from error
-    return into_live_layout(relayout, model, layouts, optim_targets)
+    return into_live_order(reordered, model, orders, optim_targets)
 
 
 def _restore_local_state(result: Any, source: str, meta: dict, view: Optional[OptimizerView],

@@ -5,10 +5,10 @@ Keys are ``model/<name>`` under the user's own parameter and buffer names (no ``
 tied weights once) and ``optim/<name>/<key>`` for optimizer state. DTensors stay DTensors, so DCP
 reshards them on load.
 
-A method that keeps a parameter in another layout than the user's (tensor_parallel's fused q|k|v)
-declares it on the module: ``SAVED_LAYOUTS_ATTR`` maps the parameter's attribute name to a layout
+A method that keeps a parameter in another order than the user's (tensor_parallel's fused q|k|v)
+declares it on the module: ``SAVED_ORDERS_ATTR`` maps the parameter's attribute name to an order
 object with ``to_saved(full_live) -> full_saved`` and ``to_live(full_saved) -> full_live``. Such a
-parameter is saved in the user's layout, gathered whole, so any strategy can load it.
+parameter is saved in the user's order, gathered whole, so any strategy can load it.
 """
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from atorch.errors import CheckpointError
 from atorch.utils.modules import unwrap_model
 
-SAVED_LAYOUTS_ATTR = "atorch_saved_layouts"  # module attribute: {param attr: SavedLayout}
+SAVED_ORDERS_ATTR = "atorch_saved_orders"  # module attribute: {param attr: SavedOrder}
 INNER_WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.")  # anywhere: torch.compile, checkpoint_wrapper
 
 
-class SavedLayout(Protocol):
-    """How a parameter kept in a live layout of its own converts to and from the user's layout."""
+class SavedOrder(Protocol):
+    """How a parameter kept in a live order of its own converts to and from the user's order."""
 
     def to_saved(self, live: torch.Tensor) -> torch.Tensor: ...
 
@@ -56,8 +56,8 @@ def canonical_name(name: str) -> str:
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's live parameters and persistent buffers by canonical name (DTensors as they are;
-    a weight tied under several names once, under its first). A parameter kept in another layout
-    (``SAVED_LAYOUTS_ATTR``) is returned live too; save and load convert it. CheckpointError for any
+    a weight tied under several names once, under its first). A parameter kept in another order
+    (``SAVED_ORDERS_ATTR``) is returned live too; save and load convert it. CheckpointError for any
     other parameter whose ``state_dict`` value is not the live tensor (an unknown state_dict hook
     rewrites it): loading it in place would be wrong."""
     out: dict[str, torch.Tensor] = {}
@@ -70,7 +70,7 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def _add_root_tensors(root: nn.Module, out: dict[str, torch.Tensor], seen: set[int]) -> None:
     live = dict(root.named_parameters(remove_duplicate=False))
     live.update(root.named_buffers(remove_duplicate=False))
-    permuted = _layouts_of(root)
+    permuted = _orders_of(root)
     for name, value in root.state_dict(keep_vars=True).items():
         key = canonical_name(name)
         if key in out or id(value) in seen:
@@ -78,8 +78,8 @@ def _add_root_tensors(root: nn.Module, out: dict[str, torch.Tensor], seen: set[i
         if name in live and value is not live[name]:
             if name not in permuted:
                 raise CheckpointError(
-                    f"save_checkpoint/load_checkpoint: {key!r} is stored in another layout than the live "
-                    "parameter (a state_dict hook rewrites it) and atorch does not know that layout; export the "
+                    f"save_checkpoint/load_checkpoint: {key!r} is stored in another order than the live "
+                    "parameter (a state_dict hook rewrites it) and atorch does not know that order; export the "
                     "weights with atorch.export_model", key=key)
             value = live[name]
         seen.add(id(value))
@@ -91,18 +91,18 @@ def param_names(tensors: dict[str, torch.Tensor]) -> dict[int, str]:
     return {id(t): name for name, t in tensors.items() if isinstance(t, nn.Parameter)}
 
 
-def _layouts_of(root: nn.Module) -> dict[str, SavedLayout]:
-    """``{state_dict name: layout}`` of the parameters a module keeps in a layout of its own."""
+def _orders_of(root: nn.Module) -> dict[str, SavedOrder]:
+    """``{state_dict name: order}`` of the parameters a module keeps in an order of its own."""
     out = {}
     for prefix, module in root.named_modules(remove_duplicate=False):
-        for attr, layout in getattr(module, SAVED_LAYOUTS_ATTR, {}).items():
-            out[f"{prefix}.{attr}" if prefix else attr] = layout
+        for attr, order in getattr(module, SAVED_ORDERS_ATTR, {}).items():
+            out[f"{prefix}.{attr}" if prefix else attr] = order
     return out
 
 
-def saved_layouts(model: nn.Module) -> dict[str, SavedLayout]:
-    """``{canonical name: layout}`` of the parameters stored in the user's layout, not the live one."""
-    return {canonical_name(n): layout for root in model_roots(model) for n, layout in _layouts_of(root).items()}
+def saved_orders(model: nn.Module) -> dict[str, SavedOrder]:
+    """``{canonical name: order}`` of the parameters stored in the user's order, not the live one."""
+    return {canonical_name(n): order for root in model_roots(model) for n, order in _orders_of(root).items()}
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -116,30 +116,30 @@ def param_of_key(key: str) -> str:
     return key[len("optim/"):].rsplit("/", 1)[0]
 
 
-def _has_layout(key: str, tensor: torch.Tensor, model: dict, layouts: dict) -> bool:
-    """Whether ``key`` is a parameter with a layout of its own, or its parameter-shaped state."""
+def _has_order(key: str, tensor: torch.Tensor, model: dict, orders: dict) -> bool:
+    """Whether ``key`` is a parameter with an order of its own, or its parameter-shaped state."""
     name = param_of_key(key)
-    return name in layouts and tensor.shape == model[name].shape and bool(tensor.dim())
+    return name in orders and tensor.shape == model[name].shape and bool(tensor.dim())
 
 
-def in_saved_layout(tensors: dict[str, torch.Tensor], model: dict[str, torch.Tensor],
-                    layouts: dict[str, SavedLayout]) -> dict[str, torch.Tensor]:
+def in_saved_order(tensors: dict[str, torch.Tensor], model: dict[str, torch.Tensor],
+                   orders: dict[str, SavedOrder]) -> dict[str, torch.Tensor]:
     """``tensors`` (``model/<name>`` and ``optim/<name>/<key>``) with each permuted parameter and
-    its parameter-shaped state in the user's layout, so any strategy can load them. Such a tensor is
+    its parameter-shaped state in the user's order, so any strategy can load them. Such a tensor is
     gathered whole (collective: call it on every rank in the same order) and saved replicated: the
     permutation mixes every rank's columns, so no rank's shard is a block of the saved tensor."""
-    if not layouts:
+    if not orders:
         return tensors
     out = dict(tensors)
     for key in sorted(tensors):
-        if _has_layout(key, tensors[key], model, layouts):
-            out[key] = layouts[param_of_key(key)].to_saved(_full(tensors[key]).detach())
+        if _has_order(key, tensors[key], model, orders):
+            out[key] = orders[param_of_key(key)].to_saved(_full(tensors[key]).detach())
     return out
 
 
-def to_live_layout(saved: torch.Tensor, like: torch.Tensor, layout: SavedLayout) -> torch.Tensor:
-    """A full tensor in the user's layout, permuted and cut as ``like`` (this rank's DTensor shard)."""
-    live = layout.to_live(saved)
+def to_live_order(saved: torch.Tensor, like: torch.Tensor, order: SavedOrder) -> torch.Tensor:
+    """A full tensor in the user's order, permuted and cut as ``like`` (this rank's DTensor shard)."""
+    live = order.to_live(saved)
     if not isinstance(like, DTensor):
         return live
     shape, offset = compute_local_shape_and_global_offset(live.shape, like.device_mesh, like.placements)
@@ -148,20 +148,20 @@ def to_live_layout(saved: torch.Tensor, like: torch.Tensor, layout: SavedLayout)
                               shape=like.shape, stride=like.stride())
 
 
-def saved_layout_destinations(destinations: dict, model: dict, layouts: dict) -> dict:
+def saved_order_destinations(destinations: dict, model: dict, orders: dict) -> dict:
     """Plain full tensors for DCP to read the permuted parameters (and their parameter-shaped
-    state) into, in the user's layout; ``into_live_layout`` converts them afterwards."""
+    state) into, in the user's order; ``into_live_order`` converts them afterwards."""
     return {key: torch.zeros(tensor.shape, dtype=tensor.dtype) for key, tensor in destinations.items()
-            if _has_layout(key, tensor, model, layouts)}
+            if _has_order(key, tensor, model, orders)}
 
 
-def into_live_layout(loaded: dict, model: dict, layouts: dict, optim_targets: dict) -> dict:
-    """Copy the permuted parameters read in the user's layout into the live ones (in place) and
-    return ``optim_targets`` with their state in the live layout, laid out like the parameter."""
+def into_live_order(loaded: dict, model: dict, orders: dict, optim_targets: dict) -> dict:
+    """Copy the permuted parameters read in the user's order into the live ones (in place) and
+    return ``optim_targets`` with their state in the live order, laid out like the parameter."""
     targets = dict(optim_targets)
     for key in loaded:
         name = param_of_key(key)
-        live = to_live_layout(loaded[key], model[name], layouts[name])
+        live = to_live_order(loaded[key], model[name], orders[name])
         if key.startswith("model/"):
             _copy_into(model[name], live)
         else:
@@ -191,6 +191,6 @@ def describe(tensor: torch.Tensor) -> list:
     return [list(tensor.shape), str(tensor.dtype).removeprefix("torch.")]
 
 
-__all__ = ["SAVED_LAYOUTS_ATTR", "SavedLayout", "model_roots", "canonical_name", "model_tensors", "param_names",
-           "saved_layouts", "param_of_key", "in_saved_layout", "to_live_layout", "saved_layout_destinations",
-           "into_live_layout", "host_copy", "describe"]
+__all__ = ["SAVED_ORDERS_ATTR", "SavedOrder", "model_roots", "canonical_name", "model_tensors", "param_names",
+           "saved_orders", "param_of_key", "in_saved_order", "to_live_order", "saved_order_destinations",
+           "into_live_order", "host_copy", "describe"]

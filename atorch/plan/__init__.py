@@ -21,13 +21,13 @@ import torch
 from torch import nn
 
 from atorch.auto.search.analyser import ModelProfile
-from atorch.auto.search.analytic import AC_MODES, OPTIMIZER_STATES, Prediction, Workload, predict, spec_layout_facts
 from atorch.auto.search.candidates import SHARDINGS, Candidate, SearchSpace, enumerate_candidates
-from atorch.auto.search.hardware_specs import ClusterSpec, DeviceSpec, cluster_spec
-from atorch.auto.search.model_specs import TransformerSpec, model_spec
 from atorch.auto.search.topology import Topology, keep_tensor_in_node
 from atorch.auto.strategy import Strategy
 from atorch.errors import InputError
+from atorch.plan.analytic import AC_MODES, OPTIMIZER_STATES, Prediction, Workload, predict, spec_layout_facts
+from atorch.plan.hardware_specs import ClusterSpec, DeviceSpec, cluster_spec
+from atorch.plan.model_specs import TransformerSpec, model_spec
 from atorch.utils.plotting import headless_pyplot
 
 logger = logging.getLogger("atorch")

@@ -6,10 +6,10 @@ import json
 import sys
 from typing import Optional
 
-from atorch.auto.search.hardware_specs import DEVICES
-from atorch.auto.search.model_specs import BUILTIN_CONFIGS
 from atorch.errors import AtorchError
 from atorch.plan import plan, plot_plan
+from atorch.plan.hardware_specs import DEVICES
+from atorch.plan.model_specs import BUILTIN_CONFIGS
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -3,7 +3,7 @@ TorchFunctionMode while the user's model runs a sample batch.
 
 Why eager recording instead of torch.export / FX: it sees the model exactly as training runs it
 (data-dependent control flow, HF caches, MoE routing on real tokens), needs no tracing-friendly code
-and cannot fail on a model that trains. What it gives the planners is structure independent of
+and cannot fail on a model that trains. What it gives the plan finders is structure independent of
 names: a Linear is known by the parameter it multiplies with, attention by
 ``scaled_dot_product_attention`` or by a matmul between two activations, and every tensor by the op
 that made it. Composite functions appear as one op (``layer_norm``, ``softmax``): modes do not see

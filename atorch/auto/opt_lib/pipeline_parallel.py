@@ -6,7 +6,7 @@ cost of a block is its matmul parameter count (FLOPs per token are proportional 
 before the first block ride with the first stage and those after the last block (final norm, pooler,
 LM head) with the last. ``pivots`` (AutoDist's ``pipeline_pivots``) names the first module of every
 stage but the first instead. Which layers run before and which after the blocks is read from one
-traced forward of a dataset row (``pipeline_layout``), so an ``nn.Linear`` input layer is placed like
+traced forward of a dataset row (``pipeline_structure``), so an ``nn.Linear`` input layer is placed like
 an embedding.
 
 How a stage runs the user's unchanged model: each stage is a copy of the model holding only its own
@@ -64,18 +64,18 @@ from torch.utils import _pytree as pytree
 
 from atorch.auto.gradients import mark_counted_elsewhere
 from atorch.auto.opt_lib.base import Optimization
-from atorch.auto.opt_lib.pipeline_layout import (
-    ModelLayout,
+from atorch.auto.opt_lib.pipeline_structure import (
+    BlockStructure,
     PassThrough,
     StandIn,
     canonical_names,
     check_supported,
     held_parameters,
-    layout_from_order,
     no_cache_kwargs,
     replace_everywhere,
     shared_between_stages,
-    trace_layout,
+    structure_from_order,
+    trace_structure,
 )
 from atorch.distributed import mesh
 from atorch.errors import MethodConfigError
@@ -173,8 +173,8 @@ class PipelineOutput:
 class PipelineModule(nn.Module):
     """This rank's stage(s) and the schedule that drives them; ``parameters()`` are the stage's."""
 
-    def __init__(self, stage_modules: list, schedule, loss_func, input_format: Optional[str], group, is_last: bool,
-                 shared: Optional[SharedWeights] = None):
+    def __init__(self, stage_modules: list, schedule, *, loss_func, input_format: Optional[str], group,
+                 is_last: bool, shared: Optional[SharedWeights] = None):
         super().__init__()
         self.stage_modules = nn.ModuleList(stage_modules)
         self.schedule = schedule
@@ -383,7 +383,7 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     per_rank = stages_per_rank(config, "pipeline_parallel")
     num_stages = pp * per_rank
     blocks = _blocks(ctx.model, num_stages, f" ({pp} pipeline ranks x {per_rank} per rank)")
-    layout = model_layout(ctx, blocks)
+    structure = block_structure(ctx, blocks)
     starts = _stage_starts(ctx.model, blocks, config, num_stages)
     per_rank_batch = ctx.per_rank_batch_size
     micro = config.num_micro_batch or min(2 * pp, per_rank_batch)
@@ -393,8 +393,8 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     rank = dist.get_rank(group)
     indices = [rank + pp * v for v in range(per_rank)]
     bounds = list(zip(starts, starts[1:] + [len(blocks)]))
-    holders = shared_between_stages(ctx.model, layout, bounds)
-    modules = [StageModule(ctx.model if i == indices[-1] else copy.deepcopy(ctx.model), layout, i, bounds,
+    holders = shared_between_stages(ctx.model, structure, bounds)
+    modules = [StageModule(ctx.model if i == indices[-1] else copy.deepcopy(ctx.model), structure, i, bounds,
                            ctx.model_input_format, holders) for i in indices]
     for stage_module in modules:
         stage_module.agree_on_first_input(mesh.parallel_group("tensor"))
@@ -404,8 +404,8 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     schedule_cls = getattr(schedules, SCHEDULES[config.schedule])
     schedule = schedule_cls(stages if len(stages) > 1 else stages[0], micro, loss_fn=loss_fn)
     shared = SharedWeights(modules, holders, group, ctx.device)
-    module = PipelineModule(modules, schedule, ctx.loss_func, ctx.model_input_format, group,
-                            (num_stages - 1) in indices, shared)
+    module = PipelineModule(modules, schedule, loss_func=ctx.loss_func, input_format=ctx.model_input_format,
+                            group=group, is_last=(num_stages - 1) in indices, shared=shared)
     holder["module"] = module
     ctx.model = module
     ctx.loss_func = pipeline_loss
@@ -415,7 +415,7 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     ctx.args.use_optim_backward = True
     ctx.args.extras["pipeline"] = {"stages": num_stages, "stage_indices": indices, "num_micro_batch": micro,
                                   "schedule": config.schedule, "blocks_per_stage": [b - a for a, b in bounds],
-                                  "before_blocks": layout.before, "after_blocks": layout.after,
+                                  "before_blocks": structure.before, "after_blocks": structure.after,
                                   "tied": {name: stages for name, stages in holders.items()}}
 
 
@@ -429,7 +429,7 @@ def _stage_starts(model: nn.Module, blocks: list, config: PipelineParallelConfig
     return split.starts
 
 
-def model_layout(ctx, blocks: list[tuple[str, nn.Module]]) -> ModelLayout:
+def block_structure(ctx, blocks: list[tuple[str, nn.Module]]) -> BlockStructure:
     """Which layers run before and after the blocks, from one traced forward of a sample row of the
     dataset (registration order when there is no dataset to take it from)."""
     check_supported(ctx.model, blocks)
@@ -437,8 +437,8 @@ def model_layout(ctx, blocks: list[tuple[str, nn.Module]]) -> ModelLayout:
     if sample is None:
         logger.info("pipeline_parallel: no dataset to trace a forward with; layers registered before the first "
                     "block are taken to run before it")
-        return layout_from_order(ctx.model, blocks)
-    return trace_layout(ctx.model, blocks, lambda model: call_stage_model(model, sample, ctx.model_input_format))
+        return structure_from_order(ctx.model, blocks)
+    return trace_structure(ctx.model, blocks, lambda model: call_stage_model(model, sample, ctx.model_input_format))
 
 
 def call_stage_model(model: nn.Module, batch: Any, input_format: Optional[str]) -> Any:
@@ -497,7 +497,7 @@ class _StageExit(Exception):
 class StageModule(nn.Module):
     """One pipeline stage of the user's model (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, layout: ModelLayout, index: int, bounds: list[tuple[int, int]],
+    def __init__(self, model: nn.Module, structure: BlockStructure, index: int, bounds: list[tuple[int, int]],
                  input_format: Optional[str], tied: Iterable[str] = ()):
         super().__init__()
         self.index = index
@@ -507,29 +507,30 @@ class StageModule(nn.Module):
         self._incoming: Optional[torch.Tensor] = None
         self._output_spec: Any = None
         self.agree_group: Optional[dist.ProcessGroup] = None  # see agree_on_first_input
-        layout = dataclasses.replace(layout, blocks=[(name, model.get_submodule(name)) for name, _ in layout.blocks])
+        blocks = [(name, model.get_submodule(name)) for name, _ in structure.blocks]
+        structure = dataclasses.replace(structure, blocks=blocks)
         owned = range(*bounds[index])
         canonical = canonical_names(model)
-        held = held_parameters(model, layout, owned, self.is_first, self.is_last)
-        self._prune(layout, owned)
+        held = held_parameters(model, structure, owned, self.is_first, self.is_last)
+        self._prune(structure, owned)
         held_ids = {id(p) for p in held.values()}
         self.names = {path: canonical[id(p)] for path, p in model.named_parameters(remove_duplicate=False)
                       if id(p) in held_ids}
         tied = set(tied)  # modules holding a weight tied to another stage (tensor_parallel keeps them whole)
         self.tied_modules = {f"model.{path.rpartition('.')[0]}" for path, name in self.names.items() if name in tied}
-        first, last = layout.blocks[owned.start][1], layout.blocks[owned.stop - 1][1]
+        first, last = structure.blocks[owned.start][1], structure.blocks[owned.stop - 1][1]
         if not self.is_first:
             first.register_forward_pre_hook(self._take_incoming, with_kwargs=True)
         if not self.is_last:
             last.register_forward_hook(self._leave)
 
-    def _prune(self, layout: ModelLayout, owned: range) -> None:
+    def _prune(self, structure: BlockStructure, owned: range) -> None:
         """Blocks of other stages become pass-throughs, units held elsewhere stand-ins."""
-        for position, (_, block) in enumerate(layout.blocks):
+        for position, (_, block) in enumerate(structure.blocks):
             if position not in owned:
-                replace_everywhere(self.model, block, PassThrough(block, layout.block_output_len))
-        kept = set(layout.before if self.is_first else []) | set(layout.after if self.is_last else [])
-        for unit in dict.fromkeys(layout.before + layout.after):
+                replace_everywhere(self.model, block, PassThrough(block, structure.block_output_len))
+        kept = set(structure.before if self.is_first else []) | set(structure.after if self.is_last else [])
+        for unit in dict.fromkeys(structure.before + structure.after):
             if unit not in kept:
                 module = self.model.get_submodule(unit)
                 replace_everywhere(self.model, module, StandIn(module))

@@ -54,7 +54,7 @@ from atorch.auto.opt_lib.tp_check import Probe, check_plan, probe_from_context
 from atorch.auto.opt_lib.tp_mha import split_mha
 from atorch.auto.opt_lib.tp_plan import TPPlan, _is_linear, find_tp_plan, plan_from_patterns, split_share
 from atorch.auto.opt_lib.tp_shapes import install_localizer, localize_attributes
-from atorch.checkpoint.tensors import SAVED_LAYOUTS_ATTR
+from atorch.checkpoint.tensors import SAVED_ORDERS_ATTR
 from atorch.distributed import mesh
 from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, option
@@ -103,31 +103,31 @@ def _distribute(style, module, device_mesh, weight, bias):
 
 
 # --- fused q|k|v -------------------------------------------------------------------------------------
-# a module's SAVED_LAYOUTS_ATTR ({param attr: PermutedLayout}) tells checkpoints the user's layout
+# a module's SAVED_ORDERS_ATTR ({param attr: PermutedOrder}) tells checkpoints the user's order
 
 
 @dataclass(frozen=True)
-class PermutedLayout:
-    """A parameter whose live layout is its saved (user's) layout with dimension ``dim`` permuted:
+class PermutedOrder:
+    """A parameter whose live order is its saved (user's) order with dimension ``dim`` permuted:
     ``live.index_select(dim, i) == saved.index_select(dim, order[i])``. Kept on the module so that
-    ``state_dict`` and checkpoints store the user's layout, which any other strategy can load."""
+    ``state_dict`` and checkpoints store the user's order, which any other strategy can load."""
 
     order: torch.Tensor
     dim: int
 
     def to_saved(self, live: torch.Tensor) -> torch.Tensor:
-        """The user's layout of a full (unsharded) live-layout tensor."""
+        """The user's order of a full (unsharded) live-order tensor."""
         return live.index_select(self.dim, torch.argsort(self.order).to(live.device))
 
     def to_live(self, saved: torch.Tensor) -> torch.Tensor:
-        """The live layout (full, unsharded) of a tensor in the user's layout."""
+        """The live order (full, unsharded) of a tensor in the user's order."""
         return saved.index_select(self.dim, self.order.to(saved.device))
 
 
 def _interleave_fused(model: nn.Module, fused_name: str, parts: list[int], tp: int) -> None:
     """Reorder the fused [q | k | v] (or [k | v]) output columns so rank r's contiguous share is
-    [q_r | k_r | v_r], and restore the original layout in state_dict (and, through
-    ``SAVED_LAYOUTS_ATTR``, in checkpoints)."""
+    [q_r | k_r | v_r], and restore the original order in state_dict (and, through
+    ``SAVED_ORDERS_ATTR``, in checkpoints)."""
     proj = model.get_submodule(fused_name)
     out_dim = 1 if type(proj).__name__ == "Conv1D" else 0
     order = _interleaved_order(parts, tp)
@@ -135,16 +135,16 @@ def _interleave_fused(model: nn.Module, fused_name: str, parts: list[int], tp: i
         proj.weight.copy_(proj.weight.index_select(out_dim, order))
         if proj.bias is not None:
             proj.bias.copy_(proj.bias.index_select(0, order))
-    layouts = {"weight": PermutedLayout(order, out_dim)}
+    orders = {"weight": PermutedOrder(order, out_dim)}
     if proj.bias is not None:
-        layouts["bias"] = PermutedLayout(order, 0)
-    setattr(proj, SAVED_LAYOUTS_ATTR, layouts)
+        orders["bias"] = PermutedOrder(order, 0)
+    setattr(proj, SAVED_ORDERS_ATTR, orders)
 
     def restore(module, state, prefix, local_metadata):
-        for key, layout in layouts.items():
+        for key, order in orders.items():
             value = state.get(prefix + key)
             if value is not None:
-                state[prefix + key] = layout.to_saved(value.full_tensor() if isinstance(value, DTensor) else value)
+                state[prefix + key] = order.to_saved(value.full_tensor() if isinstance(value, DTensor) else value)
         return state
 
     proj._register_state_dict_hook(restore)
@@ -252,7 +252,7 @@ def _on_stage(stage: nn.Module, entries, linear: bool = True):
 def _keep_pipeline_tied_whole(model: nn.Module, plan: TPPlan) -> None:
     """A pipeline stage's embedding or head tied to a copy on another stage stays whole: each stage
     plans alone and cannot see whether the other copy is split, and the copies' gradients are
-    summed element by element, so both must keep the same layout."""
+    summed element by element, so both must keep the same element order."""
     tied = set(getattr(model, "tied_modules", ()))
     kept = sorted(tied & set(plan.vocab))
     if not kept:
@@ -295,8 +295,8 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
     regions = {name: model.get_submodule(name) for name in plan.regions}
     localizers = {name: install_localizer(module, plan.regions[name], tp) for name, module in regions.items()}
     if probe is not None and reference is not None:
-        plan.shapes = check_plan(model, probe, reference, regions, plan.regions, plan.region_heads, localizers, tp,
-                                 tp_mesh.get_group(), _describe(plan))
+        plan.shapes = check_plan(model, probe, reference, regions=regions, sizes=plan.regions, heads=plan.region_heads,
+                                 localizers=localizers, tp=tp, group=tp_mesh.get_group(), described=_describe(plan))
     elif plan.shapes in ("heads", "attributes"):
         chosen = plan.region_heads if plan.shapes == "heads" else plan.regions
         for name, module in regions.items():

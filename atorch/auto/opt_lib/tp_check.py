@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from atorch.auto.opt_lib.pipeline_layout import no_cache_kwargs
+from atorch.auto.opt_lib.pipeline_structure import no_cache_kwargs
 from atorch.auto.opt_lib.tp_shapes import ShapeLocalizer, localize_attributes, remove_localizer, restore_attributes
 from atorch.distributed.agreement import exchange_outside_collectives
 from atorch.errors import MethodConfigError
@@ -65,7 +65,7 @@ def _float_tensors(output: Any) -> list[torch.Tensor]:
     return [t for t in tensors(output) if t.is_floating_point()]
 
 
-def check_plan(model: nn.Module, probe: Probe, reference: list[torch.Tensor], regions: dict[str, nn.Module],
+def check_plan(model: nn.Module, probe: Probe, reference: list[torch.Tensor], *, regions: dict[str, nn.Module],
                sizes: dict[str, set], heads: dict[str, set], localizers: dict[str, ShapeLocalizer], tp: int, group,
                described: str) -> str:
     """Try tp_shapes' remedies in order until the split model matches ``reference`` on every rank of

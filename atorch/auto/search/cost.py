@@ -18,7 +18,7 @@ Parameters, gradients and optimizer state are measured too (``state_bytes`` afte
 optimizer's state coefficient (AutoDist's ``opt_resident_coef``) is observed, not assumed.
 
 Tensor / pipeline layouts start from the same measurement, with the layout facts that the methods'
-own planners give (``layouts.py``: which sizes the model supports, each rank's share of the bytes):
+own plan finders give (``layouts.py``: which sizes the model supports, each rank's share of the bytes):
 
 - parameters, gradients and optimizer state scale by the rank's exact share of the parameter bytes
   (its pipeline stage's modules, with the tensor-split projections divided by the tensor size);

@@ -2,7 +2,7 @@
 share of the model a rank holds under each. Facts only: the memory and time formulas that use them
 are in ``cost.py`` with every other formula.
 
-The facts come from the same planners the methods use (``find_tp_plan``, ``plan_stages``), run on
+The facts come from the same plan finders the methods use (``find_tp_plan``, ``plan_stages``), run on
 the model without changing it, so the search never proposes a layout the method would refuse, and
 the shares are counted from the modules each stage really keeps, not assumed to be 1/p. With a
 sample forward (``run``) the tensor plan is found from the recorded dataflow, as the method finds it
@@ -17,14 +17,14 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from atorch.auto.opt_lib.pipeline_layout import (
-    ModelLayout,
+from atorch.auto.opt_lib.pipeline_parallel import plan_stages
+from atorch.auto.opt_lib.pipeline_structure import (
+    BlockStructure,
     check_supported,
     held_parameters,
-    layout_from_order,
-    trace_layout,
+    structure_from_order,
+    trace_structure,
 )
-from atorch.auto.opt_lib.pipeline_parallel import plan_stages
 from atorch.auto.opt_lib.tp_mha import split_mha
 from atorch.auto.opt_lib.tp_plan import find_tp_plan, split_names
 from atorch.errors import AtorchError
@@ -60,8 +60,8 @@ class LayoutFacts:
 
 
 def layout_facts(model: nn.Module, world: int, run: Optional[Callable[[nn.Module], Any]] = None) -> LayoutFacts:
-    """Run the tensor and pipeline planners for every size that divides ``world``; ``run(model)``
-    (one forward of a sample batch) lets the pipeline planner trace which layers run before and after
+    """Run the tensor and pipeline plan finders for every size that divides ``world``; ``run(model)``
+    (one forward of a sample batch) lets the pipeline plan finder trace which layers run before and after
     the blocks, as the method does."""
     facts = LayoutFacts(param_bytes=sum(_bytes_of(p) for p in model.parameters()))
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
@@ -126,7 +126,7 @@ def _recorded(model: nn.Module, run: Optional[Callable[[nn.Module], Any]]) -> tu
 
 def _pipeline_facts(model: nn.Module, sizes: list[int], split_ids: set[int], facts: LayoutFacts,
                     run: Optional[Callable[[nn.Module], Any]] = None) -> dict[int, list[tuple[int, int]]]:
-    """Record which pipeline sizes the stage planner supports; returns per size the (parameter
+    """Record which pipeline sizes the stage plan finder supports; returns per size the (parameter
     bytes, tensor-split bytes) of each stage."""
     stages: dict[int, list[tuple[int, int]]] = {}
     layouts: dict[str, Any] = {}
@@ -135,7 +135,7 @@ def _pipeline_facts(model: nn.Module, sizes: list[int], split_ids: set[int], fac
             split = plan_stages(model, p)
             blocks = [(name, model.get_submodule(name)) for name in split.block_names]
             if "layout" not in layouts:  # the same for every size: traced once
-                layouts["layout"] = _pipeline_layout(model, blocks, run)
+                layouts["layout"] = _block_structure(model, blocks, run)
             layout = layouts["layout"]
         except AtorchError as error:
             facts.unsupported[f"pp{p}"] = str(error)
@@ -150,20 +150,20 @@ def _pipeline_facts(model: nn.Module, sizes: list[int], split_ids: set[int], fac
     return stages
 
 
-def _pipeline_layout(model: nn.Module, blocks: list, run: Optional[Callable[[nn.Module], Any]]) -> ModelLayout:
+def _block_structure(model: nn.Module, blocks: list, run: Optional[Callable[[nn.Module], Any]]) -> BlockStructure:
     """The method's own layout: refusals first, then the traced forward when a sample can be run
     (registration order otherwise). A model the method refuses raises the method's error."""
     check_supported(model, blocks)
     if run is None:
-        return layout_from_order(model, blocks)
+        return structure_from_order(model, blocks)
     try:
-        return trace_layout(model, blocks, run)
+        return trace_structure(model, blocks, run)
     except AtorchError:
         raise
     except Exception as error:  # the sample cannot run as given (device, a loss needing more): estimate without it
         logger.info("search: no traced forward for the pipeline layout (%s: %s); using registration order",
                     type(error).__name__, error)
-        return layout_from_order(model, blocks)
+        return structure_from_order(model, blocks)
 
 
 def _bytes_of(param) -> int:

@@ -76,7 +76,7 @@ class HardwareProfile:
 
 
 @dataclass(frozen=True)
-class NodeLayout:
+class NodeGrid:
     """Nodes x ranks per node as the launcher numbers them (rank = node * ranks_per_node + local rank), and the
     bandwidths the user gave (None: measure it). Plain numbers, so measuring needs nothing from ``topology.py``."""
 
@@ -132,7 +132,7 @@ def _agree_state(state: Optional[dict]) -> Optional[dict]:
 
 # --- the machine -------------------------------------------------------------------------------------
 def measure_hardware(device: torch.device, memory_limit: Optional[int],
-                     layout: NodeLayout = NodeLayout()) -> HardwareProfile:
+                     layout: NodeGrid = NodeGrid()) -> HardwareProfile:
     """The per-rank memory limit and the all-reduce bandwidth and latency over all ranks (the slowest
     rank's: a collective runs at its pace), and each link's bandwidth (``measure_links``)."""
     limit = memory_limit if memory_limit is not None else default_memory_limit(device)
@@ -147,7 +147,7 @@ def measure_hardware(device: torch.device, memory_limit: Optional[int],
     return hardware
 
 
-def measure_links(hardware: HardwareProfile, device: torch.device, layout: NodeLayout) -> None:
+def measure_links(hardware: HardwareProfile, device: torch.device, layout: NodeGrid) -> None:
     """Fill in the intra- and inter-node bandwidths. A collective's cost depends on the link it crosses (NVLink
     inside a node is an order of magnitude faster than the network), so with several nodes each link is
     measured on its own: all nodes all-reduce inside themselves at once, then the ranks with the same local rank

@@ -2,7 +2,7 @@
 
 Links inside a node (NVLink) are an order of magnitude faster than between nodes, and tensor
 parallelism all-reduces activations in every block, so a tensor group that spans nodes is almost
-never worth it: the search and the planner only propose tensor groups that fit in one node (the
+never worth it: the search and atorch.plan only propose tensor groups that fit in one node (the
 ``tensor`` dimension comes first in ``parallel_mode``, so its ranks are neighbours), while the
 pipeline and data dimensions may cross nodes. A user's own ``parallel_mode`` is not checked here.
 
@@ -68,7 +68,7 @@ class Links:
     inter_node: Optional[float] = None
 
 
-def topology_estimate(candidate: Candidate, variant: VariantProfile, world: int, profile: ModelProfile,
+def topology_estimate(candidate: Candidate, variant: VariantProfile, *, world: int, profile: ModelProfile,
                       hardware: HardwareProfile, topology: Topology, links: Links = Links()) -> Estimate:
     """``cost.estimate`` with each collective on the links it crosses. One node: unchanged (the
     measured bandwidth is the node's). Several: a data group spanning nodes runs at the inter-node

@@ -22,14 +22,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from atorch.auto.search import calibration
 from atorch.auto.search.analyser import ModelProfile
 from atorch.auto.search.candidates import Candidate
 from atorch.auto.search.cost import estimate
-from atorch.auto.search.hardware_specs import ClusterSpec
 from atorch.auto.search.layouts import LayoutFacts, divisors_above_one, micro_batches
 from atorch.auto.search.measure import HardwareProfile, VariantProfile
-from atorch.auto.search.model_specs import TransformerSpec
+from atorch.plan import calibration
+from atorch.plan.hardware_specs import ClusterSpec
+from atorch.plan.model_specs import TransformerSpec
 
 # The loss reads bf16 logits, upcasts them to fp32 and keeps their fp32 gradient: 2 + 4 + 4 bytes per
 # logit (first principles; transformers and torchtitan both upcast before cross-entropy).
@@ -149,7 +149,7 @@ def checkpointing(candidate: Candidate, work: Workload) -> str:
     return work.activation_checkpointing or ("full" if candidate.checkpoint else "none")
 
 
-def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload, tokens: float,
+def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload, tokens: float, *,
                      tensor: int = 1, layers: Optional[float] = None, in_flight: float = 1.0,
                      fp8: bool = False, head: bool = True) -> float:
     """Activations of ``tokens`` tokens (one data rank's share of the step) over ``layers`` blocks, with
@@ -250,11 +250,12 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
     if p > 1:
         # each stage's blocks times the micro-batches it holds (the first the most, the last the logits)
         blocks = stage_blocks(spec, p, work)
-        act = max(activation_bytes(candidate, spec, work, tokens, t, n,
-                                   min(micro_batches_in_flight(p, work.virtual_stages, k), micro), fp8, head=k == p - 1)
+        act = max(activation_bytes(candidate, spec, work, tokens, tensor=t, layers=n,
+                                   in_flight=min(micro_batches_in_flight(p, work.virtual_stages, k), micro), fp8=fp8,
+                                   head=k == p - 1)
                   for k, n in enumerate(blocks))
     else:
-        act = activation_bytes(candidate, spec, work, tokens, t, fp8=fp8)
+        act = activation_bytes(candidate, spec, work, tokens, tensor=t, fp8=fp8)
     return states + act
 
 

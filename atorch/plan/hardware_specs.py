@@ -19,8 +19,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
-from atorch.auto.search import calibration
 from atorch.errors import InputError, nearest_name
+from atorch.plan import calibration
 
 GIB = 2**30
 

@@ -6,7 +6,7 @@ time-limit decisions are broadcast from rank 0, see ``atorch.distributed.agreeme
 ends with the same strategy. A candidate that fails on any rank (while being applied or while
 training) is marked failed on every rank and the loop goes on.
 
-``Planner`` holds one search's state (the model, the context factory, the options, the profiles,
+``StrategySearch`` holds one search's state (the model, the context factory, the options, the profiles,
 the candidates and their report rows, the start time) so each step is a short method reading the
 state it needs, instead of a function passed a dozen positional arguments.
 """
@@ -31,7 +31,7 @@ from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_cand
 from atorch.auto.search.layouts import layout_facts
 from atorch.auto.search.measure import (
     HardwareProfile,
-    NodeLayout,
+    NodeGrid,
     Setting,
     VariantProfile,
     cache_key,
@@ -74,10 +74,10 @@ class SearchResult:
 
 def search(model: torch.nn.Module, make_context: ContextFactory, options: SearchOptions) -> SearchResult:
     """Find the fastest strategy that fits ``options.memory_limit`` (see the module doc)."""
-    return Planner(model, make_context, options).run()
+    return StrategySearch(model, make_context, options).run()
 
 
-class Planner:
+class StrategySearch:
     """One search. ``run()`` calls the steps in order; each step records what the next reads:
 
     - ``analyse()``: the model profile, the candidates, the machine (memory limit, bandwidth);
@@ -135,7 +135,7 @@ class Planner:
     def measure_machine(self, device: torch.device) -> None:
         """The memory limit, the all-reduce bandwidth and latency, and each link's bandwidth: measured, or as
         the options give it. The estimates then cost every collective on the link it crosses (``self.links``)."""
-        self.hardware = measure_hardware(device, self.options.memory_limit, self._node_layout())
+        self.hardware = measure_hardware(device, self.options.memory_limit, self._node_grid())
         self.links = Links(self.hardware.intra_node_bandwidth, self.hardware.inter_node_bandwidth)
         if self._links_matter():
             self._say(f"search: {self.topology.nodes} node(s) x {self.topology.ranks_per_node} rank(s); "
@@ -278,10 +278,10 @@ class Planner:
                             self.hardware, self.dry_runs.get(chosen), files, table, self.phases.seconds)
 
     # --- helpers ---------------------------------------------------------------------------------------
-    def _node_layout(self) -> NodeLayout:
+    def _node_grid(self) -> NodeGrid:
         """The topology and the bandwidths the options give, as ``measure_hardware`` takes them (it measures
         each link the options leave out)."""
-        return NodeLayout(self.topology.nodes, self.topology.ranks_per_node,
+        return NodeGrid(self.topology.nodes, self.topology.ranks_per_node,
                           self.options.intra_node_bandwidth, self.options.inter_node_bandwidth)
 
     def _links_matter(self) -> bool:
@@ -330,7 +330,8 @@ class Planner:
         return profile
 
     def _estimate(self, candidate: Candidate, variant: VariantProfile):
-        return topology_estimate(candidate, variant, self.world, self.profile, self.hardware, self.topology, self.links)
+        return topology_estimate(candidate, variant, world=self.world, profile=self.profile, hardware=self.hardware,
+                                 topology=self.topology, links=self.links)
 
     def _setting_strategy(self, setting: Setting) -> Strategy:
         """The precision / checkpoint methods of a setting, normalised as a rank alone applies them

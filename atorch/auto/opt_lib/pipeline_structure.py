@@ -4,9 +4,9 @@ A model is pipelined as *layers before the blocks → repeated blocks → layers
 layers around the blocks are *units*: the largest submodules that hold parameters and contain no
 block (``vit.embeddings``, ``lm_head``, BERT's ``cls`` head, an MLP's input ``nn.Linear``). Which
 side of the blocks a unit is on is read from the execution order of one forward of the real model
-on a sample batch (``trace_layout``), not from its type: an ``nn.Linear`` input layer runs before
+on a sample batch (``trace_structure``), not from its type: an ``nn.Linear`` input layer runs before
 the blocks like an embedding does. Without a sample (the search), registration order stands in
-(``layout_from_order``).
+(``structure_from_order``).
 
 The trace also refuses what one hidden state crossing each cut cannot carry, each with the reason:
 layers with parameters running *between* blocks (encoder-decoder models, two-tower models such as
@@ -35,7 +35,7 @@ METHOD = "pipeline_parallel"
 
 
 @dataclass
-class ModelLayout:
+class BlockStructure:
     """The blocks (in execution order) and the units on each side of them."""
 
     blocks: list[tuple[str, nn.Module]]
@@ -65,13 +65,13 @@ def find_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[st
     return units
 
 
-def layout_from_order(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> ModelLayout:
-    """Units registered before the first block run before it: the layout when no sample batch is
+def structure_from_order(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> BlockStructure:
+    """Units registered before the first block run before it: the structure when no sample batch is
     at hand (the search's estimates, a model given without a dataset)."""
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     first = order[blocks[0][0]]
     units = find_units(model, blocks)
-    return ModelLayout(blocks, [u for u in units if order[u] < first], [u for u in units if order[u] > first])
+    return BlockStructure(blocks, [u for u in units if order[u] < first], [u for u in units if order[u] > first])
 
 
 def check_supported(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> None:
@@ -143,7 +143,8 @@ def hidden_argument(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def trace_layout(model: nn.Module, blocks: list[tuple[str, nn.Module]], run: Callable[[nn.Module], Any]) -> ModelLayout:
+def trace_structure(model: nn.Module, blocks: list[tuple[str, nn.Module]],
+                    run: Callable[[nn.Module], Any]) -> BlockStructure:
     """Run ``run(model)`` once (no grad, eval mode, RNG state restored) and place every unit by
     when it ran; MethodConfigError for what a stage boundary cannot carry."""
     units = find_units(model, blocks)
@@ -171,7 +172,7 @@ def trace_layout(model: nn.Module, blocks: list[tuple[str, nn.Module]], run: Cal
     after = [n for n, at in seen.items() if not at or max(at) > last]  # a unit run on both sides is on both lists
     output = tracer.outputs.get(0)
     length = len(output) if isinstance(output, (tuple, list)) else None
-    return ModelLayout(blocks, before, after, length, traced=True)
+    return BlockStructure(blocks, before, after, length, traced=True)
 
 
 def _check_block_chain(blocks: list, calls: list[int], tracer: _Tracer) -> None:
@@ -203,17 +204,17 @@ def canonical_names(model: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
-def held_parameters(model: nn.Module, layout: ModelLayout, owned: range, first: bool,
+def held_parameters(model: nn.Module, structure: BlockStructure, owned: range, first: bool,
                     last: bool) -> dict[str, nn.Parameter]:
     """The weights a stage keeps, by canonical name: its blocks, the units before the blocks on the
     first stage and those after on the last, and parameters registered directly on the modules
     around the blocks (on every stage; their gradient comes from where they are used)."""
-    modules = [layout.blocks[i][1] for i in owned]
-    modules += [model.get_submodule(u) for u in layout.before if first]
-    modules += [model.get_submodule(u) for u in layout.after if last]
+    modules = [structure.blocks[i][1] for i in owned]
+    modules += [model.get_submodule(u) for u in structure.before if first]
+    modules += [model.get_submodule(u) for u in structure.after if last]
     held = {id(p): p for m in modules for p in m.parameters()}
-    grouped = {id(m) for _, b in layout.blocks for m in b.modules()}
-    grouped |= {id(m) for u in layout.before + layout.after for m in model.get_submodule(u).modules()}
+    grouped = {id(m) for _, b in structure.blocks for m in b.modules()}
+    grouped |= {id(m) for u in structure.before + structure.after for m in model.get_submodule(u).modules()}
     for module in model.modules():
         if id(module) not in grouped:
             held.update((id(p), p) for p in module.parameters(recurse=False))
@@ -221,11 +222,12 @@ def held_parameters(model: nn.Module, layout: ModelLayout, owned: range, first: 
     return {names[key]: p for key, p in held.items()}
 
 
-def shared_between_stages(model: nn.Module, layout: ModelLayout, bounds: list[tuple[int, int]]) -> dict[str, list[int]]:
+def shared_between_stages(model: nn.Module, structure: BlockStructure,
+                          bounds: list[tuple[int, int]]) -> dict[str, list[int]]:
     """Canonical name -> the stages holding a copy, for weights held by more than one stage."""
     holders: dict[str, list[int]] = {}
     for stage, (start, stop) in enumerate(bounds):
-        for name in held_parameters(model, layout, range(start, stop), stage == 0, stage == len(bounds) - 1):
+        for name in held_parameters(model, structure, range(start, stop), stage == 0, stage == len(bounds) - 1):
             holders.setdefault(name, []).append(stage)
     return {name: stages for name, stages in holders.items() if len(stages) > 1}
 
