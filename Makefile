@@ -11,7 +11,7 @@ CONSTRAINTS := constraints.txt
 KEEP_TORCH := $(VENV)/constraints-keep-torch.txt
 NPROC ?= 2
 
-.PHONY: demo test bench conformance clean
+.PHONY: demo test test-unit test-multirank bench conformance clean
 
 $(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 	@if [ ! -x $(PY) ]; then \
@@ -40,11 +40,18 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -rs tests
 
+# the two halves of the suite (tests/README.md): one process each, and the tests that launch ranks
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -rs tests -m "not multirank"
+
+test-multirank: $(STAMP)
+	$(PY) -m pytest -q -rs tests -m multirank
+
 # every method on every model of the zoo; rewrites docs/models.md (the suite checks it is current)
 conformance: $(STAMP)
 	$(PY) -m atorch.testing.conformance --write docs/models.md
 
-# every benchmark at full size (tests/test_benchmarks.py runs each in its smallest mode)
+# every benchmark at full size (tests/project/test_benchmarks.py runs each in its smallest mode)
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/memory.py

@@ -24,19 +24,18 @@ def _multi_process_launches_need_the_marker(request, monkeypatch):
         pytest.fail(f"{request.node.nodeid} {what} but is not marked multirank: add @pytest.mark.multirank "
                     "(or a module-level pytestmark) so the unit / multi-process split stays true")
 
-    real_get_context, real_popen = torch.multiprocessing.get_context, subprocess.Popen
+    real_get_context, real_popen_init = torch.multiprocessing.get_context, subprocess.Popen.__init__
 
     def get_context(method=None):
         if method == "spawn":
             refuse("spawns ranks")
         return real_get_context(method)
 
-    class Popen(real_popen):
-        def __init__(self, args, *rest, **kwargs):
-            words = [args] if isinstance(args, str) else [str(a) for a in args]
-            if any(launcher in word for word in words for launcher in LAUNCHERS):
-                refuse("starts torchrun")
-            super().__init__(args, *rest, **kwargs)
+    def popen_init(self, args, *rest, **kwargs):  # the class itself stays subprocess.Popen (picklable)
+        words = [args] if isinstance(args, (str, bytes)) else [str(a) for a in args]
+        if any(launcher in str(word) for word in words for launcher in LAUNCHERS):
+            refuse("starts torchrun")
+        real_popen_init(self, args, *rest, **kwargs)
 
     monkeypatch.setattr(torch.multiprocessing, "get_context", get_context)
-    monkeypatch.setattr(subprocess, "Popen", Popen)
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen_init)

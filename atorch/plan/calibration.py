@@ -6,7 +6,7 @@ how narrow a matmul may be before it loses half its speed, how much slower atten
 dense matmul. Each is fitted
 on the rows of ``benchmarks/published_runs.json`` that name it (``role: calibration``, ``sets``), and
 only on those: ``benchmarks/plan_vs_published.py --fit`` refits them and prints the values below,
-``tests/test_plan_calibration.py`` checks that refitting on the named rows alone gives these values
+``tests/search/test_plan_calibration.py`` checks that refitting on the named rows alone gives these values
 and that no held-out row is named. The other rows are held out; the accuracy printed on them is the
 planner's accuracy on runs it was not fitted to.
 

@@ -39,7 +39,7 @@ from atorch.auto.search.candidates import Candidate
 from atorch.auto.search.layouts import LayoutFacts, micro_batches
 from atorch.auto.search.measure import HardwareProfile, VariantProfile
 
-# Calibrated on the repo GPT (4 blocks x 128, vocab 512, 2 gloo ranks; see tests/test_search.py): the
+# Calibrated on the repo GPT (4 blocks x 128, vocab 512, 2 gloo ranks; see tests/search/test_search.py): the
 # residual stream, norms, logits and the loss are not split, and the step's peak falls where they
 # dominate, so tensor parallelism cuts the peak's activations far less than 1/t.
 REPLICATED_ACTIVATION_SHARE = 0.85

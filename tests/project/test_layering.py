@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "atorch"
+ROOT = Path(__file__).resolve().parents[2] / "atorch"
 
 LAYERS = ["utils", "distributed", "context", "opt_lib", "search", "accelerate"]
 # longest prefix wins; a package's __init__ is listed by its package name
@@ -163,3 +163,21 @@ def test_each_overloaded_word_names_one_thing():
         if not module.startswith("atorch.plan") and re.search(r"(?<![.\w])planners?\b", path.read_text(), re.I):
             problems.append(f"{module} says 'planner' outside atorch/plan")
     assert not problems, "\n".join(problems)
+
+
+def test_a_process_launch_without_the_multirank_marker_fails(tmp_path):
+    """tests/conftest.py keeps ``-m "not multirank"`` exact: run on a file of its own, an unmarked test
+    that spawns ranks fails naming the marker, and the same test marked passes."""
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copy(ROOT.parent / "tests" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_spawn.py").write_text(
+        "import pytest\nimport torch.multiprocessing as mp\n\n"
+        "def test_unmarked():\n    mp.get_context('spawn')\n\n"
+        "@pytest.mark.multirank\ndef test_marked():\n    mp.get_context('spawn')\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "markers=multirank",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert "1 failed, 1 passed" in done.stdout, done.stdout + done.stderr
+    assert "test_unmarked spawns ranks but is not marked multirank" in done.stdout, done.stdout

@@ -22,7 +22,7 @@ from atorch.errors import CheckpointError
 from atorch.testing import run_distributed
 from atorch.testing.training import weight_difference
 from atorch.utils.modules import full_state_dict
-from tests.test_checkpoints import SAVED_ONCE_SCRIPT, _build, _steps, full_optimizer_state
+from tests.checkpoint.test_checkpoints import SAVED_ONCE_SCRIPT, _build, _steps, full_optimizer_state
 
 pytestmark = pytest.mark.multirank
 

@@ -3,13 +3,13 @@
 torchrun's workers share the agent's TCPStore across restarts, so without atorch's per-attempt
 namespace (``atorch/distributed/elastic.py``) a restarted rank reads the dead attempt's addresses and
 ``init_process_group`` fails or hangs (here 13 of 19 restarts did). Each launch of
-tests/scripts/elastic_restart.py trains a tiny GPT on 2 ranks, checkpoints every 4 steps, and rank 1
+tests/distributed/scripts/elastic_restart.py trains a tiny GPT on 2 ranks, checkpoints every 4 steps, and rank 1
 kills itself (SIGKILL) after step 7; torchrun restarts both ranks, which resume from step 4. The losses
 of steps 5-10 and the final weights must equal an uninterrupted run's bit for bit.
 
 Here, under DDP, one kill on one node and one on two nodes (agents of one rank each, which disagree on
 their restart count), with one uninterrupted reference: about 20 s a launch. The fix is in
-process-group set-up, whatever the strategy, and tests/test_checkpoints.py checks exact resume under
+process-group set-up, whatever the strategy, and tests/checkpoint/test_checkpoints.py checks exact resume under
 every strategy. ``ATORCH_RESTART_RUNS=10`` repeats each single-node kill to show it is not luck,
 ``ATORCH_RESTART_STRATEGIES=ddp,fsdp,zero1,zero2`` adds strategies (10 of 10 each, measured).
 The handshake itself is also tested in threads on a store that holds a dead attempt's keys.
@@ -36,8 +36,8 @@ from atorch.testing.launcher import free_port
 
 pytestmark = pytest.mark.multirank
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "scripts" / "elastic_restart.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "distributed" / "scripts" / "elastic_restart.py"
 STEPS, KILL_STEP, RESUMED_FROM = 10, 7, 4
 RUNS = int(os.environ.get("ATORCH_RESTART_RUNS", "1"))
 STRATEGIES = os.environ.get("ATORCH_RESTART_STRATEGIES", "ddp").split(",")

@@ -1,4 +1,5 @@
-"""Training that survives a killed rank under ``torchrun --max-restarts 1``: used by tests/test_elastic_restart.py.
+"""Training that survives a killed rank under ``torchrun --max-restarts 1``: used by
+tests/distributed/test_elastic_restart.py.
 
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 elastic_restart.py OUT STRATEGY KILL_STEP [hold]
 

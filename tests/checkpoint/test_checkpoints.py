@@ -313,7 +313,7 @@ def test_a_plain_model_exports_for_load_state_dict(saved):
 SAVED_ONCE_SCRIPT = r"""
 import os, signal, sys, torch, atorch
 from atorch.checkpoint import api
-from tests.test_checkpoints import _build, _steps
+from tests.checkpoint.test_checkpoints import _build, _steps
 result = _build([], "sgd", False)
 batches = iter(result.dataloader)
 _steps(result, batches, 1)

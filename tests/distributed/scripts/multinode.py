@@ -1,4 +1,5 @@
-"""Two torchrun agents x 2 ranks on one machine, each agent a "node": every case of tests/test_multinode.py in one
+"""Two torchrun agents x 2 ranks on one machine, each agent a "node": every case of
+tests/distributed/test_multinode.py in one
 launch (start-up is the slow part), each rank writing ``rank<N>.json`` into the directory given as argv[1].
 
 Rank 0 first trains the single-process reference (before the process group exists); then every rank trains each

@@ -15,9 +15,9 @@ import pytest
 
 from atorch.auto.accelerate import KARGS
 from atorch.auto.search.options import SEARCH_KARGS, SearchOptions
-from tests.test_layering import LAYER_OF_PREFIX, LAYERS, layer_of
+from tests.project.test_layering import LAYER_OF_PREFIX, LAYERS, layer_of
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 TESTS_README = ROOT / "tests" / "README.md"
 PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", TESTS_README, *sorted(DOCS.glob("*.md"))]
@@ -109,7 +109,7 @@ def test_layer_table_matches_the_layering_test():
     assert list(dict.fromkeys(table.values())) == LAYERS, "the table lists the layers in order"
     assert set(table) == set(LAYER_OF_PREFIX), (
         f"missing from docs/architecture.md: {sorted(set(LAYER_OF_PREFIX) - set(table))}; "
-        f"not in tests/test_layering.py: {sorted(set(table) - set(LAYER_OF_PREFIX))}")
+        f"not in tests/project/test_layering.py: {sorted(set(table) - set(LAYER_OF_PREFIX))}")
     wrong = {m: (layer, LAYER_OF_PREFIX[m]) for m, layer in table.items() if LAYER_OF_PREFIX[m] != layer}
     assert not wrong, f"(docs layer, test layer): {wrong}"
     assert all(layer_of(m) == layer for m, layer in table.items())
@@ -174,11 +174,11 @@ def test_tests_readme_maps_every_method_and_test_file():
     rows = set(re.findall(r"^\| `(\w+)`", methods, re.M))
     missing = [name for name in opt_lib.registered_names() if name not in rows]
     assert not missing, f"tests/README.md has no row for the method(s) {missing}"
-    files = {path.name for path in (ROOT / "tests").glob("test_*.py")}
+    files = {path.name for path in (ROOT / "tests").rglob("test_*.py")}
     named = set(re.findall(r"`(test_\w+\.py)`", text))
     assert not named - files, f"tests/README.md names test files that do not exist: {sorted(named - files)}"
     assert not files - named, f"tests/README.md does not map {sorted(files - named)}"
-    defined = {name for path in (ROOT / "tests").glob("test_*.py")
+    defined = {name for path in (ROOT / "tests").rglob("test_*.py")
                for name in re.findall(r"^\s*def (test_\w+)\(", path.read_text(), re.M)}
     tests = set(re.findall(r"`(test_\w+)`", text)) - {name[:-3] for name in named}
     assert not tests - defined, f"tests/README.md names tests that do not exist: {sorted(tests - defined)}"

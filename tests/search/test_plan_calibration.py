@@ -14,7 +14,7 @@ import pytest
 
 from atorch.plan import calibration
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench():

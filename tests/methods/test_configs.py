@@ -29,7 +29,7 @@ from atorch.errors import MethodConfigError
 from atorch.models.gpt import GPTBlock
 from atorch.utils.config import MethodConfig, option, validate_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # a config differing from the defaults in as many fields as one strategy allows, for every built-in method
 NON_DEFAULT = {

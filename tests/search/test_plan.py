@@ -23,7 +23,7 @@ from atorch.plan import PRECISIONS
 from atorch.plan.hardware_specs import DEVICES, cluster_spec, device_spec
 from atorch.plan.model_specs import BUILTIN_CONFIGS, model_spec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LLAMA3_8B_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
                     "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                     "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False,

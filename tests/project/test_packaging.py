@@ -25,7 +25,7 @@ try:
 except ImportError:  # Python 3.10
     from pip._vendor import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONSTRAINTS = ROOT / "constraints.txt"
 GLOBAL_PIP_CONSTRAINTS = Path("/etc/xdg/pip/constraints.txt")  # this machine's own cap, when present
 NETWORK_ERRORS = ("NewConnectionError", "Failed to establish a new connection", "Temporary failure in name resolution",

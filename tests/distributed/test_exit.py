@@ -21,7 +21,7 @@ RUNS = 20
 
 
 def test_twenty_consecutive_zero1_jobs_exit_cleanly():
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), OMP_NUM_THREADS="1")
     codes = []
     for _ in range(RUNS):
         run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

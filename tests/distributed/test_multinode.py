@@ -1,5 +1,6 @@
 """Beyond one machine: two torchrun agents of 2 ranks each on localhost, joined by c10d rendezvous, are two
-"nodes" (LOCAL_WORLD_SIZE 2, WORLD_SIZE 4, GROUP_RANK the node). One launch (tests/scripts/multinode.py) trains
+"nodes" (LOCAL_WORLD_SIZE 2, WORLD_SIZE 4, GROUP_RANK the node). One launch
+(tests/distributed/scripts/multinode.py) trains
 data parallelism, fsdp, hybrid sharding, tensor x data, pipeline x data and the fully automatic search, each
 against the single-process reference on rank 0, and records the process groups each ran with: tensor and shard
 groups must stay inside a node, and the search must measure the two links apart and keep tensor groups in a node.
@@ -29,7 +30,7 @@ MODEL_PARALLEL_TOL, DATA_PARALLEL_TOL = 1e-4, 1e-5
 
 def _agent(endpoint: str, run_id: str, out: Path, log: Path) -> subprocess.Popen:
     """One torchrun agent (a "node") in its own process group, so a hang can be ended with all its ranks."""
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", str(PER_NODE),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--max-restarts", "0",
                str(SCRIPT), str(out)]

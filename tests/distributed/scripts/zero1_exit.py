@@ -1,4 +1,4 @@
-"""Two-rank zero1 training that then simply exits: used by tests/test_exit.py (run under torchrun)."""
+"""Two-rank zero1 training that then simply exits: used by tests/distributed/test_exit.py (run under torchrun)."""
 import torch
 
 import atorch

@@ -35,7 +35,7 @@ from atorch.models import GPTBlock, SyntheticTokenDataset, gpt_loss
 from atorch.testing import run_distributed
 from atorch.testing.training import SMALL_GPT, build_gpt
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 GOOD = Strategy([
     ("amp_native", {"dtype": torch.bfloat16, "skip_if_nonfinite": True}),
