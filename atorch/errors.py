@@ -62,6 +62,15 @@ class InputError(AtorchError, ValueError):
     """auto_accelerate was given arguments that cannot run together."""
 
 
+class MetaModelError(InputError):
+    """A model built on the meta device has a part atorch cannot initialise (no initialiser, or one
+    that leaves a tensor unset); ``module`` names it."""
+
+    def __init__(self, message: str, module: Optional[str] = None):
+        self.module = module
+        super().__init__(message)
+
+
 class RequirementError(AtorchError, RuntimeError):
     """A method's optional dependency or hardware is missing."""
 

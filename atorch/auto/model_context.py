@@ -28,6 +28,7 @@ from atorch.distributed.distributed import get_data_partition_rank_and_size  # n
 from atorch.errors import AtorchError, IncompatibleMethodsError, InputError, nearest_name
 from atorch.utils.batch import call_with_batch, cast_floating, move_to_device
 from atorch.utils.data import RankShareCollate, ResumableDataLoader
+from atorch.utils.meta_init import InitPlan, MaterializeRecord, has_meta_tensors, materialize, plan_initialisation
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +149,9 @@ class ModelContext:
 
         # facts methods share
         self.wrappers: dict[str, list[tuple[str, Wrapper]]] = defaultdict(list)
-        self.data_parallel_wrapper: Optional[tuple[str, Wrapper]] = None
+        self.data_parallel_wrapper: Optional[tuple[str, Wrapper, bool]] = None  # (method, wrapper, shards meta)
+        self.meta_init: Optional[InitPlan] = None  # a meta-device model's initialisers, until materialised
+        self.materialized: Optional[MaterializeRecord] = None
         self.optimizer_factory: Optional[Callable[["ModelContext", Any], Any]] = None
         self.input_dtype: Optional[torch.dtype] = None  # floating inputs are cast to it
         self.amp_dtype: Optional[torch.dtype] = None  # autocast's dtype; sharding picks its mixed precision from it
@@ -260,18 +263,22 @@ class ModelContext:
             raise ValueError(f"unknown wrapper stage {stage!r}; stages: {STAGES}")
         self.wrappers[stage].append((method, wrapper))
 
-    def set_data_parallel_wrapper(self, method: str, wrapper: Wrapper) -> None:
-        """Claim the data-parallel slot instead of the default DDP."""
+    def set_data_parallel_wrapper(self, method: str, wrapper: Wrapper, *, shards_meta: bool = False) -> None:
+        """Claim the data-parallel slot instead of the default DDP. ``shards_meta``: the wrapper
+        shards a model still on the meta device (FSDP2), so it is materialised after it, each process
+        allocating only its shards."""
         if self.data_parallel_wrapper is not None:
             raise IncompatibleMethodsError(
                 f"{method} and {self.data_parallel_wrapper[0]} both want to wrap the model for data parallelism; "
                 "keep one"
             )
-        self.data_parallel_wrapper = (method, wrapper)
+        self.data_parallel_wrapper = (method, wrapper, shards_meta)
 
     # --- applying ----------------------------------------------------------------------------
     def apply_wrappers(self) -> None:
-        self.model.to(self.device)
+        self.meta_init = plan_initialisation(self.model) if has_meta_tensors(self.model) else None
+        if self.meta_init is None:
+            self.model.to(self.device)
         for stage in STAGES:
             for method, wrapper in self.wrappers.get(stage, []):
                 logger.debug("applying %s at stage %s", method, stage)
@@ -282,8 +289,22 @@ class ModelContext:
         self._build_lr_scheduler()
 
     def _wrap_data_parallel(self) -> None:
-        if not self.local and self.data_parallel_wrapper is not None:
-            self.data_parallel_wrapper[1](self)
+        """The data-parallel wrapper; a model built on the meta device gets its real storage here,
+        before a wrapper that needs values (DDP broadcasts them) or after one that shards on meta
+        (FSDP2), so each process allocates only its part."""
+        wrapper = None if self.local else self.data_parallel_wrapper
+        if self.meta_init is not None and not (wrapper is not None and wrapper[2]):
+            self._materialize()
+        if wrapper is not None:
+            wrapper[1](self)
+        if self.meta_init is not None:
+            self._materialize()
+
+    def _materialize(self) -> None:
+        """Methods may have cut the model since the initialisers were found (a pipeline stage keeps
+        its own layers): find them again on what this process holds."""
+        self.materialized = materialize(self.model, self.device)
+        self.meta_init = None
 
     def add_sync_toggle(self, toggle: Callable[[bool], None]) -> None:
         """Register how to stop/restart gradient communication for gradient accumulation."""

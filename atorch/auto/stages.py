@@ -49,7 +49,9 @@ class StageWork(NamedTuple):
 CONTEXT_WORK = {
     "parallel_mode": StageWork("plan_batches", ("local", "dataset", "global_batch_size", "per_rank_batch_size"),
                                ("data_parallel_size", "per_rank_batch_size", "args")),
-    "data_parallel": StageWork("_wrap_data_parallel", ("local", "data_parallel_wrapper"), ()),
+    "data_parallel": StageWork("_wrap_data_parallel", ("local", "data_parallel_wrapper", "meta_init", "model",
+                                                       "device"),
+                               ("meta_init", "materialized")),
     "optimizer": StageWork("_build_optimizer",
                            ("model", "optim_func", "optim_args", "optim_param_func", "optimizer_factory",
                             "sync_toggles", "grad_partition_group", "backward_in_forward"),

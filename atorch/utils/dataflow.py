@@ -144,12 +144,13 @@ class _Recorder(TorchFunctionMode):
     def _record(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         op = Op(len(self.flow.ops), name, "other")
         leaves = pytree.tree_leaves((args, kwargs))
-        params = [t for t in leaves if isinstance(t, torch.Tensor) and id(t) in self.owners]
+        params = [t for t in leaves if isinstance(t, torch.Tensor) and tensor_key(t) in self.owners]
         op.kind, op.module = self._kind(name, params, args)
-        op.operands = [self.node(a, True) if isinstance(a, torch.Tensor) and id(a) not in self.owners else None
+        op.operands = [self.node(a, True) if isinstance(a, torch.Tensor) and tensor_key(a) not in self.owners else None
                        for a in args]
         op.args = tuple(a for a in args if not isinstance(a, torch.Tensor))
-        op.inputs = [self.node(t, True) for t in leaves if isinstance(t, torch.Tensor) and id(t) not in self.owners]
+        op.inputs = [self.node(t, True) for t in leaves
+                     if isinstance(t, torch.Tensor) and tensor_key(t) not in self.owners]
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         op.outputs = []
         for tensor in outs:
@@ -163,7 +164,7 @@ class _Recorder(TorchFunctionMode):
         self.flow.ops.append(op)
 
     def _kind(self, name: str, params: list[torch.Tensor], args: tuple) -> tuple[str, str]:
-        weights = [self.owners[id(p)] for p in params if self.owners[id(p)][1] == "weight"]
+        weights = [self.owners[tensor_key(p)] for p in params if self.owners[tensor_key(p)][1] == "weight"]
         if name in LINEAR and weights:
             return "linear", weights[0][0]
         if name in EMBEDDING and weights:
@@ -173,6 +174,12 @@ class _Recorder(TorchFunctionMode):
         if name in MATMUL and not params and sum(isinstance(a, torch.Tensor) for a in args) >= 2:
             return "matmul", ""
         return "other", ""
+
+
+def tensor_key(tensor: torch.Tensor) -> int:
+    """A parameter's identity: its own id, or, for the sample values a meta-device parameter holds
+    during a sample forward (``atorch.utils.meta_init.sample_values``), the meta parameter's id."""
+    return getattr(tensor, "_atorch_sample_of", None) or id(tensor)
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:

@@ -51,6 +51,7 @@ from atorch.auto.opt_lib.base import Optimization
 from atorch.distributed import mesh
 from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, ModuleTargets, option, validate_config
+from atorch.utils.meta_init import has_meta_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,8 @@ class FSDPOptimization(Optimization):
         reshard = config.reshard_after_forward
         if reshard is None:
             reshard = SHARDING_STRATEGIES[config.sharding_strategy]
-        ctx.set_data_parallel_wrapper(self.name, lambda ctx: shard_model(ctx, config, reshard_after_forward=reshard))
+        ctx.set_data_parallel_wrapper(self.name, lambda ctx: shard_model(ctx, config, reshard_after_forward=reshard),
+                                      shards_meta=True)
         use_foreach_optimizer(ctx)
 
 
@@ -119,7 +121,7 @@ def shard_model(ctx, config: FSDPConfig, reshard_after_forward: bool) -> None:
         logger.info("fsdp: data-parallel size is 1, nothing to shard")  # (offloading alone still applies)
         return
     model = ctx.model
-    if config.sync_module_states:
+    if config.sync_module_states and not has_meta_tensors(model):  # a meta model's values are agreed on
         _broadcast_module_states(model)
     ignored = _ignored_params(model, config)
     kwargs: dict[str, Any] = {

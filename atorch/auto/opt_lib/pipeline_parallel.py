@@ -81,6 +81,7 @@ from atorch.distributed import mesh
 from atorch.errors import MethodConfigError
 from atorch.utils.batch import batch_of_call, first_tensor, loss_value, select_rows, tensors
 from atorch.utils.config import MethodConfig, option
+from atorch.utils.meta_init import sample_values
 from atorch.utils.modules import full_state_dict, repeated_blocks
 
 logger = logging.getLogger(__name__)
@@ -260,7 +261,23 @@ class SharedWeights:
                         if stage.index != min(self.holders[name]):
                             mark_counted_elsewhere(param)
             self._shapes = self._agree_on_shapes()
+            self._agree_on_values()
         return self._copies
+
+    @torch.no_grad()
+    def _agree_on_values(self) -> None:
+        """Every copy takes the value of the lowest stage holding it. A model built whole has equal
+        copies already; one built on the meta device initialises each stage's copy in that stage's
+        module (an input embedding on one, an output layer on another), so they start equal only
+        from here."""
+        for name in self.names:
+            owner = min(self.holders[name])
+            source = dist.get_global_rank(self.group, owner % dist.get_world_size(self.group))
+            mine = self._copies[name]
+            value = _local(mine[0]).detach().float() if mine else torch.empty(self._shapes[name], device=self.device)
+            dist.broadcast(value, src=source, group=self.group)
+            for param in mine:
+                _local(param).copy_(value)
 
     def _agree_on_shapes(self) -> dict[str, torch.Size]:
         mine = {name: tuple(_local(params[0]).shape) for name, params in self._copies.items() if params}
@@ -438,7 +455,11 @@ def block_structure(ctx, blocks: list[tuple[str, nn.Module]]) -> BlockStructure:
         logger.info("pipeline_parallel: no dataset to trace a forward with; layers registered before the first "
                     "block are taken to run before it")
         return structure_from_order(ctx.model, blocks)
-    return trace_structure(ctx.model, blocks, lambda model: call_stage_model(model, sample, ctx.model_input_format))
+    def run(model: nn.Module) -> Any:
+        with sample_values(model):  # a model still on the meta device runs on sample values
+            return call_stage_model(model, sample, ctx.model_input_format)
+
+    return trace_structure(ctx.model, blocks, run)
 
 
 def call_stage_model(model: nn.Module, batch: Any, input_format: Optional[str]) -> Any:

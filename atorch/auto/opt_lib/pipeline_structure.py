@@ -279,6 +279,8 @@ class StandIn(Placeholder):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         output = self.__dict__["_meta"](*to_meta(args), **to_meta(kwargs))
         device = self.__dict__["_device"]
+        if device.type == "meta":  # a model built on meta: its inputs' device is the one it trains on
+            device = next((t.device for t in tensors((args, kwargs)) if t.device.type != "meta"), device)
         return map_tensors(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device), output)
 
 

@@ -25,6 +25,7 @@ from atorch.distributed.agreement import exchange_outside_collectives
 from atorch.errors import MethodConfigError
 from atorch.utils.batch import call_with_batch, loss_value, tensors
 from atorch.utils.dataflow import Dataflow, record_dataflow
+from atorch.utils.meta_init import sample_values
 
 logger = logging.getLogger(__name__)
 VARIANTS = ("views", "heads", "attributes")  # tp_shapes' remedies, in the order they are tried
@@ -39,7 +40,8 @@ class Probe:
     loss: Optional[Callable[[Any, Any], Any]] = None
 
     def run(self, model: nn.Module) -> Any:
-        return self.call(model, self.batch)
+        with sample_values(model):  # a model still on the meta device runs on sample values
+            return self.call(model, self.batch)
 
     def record(self, model: nn.Module) -> tuple[Dataflow, list[torch.Tensor]]:
         """The dataflow of one forward and that forward's output tensors (the reference)."""

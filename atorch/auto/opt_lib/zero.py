@@ -178,7 +178,8 @@ class Zero2Optimization(Optimization):
         elif config.not_use_fsdp:
             _use_sharded_gradients(ctx, self.name)
         else:
-            ctx.set_data_parallel_wrapper(self.name, lambda ctx: shard_model(ctx, config, reshard_after_forward=False))
+            ctx.set_data_parallel_wrapper(self.name, lambda ctx: shard_model(ctx, config, reshard_after_forward=False),
+                                          shards_meta=True)
             use_foreach_optimizer(ctx)
 
 
