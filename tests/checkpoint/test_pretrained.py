@@ -1,12 +1,14 @@
 """``atorch.load_pretrained``: Hugging Face ``save_pretrained`` weights into a model under any strategy.
 
-Numerics: a tiny Llama saved with ``save_pretrained`` in several shards (with an index) is loaded, after
-``auto_accelerate``, into a differently seeded model of the same config (every weight changes, which
-each rank checks), then trained 3 SGD steps: the losses must equal those of ``from_pretrained`` trained
-the same way in one process (fp32, relative difference < 1e-5), under ddp, fsdp, zero2, tensor_parallel,
-pipeline_parallel and fsdp with activation checkpointing on 2 ranks (one launch), with tied embeddings
-under fsdp and pipeline_parallel (whose two stages each hold a copy: both must equal the file's tensor),
-a GPT-2 under tensor_parallel (its fused q|k|v kept in a permuted order), and in one plain process.
+Numerics: a tiny Llama saved with ``save_pretrained`` in several shards (with an index) is loaded,
+after ``auto_accelerate``, into a differently seeded model of the same config (every weight changes,
+which each rank checks), then trained 3 SGD steps: the losses must equal those of ``from_pretrained``
+trained the same way in one process (fp32, relative difference < 1e-5), under ddp, zero1, zero2,
+DeepSpeed ZeRO-2 (when installed), fsdp, tensor_parallel, pipeline_parallel and fsdp with activation
+checkpointing on 2 ranks (one launch), with tied embeddings under fsdp and pipeline_parallel (whose
+two stages each hold a copy: both must equal the file's tensor), a GPT-2 under tensor_parallel (its
+fused q|k|v kept in a permuted order), and in one plain process; torch.compile and checkpoint_wrapper
+names.
 
 What is read: every rank counts the elements ``safe_open`` hands it and the files it opens; under fsdp
 each rank reads half of the model's elements, under pipeline_parallel each stage opens only files
@@ -20,12 +22,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
 import atorch
+from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason
 from atorch.checkpoint import pretrained
 from atorch.checkpoint.tensors import model_tensors
 from atorch.errors import CheckpointError
@@ -41,6 +45,7 @@ PP2 = [("parallel_mode", ([("pipeline", 2)], None)), ("pipeline_parallel", {"num
 CASES = {  # name -> (strategy, model: a key of FAMILIES)
     "ddp": (["parallel_mode"], "llama"),
     "fsdp": (["parallel_mode", "fsdp"], "llama"),
+    "zero1": (["parallel_mode", "zero1"], "llama"),
     "zero2": (["parallel_mode", "zero2"], "llama"),
     "tp": ([TP2, "tensor_parallel"], "llama"),
     "pp": (PP2, "llama"),
@@ -50,6 +55,8 @@ CASES = {  # name -> (strategy, model: a key of FAMILIES)
     "tp_gpt2": ([TP2, "tensor_parallel"], "gpt2"),
     "fsdp_activation_checkpoint": (["parallel_mode", ("checkpoint", ("LlamaDecoderLayer",)), "fsdp"], "llama"),
 }
+if deepspeed_unavailable_reason() is None:  # DeepSpeed ZeRO steps from its fp32 copy, which loading must refresh
+    CASES["ds_zero2"] = (["parallel_mode", ("zero2", {"use_ds_zero": True})], "llama")
 LAST_LAYER_KEY = "model.layers.3.mlp.gate_proj.weight"  # held by the last pipeline stage only
 
 
@@ -325,6 +332,23 @@ def test_one_plain_process_trains_like_from_pretrained(files, references):
     result = accelerate(llama(False, seed=1), [])
     assert atorch.load_pretrained(files["llama"], result) == atorch.LoadResult([], [])
     assert relative_difference(train(result), references["llama"]) < TOL
+
+
+def test_wrappers_keep_the_user_names(files):
+    """torch.compile's ``_orig_mod.`` and checkpoint_wrapper's ``_checkpoint_wrapped_module.`` are
+    not part of the names in the file."""
+    from safetensors.torch import load_file
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = llama(False, seed=1)
+    model.model.layers[0] = checkpoint_wrapper(model.model.layers[0])
+    wrapped = SimpleNamespace(model=torch.compile(model, backend="eager"), optim=None)
+    assert atorch.load_pretrained(files["llama"], wrapped) == atorch.LoadResult([], [])
+    saved = {}
+    for file in set(read_index(files["llama"]).values()):
+        saved.update(load_file(os.path.join(files["llama"], file)))
+    loaded = {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in model.state_dict().items()}
+    assert sorted(loaded) == sorted(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved)
 
 
 @pytest.fixture
