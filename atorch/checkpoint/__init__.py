@@ -2,7 +2,8 @@
 
 One canonical form whatever the strategy, so a checkpoint saved under one strategy (or number of
 processes) loads under another (docs/checkpoints.md). The public names are ``atorch.save_checkpoint``,
-``atorch.load_checkpoint``, ``atorch.wait_for_checkpoint`` and ``atorch.export_model``.
+``atorch.load_checkpoint``, ``atorch.wait_for_checkpoint``, ``atorch.export_model`` and
+``atorch.load_pretrained``.
 
 - ``api.py``: ``save_checkpoint`` / ``load_checkpoint``, the order of a save and of a load;
 - ``tensors.py``: the model's tensors under canonical names, element orders of a method's own;
@@ -11,6 +12,7 @@ processes) loads under another (docs/checkpoints.md). The public names are ``ato
 - ``train_state.py``: the metadata file and the RNG files;
 - ``async_save.py``: the background writer and ``wait_for_checkpoint``;
 - ``export.py``: ``export_model`` / ``load_exported``;
+- ``pretrained.py``: ``load_pretrained``, Hugging Face safetensors weights into a model under any strategy;
 - ``files.py``: atomic files and directories (also used by strategy files);
 - ``agreement.py``: every process raises, or none does (also used by ``save_strategy_to_file``);
 - ``safe_load.py``: unpicklers that run no code, weights-only loads (also used by strategy files).
@@ -25,7 +27,8 @@ import importlib
 from typing import Any
 
 _PUBLIC = {"save_checkpoint": "api", "load_checkpoint": "api", "wait_for_checkpoint": "async_save",
-           "export_model": "export", "load_exported": "export"}
+           "export_model": "export", "load_exported": "export", "load_pretrained": "pretrained",
+           "LoadResult": "pretrained"}
 __all__ = list(_PUBLIC)
 
 
