@@ -25,7 +25,8 @@ import importlib
 from typing import Any
 
 _PUBLIC = {"save_checkpoint": "api", "load_checkpoint": "api", "wait_for_checkpoint": "async_save",
-           "export_model": "export", "load_exported": "export"}
+           "export_model": "export", "load_exported": "export",
+           "last_export_record": "export"}
 __all__ = list(_PUBLIC)
 
 
