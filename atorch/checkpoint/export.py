@@ -264,51 +264,66 @@ def _gather_to_main(entry: Entry, tensors: dict[str, torch.Tensor], orders: dict
                     record: ExportRecord) -> Optional[torch.Tensor]:
     """The full tensor on process 0, in the user's element order, as a CPU tensor of its own (no
     storage shared with the model, as safetensors requires); ``None`` elsewhere. Collective over
-    ``entry.ranks`` and, when the owner is not process 0, a send from it to process 0."""
+    ``entry.ranks`` and, when the owner is not process 0, a send from it to process 0 (process 0
+    holds the tensor whenever it is among ``entry.ranks``: the owner is the lowest rank holding it)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    full = _made_whole(entry, tensors[entry.name], orders, record) if rank in entry.ranks else None
-    if rank != entry.owner and full is not None:
-        record.release(entry.nbytes)  # a mesh peer's copy: only the owner passes it on
-        full = None
-    if entry.owner == 0:
-        return full
+    if rank not in entry.ranks:
+        return _received(entry, record) if rank == 0 else None
+    full, fresh = _made_whole(entry, tensors[entry.name], orders, record)
+    if rank == 0:
+        return _own_cpu_copy(full, fresh, entry, record)
     if rank == entry.owner:
-        _send_bytes(full, dst=0)
+        _send_bytes(full, entry, record)
+    if fresh:  # a mesh peer's copy, or the one just sent
         record.release(entry.nbytes)
-        return None
-    return _received(entry, record) if rank == 0 else None
+    return None
 
 
-def _made_whole(entry: Entry, tensor: torch.Tensor, orders: dict, record: ExportRecord) -> torch.Tensor:
-    """The full tensor as a contiguous CPU copy of its own (a DTensor gathered over its mesh:
-    collective there), in the user's order if this parameter is kept in another; every copy made
-    is counted in ``record`` while it lives."""
-    live = not isinstance(tensor, DTensor)
-    full = tensor.detach() if live else tensor.full_tensor().detach()
-    if not live:
+def _made_whole(entry: Entry, tensor: torch.Tensor, orders: dict,
+                record: ExportRecord) -> tuple[torch.Tensor, bool]:
+    """The full tensor where it lives (a DTensor gathered over its mesh: collective there), in the
+    user's order if this parameter is kept in another, and whether it is a copy (counted in
+    ``record``) rather than the live tensor itself."""
+    fresh = isinstance(tensor, DTensor)
+    full = tensor.full_tensor().detach() if fresh else tensor.detach()
+    if fresh:
         record.hold(entry.nbytes)
     if entry.name in orders:
-        full = _replaced(full, orders[entry.name].to_saved(full), entry, record, live)
-        live = False
-    if live or full.device.type != "cpu" or not full.is_contiguous():
-        full = _replaced(full, full.to("cpu", copy=True, memory_format=torch.contiguous_format), entry, record, live)
-    return full
+        saved = orders[entry.name].to_saved(full)
+        if saved.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+            full = saved  # a view of the same tensor: no copy made
+        else:
+            full, fresh = _replaced(full, saved, entry, record, fresh), True
+    return full, fresh
+
+
+def _own_cpu_copy(full: torch.Tensor, fresh: bool, entry: Entry, record: ExportRecord) -> torch.Tensor:
+    """``full`` as a contiguous CPU tensor sharing no storage with the model."""
+    if fresh and full.device.type == "cpu" and full.is_contiguous():
+        return full
+    return _replaced(full, full.to("cpu", copy=True, memory_format=torch.contiguous_format), entry, record, fresh)
 
 
 def _replaced(old: torch.Tensor, new: torch.Tensor, entry: Entry, record: ExportRecord,
-              old_is_live: bool) -> torch.Tensor:
+              old_is_copy: bool) -> torch.Tensor:
     """``new`` in place of ``old`` in the count (both are held until ``old`` is dropped)."""
     record.hold(entry.nbytes)
-    if not old_is_live:
+    if old_is_copy:
         record.release(entry.nbytes)
     del old
     return new
 
 
-def _send_bytes(tensor: torch.Tensor, dst: int) -> None:
-    """``tensor``'s bytes to ``dst`` on the default group (raw bytes: any dtype, any backend)."""
-    data = tensor.contiguous().reshape(-1).view(torch.uint8)
-    dist.send(data.to(comm_device()), dst=dst)
+def _send_bytes(tensor: torch.Tensor, entry: Entry, record: ExportRecord) -> None:
+    """``tensor``'s bytes to process 0 on the default group (raw bytes: any dtype, any backend;
+    copied only where the backend needs another device or the tensor is not contiguous)."""
+    data = tensor.contiguous().reshape(-1).view(torch.uint8).to(comm_device())
+    copied = data.data_ptr() != tensor.data_ptr()
+    if copied:
+        record.hold(entry.nbytes)
+    dist.send(data, dst=0)
+    if copied:
+        record.release(entry.nbytes)
 
 
 def _received(entry: Entry, record: ExportRecord) -> torch.Tensor:
