@@ -27,8 +27,8 @@ import importlib
 from typing import Any
 
 _PUBLIC = {"save_checkpoint": "api", "load_checkpoint": "api", "wait_for_checkpoint": "async_save",
-           "export_model": "export", "load_exported": "export", "load_pretrained": "pretrained",
-           "LoadResult": "pretrained"}
+           "export_model": "export", "load_exported": "export", "last_export_record": "export",
+           "load_pretrained": "pretrained", "LoadResult": "pretrained"}
 __all__ = list(_PUBLIC)
 
 

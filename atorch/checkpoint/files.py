@@ -132,13 +132,15 @@ def from_json_value(saved: Any, current: Any) -> Any:
 
 
 # --- checkpoint directories --------------------------------------------------------------------------
-def replace_dir(tmp: str, target: str) -> None:
+def replace_dir(tmp: str, target: str, checked: bool = False) -> None:
     """Put the complete ``tmp`` at ``target``; an old checkpoint there is moved aside first and
     removed last, by a thread (``resolve_checkpoint`` falls back to it if a crash falls between the
-    two renames)."""
+    two renames). ``checked``: the caller has made sure ``target`` may be replaced (an export's
+    directory has no checkpoint metadata file)."""
     old = None
     if os.path.lexists(target):
-        _check_replaceable(target)
+        if not checked:
+            _check_replaceable(target)
         old = f"{target}.old-{os.path.basename(tmp).rsplit('-', 1)[-1]}"
         os.rename(target, old)
     os.rename(tmp, target)
