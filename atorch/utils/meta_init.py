@@ -190,18 +190,33 @@ def materialize(model: nn.Module, device: torch.device, plan: Optional[InitPlan]
                 torch.manual_seed(_module_seed(seed, name))
                 _init_module_full_size(name, module, init, device, record)
     record.tensors = _check_filled(model, plan)
+    for module in model.modules():
+        module.__dict__.pop(PENDING_ATTR, None)
     logger.info("materialised a meta-device model: %d tensor(s), %.1f MiB on this process, by %s", record.tensors,
                 record.local_bytes / 2**20, record.how)
     return record
 
 
+PENDING_ATTR = "_atorch_meta_pending"  # module attribute: its tensors that were on meta, until initialised
+
+
 def _allocate_meta_tensors(model: nn.Module, device: torch.device) -> None:
     """``to_empty`` for the meta tensors only: real ones (accelerate's ``init_empty_weights`` leaves
-    buffers real) keep their values. Sharded tensors get storage for the local shard only."""
+    buffers real) keep their values. Sharded tensors get storage for the local shard only. Each
+    module remembers which of its tensors were on meta: only those are initialised."""
+    for module in model.modules():
+        pending = _own_meta_tensors(module)
+        if pending:
+            module.__dict__[PENDING_ATTR] = set(pending)
+
     def allocate(tensor: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(tensor, device=device) if is_meta(tensor) else tensor
 
     model._apply(allocate)
+
+
+def _pending(module: nn.Module) -> set[str]:
+    return module.__dict__.get(PENDING_ATTR, set())
 
 
 def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -252,7 +267,10 @@ def _init_module_full_size(name: str, module: nn.Module, init: Callable[[], Any]
     own = [(attr, slot) for slot in ("_parameters", "_buffers")
            for attr, t in getattr(module, slot).items() if t is not None]
     live = {attr: getattr(module, slot)[attr] for attr, slot in own}
-    full = {attr: _nan_tensor(tuple(live[attr].shape), live[attr].dtype, device) for attr, _ in own}
+    fresh = {attr for attr in live if attr in _pending(module)}
+    # the tensors that were real already (a buffer init_empty_weights left) lend the initialiser a copy
+    full = {attr: _nan_tensor(tuple(t.shape), t.dtype, device) if attr in fresh else t.detach().clone()
+            for attr, t in live.items()}
     record.largest_temporary_bytes = max(record.largest_temporary_bytes,
                                          sum(t.numel() * t.element_size() for t in full.values()))
     for attr, slot in own:
@@ -267,8 +285,9 @@ def _init_module_full_size(name: str, module: nn.Module, init: Callable[[], Any]
         for attr, slot in own:
             getattr(module, slot)[attr] = live[attr]
     for attr, slot in own:
-        _check_not_nan(name, attr, full[attr])
-        _keep_local_part(module, slot, attr, live[attr], full[attr], record)
+        if attr in fresh:
+            _check_not_nan(name, attr, full[attr])
+            _keep_local_part(module, slot, attr, live[attr], full[attr], record)
 
 
 def _nan_tensor(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -305,9 +324,25 @@ def _keep_local_part(module: nn.Module, slot: str, attr: str, live: torch.Tensor
         record.local_bytes += full.numel() * full.element_size()
 
 
+def _pending_tensors(model: nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """``(module name, attribute, tensor)`` of every tensor that was on meta, each once."""
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        for attr in sorted(_pending(module)):
+            tensor = module._parameters.get(attr)
+            tensor = module._buffers.get(attr) if tensor is None else tensor
+            if tensor is not None and id(tensor) not in seen:
+                seen.add(id(tensor))
+                yield name, attr, tensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _run_whole_model(model: nn.Module, init: Callable[[], Any], seed: int, record: MaterializeRecord) -> None:
-    for tensor in _unique(_all_tensors(model)):
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    for _, _, tensor in _pending_tensors(model):
+        local = _local(tensor)
         if local.is_floating_point():
             local.fill_(float("nan"))
         record.local_bytes += local.numel() * local.element_size()
@@ -315,21 +350,18 @@ def _run_whole_model(model: nn.Module, init: Callable[[], Any], seed: int, recor
         init()
 
 
-def _unique(tensors: Iterator[torch.Tensor]) -> list[torch.Tensor]:
-    return list({id(t): t for t in tensors}.values())
-
-
 def _check_filled(model: nn.Module, plan: InitPlan) -> int:
-    """After a whole-model initialiser: no tensor left on meta or NaN (per-module initialisers were
-    checked module by module). Returns how many tensors were materialised."""
-    count = 0
+    """No tensor left on meta; after a whole-model initialiser, none left NaN (per-module
+    initialisers were checked module by module). Returns how many tensors were materialised."""
     for name, tensor in _named_tensors(model):
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        module, _, attr = name.rpartition(".")
-        if local.is_meta:
+        if is_meta(tensor):
+            module = name.rpartition(".")[0]
             raise MetaModelError(f"{name!r} is still on the meta device after materialisation", module=module)
+    count = 0
+    for module, attr, tensor in _pending_tensors(model):
         if plan.whole_model is not None:
-            _check_not_nan(module, attr, local)
+            current = getattr(model.get_submodule(module), attr)  # the initialiser may have replaced it
+            _check_not_nan(module, attr, _local(current))
         count += 1
     return count
 
