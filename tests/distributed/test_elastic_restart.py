@@ -117,6 +117,15 @@ def test_a_rank_killed_mid_training_resumes_exactly_after_torchrun_restarts_it(t
     print(f"{strategy}: {RUNS} of {RUNS} killed runs resumed exactly")
 
 
+def test_a_meta_model_loaded_pretrained_resumes_exactly_as_a_normal_build(tmp_path, reference):
+    """fsdp on the GPT built on meta, its weights streamed in with load_pretrained, killed at step 7 and
+    resumed from the step-4 checkpoint: the losses and final weights of the normal build's run."""
+    expected, expected_weights = reference("fsdp")
+    out = tmp_path / "killed-meta"
+    launch(out, "fsdp_meta", KILL_STEP)
+    check_resumed(out, expected, expected_weights, "fsdp_meta")
+
+
 def test_two_nodes_whose_restart_counts_disagree_resume_exactly(tmp_path, reference):
     """Rank 1's agent counts a restart, rank 0's does not (it restarts its rank because the membership
     changed): the attempt atorch agrees on must not depend on TORCHELASTIC_RESTART_COUNT. Rank 0 holds after

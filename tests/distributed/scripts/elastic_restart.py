@@ -3,8 +3,9 @@ tests/distributed/test_elastic_restart.py.
 
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 elastic_restart.py OUT STRATEGY KILL_STEP [hold]
 
-Trains a tiny GPT for ``STEPS`` steps under STRATEGY (ddp, zero1, zero2, fsdp), saving a checkpoint every
-``EVERY`` steps to OUT/ckpt and resuming from it when it exists. In the first attempt
+Trains a tiny GPT for ``STEPS`` steps under STRATEGY (ddp, zero1, zero2, fsdp; fsdp_meta: fsdp on the GPT
+built on the meta device, its seed-0 weights loaded with ``atorch.load_pretrained`` in the first step),
+saving a checkpoint every ``EVERY`` steps to OUT/ckpt and resuming from it when it exists. In the first attempt
 (TORCHELASTIC_RESTART_COUNT 0) rank 1 kills itself with SIGKILL after step KILL_STEP (-1: never), so torchrun
 restarts both ranks, which resume from the last checkpoint. Each rank appends ``{"attempt", "step", "loss"}``
 lines to OUT/losses-<rank>.jsonl; at the end, rank 0 writes the final weights to OUT/weights.pt.
@@ -21,6 +22,7 @@ import sys
 import time
 
 import torch
+from safetensors.torch import save_file
 
 import atorch
 from atorch.auto import auto_accelerate
@@ -29,7 +31,21 @@ from atorch.utils.modules import full_state_dict
 
 STEPS, EVERY = 10, 4
 HOLD_S = 120  # longer than an agent takes to see the membership change; the agent ends the wait
-STRATEGIES = {"ddp": [], "zero1": ["zero1"], "zero2": ["zero2"], "fsdp": ["fsdp"]}
+STRATEGIES = {"ddp": [], "zero1": ["zero1"], "zero2": ["zero2"], "fsdp": ["fsdp"], "fsdp_meta": ["fsdp"]}
+
+
+def meta_model(cfg: GPTConfig, out: str) -> GPT:
+    """The GPT built on the meta device; its pretrained weights (the seed-0 build the other strategies
+    start from) written once by rank 0 as ``OUT/pretrained/model.safetensors``, read by load_pretrained."""
+    pretrained = os.path.join(out, "pretrained")
+    if atorch.rank() == 0 and not os.path.isdir(pretrained):
+        weights = {k: v.clone().contiguous() for k, v in GPT(cfg).state_dict().items()}  # seed 0, as main seeds
+        os.makedirs(pretrained + ".tmp", exist_ok=True)
+        save_file(weights, os.path.join(pretrained + ".tmp", "model.safetensors"))
+        os.replace(pretrained + ".tmp", pretrained)
+    torch.distributed.barrier()
+    with torch.device("meta"):
+        return GPT(cfg)
 
 
 def main(out: str, strategy: str, kill_step: int, hold: bool = False) -> None:
@@ -37,12 +53,15 @@ def main(out: str, strategy: str, kill_step: int, hold: bool = False) -> None:
     rank, attempt = atorch.rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
     torch.manual_seed(0)
+    model = GPT(cfg) if not strategy.endswith("_meta") else meta_model(cfg, out)
     status, result, _ = auto_accelerate(
-        GPT(cfg), torch.optim.AdamW, SyntheticTokenDataset(256, 16, 64), gpt_loss, optim_args={"lr": 1e-3},
+        model, torch.optim.AdamW, SyntheticTokenDataset(256, 16, 64), gpt_loss, optim_args={"lr": 1e-3},
         dataloader_args={"batch_size": 8, "shuffle": True}, model_input_format="unpack_dict",
         load_strategy=STRATEGIES[strategy])
     ckpt = os.path.join(out, "ckpt")
     step = atorch.load_checkpoint(ckpt, result)["step"] if os.path.isdir(ckpt) else 0
+    if step == 0 and strategy.endswith("_meta"):
+        atorch.load_pretrained(os.path.join(out, "pretrained"), result)
     batches = iter(result.dataloader)
     with open(os.path.join(out, f"losses-{rank}.jsonl"), "a") as log:
         while step < STEPS:
