@@ -76,6 +76,7 @@ def load_pretrained(path: str | os.PathLike, result: "AutoAccelerateResult", *, 
     target = check_path(path, CALLER)
     weight_map = on_every_rank(lambda: weight_files(target))
     model = on_every_rank(lambda: model_tensors(result.model))
+    on_every_rank(lambda: refuse_computed(result.model, model))
     names = on_every_rank(lambda: accepted_names(result.model, model))
     sources = {key: _source(candidates, weight_map) for key, candidates in names.items()}
     loaded = _agreed_key_lists(names, sources, weight_map)
@@ -89,6 +90,20 @@ def load_pretrained(path: str | os.PathLike, result: "AutoAccelerateResult", *, 
     if view is not None and view.partitions is not None:
         view.partitions.sync_master_weights()  # DeepSpeed ZeRO steps from its own fp32 copy
     return loaded
+
+
+def refuse_computed(root: nn.Module, model: dict[str, torch.Tensor]) -> None:
+    """A state_dict value that no parameter or buffer holds (a module's state_dict hook builds it,
+    as tensor_parallel's split nn.MultiheadAttention packs its q, k and v projections) cannot be
+    loaded in place: refused, naming the key, rather than written into a temporary and lost."""
+    live = {id(t) for t in root.parameters()} | {id(t) for t in root.buffers()}
+    computed = sorted(key for key, tensor in model.items() if id(tensor) not in live)
+    if computed:
+        raise CheckpointError(
+            f"{CALLER}: {computed[0]!r} is built by a state_dict hook under this strategy (e.g. tensor_parallel's "
+            "split nn.MultiheadAttention packs q, k and v) and is no tensor atorch can load into in place; load "
+            "the weights before splitting (build the model normally) or use another strategy for this module",
+            key=computed[0])
 
 
 # --- which files hold which keys -----------------------------------------------------------------------

@@ -20,9 +20,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from atorch.errors import CheckpointError
-from atorch.utils.modules import unwrap_model
+from atorch.utils.modules import SAVED_ORDERS_ATTR, unwrap_model
 
-SAVED_ORDERS_ATTR = "atorch_saved_orders"  # module attribute: {param attr: SavedOrder}
 INNER_WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.")  # anywhere: torch.compile, checkpoint_wrapper
 
 

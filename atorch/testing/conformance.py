@@ -12,6 +12,10 @@ same data and global batch. A cell is:
   contract's "ignored with a warning", e.g. fp8 without a GPU that has it), so nothing was shown;
 - ``fail``: anything else: an exception from inside torch or transformers, a parity miss, a hang.
 
+Rows ``<family>@meta`` (``META_FAMILIES``) run the same cell on the model built on the meta device,
+its weights (the reference's initial ones, written once by the parent) streamed in with
+``atorch.load_pretrained``: the large-model path, judged against the same reference.
+
 One launch per column covers every model (process start-up is most of a small cell's cost); inside
 it each cell runs under ``run_isolated`` so that a cell failing on one rank fails on all of them and
 the next cell starts on a healthy process group. ``python -m atorch.testing.conformance`` runs the
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -31,6 +36,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 from atorch import errors
 from atorch.auto.opt_lib.tp_mha import split_mha
@@ -47,6 +53,20 @@ STEPS, GLOBAL_BATCH, LR = 3, 8, 0.05
 DP_TOL, MP_TOL, LOW_TOL = 1e-5, 1e-4, 2e-2
 COLLECTIVE_TIMEOUT_S = 60.0
 BF16 = ("amp_native", {"dtype": torch.bfloat16})
+# families also run built on the meta device: tied weights and a fused q|k|v (gpt2), RoPE buffers
+# (llama), a torchtitan init_weights (titan_llama), nn.MultiheadAttention (torch_encoder), routing
+# that depends on values (moe)
+META_FAMILIES = ("gpt2", "llama", "titan_llama", "torch_encoder", "moe")
+META = "@meta"
+
+
+def family(name: str) -> str:
+    """The zoo family of a row (``llama@meta`` -> ``llama``)."""
+    return name.removesuffix(META)
+
+
+def all_rows() -> list[str]:
+    return list(ZOO) + [f"{name}{META}" for name in META_FAMILIES]
 
 
 def _mode(*dims: tuple[str, int]) -> tuple:
@@ -132,7 +152,8 @@ def _typed_error_names() -> set[str]:
     return subclasses(errors.AtorchError)
 
 
-def run_column(column_key: str, models: list[str], progress: Optional[str] = None) -> dict:
+def run_column(column_key: str, models: list[str], progress: Optional[str] = None,
+               pretrained: Optional[dict[str, str]] = None) -> dict:
     """On every rank of one launch: train each model under the column's strategy. Rank 0 returns the
     losses and full weights; a cell that raised on any rank reports the first error on all of them."""
     column = COLUMN_BY_KEY[column_key]
@@ -143,8 +164,9 @@ def run_column(column_key: str, models: list[str], progress: Optional[str] = Non
 
         def cell() -> dict:
             try:
-                run = train_gpt(column.strategy(ZOO[name]), hf_model=name, steps=STEPS, global_batch=GLOBAL_BATCH,
-                                lr=LR)
+                run = train_gpt(column.strategy(ZOO[family(name)]), hf_model=family(name), steps=STEPS,
+                                global_batch=GLOBAL_BATCH, lr=LR,
+                                pretrained=(pretrained or {}).get(name) if name.endswith(META) else None)
             except Exception:
                 print(f"[conformance] {column_key} x {name} raised:\n{traceback.format_exc()}", file=sys.stderr)
                 raise
@@ -187,7 +209,8 @@ def reference(name: str, chunks: int) -> dict:
     return _REFERENCES[(name, chunks)]
 
 
-def judge(column: Column, name: str, ran: dict, typed: set[str]) -> Cell:
+def judge(column: Column, row: str, ran: dict, typed: set[str]) -> Cell:
+    name = family(row)  # a meta row is judged against its family's reference
     if not ran["ok"]:
         error = ran["error"] or "unknown error"
         kind = error.split(":", 1)[0]
@@ -223,25 +246,53 @@ def _comparable(weights: dict, name: str) -> dict:
 def run_matrix(columns: Optional[list[str]] = None, models: Optional[list[str]] = None,
                timeout_s: float = 900.0, verbose: bool = True) -> dict[tuple[str, str], Cell]:
     """Every cell of the matrix (one launch per column), judged against the references."""
-    models = models or list(ZOO)
+    models = models or all_rows()
     typed = _typed_error_names()
     cells: dict[tuple[str, str], Cell] = {}
-    for column in [COLUMN_BY_KEY[k] for k in (columns or [c.key for c in COLUMNS])]:
-        started = time.monotonic()
-        with tempfile.NamedTemporaryFile("r", suffix=".progress") as progress:
-            try:
-                per_rank = run_distributed(run_column, column.world, column.key, models, progress.name,
-                                           timeout_s=timeout_s)
-                ran = per_rank[0]
-            except DistributedRunError as error:
-                ran = _partial_after_crash(progress.name, models, error)
-        for name in models:
-            cells[(column.key, name)] = judge(column, name, ran[name], typed)
-        if verbose:
-            summary = ", ".join(f"{n} {_symbol(cells[(column.key, n)])}" for n in models)
-            print(f"[conformance] {column.label} ({time.monotonic() - started:.0f}s): {summary}", file=sys.stderr,
-                  flush=True)
+    with tempfile.TemporaryDirectory(prefix="atorch-conformance-") as root:
+        pretrained = {name: write_pretrained(family(name), f"{root}/{name}") for name in models if name.endswith(META)}
+        for column in [COLUMN_BY_KEY[k] for k in (columns or [c.key for c in COLUMNS])]:
+            _run_matrix_column(column, models, pretrained, typed, cells, timeout_s, verbose)
     return cells
+
+
+def write_pretrained(name: str, directory: str) -> str:
+    """The reference's initial weights (``train_gpt`` seeds 0 before building) where
+    ``load_pretrained`` reads them: ``save_pretrained``'s layout for an HF model, else one
+    ``model.safetensors`` (a tied weight once)."""
+    torch.manual_seed(0)
+    model = ZOO[name].build()
+    if ZOO[name].hf:
+        model.save_pretrained(directory)
+        return directory
+    os.makedirs(directory, exist_ok=True)
+    seen: set[int] = set()
+    weights = {}
+    for key, tensor in model.state_dict().items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            weights[key] = tensor.detach().clone().contiguous()
+    save_file(weights, f"{directory}/model.safetensors")
+    return directory
+
+
+def _run_matrix_column(column: Column, models: list[str], pretrained: dict, typed: set[str], cells: dict,
+                       timeout_s: float, verbose: bool) -> None:
+    """One launch for the column's cells, judged into ``cells``."""
+    started = time.monotonic()
+    with tempfile.NamedTemporaryFile("r", suffix=".progress") as progress:
+        try:
+            per_rank = run_distributed(run_column, column.world, column.key, models, progress.name, pretrained,
+                                       timeout_s=timeout_s)
+            ran = per_rank[0]
+        except DistributedRunError as error:
+            ran = _partial_after_crash(progress.name, models, error)
+    for name in models:
+        cells[(column.key, name)] = judge(column, name, ran[name], typed)
+    if verbose:
+        summary = ", ".join(f"{n} {_symbol(cells[(column.key, n)])}" for n in models)
+        print(f"[conformance] {column.label} ({time.monotonic() - started:.0f}s): {summary}", file=sys.stderr,
+              flush=True)
 
 
 def _partial_after_crash(progress: str, models: list[str], error: Exception) -> dict:
@@ -269,7 +320,7 @@ def _symbol(cell: Cell) -> str:
 def render(cells: dict[tuple[str, str], Cell], numbers: bool = True) -> str:
     """Markdown: one row per model, one column per strategy; refusals and failures are numbered notes."""
     columns = [c for c in COLUMNS if any(k == c.key for k, _ in cells)]
-    models = [m for m in ZOO if any(n == m for _, n in cells)]
+    models = [m for m in all_rows() if any(n == m for _, n in cells)]
     notes: dict[str, int] = {}
     lines = ["| model | " + " | ".join(c.label for c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for name in models:
@@ -389,7 +440,7 @@ def page(cells: dict) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--columns", nargs="*", help=f"subset of {[c.key for c in COLUMNS]}")
-    parser.add_argument("--models", nargs="*", help=f"subset of {list(ZOO)}")
+    parser.add_argument("--models", nargs="*", help=f"subset of {all_rows()}")
     parser.add_argument("--write", help="write the page (e.g. docs/models.md); only with the whole matrix")
     parser.add_argument("--json", help="also write the cells as JSON")
     args = parser.parse_args(argv)

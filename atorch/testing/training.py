@@ -1,6 +1,7 @@
 """The seed's training loop on the repo's GPT model, shared by parity tests, benchmarks and examples."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -8,6 +9,7 @@ import torch.distributed as dist
 
 from atorch.auto.accelerate import auto_accelerate
 from atorch.auto.gradients import clip_grad_norm_
+from atorch.checkpoint.pretrained import load_pretrained
 from atorch.distributed import mesh
 from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
 from atorch.testing.hf_models import ZOO
@@ -38,6 +40,7 @@ def train_gpt(
     clip_via: str = "optimizer",
     hf_model: Optional[str] = None,
     interleaved_chunks: int = 1,
+    pretrained: Optional[str] = None,
     **auto_kwargs: Any,
 ) -> dict:
     """Run ``steps`` steps of the seed's loop; returns the global mean loss per step, the full final
@@ -57,13 +60,16 @@ def train_gpt(
     PyTorch models) trained on its own data and loss instead of the repo GPT. ``interleaved_chunks``
     (single process only) runs each global batch as that many forwards over rows ``r::chunks``, the
     rows rank ``r`` sees under data parallelism: the reference for models whose BatchNorm normalises
-    per forward."""
+    per forward. ``pretrained`` (with ``hf_model``): the model is built on the meta device and its
+    weights are read from that directory with ``atorch.load_pretrained`` after auto_accelerate."""
     config = config or SMALL_GPT
     loss_func, input_format = gpt_loss, "unpack_dict"
     if hf_model is not None:
         zoo = ZOO[hf_model]
         torch.manual_seed(seed)
-        model, loss_func, input_format = zoo.build(), zoo.loss_func, zoo.input_format
+        with torch.device("meta") if pretrained else contextlib.nullcontext():
+            model = zoo.build()
+        loss_func, input_format = zoo.loss_func, zoo.input_format
         dataset = zoo.make_dataset(global_batch * steps, 0)
     else:
         model = build_gpt(seed, config)
@@ -77,6 +83,8 @@ def train_gpt(
         load_strategy=load_strategy, **auto_kwargs,
     )
     assert status, "auto_accelerate failed"
+    if pretrained:
+        load_pretrained(pretrained, result)
     losses, norms = [], []
     batches = iter(result.dataloader)
     for _ in range(steps):

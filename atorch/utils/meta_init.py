@@ -37,8 +37,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor import _random as dtensor_random
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
 from atorch.errors import MetaModelError
+from atorch.utils.modules import SAVED_ORDERS_ATTR
 
 logger = logging.getLogger(__name__)
 
@@ -72,28 +75,30 @@ def _own_meta_tensors(module: nn.Module) -> list[str]:
 # --- finding each module's initialiser ------------------------------------------------------------
 @dataclass
 class InitPlan:
-    """How a meta model is initialised: one whole-model initialiser, or one per module."""
+    """How a meta model is initialised: whole-model initialisers (torchtitan's ``init_weights``) for
+    the subtrees under them, per-module initialisers for every other module with meta tensors."""
 
-    whole_model: Optional[Callable[[], Any]] = None
+    whole_model: list[tuple[str, nn.Module, Callable[[], Any]]] = field(default_factory=list)
     per_module: list[tuple[str, nn.Module, Callable[[], Any], str]] = field(default_factory=list)
 
     def describe(self) -> str:
-        if self.whole_model is not None:
-            return "the root's init_weights()"
         kinds = sorted({how for *_, how in self.per_module})
-        return f"{len(self.per_module)} module(s) by {', '.join(kinds)}"
+        parts = [f"init_weights() of {len(self.whole_model)} model(s)"] if self.whole_model else []
+        if self.per_module:
+            parts.append(f"{len(self.per_module)} module(s) by {', '.join(kinds)}")
+        return " and ".join(parts) or "nothing to initialise"
 
 
 def plan_initialisation(model: nn.Module) -> InitPlan:
     """Find the initialiser of every module holding meta tensors, before anything is allocated.
 
-    MetaModelError names the first module with meta parameters or buffers that has none."""
-    whole = _whole_model_initialiser(model)
-    if whole is not None:
-        return InitPlan(whole_model=whole)
-    plan = InitPlan()
+    A module with a torchtitan-style ``init_weights()`` initialises everything under it (the topmost
+    such module: the user's model, or each pipeline stage's copy of it). MetaModelError names the
+    first other module with meta parameters or buffers that has no initialiser."""
+    plan = InitPlan(whole_model=_whole_model_roots(model))
+    covered = {id(m) for _, root, _ in plan.whole_model for m in root.modules()}
     for name, module, owner in _modules_post_order(model):
-        if not _own_meta_tensors(module):
+        if id(module) in covered or not _own_meta_tensors(module):
             continue
         found = _module_initialiser(module, owner)
         if found is None:
@@ -101,21 +106,28 @@ def plan_initialisation(model: nn.Module) -> InitPlan:
                 f"module {name or '<root>'!r} ({type(module).__name__}) was built on the meta device with tensors "
                 f"{_own_meta_tensors(module)} but atorch finds no initialiser for it: it has no reset_parameters() "
                 "(nor _reset_parameters()), no Hugging Face PreTrainedModel above it provides _init_weights, and the "
-                "root has no init_weights(); give the module reset_parameters(), or build this part on a real "
+                "model has no init_weights(); give the module reset_parameters(), or build this part on a real "
                 "device", module=name)
         plan.per_module.append((name, module, found[0], found[1]))
     return plan
 
 
-def _whole_model_initialiser(model: nn.Module) -> Optional[Callable[[], Any]]:
-    """``model.init_weights`` when it is torchtitan-style: callable with no argument, and not HF's
-    (HF's ``init_weights`` re-runs ``_init_weights`` over the whole model at once)."""
-    if _hf_owner_init(model) is not None:
-        return None
-    method = getattr(model, WHOLE_MODEL_INIT, None)
-    if not callable(method) or not _callable_without_arguments(method):
-        return None
-    return method
+def _whole_model_roots(model: nn.Module) -> list[tuple[str, nn.Module, Callable[[], Any]]]:
+    """The topmost modules whose ``init_weights`` is torchtitan-style: callable with no argument, and
+    not HF's (HF's ``init_weights`` re-runs ``_init_weights`` over the whole model at once)."""
+    roots = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        method = getattr(module, WHOLE_MODEL_INIT, None)
+        if (_hf_owner_init(module) is None and callable(method) and _callable_without_arguments(method)
+                and any(is_meta(t) for t in _all_tensors(module))):
+            roots.append((prefix, module, method))
+            return
+        for child_name, child in module.named_children():
+            visit(f"{prefix}.{child_name}" if prefix else child_name, child)
+
+    visit("", model)
+    return roots
 
 
 def _callable_without_arguments(method: Callable) -> bool:
@@ -182,13 +194,12 @@ def materialize(model: nn.Module, device: torch.device, plan: Optional[InitPlan]
     _allocate_meta_tensors(model, device)
     record = MaterializeRecord(how=plan.describe())
     with torch.random.fork_rng(devices=_rng_devices(device)), torch.no_grad():
-        torch.manual_seed(seed)
-        if plan.whole_model is not None:
-            _run_whole_model(model, plan.whole_model, seed, record)
-        else:
-            for name, module, init, _ in plan.per_module:
-                torch.manual_seed(_module_seed(seed, name))
-                _init_module_full_size(name, module, init, device, record)
+        for name, root, init in plan.whole_model:
+            torch.manual_seed(_module_seed(seed, name))
+            _run_whole_model(root, init, seed, record)
+        for name, module, init, _ in plan.per_module:
+            torch.manual_seed(_module_seed(seed, name))
+            _init_module_full_size(name, module, init, device, record)
     record.tensors = _check_filled(model, plan)
     for module in model.modules():
         module.__dict__.pop(PENDING_ATTR, None)
@@ -209,10 +220,28 @@ def _allocate_meta_tensors(model: nn.Module, device: torch.device) -> None:
         if pending:
             module.__dict__[PENDING_ATTR] = set(pending)
 
-    def allocate(tensor: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(tensor, device=device) if is_meta(tensor) else tensor
+    allocated: set[int] = set()
+    for module in model.modules():
+        for slot in ("_parameters", "_buffers"):
+            for tensor in getattr(module, slot).values():
+                if tensor is not None and id(tensor) not in allocated and is_meta(tensor):
+                    allocated.add(id(tensor))
+                    _give_storage(tensor, device)
 
-    model._apply(allocate)
+
+def _give_storage(tensor: torch.Tensor, device: torch.device) -> None:
+    """Real (uninitialised) storage for a meta tensor, in place: the object stays the same, so a
+    weight tied between modules stays one tensor, and whoever holds it (FSDP's sharded parameter, a
+    hook) sees the new storage."""
+    if isinstance(tensor, DTensor):
+        local = torch.empty_like(tensor.to_local(), device=device)
+        new = DTensor.from_local(local, tensor.device_mesh, tensor.placements, shape=tensor.shape,
+                                 stride=tensor.stride(), run_check=False)
+    else:
+        new = torch.empty_like(tensor, device=device)
+    if isinstance(tensor, nn.Parameter):
+        new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+    torch.utils.swap_tensors(tensor, new)
 
 
 def _pending(module: nn.Module) -> set[str]:
@@ -287,7 +316,15 @@ def _init_module_full_size(name: str, module: nn.Module, init: Callable[[], Any]
     for attr, slot in own:
         if attr in fresh:
             _check_not_nan(name, attr, full[attr])
-            _keep_local_part(module, slot, attr, live[attr], full[attr], record)
+            order = saved_order(module, attr)
+            value = order.to_live(full[attr]) if order is not None else full[attr]
+            _keep_local_part(module, slot, attr, live[attr], value, record)
+
+
+def saved_order(module: nn.Module, attr: str) -> Any:
+    """The order a method keeps ``module.<attr>`` in (tensor_parallel's fused q|k|v), or None. Values
+    are drawn in the user's order and reordered, so they are the same whatever the split."""
+    return getattr(module, SAVED_ORDERS_ATTR, {}).get(attr)
 
 
 def _nan_tensor(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -357,13 +394,11 @@ def _check_filled(model: nn.Module, plan: InitPlan) -> int:
         if is_meta(tensor):
             module = name.rpartition(".")[0]
             raise MetaModelError(f"{name!r} is still on the meta device after materialisation", module=module)
-    count = 0
-    for module, attr, tensor in _pending_tensors(model):
-        if plan.whole_model is not None:
-            current = getattr(model.get_submodule(module), attr)  # the initialiser may have replaced it
-            _check_not_nan(module, attr, _local(current))
-        count += 1
-    return count
+    for prefix, root, _ in plan.whole_model:
+        for module, attr, _ in _pending_tensors(root):
+            current = getattr(root.get_submodule(module), attr)  # the initialiser may have replaced it
+            _check_not_nan(f"{prefix}.{module}".strip("."), attr, _local(current))
+    return sum(1 for _ in _pending_tensors(model))
 
 
 @contextlib.contextmanager
@@ -409,16 +444,56 @@ def sample_values(model: nn.Module) -> Iterator[None]:
         yield
         return
     hooks = []
+    meta: dict[int, tuple[str, nn.Module, str, torch.Tensor]] = {}
     for name, module in model.named_modules():
         if _own_meta_tensors(module):
             swap = _SampleSwap(name, module)
             hooks.append(module.register_forward_pre_hook(swap.fill))
             hooks.append(module.register_forward_hook(swap.empty, always_call=True))
+            for attr in _own_meta_tensors(module):
+                tensor = module._parameters.get(attr)
+                tensor = module._buffers.get(attr) if tensor is None else tensor
+                meta.setdefault(id(tensor), (name, module, attr, tensor))
     try:
-        yield
+        with _SampleOperands(meta):
+            yield
     finally:
         for hook in hooks:
             hook.remove()
+
+
+AUTOGRAD_ATTRIBUTES = ("requires_grad", "is_leaf", "grad", "grad_fn", "_version")
+
+
+def _reads_autograd_state(func: Callable) -> bool:
+    """Whether ``func`` is the getter of a tensor attribute that belongs to the tensor object itself."""
+    descriptor = getattr(func, "__self__", None)
+    return getattr(func, "__name__", "") == "__get__" and getattr(descriptor, "__name__", "") in AUTOGRAD_ATTRIBUTES
+
+
+class _SampleOperands(TorchFunctionMode):
+    """A module may use a child's tensor without calling the child (nn.MultiheadAttention reads its
+    ``out_proj.weight``): any torch op given a meta tensor of the model gets its sample value for
+    that op alone."""
+
+    def __init__(self, meta: dict[int, tuple[str, nn.Module, str, torch.Tensor]]):
+        super().__init__()
+        self.meta = meta
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if not _reads_autograd_state(func):  # requires_grad, grad, ...: the meta parameter's own
+            args, kwargs = pytree.tree_map(self._sample, (args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+    def _sample(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or id(value) not in self.meta:
+            return value
+        name, module, attr, tensor = self.meta[id(value)]
+        if not is_meta(tensor):
+            return value
+        sample = _sample_value(f"{name}.{attr}", tensor, saved_order(module, attr))
+        sample._atorch_sample_of = id(tensor)
+        return sample
 
 
 class _SampleSwap:
@@ -435,7 +510,7 @@ class _SampleSwap:
             for attr, tensor in list(getattr(module, slot).items()):
                 if not is_meta(tensor):
                     continue
-                value = _sample_value(f"{self.name}.{attr}", tensor)
+                value = _sample_value(f"{self.name}.{attr}", tensor, saved_order(module, attr))
                 if slot == "_parameters":
                     value = nn.Parameter(value, requires_grad=tensor.requires_grad)
                 self.saved.append((slot, attr, tensor))
@@ -454,13 +529,16 @@ def _keep_identity(meta: torch.Tensor, real: torch.Tensor) -> None:
     real._atorch_sample_of = owner_key if owner_key is not None else id(meta)
 
 
-def _sample_value(name: str, like: torch.Tensor) -> torch.Tensor:
-    """Deterministic small values for ``name`` (a DTensor gets its local part of the same values)."""
-    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+def _sample_value(name: str, like: torch.Tensor, order: Any = None) -> torch.Tensor:
+    """Deterministic small values for ``name``, drawn in the user's element order (a DTensor gets its
+    local part of the same values, a parameter kept in an order of its own gets them reordered)."""
+    generator = torch.Generator().manual_seed(zlib.crc32(user_module_name(name).encode()))
     full = torch.randn(tuple(like.shape), generator=generator) * 0.02
     if not like.is_floating_point():
         full = torch.zeros(tuple(like.shape))
     full = full.to(like.dtype)
+    if order is not None:
+        full = order.to_live(full)
     if isinstance(like, DTensor):
         local = distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
         return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride(),

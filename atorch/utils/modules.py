@@ -6,6 +6,10 @@ from collections import Counter
 import torch
 from torch import nn
 
+# a module attribute {parameter attribute: order} for parameters a method keeps in an element order of
+# its own (tensor_parallel's fused q|k|v); checkpoints, loading and meta initialisation convert through it
+SAVED_ORDERS_ATTR = "atorch_saved_orders"
+
 
 def repeated_blocks(model: nn.Module) -> tuple[dict[str, int], dict[str, int]]:
     """Module classes that occur several times with parameters, outermost (largest) first: the

@@ -32,11 +32,11 @@ import atorch
 from atorch.errors import MetaModelError
 from atorch.testing import run_distributed
 from atorch.testing.community_models import TitanLlama, TorchEncoderLM
-from atorch.testing.hf_models import SEQ, VOCAB
+from atorch.testing.hf_models import SEQ, VOCAB, hf_loss, token_dataset
 from atorch.testing.training import relative_difference
 from atorch.utils.meta_init import has_meta_tensors, plan_initialisation
 from atorch.utils.modules import full_state_dict
-from tests.checkpoint.test_pretrained import accelerate, reference_losses, save_model, train
+from tests.checkpoint.test_pretrained import BATCH, LR, STEPS, accelerate, reference_losses, save_model, train
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test extra")
 
@@ -131,7 +131,20 @@ def two_ranks(files, tmp_path_factory) -> list[dict]:
 
 
 def _two_rank_work(files: dict, exports: str) -> dict:
-    return {"pretrained": pretrained_suite(files, PRETRAINED_2, exports), "random": random_init_suite()}
+    return {"pretrained": pretrained_suite(files, PRETRAINED_2, exports), "random": random_init_suite(),
+            "automatic": automatic_on_meta(files["llama"])}
+
+
+def automatic_on_meta(directory: str) -> dict:
+    """The fully automatic mode on a meta Llama: the strategy it returns trains the loaded weights."""
+    status, result, strategy = atorch.auto_accelerate(
+        meta_llama(), torch.optim.SGD, token_dataset(BATCH * STEPS), hf_loss, optim_args={"lr": LR, "momentum": 0.9},
+        dataloader_args={"batch_size": BATCH}, model_input_format="unpack_dict", use_profile_cache=False)
+    if not status:
+        return {"status": status}
+    atorch.load_pretrained(directory, result)
+    return {"status": status, "strategy": strategy.names(), "meta_left": has_meta_tensors(result.model),
+            "losses": train(result)}
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +200,17 @@ def test_the_export_reloads_with_from_pretrained_to_the_trained_weights(two_rank
     assert set(got["weights"]) <= set(state), set(got["weights"]) - set(state)
     for name, trained in got["weights"].items():
         assert torch.equal(state[name].float(), trained), (case, name)
+
+
+@pytest.mark.multirank
+def test_the_automatic_mode_returns_a_strategy_that_trains_a_meta_model(two_ranks, references):
+    for rank, result in enumerate(two_ranks):
+        got = result["automatic"]
+        assert got["status"], f"rank {rank}: the search found nothing"
+        assert not got["meta_left"]
+        # whatever it chose (data parallel here, possibly sharded or with amp), it trains the loaded weights
+        tolerance = 2e-2 if "amp_native" in got["strategy"] or "half" in got["strategy"] else 1e-4
+        assert relative_difference(got["losses"], references["llama"]) < tolerance, (got, references["llama"])
 
 
 # --- initialised on meta, no checkpoint -----------------------------------------------------------
@@ -292,7 +316,7 @@ def test_real_buffers_of_an_init_empty_weights_model_are_kept():
     with torch.device("meta"):
         fresh = TitanLlama()
     fresh.rope_cos, fresh.rope_sin = model.rope_cos, model.rope_sin
-    assert plan_initialisation(fresh).whole_model is not None
+    assert plan_initialisation(fresh).whole_model  # the torchtitan-style root
     _, result, _ = atorch.auto_accelerate(fresh, torch.optim.SGD, optim_args={"lr": 0.1}, load_strategy=[])
     # the whole-model initialiser (torchtitan's) recomputes the tables: its own choice, kept
     assert torch.equal(result.model.rope_cos, expected)
