@@ -186,6 +186,10 @@ def _print(args, params: int, batch: int, rows: dict) -> None:
     peak = {path: max(r["growth"] for r in ranks) for path, ranks in rows.items()}
     print(f"atorch / pytorch recipe: {peak['atorch (meta)'] / peak['pytorch recipe']:.2f} (goal <= 1.1); "
           f"atorch / full copy: {peak['atorch (meta)'] / peak['full copy']:.2f} (goal <= 0.5)")
+    loading = {path: max(r["marks"]["weights loaded"] for r in ranks) for path, ranks in rows.items()}
+    print(f"up to the first step (building, sharding, loading; max over processes): atorch / pytorch recipe "
+          f"{loading['atorch (meta)'] / loading['pytorch recipe']:.2f}, atorch / full copy "
+          f"{loading['atorch (meta)'] / loading['full copy']:.2f}")
     losses = {path: ranks[0]["first_loss"] for path, ranks in rows.items()}
     reference = losses["full copy"]
     print("first loss, relative difference to the full copy's: " + ", ".join(
