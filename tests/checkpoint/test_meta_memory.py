@@ -10,7 +10,7 @@ of the parameters: a process that held the whole model even once would break the
 loss must equal that of ``from_pretrained`` in this process on the whole batch (fp32, relative 1e-5).
 
 The ranks run with a fixed malloc mmap threshold (see the test). Measured 2026-11-25 (2 CPU cores):
-about 94 MiB after auto_accelerate, 140-158 MiB after load_pretrained, 214-216 MiB after the step,
+about 94 MiB after auto_accelerate, 140-158 MiB after load_pretrained, 213-217 MiB after the step,
 against 222 MiB for one copy: the step (gradient shards, FSDP's gathered layers) sets the peak.
 """
 from __future__ import annotations
