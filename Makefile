@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/compute.py
 	$(PY) benchmarks/model_parallel.py
 	$(PY) benchmarks/checkpoint.py
+	$(PY) benchmarks/host_memory.py
 	$(PY) benchmarks/search_quality.py
 	$(PY) benchmarks/plan_vs_published.py
 	$(PY) benchmarks/gpu.py

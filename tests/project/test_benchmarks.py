@@ -27,6 +27,7 @@ SMALLEST = {
     "model_parallel.py": (["--tiny"], "TP2 x PP2"),
     "search_quality.py": (["--tiny"], "memory-limited (repo GPT"),
     "checkpoint.py": (["--tiny"], "asynchronous save: training blocked"),
+    "host_memory.py": (["--tiny"], "atorch / pytorch recipe: "),
     "plan_vs_published.py": ([], "calibrated constants"),
     "gpu.py": (["--tiny"], "auto / expert = "),  # checked further below
 }
