@@ -32,6 +32,7 @@ from atorch.checkpoint.tensors import (
     to_live_order,
 )
 from atorch.errors import CheckpointError
+from atorch.utils.modules import PACKED_STATE_ATTR
 
 try:  # optional, as for export_model; load_pretrained says how to install it
     from safetensors import safe_open
@@ -76,7 +77,8 @@ def load_pretrained(path: str | os.PathLike, result: "AutoAccelerateResult", *, 
     target = check_path(path, CALLER)
     weight_map = on_every_rank(lambda: weight_files(target))
     model = on_every_rank(lambda: model_tensors(result.model))
-    on_every_rank(lambda: refuse_computed(result.model, model))
+    packed = packed_parts(result.model)
+    on_every_rank(lambda: refuse_computed(result.model, model, packed))
     names = on_every_rank(lambda: accepted_names(result.model, model))
     sources = {key: _source(candidates, weight_map) for key, candidates in names.items()}
     loaded = _agreed_key_lists(names, sources, weight_map)
@@ -86,23 +88,36 @@ def load_pretrained(path: str | os.PathLike, result: "AutoAccelerateResult", *, 
     on_every_rank(lambda: check_fit(model, sources, weight_map))
     view = on_every_rank(lambda: OptimizerView(result.optim) if result.optim is not None else None)
     orders = saved_orders(result.model)
-    on_every_rank(lambda: copy_in(model, sources, weight_map, orders))
+    on_every_rank(lambda: copy_in(model, sources, weight_map, orders, packed))
     if view is not None and view.partitions is not None:
         view.partitions.sync_master_weights()  # DeepSpeed ZeRO steps from its own fp32 copy
     return loaded
 
 
-def refuse_computed(root: nn.Module, model: dict[str, torch.Tensor]) -> None:
-    """A state_dict value that no parameter or buffer holds (a module's state_dict hook builds it,
-    as tensor_parallel's split nn.MultiheadAttention packs its q, k and v projections) cannot be
-    loaded in place: refused, naming the key, rather than written into a temporary and lost."""
+def packed_parts(model: nn.Module) -> dict[str, list[torch.Tensor]]:
+    """``{key: the live parameters it packs}`` for saved tensors a module builds from several
+    parameters (``PACKED_STATE_ATTR``: tensor_parallel's split nn.MultiheadAttention saves its q, k
+    and v projections as ``in_proj_weight``), concatenated along dimension 0."""
+    out = {}
+    for root in model_roots(model):
+        for prefix, module in root.named_modules():
+            for suffix, paths in getattr(module, PACKED_STATE_ATTR, {}).items():
+                key = canonical_name(f"{prefix}.{suffix}" if prefix else suffix)
+                out[key] = [module.get_parameter(path) for path in paths]
+    return out
+
+
+def refuse_computed(root: nn.Module, model: dict[str, torch.Tensor], packed: dict[str, list]) -> None:
+    """A state_dict value that no parameter or buffer holds and no module declares as packed (a
+    state_dict hook of the user's builds it) cannot be loaded in place: refused, naming the key,
+    rather than written into a temporary and lost."""
     live = {id(t) for t in root.parameters()} | {id(t) for t in root.buffers()}
-    computed = sorted(key for key, tensor in model.items() if id(tensor) not in live)
+    computed = sorted(key for key, tensor in model.items() if id(tensor) not in live and key not in packed)
     if computed:
         raise CheckpointError(
-            f"{CALLER}: {computed[0]!r} is built by a state_dict hook under this strategy (e.g. tensor_parallel's "
-            "split nn.MultiheadAttention packs q, k and v) and is no tensor atorch can load into in place; load "
-            "the weights before splitting (build the model normally) or use another strategy for this module",
+            f"{CALLER}: {computed[0]!r} is built by a state_dict hook of the model and is no tensor atorch can "
+            "load into in place; load the weights into the model before auto_accelerate (build it normally) or "
+            "declare the parameters it packs (PACKED_STATE_ATTR, atorch/utils/modules.py)",
             key=computed[0])
 
 
@@ -256,16 +271,34 @@ def _dtype_fits(stored: str, live: torch.dtype) -> bool:
 
 # --- copying each process's part ---------------------------------------------------------------------------
 def copy_in(model: dict[str, torch.Tensor], sources: dict[str, str], weight_map: dict[str, str],
-            orders: dict[str, SavedOrder]) -> None:
+            orders: dict[str, SavedOrder], packed: dict[str, list[torch.Tensor]]) -> None:
     """Read this process's part of every tensor it loads, one file open at a time, into the live
     tensors (in place)."""
     for file, keys in sorted(_by_file(sources, weight_map).items()):
         with _open(file) as handle, torch.no_grad():
             for key, source in sorted(keys.items()):
+                if key in packed:
+                    _copy_packed(handle, source, packed[key])
+                    continue
                 live = model[key]
                 local = live.to_local() if isinstance(live, DTensor) else live
                 if local.numel():
                     local.copy_(_local_part(handle, source, live, orders.get(key)))
+
+
+def _copy_packed(handle: Any, source: str, parts: list[torch.Tensor]) -> None:
+    """A packed saved tensor into the parameters it is made of: each part's rows, read one part at
+    a time, then this process's share of them."""
+    start = 0
+    for live in parts:
+        rows = handle.get_slice(source)[start: start + live.shape[0]].to(dtype=live.dtype)
+        start += live.shape[0]
+        if isinstance(live, DTensor):
+            rows = distribute_tensor(rows.to(live.device), live.device_mesh, live.placements,
+                                     src_data_rank=None).to_local()
+            live.to_local().copy_(rows)
+        else:
+            live.copy_(rows)
 
 
 def _local_part(handle: Any, source: str, live: torch.Tensor, order: Optional[SavedOrder]) -> torch.Tensor:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -444,16 +445,17 @@ def sample_values(model: nn.Module) -> Iterator[None]:
         yield
         return
     hooks = []
-    meta: dict[int, tuple[str, nn.Module, str, torch.Tensor]] = {}
+    meta: dict[int, tuple[str, nn.Module, str, torch.Tensor]] = {}  # by tensor: where it is first registered
+    for name, module in model.named_modules(remove_duplicate=False):
+        for attr in _own_meta_tensors(module):
+            tensor = module._parameters.get(attr)
+            tensor = module._buffers.get(attr) if tensor is None else tensor
+            meta.setdefault(id(tensor), (name, module, attr, tensor))
     for name, module in model.named_modules():
         if _own_meta_tensors(module):
-            swap = _SampleSwap(name, module)
+            swap = _SampleSwap(module, meta)
             hooks.append(module.register_forward_pre_hook(swap.fill))
             hooks.append(module.register_forward_hook(swap.empty, always_call=True))
-            for attr in _own_meta_tensors(module):
-                tensor = module._parameters.get(attr)
-                tensor = module._buffers.get(attr) if tensor is None else tensor
-                meta.setdefault(id(tensor), (name, module, attr, tensor))
     try:
         with _SampleOperands(meta):
             yield
@@ -499,8 +501,8 @@ class _SampleOperands(TorchFunctionMode):
 class _SampleSwap:
     """Puts sample values into one module's meta tensors for its call, and takes them out after."""
 
-    def __init__(self, name: str, module: nn.Module):
-        self.name, self.module = name, module
+    def __init__(self, module: nn.Module, meta: dict[int, tuple[str, nn.Module, str, torch.Tensor]]):
+        self.module, self.meta = module, meta
         self.saved: list[tuple[str, str, torch.Tensor]] = []
 
     def fill(self, module: nn.Module, args: Any) -> None:
@@ -510,7 +512,8 @@ class _SampleSwap:
             for attr, tensor in list(getattr(module, slot).items()):
                 if not is_meta(tensor):
                     continue
-                value = _sample_value(f"{self.name}.{attr}", tensor, saved_order(module, attr))
+                first, owner, owner_attr, _ = self.meta[id(tensor)]  # a tied weight: one name, one value
+                value = _sample_value(f"{first}.{owner_attr}", tensor, saved_order(owner, owner_attr))
                 if slot == "_parameters":
                     value = nn.Parameter(value, requires_grad=tensor.requires_grad)
                 self.saved.append((slot, attr, tensor))
@@ -533,7 +536,11 @@ def _sample_value(name: str, like: torch.Tensor, order: Any = None) -> torch.Ten
     """Deterministic small values for ``name``, drawn in the user's element order (a DTensor gets its
     local part of the same values, a parameter kept in an order of its own gets them reordered)."""
     generator = torch.Generator().manual_seed(zlib.crc32(user_module_name(name).encode()))
-    full = torch.randn(tuple(like.shape), generator=generator) * 0.02
+    shape = tuple(like.shape)
+    # sized as a trained layer's (a matrix ~ 1 / sqrt(its width), a vector ~ 1): values too small would
+    # make attention uniform and hide a wrong split of the heads from the tensor plan's check
+    full = torch.randn(shape, generator=generator) / math.sqrt(shape[-1]) if len(shape) >= 2 else \
+        1 + 0.5 * torch.randn(shape, generator=generator)
     if not like.is_floating_point():
         full = torch.zeros(tuple(like.shape))
     full = full.to(like.dtype)

@@ -9,6 +9,10 @@ from torch import nn
 # a module attribute {parameter attribute: order} for parameters a method keeps in an element order of
 # its own (tensor_parallel's fused q|k|v); checkpoints, loading and meta initialisation convert through it
 SAVED_ORDERS_ATTR = "atorch_saved_orders"
+# a module attribute {state_dict suffix: (parameter paths, ...)} for a saved tensor a module's
+# state_dict hook packs from several live parameters, concatenated along dimension 0 in that order
+# (tensor_parallel's split nn.MultiheadAttention saves its q, k, v projections as in_proj_weight)
+PACKED_STATE_ATTR = "atorch_packed_state"
 
 
 def repeated_blocks(model: nn.Module) -> tuple[dict[str, int], dict[str, int]]:

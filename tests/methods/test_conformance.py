@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import default_collate
 
 from atorch.auto.search.layouts import layout_facts
-from atorch.testing.conformance import page, run_matrix, tensor_plan_share
+from atorch.testing.conformance import META, META_FAMILIES, family, page, run_matrix, tensor_plan_share
 from atorch.testing.hf_models import ZOO
 from atorch.testing.training import call_model
 
@@ -59,12 +59,22 @@ def test_mixed_tensor_pipeline_passes_wherever_pipeline_parallel_does(cells):
     assert not missing, missing
 
 
+def test_meta_builds_pass_wherever_their_family_does(cells):
+    """Each ``<family>@meta`` row (built on the meta device, weights streamed in with
+    load_pretrained) trains at parity in every column where the normally built family does."""
+    missing = {f"{column} x {name}{META}": cells[(column, name + META)].detail
+               for (column, name), cell in cells.items()
+               if name in META_FAMILIES and cell.status == "pass" and cells[(column, name + META)].status != "pass"}
+    assert not missing, "\n".join(f"{k}: {v}" for k, v in missing.items())
+    assert all((column, family + META) in cells for column, _ in cells for family in META_FAMILIES)
+
+
 def test_tensor_parallel_refusals_name_the_blocking_module(cells):
     """A model tensor_parallel declines is told which module blocks the plan and why (the CNN: its
     only Linear, whose output goes to the loss)."""
     for (column, model), cell in cells.items():
         if column in ("tp2", "tp2_sp") and cell.status == "refused":
-            linears = [n for n, m in ZOO[model].build().named_modules() if isinstance(m, torch.nn.Linear)]
+            linears = [n for n, m in ZOO[family(model)].build().named_modules() if isinstance(m, torch.nn.Linear)]
             named = [n for n in linears if re.search(rf"(^|[ (;]){re.escape(n)}(: | has | computes )", cell.detail)]
             assert "tensor_parallel" in cell.detail and named, f"{column} x {model}: {cell.detail}"
 

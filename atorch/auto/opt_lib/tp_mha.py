@@ -6,7 +6,8 @@ swaps each such module for ``SeparateProjectionAttention``: the same maths (scal
 attention over ``num_heads`` heads, the same masks, dropout and ``batch_first``) with ``q_proj``,
 ``k_proj`` and ``v_proj`` Linears initialised from the packed weight. Its ``state_dict`` keeps the
 original keys (``in_proj_weight``, ``in_proj_bias``, ``out_proj.*``), so checkpoints and weights
-compare with the user's model unchanged. Modules using ``bias_k`` / ``bias_v``, ``add_zero_attn``
+compare with the user's model unchanged (``PACKED_STATE_ATTR`` tells ``load_pretrained`` which
+parameters each packed key fills). Modules using ``bias_k`` / ``bias_v``, ``add_zero_attn``
 or different key / value widths are left as they are (and stay whole).
 """
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from atorch.utils.modules import PACKED_STATE_ATTR
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,8 @@ class SeparateProjectionAttention(nn.Module):
                 if bias:
                     proj.bias.copy_(mha.in_proj_bias[index * self.embed_dim:(index + 1) * self.embed_dim])
         self.out_proj = mha.out_proj
+        setattr(self, PACKED_STATE_ATTR, {f"in_proj_{suffix}": tuple(f"{p}_proj.{suffix}" for p in "qkv")
+                                          for suffix in (("weight", "bias") if bias else ("weight",))})
         self._register_state_dict_hook(_packed_state)
         self._register_load_state_dict_pre_hook(_unpack_state)
 
