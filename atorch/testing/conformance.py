@@ -368,7 +368,9 @@ single-process fp32 methods 1e-5, model parallel fp32 1e-4, bf16 2e-2. The model
 models) and `atorch/testing/community_models.py` (transformers written as PyTorch's, torchtitan's,
 timm's, nanoGPT's and lucidrains' codebases write them, an MoE, an MLP of `up` / `down`); the columns
 in `atorch/testing/conformance.py`. The CNN's BatchNorm normalises each forward's batch, so its
-reference runs the per-process shards apart; its running statistics are not compared.
+reference runs the per-process shards apart; its running statistics are not compared. Rows
+`<family>@meta` run the family built on the meta device, its initial weights streamed in with
+`atorch.load_pretrained` ([large-models.md](large-models.md)), against the same reference.
 
 """
 
