@@ -198,9 +198,10 @@ def materialize(model: nn.Module, device: torch.device, plan: Optional[InitPlan]
         for name, root, init in plan.whole_model:
             torch.manual_seed(_module_seed(seed, name))
             _run_whole_model(root, init, seed, record)
+        done: set[int] = set()  # a tied weight takes its first module's values, whatever the split
         for name, module, init, _ in plan.per_module:
             torch.manual_seed(_module_seed(seed, name))
-            _init_module_full_size(name, module, init, device, record)
+            _init_module_full_size(name, module, init, device, record, done)
     record.tensors = _check_filled(model, plan)
     for module in model.modules():
         module.__dict__.pop(PENDING_ATTR, None)
@@ -291,13 +292,14 @@ def agreed_seed() -> int:
 
 
 def _init_module_full_size(name: str, module: nn.Module, init: Callable[[], Any], device: torch.device,
-                           record: MaterializeRecord) -> None:
+                           record: MaterializeRecord, done: set[int]) -> None:
     """Swap the module's own tensors for full-size NaN-filled ones, run its initialiser, check it set
-    them, and keep this process's slice of each."""
+    them, and keep this process's slice of each (``done``: tensors an earlier module initialised)."""
     own = [(attr, slot) for slot in ("_parameters", "_buffers")
            for attr, t in getattr(module, slot).items() if t is not None]
     live = {attr: getattr(module, slot)[attr] for attr, slot in own}
-    fresh = {attr for attr in live if attr in _pending(module)}
+    fresh = {attr for attr in live if attr in _pending(module) and id(live[attr]) not in done}
+    done.update(id(live[attr]) for attr in fresh)
     # the tensors that were real already (a buffer init_empty_weights left) lend the initialiser a copy
     full = {attr: _nan_tensor(tuple(t.shape), t.dtype, device) if attr in fresh else t.detach().clone()
             for attr, t in live.items()}
