@@ -369,6 +369,10 @@ SINGLE: list[Case] = [
          ("sequence_parallel needs one of", "tensor_parallel", "mixed_parallel")),
     Case("dropped_tensor_and_mixed", strategy(["tensor_parallel", "mixed_parallel"]), IncompatibleMethodsError,
          ("tensor_parallel and mixed_parallel",)),
+    Case("dropped_pipeline_and_fsdp", strategy(["pipeline_parallel", "fsdp"]), IncompatibleMethodsError,
+         ("pipeline_parallel and fsdp", "use zero1 or DDP beside a pipeline")),
+    Case("dropped_mixed_and_zero2", strategy(["mixed_parallel", "zero2"]), IncompatibleMethodsError,
+         ("mixed_parallel and zero2", "do not reduce the gradients")),
 ]
 
 

@@ -8,6 +8,13 @@ import torch
 from atorch.auto.model_context import ModelContext
 from atorch.utils.config import MethodConfig, validate_config
 
+# the exclusive group of the methods that shard parameters with FSDP2 and of those that run a pipeline
+# schedule: measured, pipeline 2 x data 2 with fsdp or zero2 left every weight unchanged after a step
+SHARDED_STAGES = "sharded pipeline stages"
+SHARDED_STAGES_WHY = ("a pipeline schedule runs each stage's backward itself, and fsdp / zero2 (FSDP2) do not "
+                      "reduce the gradients of those backwards, so the stages would not train correctly (measured: "
+                      "losses off the single-process run's from the second step); use zero1 or DDP beside a pipeline")
+
 
 class Optimization:
     """One method of a strategy (``amp_native``, ``fsdp``, ...).

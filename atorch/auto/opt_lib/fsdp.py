@@ -47,7 +47,7 @@ except ImportError:  # pragma: no cover
     ReduceScatter = DefaultAllocMixin = None  # type: ignore[assignment,misc]
 
 from atorch.auto.opt_lib.activation_checkpoint import matching_modules
-from atorch.auto.opt_lib.base import Optimization
+from atorch.auto.opt_lib.base import SHARDED_STAGES, SHARDED_STAGES_WHY, Optimization
 from atorch.distributed import mesh
 from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, ModuleTargets, option, validate_config
@@ -100,7 +100,7 @@ class FSDPOptimization(Optimization):
     reads = {"data_parallel": ("model", "amp_dtype"), "optimizer": ("optim_func", "optim_args")}
     writes = {"data_parallel": ("model", "sync_toggles", "args")}
     record_writes = ("data_parallel_wrapper", "optimizer_factory")
-    excludes = {"sharding": "choose one sharding level"}
+    excludes = {"sharding": "choose one sharding level", SHARDED_STAGES: SHARDED_STAGES_WHY}
 
     def normalize(self, config: Any) -> FSDPConfig:
         return normalize_fsdp_config(self.name, self.config_class, config)

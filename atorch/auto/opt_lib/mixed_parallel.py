@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from atorch.auto.opt_lib.base import Optimization
+from atorch.auto.opt_lib.base import SHARDED_STAGES, SHARDED_STAGES_WHY, Optimization
 from atorch.auto.opt_lib.pipeline_parallel import (
     PipelineParallelConfig,
     PipelineParallelOptimization,
@@ -45,7 +45,8 @@ class MixedParallelOptimization(Optimization):
     mesh_dims = ("tensor", "pipeline")
     excludes = {"tensor parallel": "mixed_parallel already includes tensor parallel",
                 "pipeline parallel": "mixed_parallel already includes pipeline parallel",
-                "micro-batches": "a pipeline splits the batch into micro-batches itself: set its num_micro_batch"}
+                "micro-batches": "a pipeline splits the batch into micro-batches itself: set its num_micro_batch",
+                SHARDED_STAGES: SHARDED_STAGES_WHY}
 
     def normalize(self, config: Any) -> MixedParallelConfig:
         config = super().normalize(config)

@@ -63,7 +63,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from atorch.auto.gradients import mark_counted_elsewhere
-from atorch.auto.opt_lib.base import Optimization
+from atorch.auto.opt_lib.base import SHARDED_STAGES, SHARDED_STAGES_WHY, Optimization
 from atorch.auto.opt_lib.pipeline_structure import (
     BlockStructure,
     PassThrough,
@@ -359,7 +359,8 @@ class PipelineParallelOptimization(Optimization):
     writes = ("model", "loss_func", "model_parallel", "backward_in_forward", "grad_partition_group", "args")
     mesh_dims = ("pipeline",)
     excludes = {"pipeline parallel": "mixed_parallel already includes pipeline parallel",
-                "micro-batches": "a pipeline splits the batch into micro-batches itself: set its num_micro_batch"}
+                "micro-batches": "a pipeline splits the batch into micro-batches itself: set its num_micro_batch",
+                SHARDED_STAGES: SHARDED_STAGES_WHY}
 
     def normalize(self, config: Any) -> PipelineParallelConfig:
         config = super().normalize(config)

@@ -22,7 +22,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from atorch.auto.gradients import scale_grads_to_norm, total_grad_norm
-from atorch.auto.opt_lib.base import Optimization
+from atorch.auto.opt_lib.base import SHARDED_STAGES, SHARDED_STAGES_WHY, Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason, use_deepspeed_zero
 from atorch.auto.opt_lib.fsdp import FSDPConfig, normalize_fsdp_config, shard_model, use_foreach_optimizer
 from atorch.checkpoint.adapters import register_optimizer_adapter
@@ -155,7 +155,7 @@ class Zero2Optimization(Optimization):
              "optimizer": ("model", "amp_dtype", "per_rank_batch_size", "optim_func", "optim_args")}
     writes = {"data_parallel": ("model", "grad_partition_group", "sync_toggles", "args"), "optimizer": ("model",)}
     record_writes = ("data_parallel_wrapper", "optimizer_factory", "args")  # args: DeepSpeed
-    excludes = {"sharding": "choose one sharding level"}
+    excludes = {"sharding": "choose one sharding level", SHARDED_STAGES: SHARDED_STAGES_WHY}
 
     def normalize(self, config: Any) -> Zero2Config:
         config = normalize_fsdp_config(self.name, self.config_class, config)
