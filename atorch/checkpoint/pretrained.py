@@ -79,7 +79,8 @@ def load_pretrained(path: str | os.PathLike, result: "AutoAccelerateResult", *, 
     model = on_every_rank(lambda: model_tensors(result.model))
     packed = packed_parts(result.model)
     on_every_rank(lambda: refuse_computed(result.model, model, packed))
-    names = on_every_rank(lambda: accepted_names(result.model, model))
+    names = on_every_rank(lambda: with_hf_renames(accepted_names(result.model, model),
+                                                  hf_checkpoint_names(result.model, weight_map)))
     sources = {key: _source(candidates, weight_map) for key, candidates in names.items()}
     loaded = _agreed_key_lists(names, sources, weight_map)
     if strict:
@@ -191,6 +192,35 @@ def accepted_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[s
         for path, user_name in getattr(stage, "names", {}).items():
             _join(groups, [canonical_name(path), user_name])
     return {key: [key] + sorted(groups.get(key, set()) - {key}) for key in tensors}
+
+
+def hf_checkpoint_names(model: nn.Module, file_keys: Iterable[str]) -> dict[str, str]:
+    """``{model key: file key}`` for the keys transformers renames when it loads this model
+    (transformers 5's conversion mapping: a ViT's ``attention.attention.query`` is its
+    ``attention.q_proj``), so ``load_pretrained`` reads what ``save_pretrained`` wrote. Renamings only:
+    a key a converter would merge or split keeps its name (and is then reported, not guessed)."""
+    root = model_roots(model)[0]
+    if not (hasattr(root, "config") and hasattr(root, "post_init")):
+        return {}
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # transformers < 5 renames nothing on load
+        return {}
+    transforms = get_model_conversion_mapping(root)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    out = {}
+    for file_key in file_keys:
+        renamed, converter = rename_source_key(file_key, renamings, converters)
+        if converter is None and renamed != file_key:
+            out[renamed] = file_key
+    return out
+
+
+def with_hf_renames(names: dict[str, list[str]], renames: dict[str, str]) -> dict[str, list[str]]:
+    """Each key's accepted names, plus the file's name for it where transformers renames it."""
+    return {key: candidates + [renames[key]] if key in renames else candidates for key, candidates in names.items()}
 
 
 def _join(groups: dict[str, set[str]], names: Iterable[str]) -> None:

@@ -101,12 +101,13 @@ def train(result: Any, steps: int = STEPS) -> list[float]:
     return losses
 
 
-def reference_losses(directory: str) -> list[float]:
-    """``from_pretrained`` and plain torch: one process, the whole batch, SGD with momentum."""
+def reference_losses(directory: str, rows: int = BATCH * STEPS) -> list[float]:
+    """``from_pretrained`` and plain torch: one process, the whole batch, SGD with momentum (the
+    first STEPS batches of a dataset of ``rows`` rows)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
     optim = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses = []
-    for batch in list(torch.utils.data.DataLoader(token_dataset(BATCH * STEPS), batch_size=BATCH))[:STEPS]:
+    for batch in list(torch.utils.data.DataLoader(token_dataset(rows), batch_size=BATCH))[:STEPS]:
         loss = model(**batch).loss
         loss.backward()
         optim.step()
@@ -332,6 +333,22 @@ def test_one_plain_process_trains_like_from_pretrained(files, references):
     result = accelerate(llama(False, seed=1), [])
     assert atorch.load_pretrained(files["llama"], result) == atorch.LoadResult([], [])
     assert relative_difference(train(result), references["llama"]) < TOL
+
+
+def test_keys_transformers_renames_on_load_are_found(tmp_path):
+    """transformers 5 saves a ViT's attention as ``attention.attention.query`` and names it
+    ``attention.q_proj`` in the live model: load_pretrained reads what save_pretrained wrote."""
+    from atorch.testing.hf_models import tiny_vit
+
+    torch.manual_seed(0)
+    saved = tiny_vit()
+    saved.save_pretrained(tmp_path)
+    torch.manual_seed(1)
+    _, result, _ = atorch.auto_accelerate(tiny_vit(), torch.optim.SGD, optim_args={"lr": 0.1}, load_strategy=[])
+    assert atorch.load_pretrained(tmp_path, result) == atorch.LoadResult([], [])
+    expected = transformers.AutoModelForImageClassification.from_pretrained(tmp_path).state_dict()
+    for name, value in result.model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
 
 
 def test_wrappers_keep_the_user_names(files):

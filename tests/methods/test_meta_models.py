@@ -36,7 +36,7 @@ from atorch.testing.hf_models import SEQ, VOCAB, hf_loss, token_dataset
 from atorch.testing.training import relative_difference
 from atorch.utils.meta_init import has_meta_tensors, plan_initialisation
 from atorch.utils.modules import full_state_dict
-from tests.checkpoint.test_pretrained import BATCH, LR, STEPS, accelerate, reference_losses, save_model, train
+from tests.checkpoint.test_pretrained import BATCH, LR, accelerate, reference_losses, save_model, train
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test extra")
 
@@ -206,23 +206,9 @@ def test_the_export_reloads_with_from_pretrained_to_the_trained_weights(two_rank
         assert torch.equal(state[name].float(), trained), (case, name)
 
 
-def from_pretrained_losses(directory: str, rows: int) -> list[float]:
-    """``from_pretrained`` and plain torch in one process: the first STEPS batches of ``rows`` rows."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
-    optim = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses = []
-    for batch in list(torch.utils.data.DataLoader(token_dataset(rows), batch_size=BATCH))[:STEPS]:
-        loss = model(**batch).loss
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.multirank
 def test_the_automatic_mode_returns_a_strategy_that_trains_a_meta_model(two_ranks, files):
-    expected = from_pretrained_losses(files["llama"], AUTO_ROWS)
+    expected = reference_losses(files["llama"], AUTO_ROWS)
     for rank, result in enumerate(two_ranks):
         got = result["automatic"]
         assert got["status"], f"rank {rank}: the search found nothing"
