@@ -39,6 +39,38 @@ class Row:
         return (self.predicted_memory - self.measured_memory) / self.measured_memory
 
 
+def rank_correlation(rows: list[Row]) -> Optional[tuple[float, int]]:
+    """Spearman's rank correlation between the predicted and the measured step times of the rows
+    that were dry-run (ties share their average rank), and how many there were; None under three:
+    how far the predictions that pick the dry runs can be trusted to order them."""
+    pairs = [(row.predicted_time_s, row.measured_time_s) for row in rows if row.measured_time_s]
+    if len(pairs) < 3:
+        return None
+    predicted, measured = _ranks([p for p, _ in pairs]), _ranks([m for _, m in pairs])
+    return _pearson(predicted, measured), len(pairs)
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for position in range(start, end + 1):
+            ranks[order[position]] = (start + end) / 2
+        start = end + 1
+    return ranks
+
+
+def _pearson(a: list[float], b: list[float]) -> float:
+    mean_a, mean_b = sum(a) / len(a), sum(b) / len(b)
+    cov = sum((x - mean_a) * (y - mean_b) for x, y in zip(a, b))
+    spread = (sum((x - mean_a) ** 2 for x in a) * sum((y - mean_b) ** 2 for y in b)) ** 0.5
+    return cov / spread if spread else 0.0
+
+
 def format_table(rows: list[Row], memory_limit: int) -> str:
     header = (f"{'':2}{'candidate':<40}{'pred MiB':>10}{'meas MiB':>10}{'err':>7}"
               f"{'pred ms':>10}{'meas ms':>10}  status")
@@ -50,6 +82,10 @@ def format_table(rows: list[Row], memory_limit: int) -> str:
         status = row.status + (f" ({row.reason})" if row.reason else "")
         lines.append(f"{'*' if row.chosen else ' ':2}{row.label:<40}{row.predicted_memory / MIB:>10.1f}{measured_mem}"
                      f"{error}{row.predicted_time_s * 1000:>10.1f}{measured_time}  {status}")
+    correlation = rank_correlation(rows)
+    lines.append("predicted vs measured step time: " + (
+        f"Spearman rank correlation {correlation[0]:.2f} over {correlation[1]} dry-run candidates" if correlation
+        else "fewer than 3 dry-run candidates, no rank correlation"))
     return "\n".join(lines)
 
 
