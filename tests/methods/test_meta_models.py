@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Any
 
 import pytest
@@ -133,7 +134,33 @@ def two_ranks(files, tmp_path_factory) -> list[dict]:
 
 def _two_rank_work(files: dict, exports: str) -> dict:
     return {"pretrained": pretrained_suite(files, PRETRAINED_2, exports), "random": random_init_suite(),
-            "automatic": automatic_on_meta(files["llama"])}
+            "automatic": automatic_on_meta(files["llama"]), "rank_local": initialiser_failing_on_rank_1()}
+
+
+class FailsOnRank1(nn.Linear):
+    """A layer whose initialiser raises on rank 1 once it has real storage (not while built on meta)."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta and torch.distributed.get_rank() == 1:
+            raise RuntimeError("injected initialiser fault on rank 1")
+        super().reset_parameters()
+
+
+def initialiser_failing_on_rank_1() -> dict:
+    """Rank 1 raises while materialising; rank 0 is then in the application's closing collective.
+    Both must end, within the collective timeout, with the cause; the group stays usable."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), FailsOnRank1(8, 8))
+    started = time.monotonic()
+    try:
+        atorch.auto_accelerate(model, torch.optim.SGD, optim_args={"lr": 0.1}, load_strategy=["parallel_mode", "fsdp"])
+        error = None
+    except Exception as raised:  # the test reports what each rank raised
+        error = f"{type(raised).__name__}: {raised}"
+    seconds = time.monotonic() - started
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total)
+    return {"error": error, "seconds": seconds, "all_reduce": float(total)}
 
 
 AUTO_ROWS = BATCH * 8  # the search's dry runs need more batches than the 3 steps trained
@@ -216,6 +243,15 @@ def test_the_automatic_mode_returns_a_strategy_that_trains_a_meta_model(two_rank
         # whatever it chose (data parallel here, possibly sharded or with amp), it trains the loaded weights
         tolerance = 2e-2 if "amp_native" in got["strategy"] or "half" in got["strategy"] else 1e-4
         assert relative_difference(got["losses"], expected) < tolerance, (got, expected)
+
+
+@pytest.mark.multirank
+def test_an_initialiser_failing_on_one_rank_ends_every_rank(two_ranks):
+    got = [result["rank_local"] for result in two_ranks]
+    assert got[1]["error"].startswith("RuntimeError: injected initialiser fault on rank 1"), got
+    assert got[0]["error"].startswith("PeerRankError") and "injected initialiser fault" in got[0]["error"], got
+    assert all(r["seconds"] < 60 for r in got), got  # the collective timeout, not a hang
+    assert [r["all_reduce"] for r in got] == [2.0, 2.0]  # the process group survives
 
 
 # --- initialised on meta, no checkpoint -----------------------------------------------------------
