@@ -496,7 +496,7 @@ class _SampleOperands(TorchFunctionMode):
         if not is_meta(tensor):
             return value
         sample = _sample_value(f"{name}.{attr}", tensor, saved_order(module, attr))
-        sample._atorch_sample_of = id(tensor)
+        _keep_identity(tensor, sample)
         return sample
 
 

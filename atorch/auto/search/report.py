@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -47,7 +48,10 @@ def rank_correlation(rows: list[Row]) -> Optional[tuple[float, int]]:
     if len(pairs) < 3:
         return None
     predicted, measured = _ranks([p for p, _ in pairs]), _ranks([m for _, m in pairs])
-    return _pearson(predicted, measured), len(pairs)
+    try:
+        return statistics.correlation(predicted, measured), len(pairs)  # Pearson's of the ranks: Spearman's
+    except statistics.StatisticsError:  # every prediction (or measurement) the same: no order to compare
+        return 0.0, len(pairs)
 
 
 def _ranks(values: list[float]) -> list[float]:
@@ -62,13 +66,6 @@ def _ranks(values: list[float]) -> list[float]:
             ranks[order[position]] = (start + end) / 2
         start = end + 1
     return ranks
-
-
-def _pearson(a: list[float], b: list[float]) -> float:
-    mean_a, mean_b = sum(a) / len(a), sum(b) / len(b)
-    cov = sum((x - mean_a) * (y - mean_b) for x, y in zip(a, b))
-    spread = (sum((x - mean_a) ** 2 for x in a) * sum((y - mean_b) ** 2 for y in b)) ** 0.5
-    return cov / spread if spread else 0.0
 
 
 def format_table(rows: list[Row], memory_limit: int) -> str:
