@@ -1,7 +1,6 @@
 """auto_accelerate: the user-facing entry point (semi-automatic mode: ``load_strategy``)."""
 from __future__ import annotations
 
-import copy
 import logging
 import os
 from collections import namedtuple
@@ -10,6 +9,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from atorch.auto.apply import apply_strategy_together, dry_run_strategy, resolve_strategy
+from atorch.auto.dryrun import dry_run_copy
 from atorch.auto.model_context import ModelContext
 from atorch.auto.search.options import SEARCH_KARGS, SearchOptions
 from atorch.auto.search.strategy_search import search
@@ -105,7 +105,7 @@ def auto_accelerate(
         strategy = resolve_strategy(Strategy.from_any(load_strategy), excluded=excluded)
         _log(f"auto_accelerate strategy:\n{strategy}")
         if not ignore_dryrun_on_load_strategy:
-            report = dry_run_strategy(lambda: make_context(copy.deepcopy(model)), strategy, options.dryrun_steps,
+            report = dry_run_strategy(lambda: make_context(dry_run_copy(model)), strategy, options.dryrun_steps,
                                       options.collective_timeout_s)
             _log(str(report))
             if not report.ok:

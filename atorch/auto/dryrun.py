@@ -6,6 +6,7 @@ the dry run on every rank within seconds and leaves a usable process group behin
 """
 from __future__ import annotations
 
+import copy
 import logging
 import statistics
 import time
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+from torch import nn
 
 from atorch.auto.model_context import ModelContext
 from atorch.distributed.agreement import is_multi_rank, max_over_ranks
@@ -21,6 +23,7 @@ from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.errors import InputError
 from atorch.utils.batch import loss_value
 from atorch.utils.memory import PeakMemoryTracker
+from atorch.utils.meta_init import meta_copy
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +36,7 @@ DEFAULT_DRYRUN_STEPS = 3
 @dataclass
 class DryRunResult:
     ok: bool
-    step_time_s: Optional[float] = None   # mean of the timed steps, max over ranks
+    step_time_s: Optional[float] = None   # median of the timed steps (robust to one slow step), max over ranks
     peak_memory_bytes: Optional[int] = None  # max over ranks
     error: Optional[str] = None
     step_time_spread_s: Optional[float] = None  # standard deviation of the timed steps, max over ranks (noise)
@@ -83,7 +86,7 @@ def dry_run(ctx: ModelContext, warmup_steps: int = 1, timed_steps: int = DEFAULT
 
 
 def _timed_steps(ctx: ModelContext, warmup_steps: int, timed_steps: int) -> list[float]:
-    """[mean seconds per timed step, peak bytes, standard deviation of the timed steps] on this rank;
+    """[median seconds per timed step, peak bytes, standard deviation of the timed steps] on this rank;
     raises on any failure. The spread is the noise a comparison of two step times must exceed."""
     batches = iter(ctx.dataloader)
     times: list[float] = []
@@ -103,9 +106,17 @@ def _timed_steps(ctx: ModelContext, warmup_steps: int, timed_steps: int) -> list
             if step >= warmup_steps:
                 times.append(time.perf_counter() - start)
     spread = statistics.stdev(times) if len(times) > 1 else 0.0
-    return [sum(times) / max(timed_steps, 1), float(tracker.stats.peak_bytes), spread]
+    return [statistics.median(times), float(tracker.stats.peak_bytes), spread]
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def dry_run_copy(model: nn.Module) -> nn.Module:
+    """The model a dry run applies its candidate to: a meta copy (``meta_copy``), which the candidate
+    materialises shard by shard, so the dry run costs the candidate's memory only; a deep copy where some
+    module has no initialiser (the same on every rank: the model is)."""
+    copied = meta_copy(model)
+    return copied if copied is not None else copy.deepcopy(model)

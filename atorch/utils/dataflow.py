@@ -11,6 +11,7 @@ the calls made inside a handled function.
 """
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
@@ -118,16 +119,29 @@ class _Recorder(TorchFunctionMode):
     def __init__(self, flow: Dataflow, owners: dict[int, tuple[str, str]]):
         super().__init__()
         self.flow, self.owners = flow, owners
-        self.nodes: dict[int, int] = {}
-        self.keep: list[torch.Tensor] = []  # ids stay unique while the forward runs
+        self.nodes: dict[int, int] = {}  # id of a live tensor -> its node
+        self.count = 0
+        self.forgetters: list[weakref.finalize] = []
+
+    def __exit__(self, *exc: Any) -> Any:
+        # a tensor still alive (a buffer) must not keep a weak reference: torch.utils.swap_tensors, which
+        # gives a meta model its storage, refuses a tensor that has one
+        for forget in self.forgetters:
+            forget.detach()
+        self.forgetters.clear()
+        return super().__exit__(*exc)
 
     def node(self, tensor: torch.Tensor, create: bool) -> Optional[int]:
+        """The node of ``tensor``. A tensor's node is forgotten when the tensor dies, before Python can give
+        its id to another one: keeping every output alive to keep ids unique would hold the whole forward's
+        activations (and, on a meta model, every sample weight a view was taken of) until the end."""
         key = id(tensor)
         if key not in self.nodes:
             if not create:
                 return None
-            self.nodes[key] = len(self.keep)
-            self.keep.append(tensor)
+            self.nodes[key] = self.count
+            self.count += 1
+            self.forgetters.append(weakref.finalize(tensor, self.nodes.pop, key, None))
             self.flow.shapes[self.nodes[key]] = tuple(tensor.shape)
         return self.nodes[key]
 

@@ -24,6 +24,7 @@ RoPE ``inv_freq``) are not in any checkpoint, so they must be recomputed here to
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import logging
 import math
@@ -111,6 +112,26 @@ def plan_initialisation(model: nn.Module) -> InitPlan:
                 "device", module=name)
         plan.per_module.append((name, module, found[0], found[1]))
     return plan
+
+
+def meta_copy(model: nn.Module) -> Optional[nn.Module]:
+    """A deep copy of ``model`` with its parameters on the meta device (buffers are copied as they are),
+    or None when some module of it has no initialiser (``plan_initialisation`` refuses it).
+
+    A dry run only needs a candidate's shapes and a step's cost, not the user's values, so the search
+    applies each candidate to such a copy: the candidate materialises only its own shards, and a dry run
+    costs the candidate's memory rather than a whole copy of the model beside the user's own. Tied
+    parameters stay tied (one meta parameter per shared original)."""
+    memo: dict[int, Any] = {}
+    for parameter in model.parameters():
+        memo[id(parameter)] = nn.Parameter(torch.empty_like(parameter, device="meta"),
+                                           requires_grad=parameter.requires_grad)
+    copied = copy.deepcopy(model, memo)
+    try:
+        plan_initialisation(copied)
+    except MetaModelError:
+        return None
+    return copied
 
 
 def _whole_model_roots(model: nn.Module) -> list[tuple[str, nn.Module, Callable[[], Any]]]:
@@ -536,7 +557,25 @@ def _keep_identity(meta: torch.Tensor, real: torch.Tensor) -> None:
 
 def _sample_value(name: str, like: torch.Tensor, order: Any = None) -> torch.Tensor:
     """Deterministic small values for ``name``, drawn in the user's element order (a DTensor gets its
-    local part of the same values, a parameter kept in an order of its own gets them reordered)."""
+    local part of the same values, a parameter kept in an order of its own gets them reordered). Drawn
+    outside every torch function mode: a mode recording the forward (the dataflow recorder keeps every op
+    output it sees) would otherwise keep each full-size draw alive, the whole model's worth by the end."""
+    with _outside_function_modes():
+        return _draw_sample_value(name, like, order)
+
+
+@contextlib.contextmanager
+def _outside_function_modes() -> Iterator[None]:
+    """Run without the active ``TorchFunctionMode``s (they are put back afterwards, in order)."""
+    popped = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+    try:
+        yield
+    finally:
+        for mode in reversed(popped):
+            torch._C._push_on_torch_function_stack(mode)
+
+
+def _draw_sample_value(name: str, like: torch.Tensor, order: Any = None) -> torch.Tensor:
     generator = torch.Generator().manual_seed(zlib.crc32(user_module_name(name).encode()))
     shape = tuple(like.shape)
     # sized as a trained layer's (a matrix ~ 1 / sqrt(its width), a vector ~ 1): values too small would
@@ -549,7 +588,8 @@ def _sample_value(name: str, like: torch.Tensor, order: Any = None) -> torch.Ten
     if order is not None:
         full = order.to_live(full)
     if isinstance(like, DTensor):
-        local = distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+        # a copy: the shard of a tensor split on its first dimension is a view that keeps all of ``full``
+        local = distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local().clone()
         return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride(),
                                   run_check=False)
     return full

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import gc
 import logging
 import statistics
 import time
@@ -25,7 +24,7 @@ import torch
 
 from atorch.auto import opt_lib
 from atorch.auto.apply import apply_strategy, resolve_strategy
-from atorch.auto.dryrun import DryRunResult, dry_run
+from atorch.auto.dryrun import DryRunResult, dry_run, dry_run_copy
 from atorch.auto.search.analyser import ModelProfile, analyse_model
 from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates, needless_split, refinements
 from atorch.auto.search.layouts import layout_facts
@@ -42,12 +41,22 @@ from atorch.auto.search.measure import (
     train_alone,
 )
 from atorch.auto.search.options import SearchOptions
+from atorch.auto.search.pieces import (
+    BlockStack,
+    PieceRun,
+    cut_copy,
+    describe_pieces,
+    extrapolate,
+    find_block_stack,
+    state_bytes_needed,
+)
 from atorch.auto.search.report import Row, format_table, write_report
 from atorch.auto.search.topology import Links, keep_tensor_in_node, topology_estimate, topology_for
 from atorch.auto.strategy import Strategy, StrategyItem
 from atorch.distributed.agreement import all_ranks_true, broadcast_flag, is_main_rank, world_size
 from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.utils.batch import first_tensor, loss_value
+from atorch.utils.memory import release_host_memory
 
 logger = logging.getLogger("atorch")
 
@@ -57,6 +66,11 @@ CLOSE_CALL = 0.15  # finalists measured within this fraction of each other are m
 CONFIRM_ROUNDS = 2  # alternating re-measurements of close finalists (3 samples each: a real median)
 # the methods that make a setting (precision, checkpoint): what a rank training alone applies
 SETTING_METHODS = ("amp_native", "half", "checkpoint")
+# The memory model predicts a dry run's peak within this fraction (tests/search/test_search.py holds it
+# to that): a candidate predicted closer to the limit is not dry-run, since its run could exceed the limit
+# (on a device, an out-of-memory error; under a memory cgroup, the process killed).
+MEMORY_MODEL_ERROR = 0.15
+PIECE_STEP_FACTOR = 2  # a cut model trains this many times the dry run's steps (see ``_train_alone``)
 
 
 @dataclass
@@ -70,6 +84,7 @@ class SearchResult:
     report_files: list = field(default_factory=list)
     table: str = ""                           # the report, always here (files only with report_dir)
     phase_seconds: dict = field(default_factory=dict)  # where the search's time went
+    pieces: list = field(default_factory=list)  # every alone measurement (``PieceRun``): what the search ran
 
 
 def search(model: torch.nn.Module, make_context: ContextFactory, options: SearchOptions) -> SearchResult:
@@ -105,6 +120,8 @@ class StrategySearch:
         self.rows: list[Row] = []           # rows[i] reports candidates[i]
         self.order: list[int] = []          # candidates predicted to fit, fastest first
         self.dry_runs: dict[int, DryRunResult] = {}  # each candidate's first dry run
+        self.stack: Optional[BlockStack] = None      # the model's repeated blocks, measured by pieces
+        self.pieces: list[PieceRun] = []             # every alone measurement, in order
 
     def run(self) -> SearchResult:
         self.analyse()
@@ -142,8 +159,10 @@ class StrategySearch:
                       + self.hardware.describe_links())
 
     def measure(self) -> None:
-        """One rank alone per setting the candidates use, from the profile cache when every rank has it."""
+        """One rank alone per setting the candidates use, from the profile cache when every rank has it;
+        measured by pieces (``pieces.py``) where the model has a block stack."""
         batch = self.per_rank_batch
+        self.stack = find_block_stack(self.model)
         for setting in sorted({(c.precision, c.checkpoint) for c in self.candidates}):
             key = cache_key(self.profile, self.hardware, batch, setting)
             cached = load_cached(key) if self.options.use_cache else None
@@ -151,11 +170,49 @@ class StrategySearch:
                 self.variants[setting] = cached
                 continue
             strategy = self._setting_strategy(setting)
-            self._say(f"search: measuring one rank alone with {'+'.join(strategy.names()) or 'fp32'} at batch {batch}")
-            variant = measure_variant(lambda b, s=strategy: self._train_alone(s, b), setting, batch)
+            variant = self._measure_setting(setting, strategy, batch)
             self.variants[setting] = variant
             if is_main_rank():
                 store_cached(key, variant)
+
+    def _measure_setting(self, setting: Setting, strategy: Strategy, batch: int) -> VariantProfile:
+        """The whole model's alone profile under ``setting``: extrapolated from the model cut to 0 and 1
+        blocks (or 1 and 2 when it cannot run without blocks), or, without a usable block stack, measured
+        whole. Under checkpointing the pieces are 1 and 2 blocks: backward recomputes one block at a time,
+        a working set the step holds once, which only two pieces with blocks separate from a block's share."""
+        label = "+".join(strategy.names()) or "fp32"
+        if self.stack is not None:
+            for low in ((1,) if setting[1] else (0, 1)):
+                self._say(f"search: measuring one rank alone with {label} at batch {batch}, the model cut to "
+                          f"{low} and {low + 1} of its {self.stack.blocks} blocks")
+                low_run = self._measure_piece(label, setting, strategy, batch, low)
+                if low_run.error:
+                    continue
+                high_run = self._measure_piece(label, setting, strategy, batch, low + 1)
+                if not high_run.error and high_run.step_time_s < low_run.step_time_s:
+                    # a block cannot take negative time: another process slowed one of the two; once more
+                    low_run = self._measure_piece(label, setting, strategy, batch, low)
+                    high_run = self._measure_piece(label, setting, strategy, batch, low + 1)
+                if not (low_run.error or high_run.error):
+                    return extrapolate(low_run, high_run, low, self.stack.blocks)
+        self._say(f"search: measuring one rank alone with {label} at batch {batch}, the whole model")
+        return self._measure_piece(label, setting, strategy, batch, None)
+
+    def _measure_piece(self, label: str, setting: Setting, strategy: Strategy, batch: int,
+                       kept: Optional[int]) -> VariantProfile:
+        """Train the model cut to ``kept`` blocks (None: whole) alone, unless its training state alone is
+        predicted over the memory limit; every run is recorded in ``self.pieces``."""
+        held = self.stack.param_bytes(kept) if kept is not None else self.profile.param_bytes
+        run = PieceRun(label, kept, self.stack.blocks if self.stack else 0, held)
+        self.pieces.append(run)
+        needed = state_bytes_needed(held)
+        if needed > self.hardware.memory_limit:
+            run.error = (f"{run.label} needs about {needed / 2**20:.1f} MiB of training state, over the memory "
+                         f"limit {self.hardware.memory_limit / 2**20:.1f} MiB")
+            return VariantProfile(setting[0], setting[1], batch, error=run.error)
+        variant = measure_variant(lambda b: self._train_alone(strategy, b, kept), setting, batch)
+        run.peak_bytes, run.step_time_s, run.error = variant.peak_bytes, variant.step_time_s, variant.error
+        return variant
 
     def estimate(self) -> None:
         """A row per candidate (failed when its setting failed alone, or predicted over the limit), and
@@ -167,8 +224,13 @@ class StrategySearch:
                 continue
             guess = self._estimate(candidate, variant)
             row = Row(candidate.label, guess.memory_bytes, guess.step_time_s)
-            if guess.memory_bytes > self.hardware.memory_limit:
+            limit = self.hardware.memory_limit
+            if guess.memory_bytes > limit:
                 row.status = "predicted over limit"
+            elif guess.memory_bytes * (1 + MEMORY_MODEL_ERROR) > limit:
+                row.status = "predicted over limit"
+                row.reason = (f"within {MEMORY_MODEL_ERROR:.0%} of the limit, the memory model's error: a dry run "
+                              "could exceed it")
             self.rows.append(row)
         self._skip_needless_splits()
         fitting = [i for i, r in enumerate(self.rows) if r.status == "not tried" and not r.reason]
@@ -268,6 +330,8 @@ class StrategySearch:
         table = format_table(self.rows, self.hardware.memory_limit)
         if self._links_matter():
             table = self.hardware.describe_links() + "\n" + table
+        if self.pieces:
+            table += "\n" + describe_pieces(self.pieces)
         table += "\nsearch time: " + ", ".join(f"{name} {s:.1f} s" for name, s in self.phases.seconds.items())
         self._say("search report:\n" + table)
         files = []
@@ -275,7 +339,8 @@ class StrategySearch:
             files = write_report(self.rows, self.hardware.memory_limit, self.options.report_dir)
         candidate = self.candidates[chosen] if chosen is not None else None
         return SearchResult(candidate.strategy(self.world) if candidate else None, candidate, self.rows, self.profile,
-                            self.hardware, self.dry_runs.get(chosen), files, table, self.phases.seconds)
+                            self.hardware, self.dry_runs.get(chosen), files, table, self.phases.seconds,
+                            self.pieces)
 
     # --- helpers ---------------------------------------------------------------------------------------
     def _node_grid(self) -> NodeGrid:
@@ -341,13 +406,22 @@ class StrategySearch:
                                       item.tunable)
                          for item in candidate.strategy(1) if item.name in SETTING_METHODS])
 
-    def _train_alone(self, strategy: Strategy, batch: int) -> tuple:
-        ctx = self.make_context(copy.deepcopy(self.model), local=True, batch_size=batch)
+    def _train_alone(self, strategy: Strategy, batch: int, kept: Optional[int] = None) -> tuple:
+        """Train a copy of the model (cut to ``kept`` blocks; None: whole) alone at ``batch``."""
         try:
-            return train_alone(ctx, strategy, self.options.dryrun_steps)
+            model = copy.deepcopy(self.model) if kept is None else cut_copy(self.model, self.stack, kept)
+        except ValueError as error:  # the same model on every rank: every rank refuses the cut alike
+            return DryRunResult(False, error=str(error)), None
+        ctx = self.make_context(model, local=True, batch_size=batch)
+        del model
+        try:
+            # a piece is small, and its block's share is a difference of two pieces' times, which doubles
+            # their noise, so pieces train more steps than a dry run
+            steps = self.options.dryrun_steps if kept is None else PIECE_STEP_FACTOR * self.options.dryrun_steps
+            return train_alone(ctx, strategy, steps)
         finally:
             del ctx
-            gc.collect()
+            release_host_memory()
 
     def _try(self, index: int) -> None:
         """Dry-run candidate ``index`` once and record the outcome in its row."""
@@ -377,12 +451,13 @@ def dry_run_candidate(model: torch.nn.Module, make_context: ContextFactory, cand
                       collective_timeout_s: float = DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S) -> DryRunResult:
     """Apply ``candidate`` to a fresh copy of ``model`` on every rank and train ``steps`` timed steps
     after one warm-up; a failure on any rank, applying or training, fails it on every rank (the
-    work runs under ``run_isolated``, so the process group survives for the next candidate)."""
-    ctx = make_context(copy.deepcopy(model))
+    work runs under ``run_isolated``, so the process group survives for the next candidate). The copy
+    is a meta copy where the model's initialisers allow (``dry_run_copy``)."""
+    ctx = make_context(dry_run_copy(model))
     setup = functools.partial(_apply_candidate, ctx, candidate)
     result = dry_run(ctx, warmup_steps=1, timed_steps=steps, setup=setup, collective_timeout_s=collective_timeout_s)
     del ctx, setup  # free this candidate's model and optimizer before the next one is built
-    gc.collect()
+    release_host_memory()
     return result
 
 
