@@ -183,9 +183,9 @@ def memory_limited_split(scale: Scale) -> dict:
 
     from atorch.auto.model_context import ModelContext
     from atorch.auto.search.candidates import Candidate
-    from atorch.auto.search.cost import estimate
     from atorch.auto.search.options import SearchOptions
     from atorch.auto.search.strategy_search import StrategySearch, dry_run_candidate
+    from atorch.cost_model import estimate
 
     shape = scale.shape
     arguments = {**_arguments("repo GPT", scale), "dataloader_args": {"batch_size": SPLIT_BATCH},
@@ -225,7 +225,7 @@ def memory_limited_split(scale: Scale) -> dict:
 
 
 def print_split(r: dict) -> None:
-    from atorch.auto.search.cost import MICRO_STEP_OVERHEAD
+    from atorch.cost_model import MICRO_STEP_OVERHEAD
 
     t = r["times"]
     overhead = [(t[f"ddp+fp32+mb{k}"] / t["ddp+fp32"] - 1) / (k - 1) for k in (2, 4)]

@@ -4,11 +4,16 @@ The automatic search (``atorch/auto/search``) measures the machine it runs on, s
 you, before you rent 64 H100s, which strategy to train a 70B model with or whether it fits. The
 planner answers from the model's shape and the cluster's datasheet alone: it enumerates the same
 candidates as the search (``candidates.enumerate_candidates``, with every pruning rule), predicts
-each one's per-GPU memory and throughput analytically (``analytic.py``, which reuses ``cost.py``'s
-sharding formulas), and ranks those that fit by tokens/s per GPU. The top plan is a ``Strategy``
-that ``auto_accelerate(load_strategy=...)`` accepts. Nothing is allocated and no GPU is needed.
+each one's per-GPU memory and throughput analytically (``analytic.py``, which reuses the sharding
+formulas of ``atorch/cost_model.py``, the cost model the search uses), and ranks those that fit by
+tokens/s per GPU. The top plan is a ``Strategy`` that ``auto_accelerate(load_strategy=...)``
+accepts. Nothing is allocated and no GPU is needed.
 
     python -m atorch.plan --model llama3-8b --cluster 8xH100-96GB --global-batch 16 --seq-len 8192
+
+For the machine you have, ``plan_measured`` takes the search's measurements
+(``result.args.extras["search"].measured``) instead of a datasheet and predicts each candidate through
+the search's own function (``cost_model.predict_measured``), so it reproduces the search's predictions.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from atorch.auto.search.analyser import ModelProfile
 from atorch.auto.search.candidates import SHARDINGS, Candidate, SearchSpace, enumerate_candidates
 from atorch.auto.search.topology import Topology, keep_tensor_in_node
 from atorch.auto.strategy import Strategy
+from atorch.cost_model import MeasuredProfile, predict_measured
 from atorch.errors import InputError
 from atorch.plan.analytic import AC_MODES, OPTIMIZER_STATES, Prediction, Workload, predict, spec_layout_facts
 from atorch.plan.hardware_specs import ClusterSpec, DeviceSpec, cluster_spec
@@ -100,6 +106,38 @@ def plan(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     # fitting plans by throughput (equal throughput: less memory first), then the rest by memory
     predictions.sort(key=lambda p: (not p.fits, -round(p.tokens_per_s_per_gpu) if p.fits else 0, p.memory_bytes))
     return Plan(spec, cluster, work, predictions, skipped)
+
+
+def plan_measured(measured: MeasuredProfile, candidates: Optional[Iterable[Candidate]] = None,
+                  excluded: Iterable[str] = ()) -> list[Prediction]:
+    """Rank candidates on the machine a search measured (``SearchResult.measured``), best first as
+    ``plan`` ranks them: each predicted by ``cost_model.predict_measured``, the function the search's
+    own estimates go through, so a candidate gets exactly the search's predicted memory and step time.
+
+    ``candidates``: None enumerates the search's candidates again (its search space, less
+    ``excluded``), leaving out those whose precision / checkpoint setting was not measured or failed
+    alone; given ones using an ``excluded`` method are left out, and one with no usable measurement is
+    an InputError. ``memory_bytes`` is the predicted per-rank peak, ``fits`` compares it with the
+    search's memory limit; ``mfu`` is 0 (the machine's peak FLOPs are not measured)."""
+    excluded = frozenset(excluded)
+    if candidates is None:
+        enumerated, _ = enumerate_candidates(measured.search_space(excluded))
+        candidates = [c for c in enumerated if measured.predictable(c)]
+    else:
+        candidates = [c for c in candidates if not c.methods() & excluded]
+    predictions = [measured_prediction(c, measured) for c in candidates]
+    predictions.sort(key=lambda p: (not p.fits, p.step_time_s if p.fits else 0.0, p.memory_bytes))
+    return predictions
+
+
+def measured_prediction(candidate: Candidate, measured: MeasuredProfile) -> Prediction:
+    """One candidate on the measured machine, as a ``Prediction`` (tokens/s per GPU from the per-rank
+    batch of pure data parallelism: every layout trains the same global batch)."""
+    guess = predict_measured(candidate, measured)
+    tokens = measured.per_rank_batch * measured.profile.tokens_per_sample / guess.step_time_s
+    return Prediction(candidate, guess.memory_bytes, guess.step_time_s, tokens, 0.0,
+                      guess.memory_bytes <= measured.hardware.memory_limit, notes=[guess.detail],
+                      allocated_bytes=guess.memory_bytes, checkpointing="full" if candidate.checkpoint else "none")
 
 
 def selective_predictions(candidates: list[Candidate], spec: TransformerSpec, cluster: ClusterSpec,
@@ -261,4 +299,5 @@ def _check_positive(name: str, value: Any) -> None:
         raise InputError(f"{name}={value!r} is not valid: give a positive int")
 
 
-__all__ = ["Plan", "plan", "estimate", "format_plan", "plot_plan", "Candidate", "Prediction"]
+__all__ = ["Plan", "plan", "plan_measured", "MeasuredProfile", "estimate", "format_plan", "plot_plan", "Candidate",
+           "Prediction"]

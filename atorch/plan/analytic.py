@@ -1,10 +1,11 @@
 """Analytical predictions for a cluster that is not here: the planner's cost model.
 
-``cost.py`` turns one rank's *measurements* into a candidate's memory and time. Nothing can be
-measured for an H100 cluster from a CPU machine, so here the same candidates are predicted from
-the model's shape (``model_specs.py``) and the device's datasheet (``hardware_specs.py``):
+``atorch/cost_model.py`` (the search's cost model, shared with this one) turns one rank's
+*measurements* into a candidate's memory and time. Nothing can be measured for an H100 cluster from a
+CPU machine, so here the same candidates are predicted from the model's shape (``model_specs.py``)
+and the device's datasheet (``hardware_specs.py``):
 
-- memory: the sharding's effect on parameters, gradients and optimizer state is ``cost.estimate``'s
+- memory: the sharding's effect on parameters, gradients and optimizer state is ``cost_model.estimate``'s
   own formula (fed with an analytical single-rank profile instead of a measured one); activations are
   counted per token and block (flash / SDPA attention), plus the logits the loss upcasts;
 - time: compute is FLOPs / (peak x the device's efficiency); the data dimension's collectives run at
@@ -24,9 +25,9 @@ from typing import Optional
 
 from atorch.auto.search.analyser import ModelProfile
 from atorch.auto.search.candidates import Candidate
-from atorch.auto.search.cost import estimate
 from atorch.auto.search.layouts import LayoutFacts, divisors_above_one, micro_batches
 from atorch.auto.search.measure import HardwareProfile, VariantProfile
+from atorch.cost_model import estimate
 from atorch.plan import calibration
 from atorch.plan.hardware_specs import ClusterSpec
 from atorch.plan.model_specs import TransformerSpec
@@ -186,7 +187,7 @@ def residual_is_fp32(candidate: Candidate, work: Workload) -> bool:
 
 def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,
                    facts: Optional[LayoutFacts] = None) -> float:
-    """Per-GPU peak bytes. Data-parallel layouts go through ``cost.estimate`` with an analytical alone
+    """Per-GPU peak bytes. Data-parallel layouts go through ``cost_model.estimate`` with an analytical alone
     profile; tensor / pipeline layouts through ``layout_memory``. fp8 keeps bf16 state here (its fp8
     weight copies are small beside the fp32 state) and saves its matmuls' inputs in fp8."""
     fp8 = candidate.precision == "fp8"
@@ -215,7 +216,7 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
 
 def fp32_gather_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload, shard: int) -> float:
     """FSDP without a mixed-precision policy (autocast over fp32 weights: ``fp32_residual``) gathers
-    its units in fp32, twice the bf16 ``cost.estimate`` counts: a gathered unit, the prefetched next
+    its units in fp32, twice the bf16 ``cost_model.estimate`` counts: a gathered unit, the prefetched next
     one and the unit's unsharded gradient, half of each again."""
     if not (candidate.sharding in ("fsdp", "hsdp") and shard > 1 and work.fp32_residual
             and half_states(candidate, work).precision.startswith("amp")):
@@ -297,7 +298,7 @@ def shard_size(candidate: Candidate, world: int) -> int:
 
 
 def _profile(spec: TransformerSpec, param_bytes: float) -> ModelProfile:
-    """A profile with the facts ``cost.estimate`` reads (the blocks: FSDP's units)."""
+    """A profile with the facts ``cost_model.estimate`` reads (the blocks: FSDP's units)."""
     scale = param_bytes / max(spec.param_count, 1)
     return ModelProfile(spec.param_count, int(param_bytes), spec.param_count, int(param_bytes), 0,
                         {spec.block: spec.layers}, {spec.block: int(spec.block_params * scale)}, {})

@@ -82,9 +82,9 @@ def test_search_splits_a_batch_whose_activations_do_not_fit(tmp_path, monkeypatc
     """A memory limit between the predicted peaks of the unsplit batch and of 2 micro-batches: the
     unsplit candidates are over it, the search picks a split, and the chosen strategy trains."""
     from atorch.auto.search.candidates import Candidate
-    from atorch.auto.search.cost import estimate
     from atorch.auto.search.options import SearchOptions
     from atorch.auto.search.strategy_search import StrategySearch
+    from atorch.cost_model import estimate
 
     monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))  # the probe's measurement is reused by the search
     kwargs = dict(optim_args={"lr": 0.1}, dataloader_args={"batch_size": 16}, model_input_format="unpack_dict")

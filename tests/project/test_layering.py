@@ -26,7 +26,7 @@ LAYER_OF_PREFIX = {
     "atorch.auto.gradients": "context", "atorch.auto.dryrun": "context", "atorch.auto.errors": "context",
     "atorch.checkpoint": "context", "atorch.auto.checkpointing": "context",
     "atorch.auto.opt_lib": "opt_lib", "atorch.auto.apply": "opt_lib",
-    "atorch.auto.search": "search", "atorch.plan": "search",
+    "atorch.auto.search": "search", "atorch.plan": "search", "atorch.cost_model": "search",
     "atorch.auto.accelerate": "accelerate", "atorch.auto": "accelerate", "atorch": "accelerate",
 }
 TESTING = "atorch.testing"

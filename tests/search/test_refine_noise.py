@@ -11,10 +11,10 @@ from atorch.auto.dryrun import DryRunResult
 from atorch.auto.search import strategy_search as search_module
 from atorch.auto.search.analyser import analyse_model
 from atorch.auto.search.candidates import Candidate, SearchSpace
-from atorch.auto.search.cost import Estimate
 from atorch.auto.search.measure import HardwareProfile, VariantProfile
 from atorch.auto.search.options import SearchOptions
 from atorch.auto.search.report import Row
+from atorch.cost_model import Estimate
 from atorch.models import SyntheticTokenDataset, gpt_loss
 from atorch.testing.training import build_gpt
 
@@ -31,7 +31,7 @@ def _refine(monkeypatch, base_runs: list, refined_runs: list) -> Row:
     model = build_gpt()
     runs = {"ddp+fp32": list(base_runs), "ddp+fp32+module_replace": list(refined_runs)}
     monkeypatch.setattr(search_module, "dry_run_candidate", lambda m, f, c, *a: runs[c.label].pop(0))
-    monkeypatch.setattr(search_module, "topology_estimate", lambda *a, **k: Estimate(2**20, 0.1))
+    monkeypatch.setattr(search_module, "predict_measured", lambda *a, **k: Estimate(2**20, 0.1))
     search = search_module.StrategySearch(model, None, SearchOptions(excluded={"native_dynamo"}))
     search.space = SearchSpace(1, torch.device("cpu"), analyse_model(model), frozenset({"native_dynamo"}))
     search.candidates = [Candidate()]

@@ -14,7 +14,8 @@ from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_cand
 from atorch.auto.search.layouts import layout_facts
 from atorch.auto.search.measure import HardwareProfile, NodeGrid, VariantProfile
 from atorch.auto.search.options import SearchOptions
-from atorch.auto.search.topology import Links, Topology, keep_tensor_in_node, topology_estimate, topology_for
+from atorch.auto.search.topology import Links, Topology, keep_tensor_in_node, topology_for
+from atorch.cost_model import topology_estimate
 from atorch.models import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=8, n_embd=64)

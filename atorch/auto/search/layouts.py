@@ -1,6 +1,6 @@
 """Model-parallel layouts in the search: which tensor / pipeline sizes a model supports, and what
 share of the model a rank holds under each. Facts only: the memory and time formulas that use them
-are in ``cost.py`` with every other formula.
+are in ``atorch/cost_model.py`` with every other formula.
 
 The facts come from the same plan finders the methods use (``find_tp_plan``, ``plan_stages``), run on
 the model without changing it, so the search never proposes a layout the method would refuse, and

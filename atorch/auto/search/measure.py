@@ -138,6 +138,9 @@ def measure_hardware(device: torch.device, memory_limit: Optional[int],
     limit = memory_limit if memory_limit is not None else default_memory_limit(device)
     bandwidth, latency = float("inf"), 0.0
     if is_multi_rank():
+        # the smallest rank's: ranks that judged "over the limit" against their own free memory would
+        # keep different candidates and then wait for each other in different dry runs
+        limit = int(min_over_ranks([float(limit)])[0])
         latency = _seconds_per_all_reduce(torch.zeros(1, device=device), calls=10)
         bandwidth, neg_latency = min_over_ranks([_bandwidth(device), -latency])
         latency = -neg_latency

@@ -51,8 +51,9 @@ from atorch.auto.search.pieces import (
     state_bytes_needed,
 )
 from atorch.auto.search.report import Row, format_table, write_report
-from atorch.auto.search.topology import Links, keep_tensor_in_node, topology_estimate, topology_for
+from atorch.auto.search.topology import Links, keep_tensor_in_node, topology_for
 from atorch.auto.strategy import Strategy, StrategyItem
+from atorch.cost_model import Estimate, MeasuredProfile, predict_measured
 from atorch.distributed.agreement import all_ranks_true, broadcast_flag, is_main_rank, world_size
 from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.utils.batch import first_tensor, loss_value
@@ -85,6 +86,10 @@ class SearchResult:
     table: str = ""                           # the report, always here (files only with report_dir)
     phase_seconds: dict = field(default_factory=dict)  # where the search's time went
     pieces: list = field(default_factory=list)  # every alone measurement (``PieceRun``): what the search ran
+    # what the estimates read (atorch.plan.plan_measured reproduces them from it), and the candidates:
+    # candidates[i] is the one rows[i] reports
+    measured: Optional[MeasuredProfile] = None
+    candidates: list[Candidate] = field(default_factory=list)
 
 
 def search(model: torch.nn.Module, make_context: ContextFactory, options: SearchOptions) -> SearchResult:
@@ -117,6 +122,7 @@ class StrategySearch:
         self.space: Optional[SearchSpace] = None
         self.candidates: list[Candidate] = []
         self.variants: dict[Setting, VariantProfile] = {}
+        self.measured: Optional[MeasuredProfile] = None  # what every estimate reads, once measured
         self.rows: list[Row] = []           # rows[i] reports candidates[i]
         self.order: list[int] = []          # candidates predicted to fit, fastest first
         self.dry_runs: dict[int, DryRunResult] = {}  # each candidate's first dry run
@@ -217,12 +223,13 @@ class StrategySearch:
     def estimate(self) -> None:
         """A row per candidate (failed when its setting failed alone, or predicted over the limit), and
         the order to dry-run the rest: fastest first, among equals the one with fewer methods."""
+        self.measured = self._measured()
         for candidate in self.candidates:
             variant = self.variants[(candidate.precision, candidate.checkpoint)]
             if variant.error:
                 self.rows.append(Row(candidate.label, 0, float("inf"), "failed", reason=f"alone: {variant.error}"))
                 continue
-            guess = self._estimate(candidate, variant)
+            guess = self._estimate(candidate)
             row = Row(candidate.label, guess.memory_bytes, guess.step_time_s)
             limit = self.hardware.memory_limit
             if guess.memory_bytes > limit:
@@ -296,8 +303,7 @@ class StrategySearch:
         for candidate in refinements(self.space, self.candidates[chosen]):
             if self._out_of_time():
                 break
-            variant = self.variants[(candidate.precision, candidate.checkpoint)]
-            guess = self._estimate(candidate, variant)
+            guess = self._estimate(candidate)
             row = Row(candidate.label, guess.memory_bytes, guess.step_time_s)
             self.rows.append(row)
             self.candidates.append(candidate)
@@ -340,7 +346,7 @@ class StrategySearch:
         candidate = self.candidates[chosen] if chosen is not None else None
         return SearchResult(candidate.strategy(self.world) if candidate else None, candidate, self.rows, self.profile,
                             self.hardware, self.dry_runs.get(chosen), files, table, self.phases.seconds,
-                            self.pieces)
+                            self.pieces, measured=self.measured, candidates=list(self.candidates))
 
     # --- helpers ---------------------------------------------------------------------------------------
     def _node_grid(self) -> NodeGrid:
@@ -394,9 +400,16 @@ class StrategySearch:
             profile.layouts = keep_tensor_in_node(layout_facts(self.model, self.world, run), self.topology)
         return profile
 
-    def _estimate(self, candidate: Candidate, variant: VariantProfile):
-        return topology_estimate(candidate, variant, world=self.world, profile=self.profile, hardware=self.hardware,
-                                 topology=self.topology, links=self.links)
+    def _measured(self) -> MeasuredProfile:
+        """The measurements and the search space as one picklable profile: the estimates read it, and
+        ``atorch.plan.plan_measured`` given it (``SearchResult.measured``) predicts exactly the same."""
+        space = self.space
+        return MeasuredProfile(self.profile, self.hardware, dict(self.variants), self.world, self.topology, self.links,
+                               self.per_rank_batch, str(space.device), frozenset(space.excluded), space.included)
+
+    def _estimate(self, candidate: Candidate) -> Estimate:
+        """The cost model's prediction from ``self.measured``: the one function ``atorch.plan`` shares."""
+        return predict_measured(candidate, self.measured)
 
     def _setting_strategy(self, setting: Setting) -> Strategy:
         """The precision / checkpoint methods of a setting, normalised as a rank alone applies them

@@ -9,19 +9,16 @@ pipeline and data dimensions may cross nodes. A user's own ``parallel_mode`` is 
 The topology comes from the launcher's environment (``LOCAL_WORLD_SIZE`` and ``WORLD_SIZE``, which
 torchrun sets) or from the search options (``ranks_per_node``), which is how tests simulate nodes. With
 several nodes the two links are measured apart (``measure.measure_links``) unless the options give them.
+The estimate that costs each collective on its link is ``atorch.cost_model.topology_estimate`` (the cost
+model imports ``Topology`` and ``Links`` from here, so nothing here imports it back).
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
 
-from atorch.auto.search.analyser import ModelProfile
-from atorch.auto.search.candidates import Candidate
-from atorch.auto.search.cost import Estimate, estimate
 from atorch.auto.search.layouts import LayoutFacts
-from atorch.auto.search.measure import HardwareProfile, VariantProfile
 
 
 @dataclass(frozen=True)
@@ -66,30 +63,6 @@ class Links:
 
     intra_node: Optional[float] = None
     inter_node: Optional[float] = None
-
-
-def topology_estimate(candidate: Candidate, variant: VariantProfile, *, world: int, profile: ModelProfile,
-                      hardware: HardwareProfile, topology: Topology, links: Links = Links()) -> Estimate:
-    """``cost.estimate`` with each collective on the links it crosses. One node: unchanged (the
-    measured bandwidth is the node's). Several: a data group spanning nodes runs at the inter-node
-    bandwidth; hybrid sharding gathers and reduce-scatters inside the node and all-reduces its shard of
-    the gradients across nodes (2 (1 - 1/r) G / shard bytes over r replicas)."""
-    intra = links.intra_node or hardware.bandwidth_bytes_per_s
-    inter = links.inter_node or hardware.bandwidth_bytes_per_s
-    if topology.nodes == 1:
-        return estimate(candidate, variant, world, profile, dataclasses.replace(hardware, bandwidth_bytes_per_s=intra))
-    if not candidate.shard:
-        stride = candidate.tensor * candidate.pipeline
-        crosses = topology.crosses_nodes(candidate.data_size(world), stride) or stride > topology.ranks_per_node
-        bandwidth = inter if crosses else intra
-        return estimate(candidate, variant, world, profile,
-                        dataclasses.replace(hardware, bandwidth_bytes_per_s=bandwidth))
-    inner = estimate(candidate, variant, candidate.shard, profile,
-                     dataclasses.replace(hardware, bandwidth_bytes_per_s=intra))
-    replicas = candidate.data_size(world) // candidate.shard
-    across = 2 * (1 - 1 / replicas) * variant.grads / candidate.shard / max(inter, 1.0) + hardware.latency_s
-    return Estimate(inner.memory_bytes + int(variant.grads / candidate.shard), inner.step_time_s + across,
-                    inner.detail + f"; hybrid: {candidate.shard} per shard group x {replicas} replicas")
 
 
 def _env_int(name: str) -> Optional[int]:

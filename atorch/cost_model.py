@@ -1,0 +1,298 @@
+"""The cost model: every formula that turns measurements into a candidate's predicted per-rank peak
+memory and step time, shared by the search (``atorch/auto/search``) and ``atorch.plan``. Nothing here
+runs a model or a collective (that is ``search/measure.py``), so each prediction can be read, and
+checked, from the numbers it was given.
+
+One module for both, so ``atorch.plan`` cannot drift from the search: its analytical model
+feeds its data-parallel memory through ``estimate`` (with an analytical alone profile), and given the
+search's own measurements (``MeasuredProfile``, kept as ``SearchResult.measured``) its
+``plan_measured`` predicts every candidate through ``predict_measured``, the one function the search's
+estimates go through, so the two agree exactly on the machine that was measured.
+
+The search does not guess activation memory or compute time from first principles: ``search/measure.py``
+measures one rank training alone (no communication) for each precision / checkpoint setting, at
+the per-rank batch, and each candidate is modelled from that:
+
+    memory(candidate) = peak_alone(precision, checkpoint, batch)
+                        - what the sharding removes from the rank   (params / grads / optimizer state)
+                        + what the sharding adds while it works     (gathered units, comm buffers)
+    time(candidate)   = step_time_alone + communication bytes / measured bandwidth
+
+With ``micro_batch`` (k micro-steps per per-rank batch) the activations are a micro-batch's (1/k of
+the measured ones) and each extra micro-step adds ``MICRO_STEP_OVERHEAD`` of the step (``_split``).
+
+Parameters, gradients and optimizer state are measured too (``state_bytes`` after a step), so the
+optimizer's state coefficient (AutoDist's ``opt_resident_coef``) is observed, not assumed.
+
+Tensor / pipeline layouts start from the same measurement, with the layout facts that the methods'
+own plan finders give (``search/layouts.py``: which sizes the model supports, each rank's share of the bytes):
+
+- parameters, gradients and optimizer state scale by the rank's exact share of the parameter bytes
+  (its pipeline stage's modules, with the tensor-split projections divided by the tensor size);
+- activations: the part made inside split projections divides by the tensor size, the residual
+  stream and the loss do not; a pipeline stage keeps its own blocks' activations for the
+  micro-batches in flight (1F1B: at most the number of stages on the first stage, plus one being
+  received or recomputed). The two constants below were calibrated by measurement;
+- time: compute scales like the parameters it touches, a pipeline pays its bubble
+  ``(M + p - 1) / M``, tensor parallelism pays four activation all-reduces per block per step,
+  and the data dimension all-reduces the rank's gradients as DDP does.
+
+With several nodes each collective runs on the link it crosses (``topology_estimate``: the bandwidth
+inside a node or between nodes; hybrid sharding pays both).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from atorch.auto.search.analyser import ModelProfile
+from atorch.auto.search.candidates import Candidate, SearchSpace
+from atorch.auto.search.layouts import LayoutFacts, micro_batches
+from atorch.auto.search.measure import HardwareProfile, Setting, VariantProfile
+from atorch.auto.search.topology import Links, Topology
+from atorch.auto.strategy import Strategy
+from atorch.errors import InputError
+
+# Calibrated on the repo GPT (4 blocks x 128, vocab 512, 2 gloo ranks; see tests/search/test_search.py): the
+# residual stream, norms, logits and the loss are not split, and the step's peak falls where they
+# dominate, so tensor parallelism cuts the peak's activations far less than 1/t.
+REPLICATED_ACTIVATION_SHARE = 0.85
+# A pipeline stage holds the micro-batches in flight plus one being received / recomputed.
+EXTRA_MICRO_BATCHES_IN_FLIGHT = 1
+# micro_batch: each extra micro-step costs this share of the unsplit step (another forward / backward
+# launch over a smaller batch, the loss, the accumulation). Calibrated on the repo GPT 4x128 on 2 CPU
+# ranks (measured +0.14 to +0.23; benchmarks/search_quality.py prints the measured value beside it).
+MICRO_STEP_OVERHEAD = 0.2
+
+
+@dataclass
+class Estimate:
+    """One candidate's prediction: per-rank peak bytes, seconds per step, and the numbers it came from."""
+
+    memory_bytes: int
+    step_time_s: float
+    detail: str = ""
+
+
+def estimate(candidate: Candidate, variant: VariantProfile, world: int, profile: ModelProfile,
+             hardware: HardwareProfile) -> Estimate:
+    """Per-rank peak memory and step time of ``candidate`` from the single-rank measurements.
+
+    With P, G, O the parameter, gradient and optimizer-state bytes measured alone and
+    ``act = peak_alone - (P + G + O)`` (activations, temporaries, autocast's weight copies):
+
+    - ddp:   peak_alone + G                 (DDP's gradient buckets)
+    - zero1: peak_alone + G - (1 - 1/N) O   (DDP buckets; optimizer state sharded)
+    - zero2: P/N + P_c + G_c + G/N + O/N + act'   (parameters stay gathered in the compute dtype
+             through forward and backward; unsharded gradients until they are reduce-scattered)
+    - fsdp:  P/N + 3 U_c + G/N + O/N + act'       (a gathered unit, the prefetched next one and the
+             unit's unsharded gradients)
+
+    ``_c`` is in the compute dtype (half of fp32 under amp: FSDP's mixed-precision policy gathers in
+    it), U the largest sharding unit, and act' = act less autocast's weight copies, which FSDP's
+    policy makes unnecessary (they exist only without checkpointing).
+    """
+    if candidate.tensor * candidate.pipeline > 1:
+        return _estimate_layout(candidate, variant, world, profile, hardware)
+    n = max(world, 1)
+    P, G, O = variant.params, variant.grads, variant.optim_state  # noqa: E741  (O as in the formulas above)
+    amp = candidate.precision.startswith("amp")
+    compute = 0.5 if amp else 1.0
+    act = variant.peak_bytes - (P + G + O)
+    unit = _largest_unit_bytes(profile, P)
+    memory, comm, collectives = float(variant.peak_bytes), 0.0, 0
+    units = sum(list(profile.repeated_blocks.values())[:1]) + 1
+    if n > 1:
+        shed = 1.0 - 1.0 / n
+        if candidate.sharding == "ddp":
+            memory, comm, collectives = variant.peak_bytes + G, 2 * shed * G, 1
+        elif candidate.sharding == "zero1":
+            memory, comm, collectives = variant.peak_bytes + G - shed * O, 2 * shed * G + shed * P, 2
+        else:
+            act_sharded = act - (0.5 * P if amp and not candidate.checkpoint else 0.0)
+            if candidate.sharding == "zero2":
+                memory = P / n + compute * (P + G) + (G + O) / n + act_sharded
+                comm, collectives = shed * (G + P), 2 * units
+            else:  # fsdp
+                memory = P / n + 3 * compute * unit + (G + O) / n + act_sharded
+                comm, collectives = shed * (G + 2 * P), 3 * units
+    if candidate.micro > 1:
+        memory, comm, collectives = _split(candidate, memory, comm, collectives, act, P, G, n, units)
+    time_s = (variant.step_time_s * (1 + MICRO_STEP_OVERHEAD * (candidate.micro - 1))
+              + comm / max(hardware.bandwidth_bytes_per_s, 1.0) + collectives * hardware.latency_s)
+    detail = f"alone {variant.peak_bytes / 2**20:.1f} MiB, P/G/O {P / 2**20:.1f}/{G / 2**20:.1f}/{O / 2**20:.1f} MiB"
+    return Estimate(int(memory), time_s, detail)
+
+
+def _split(candidate: Candidate, memory: float, comm: float, collectives: int, act: float, P: float, G: float,
+           n: int, units: int) -> tuple[float, float, int]:
+    """micro_batch with k micro-steps: the batch's activations shrink to 1/k (autocast's weight
+    copies do not scale with the batch); inside the window FSDP keeps its gradients unsharded (in the
+    compute dtype) and gathers every unit again for each micro-step's forward and backward (zero2's
+    parameters stay gathered through the window; DDP and zero1 communicate once, at its end)."""
+    k, amp = candidate.micro, candidate.precision.startswith("amp")
+    batch_act = max(act - (0.5 * P if amp and not candidate.checkpoint else 0.0), 0.0)
+    memory -= (1 - 1 / k) * batch_act
+    if candidate.sharding == "fsdp" and n > 1:
+        shed = 1.0 - 1.0 / n
+        memory += (0.5 if amp else 1.0) * G * shed
+        comm += (k - 1) * shed * 2 * P
+        collectives += (k - 1) * 2 * units
+    return memory, comm, collectives
+
+
+def _estimate_layout(candidate: Candidate, variant: VariantProfile, world: int, profile: ModelProfile,
+                     hardware: HardwareProfile) -> Estimate:
+    """Tensor / pipeline layouts: the rank's share of the model (see the layout formulas below)."""
+    facts, t, p = profile.layouts, candidate.tensor, candidate.pipeline
+    memory = estimate_layout_memory(candidate, variant, world, facts)
+    time_s = estimate_layout_time(candidate, variant, world, profile, hardware)
+    detail = f"rank holds {facts.state_share[(t, p)]:.0%} of the model; data size {candidate.data_size(world)}"
+    return Estimate(int(memory), time_s, detail)
+
+
+def _largest_unit_bytes(profile: ModelProfile, params_bytes: int) -> float:
+    """Bytes of the largest FSDP unit (a repeated block, or the root's remainder), in the measured
+    parameter dtype."""
+    if not profile.block_param_bytes:
+        return float(params_bytes)
+    scale = params_bytes / max(profile.param_bytes, 1)
+    name, count = next(iter(profile.repeated_blocks.items()))
+    block = profile.block_param_bytes[name]
+    root = profile.param_bytes - block * count  # embeddings, head, final norm
+    return max(block, root) * scale
+
+
+# --- tensor / pipeline layouts -------------------------------------------------------------------
+def estimate_layout_memory(candidate: Candidate, variant: VariantProfile, world: int, facts: LayoutFacts) -> float:
+    """Per-rank peak of a tensor / pipeline layout from one rank's alone measurement (see the module doc).
+
+    The activations are what the alone run held beyond its state (parameters + gradients + optimizer
+    state) at the per-rank batch of pure data parallelism; a data rank of the layout sees
+    ``tensor * pipeline`` times that batch, so they scale by it. (Measuring the alone run at a
+    second batch size to separate a batch-independent part changed no prediction by more than 2%
+    here, and cost a quarter of the search's time.)
+    """
+    tensor, pipeline, data = candidate.tensor, candidate.pipeline, candidate.data_size(world)
+    state = variant.params + variant.grads + variant.optim_state
+    share = facts.state_share[(tensor, pipeline)]
+    act = (variant.peak_bytes - state) * tensor * pipeline
+    act *= REPLICATED_ACTIVATION_SHARE + (1 - REPLICATED_ACTIVATION_SHARE) / tensor
+    if pipeline > 1:
+        micro = micro_batches(pipeline, variant.batch * tensor * pipeline)
+        act *= (facts.stage_block_share[pipeline] * min(min(pipeline, micro) + EXTRA_MICRO_BATCHES_IN_FLIGHT, micro)
+                / micro)
+    memory = state * share + act
+    if data > 1:
+        memory += variant.grads * share  # the data group's gradient all-reduce buffers
+        if candidate.sharding == "zero1":
+            memory -= (1 - 1 / data) * variant.optim_state * share
+    return memory
+
+
+def estimate_layout_time(candidate: Candidate, variant: VariantProfile, world: int, profile: ModelProfile,
+                         hardware: HardwareProfile) -> float:
+    """Step time of a tensor / pipeline layout (see the module doc). The alone step time was measured
+    at the pure-data-parallel per-rank batch; the layout's data rank sees ``tensor * pipeline`` times
+    more."""
+    facts, tensor, pipeline = profile.layouts, candidate.tensor, candidate.pipeline
+    data, batch = candidate.data_size(world), variant.batch * tensor * pipeline  # per data rank
+    dtype_bytes = 2 if candidate.precision != "fp32" else 4
+    share = facts.state_share[(tensor, pipeline)]
+    compute = variant.step_time_s * tensor * pipeline * share
+    comm, collectives = 0.0, 0
+    activation_bytes = batch * profile.tokens_per_sample * facts.hidden_size * dtype_bytes
+    if pipeline > 1:
+        micro = micro_batches(pipeline, batch)
+        compute *= (micro + pipeline - 1) / micro
+        comm += 2 * activation_bytes  # send forward, receive gradients back, per stage boundary
+        collectives += 2 * micro
+    if tensor > 1:
+        blocks_here = max(facts.blocks, 1) * (facts.stage_block_share.get(pipeline, 1.0) if pipeline > 1 else 1.0)
+        comm += 4 * blocks_here * 2 * (1 - 1 / tensor) * activation_bytes
+        collectives += int(4 * blocks_here)
+    if data > 1:
+        comm += 2 * (1 - 1 / data) * variant.grads * share
+        collectives += 1
+    return compute + comm / max(hardware.bandwidth_bytes_per_s, 1.0) + collectives * hardware.latency_s
+
+
+# --- the links a collective crosses ----------------------------------------------------------------
+def topology_estimate(candidate: Candidate, variant: VariantProfile, *, world: int, profile: ModelProfile,
+                      hardware: HardwareProfile, topology: Topology, links: Links = Links()) -> Estimate:
+    """``estimate`` with each collective on the links it crosses. One node: unchanged (the
+    measured bandwidth is the node's). Several: a data group spanning nodes runs at the inter-node
+    bandwidth; hybrid sharding gathers and reduce-scatters inside the node and all-reduces its shard of
+    the gradients across nodes (2 (1 - 1/r) G / shard bytes over r replicas)."""
+    intra = links.intra_node or hardware.bandwidth_bytes_per_s
+    inter = links.inter_node or hardware.bandwidth_bytes_per_s
+    if topology.nodes == 1:
+        return estimate(candidate, variant, world, profile, dataclasses.replace(hardware, bandwidth_bytes_per_s=intra))
+    if not candidate.shard:
+        stride = candidate.tensor * candidate.pipeline
+        crosses = topology.crosses_nodes(candidate.data_size(world), stride) or stride > topology.ranks_per_node
+        bandwidth = inter if crosses else intra
+        return estimate(candidate, variant, world, profile,
+                        dataclasses.replace(hardware, bandwidth_bytes_per_s=bandwidth))
+    inner = estimate(candidate, variant, candidate.shard, profile,
+                     dataclasses.replace(hardware, bandwidth_bytes_per_s=intra))
+    replicas = candidate.data_size(world) // candidate.shard
+    across = 2 * (1 - 1 / replicas) * variant.grads / candidate.shard / max(inter, 1.0) + hardware.latency_s
+    return Estimate(inner.memory_bytes + int(variant.grads / candidate.shard), inner.step_time_s + across,
+                    inner.detail + f"; hybrid: {candidate.shard} per shard group x {replicas} replicas")
+
+
+# --- the machine the search measured ---------------------------------------------------------------
+@dataclass
+class MeasuredProfile:
+    """Everything the search measured on its machine that a prediction reads, and the search space its
+    candidates came from: handed to ``atorch.plan.plan_measured``, which then predicts (and ranks) any
+    candidate exactly as the search did, in another process or later (it pickles: plain numbers only).
+
+    ``variants``: one rank training alone per (precision, checkpoint) setting the candidates used (a
+    failed one keeps its ``error``); ``links``: the bandwidth inside a node and between nodes the
+    estimates used (None: ``hardware``'s all-ranks one). The last four fields rebuild the search's
+    ``SearchSpace`` so the same candidates can be enumerated again."""
+
+    profile: ModelProfile
+    hardware: HardwareProfile
+    variants: dict[Setting, VariantProfile]
+    world: int
+    topology: Topology
+    links: Links = Links()
+    per_rank_batch: int = 1          # under pure data parallelism
+    device: str = "cpu"              # the search's device type (which precisions it supports)
+    excluded: frozenset = frozenset()
+    included: Strategy = field(default_factory=Strategy)
+
+    def variant(self, candidate: Candidate) -> VariantProfile:
+        """The alone measurement ``candidate`` is predicted from; InputError when its setting was not
+        measured or failed alone (nothing to predict from)."""
+        setting = (candidate.precision, candidate.checkpoint)
+        variant = self.variants.get(setting)
+        if variant is None:
+            raise InputError(f"{candidate.label}: the search measured no rank alone under {setting}; "
+                             f"measured: {sorted(self.variants)}")
+        if variant.error:
+            raise InputError(f"{candidate.label}: {setting} failed alone: {variant.error}")
+        return variant
+
+    def predictable(self, candidate: Candidate) -> bool:
+        """Whether ``candidate``'s setting was measured and trained alone."""
+        variant = self.variants.get((candidate.precision, candidate.checkpoint))
+        return variant is not None and not variant.error
+
+    def search_space(self, excluded: frozenset = frozenset()) -> SearchSpace:
+        """The search's space (less the methods in ``excluded`` too), to enumerate its candidates again."""
+        ranks_per_node = self.topology.ranks_per_node if self.topology.nodes > 1 else 0
+        return SearchSpace(self.world, torch.device(self.device), self.profile, frozenset(self.excluded | excluded),
+                           self.included, self.per_rank_batch, ranks_per_node)
+
+
+def predict_measured(candidate: Candidate, measured: MeasuredProfile) -> Estimate:
+    """Per-rank peak memory and step time of ``candidate`` on the measured machine: the search's
+    estimate and ``atorch.plan.plan_measured``'s, through this one function so they cannot differ."""
+    return topology_estimate(candidate, measured.variant(candidate), world=measured.world, profile=measured.profile,
+                             hardware=measured.hardware, topology=measured.topology, links=measured.links)

@@ -1,0 +1,151 @@
+"""The search and atorch.plan share one cost model (``atorch/cost_model.py``): given the measurements a
+search kept (``SearchResult.measured``), ``atorch.plan.plan_measured`` predicts every candidate the
+search estimated with exactly the search's memory and step time. Checked from a profile made by hand
+(which also pickles), after a real search in one process, and after one on 2 gloo ranks (the profile
+pickled back to this process)."""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from atorch.auto.accelerate import auto_accelerate
+from atorch.auto.search.analyser import analyse_model
+from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates
+from atorch.auto.search.layouts import layout_facts
+from atorch.auto.search.measure import HardwareProfile, VariantProfile
+from atorch.auto.search.options import SearchOptions
+from atorch.auto.search.strategy_search import StrategySearch
+from atorch.auto.search.topology import Links, keep_tensor_in_node, topology_for
+from atorch.cost_model import MeasuredProfile, predict_measured, topology_estimate
+from atorch.errors import InputError
+from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
+from atorch.plan import plan_measured
+from atorch.testing import run_distributed
+from atorch.testing.training import build_gpt
+
+CONFIG = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_embd=32)
+MIB = 2**20
+# slow or not needed here: bf16 is emulated on CPU, compilation takes long
+EXCLUDED = ["amp_native", "native_dynamo"]
+
+
+# --- by hand: no model runs ----------------------------------------------------------------------------
+def _hand_made_search(world: int = 4, ranks_per_node: int = 2) -> StrategySearch:
+    """A StrategySearch whose analysis and measurements are set by hand (two nodes of two ranks, so the
+    estimates cross links): its ``estimate()`` step runs as in a real search."""
+    model = GPT(CONFIG)
+    topology = topology_for(world, ranks_per_node)
+    profile = analyse_model(model)
+    profile.tokens_per_sample = CONFIG.block_size
+    profile.layouts = keep_tensor_in_node(layout_facts(model, world), topology)
+    search = StrategySearch(model, None, SearchOptions(excluded=set(EXCLUDED), ranks_per_node=ranks_per_node))
+    search.world, search.topology, search.profile, search.per_rank_batch = world, topology, profile, 2
+    search.space = SearchSpace(world, torch.device("cpu"), profile, frozenset(EXCLUDED), per_rank_batch=2,
+                               ranks_per_node=ranks_per_node)
+    search.candidates, _ = enumerate_candidates(search.space)
+    search.hardware = HardwareProfile("cpu", 33 * MIB, 2e9, latency_s=1e-4, intra_node_bandwidth=20e9,
+                                      inter_node_bandwidth=1e9)
+    search.links = Links(search.hardware.intra_node_bandwidth, search.hardware.inter_node_bandwidth)
+    search.variants = {
+        ("fp32", False): VariantProfile("fp32", False, 2, peak_bytes=30 * MIB, step_time_s=0.05, params=4 * MIB,
+                                        grads=4 * MIB, optim_state=8 * MIB),
+        ("fp32", True): VariantProfile("fp32", True, 2, error="made to fail alone"),
+    }
+    return search
+
+
+def test_the_planner_reproduces_the_search_estimates_from_a_hand_made_profile():
+    search = _hand_made_search()
+    search.estimate()
+    measured = search.measured
+    assert measured == MeasuredProfile(search.profile, search.hardware, search.variants, 4, search.topology,
+                                       search.links, 2, "cpu", frozenset(EXCLUDED))
+    rows = dict(zip((c.label for c in search.candidates), search.rows))
+    failed = {label for label, row in rows.items() if row.reason.startswith("alone: ")}
+    assert failed and len(failed) < len(rows)  # the checkpointed setting failed alone, the rest is estimated
+    predictions = plan_measured(measured)  # the search's candidates enumerated again
+    assert {p.candidate.label for p in predictions} == set(rows) - failed
+    for p in predictions:
+        row = rows[p.candidate.label]
+        assert (p.memory_bytes, p.step_time_s) == (row.predicted_memory, row.predicted_time_s), p.candidate.label
+        assert p.fits == (row.status != "predicted over limit"), p.candidate.label
+    assert any(p.fits for p in predictions) and not all(p.fits for p in predictions)
+    # the shared function is the per-link composition over the measured alone profile
+    hybrid = next(c for c in search.candidates if c.shard and not c.checkpoint)
+    assert predict_measured(hybrid, measured) == topology_estimate(
+        hybrid, search.variants[("fp32", False)], world=4, profile=search.profile, hardware=search.hardware,
+        topology=search.topology, links=search.links)
+
+
+def test_a_measured_profile_pickles_and_predicts_the_same_after():
+    search = _hand_made_search()
+    search.estimate()
+    copy = pickle.loads(pickle.dumps(search.measured))
+    assert copy == search.measured
+    before, after = plan_measured(search.measured), plan_measured(copy)
+    assert [(p.candidate, p.memory_bytes, p.step_time_s) for p in before] == [
+        (p.candidate, p.memory_bytes, p.step_time_s) for p in after]
+
+
+def test_plan_measured_refuses_what_was_not_measured_and_honours_excluded():
+    search = _hand_made_search()
+    search.estimate()
+    with pytest.raises(InputError, match="failed alone: made to fail alone"):
+        plan_measured(search.measured, [Candidate("ddp", "fp32", True, block="GPTBlock")])
+    with pytest.raises(InputError, match="measured no rank alone"):
+        plan_measured(search.measured, [Candidate("ddp", "amp_bf16")])
+    kept = [p.candidate for p in plan_measured(search.measured, excluded=["fsdp", "tensor_parallel"])]
+    assert kept and not any(c.sharding == "fsdp" or c.layout_method == "tensor_parallel" for c in kept)
+    assert [p.candidate for p in plan_measured(search.measured, [Candidate("fsdp", block="GPTBlock")], ["fsdp"])] == []
+
+
+# --- after a real search -------------------------------------------------------------------------------
+def _search(**kargs) -> dict:
+    """A fully automatic search of the tiny GPT; what it estimated and measured, as plain values."""
+    dataset = SyntheticTokenDataset(32, CONFIG.block_size, CONFIG.vocab_size)
+    status, result, _ = auto_accelerate(
+        build_gpt(0, CONFIG), torch.optim.AdamW, dataset, gpt_loss, optim_args={"lr": 1e-3},
+        dataloader_args={"batch_size": 4}, model_input_format="unpack_dict", use_profile_cache=False,
+        excluded=EXCLUDED, **kargs)
+    found = result.args.extras["search"]
+    return {"status": status, "measured": found.measured, "candidates": found.candidates, "rows": found.rows,
+            "table": found.table}
+
+
+def _assert_the_planner_agrees(found: dict) -> None:
+    """Every candidate the search estimated (every row but those whose setting failed alone, the
+    refinements included) gets the search's predicted memory and step time from ``plan_measured``; and
+    enumerating again gives the search's own candidates."""
+    assert found["status"], found["table"]
+    estimated = [(c, r) for c, r in zip(found["candidates"], found["rows"], strict=True)
+                 if not r.reason.startswith("alone: ")]
+    assert estimated, found["table"]
+    predicted = {p.candidate.label: p for p in plan_measured(found["measured"], [c for c, _ in estimated])}
+    for candidate, row in estimated:
+        p = predicted[candidate.label]
+        assert p.memory_bytes == row.predicted_memory, (candidate.label, found["table"])
+        assert p.step_time_s == pytest.approx(row.predicted_time_s, rel=1e-9, abs=0), candidate.label
+    enumerated = {p.candidate.label for p in plan_measured(found["measured"])}
+    rows = {c.label for c, _ in estimated}
+    assert enumerated <= rows, enumerated - rows
+    assert all(c.compute for c, _ in estimated if c.label not in enumerated), "only refinements are not enumerated"
+
+
+def test_the_planner_reproduces_a_search_in_one_process():
+    found = _search(time_limit=60)
+    assert found["measured"].world == 1
+    _assert_the_planner_agrees(found)
+
+
+def _search_on_ranks() -> dict:
+    return _search(time_limit=90, search_topk=1)
+
+
+@pytest.mark.multirank
+def test_the_planner_reproduces_a_search_on_two_ranks():
+    results = run_distributed(_search_on_ranks, 2, timeout_s=600)
+    for found in results:  # each rank's, pickled back to this process
+        assert found["measured"].world == 2 and found["measured"].variants == results[0]["measured"].variants
+        _assert_the_planner_agrees(found)
