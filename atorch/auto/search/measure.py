@@ -2,7 +2,8 @@
 
 The search does not guess activation memory or compute time from first principles: it measures one
 rank training alone (no communication) for each precision / checkpoint setting it needs, at the
-per-rank batch, and the formulas in ``cost.py`` scale those numbers to each candidate. Measuring
+per-rank batch (the model cut to one block or two and extrapolated, ``pieces.py``), and the formulas in
+``atorch/cost_model.py`` scale those numbers to each candidate. Measuring
 lives here, apart from the formulas, so the model of a candidate can be read (and tested) without
 running anything, and so every number the model consumes has one producer.
 
