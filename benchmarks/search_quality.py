@@ -16,7 +16,14 @@ a memory limit a split only adds overhead.
    step time beside the unsplit batch and beside checkpointing (side by side, alternating rounds);
    the measured cost of one extra micro-step next to the cost model's ``MICRO_STEP_OVERHEAD``.
 
-    .venv/bin/python benchmarks/search_quality.py [--steps 4] [--split-only] [--tiny]
+4. A model only sharded or split candidates fit, built on the meta device (``--scale``; part of the
+   default run): an HF Llama (12 blocks x 256) whose training state is 2.3 times a 64 MiB per-process
+   limit, on 4 CPU ranks. The search (which measures it by pieces, never whole) against an exhaustive
+   dry run of every unsplit candidate, the best being the fastest whose measured peak is within the
+   limit; the chosen and the best side by side; and the search's Spearman rank correlation of predicted
+   and measured step times (goal >= 0.8).
+
+    .venv/bin/python benchmarks/search_quality.py [--steps 4] [--split-only] [--scale] [--tiny]
 
 ``--tiny`` runs the repo GPT alone at two blocks of width 32: a search dry-running one candidate for one
 step, the first two candidates of the exhaustive pass, one round side by side, and the memory-limited
@@ -239,16 +246,106 @@ def print_split(r: dict) -> None:
     print(r["table"])
 
 
+SCALE_LIMIT = 64 * 2**20
+SCALE_BATCH, SCALE_SEQ, SCALE_VOCAB = 8, 64, 2048
+
+
+def meta_llama():
+    import transformers
+
+    config = transformers.LlamaConfig(num_hidden_layers=12, hidden_size=256, intermediate_size=688,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=SCALE_VOCAB,
+                                      max_position_embeddings=SCALE_SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config)
+
+
+def sharded_only(scale: Scale) -> dict:
+    """The search of a meta model only sharded or split candidates fit, against every unsplit candidate."""
+    from atorch.auto.model_context import ModelContext
+    from atorch.auto.search.report import rank_correlation
+
+    arguments = dict(optim_func=torch.optim.AdamW, loss_func=hf_loss, optim_args={"lr": 1e-3},
+                     dataset=SyntheticTokenDataset(SCALE_BATCH * 16, SCALE_SEQ, SCALE_VOCAB),
+                     dataloader_args={"batch_size": SCALE_BATCH}, model_input_format="unpack_dict")
+    excluded = EXCLUDED + ["amp_native"]
+    model = meta_llama()
+    state = 16 * sum(p.numel() for p in model.parameters())
+
+    def make_context(target, local=False, batch_size=None):
+        return ModelContext(target, **arguments, local=local, per_rank_batch_size=batch_size)
+
+    dist.barrier()
+    start = time.perf_counter()
+    _, result, _ = auto_accelerate(meta_llama(), **arguments, memory_limit=SCALE_LIMIT, excluded=excluded,
+                                   use_profile_cache=False)
+    search_s = time.perf_counter() - start
+    found = result.args.extras["search"]
+    chosen = next(r for r in found.rows if r.chosen)
+    dist.barrier()
+    start = time.perf_counter()
+    times, candidates = {}, {}
+    for candidate in found.candidates:
+        if candidate.micro > 1 or candidate.compute or candidate.label in times:
+            continue
+        run = _dry_run_meta(model, make_context, candidate, scale.steps)
+        fits = run.ok and run.peak_memory_bytes <= SCALE_LIMIT
+        times[candidate.label], candidates[candidate.label] = (run.step_time_s if fits else None), candidate
+    exhaustive_s = time.perf_counter() - start
+    best = min((k for k, v in times.items() if v), key=lambda k: times[k])
+    candidates.setdefault(chosen.label, found.candidate)
+    again = _alternate(model, make_context, {k: candidates[k] for k in sorted({chosen.label, best})}, scale)
+    return {"state": state, "chosen": chosen.label, "best": best, "times": times, "again": again,
+            "search_s": search_s, "exhaustive_s": exhaustive_s, "spearman": rank_correlation(found.rows),
+            "table": found.table}
+
+
+def _dry_run_meta(model, make_context, candidate, steps: int):
+    from atorch.auto.search.strategy_search import dry_run_candidate
+
+    return dry_run_candidate(model, make_context, candidate, steps)
+
+
+def _alternate(model, make_context, candidates: dict, scale: Scale) -> dict:
+    import statistics
+
+    times: dict = {label: [] for label in candidates}
+    for r in range(scale.rounds):
+        for label in (list(candidates) if r % 2 == 0 else list(candidates)[::-1]):
+            run = _dry_run_meta(model, make_context, candidates[label], scale.steps)
+            times[label].append(run.step_time_s if run.ok else float("inf"))
+    return {label: statistics.median(v) for label, v in times.items()}
+
+
+def print_sharded_only(r: dict) -> None:
+    ratio = r["again"][r["best"]] / r["again"][r["chosen"]]
+    print(f"\nsharded-only (meta HF Llama 12x256, 4 CPU ranks, limit {SCALE_LIMIT / 2**20:.0f} MiB/rank, training "
+          f"state {r['state'] / 2**20:.0f} MiB = {r['state'] / SCALE_LIMIT:.1f}x the limit): chosen {r['chosen']}, "
+          f"best fitting (exhaustive) {r['best']}")
+    print(f"  throughput chosen / best side by side {ratio:.3f} (goal >= 0.95); search time / exhaustive "
+          f"{r['search_s']:.1f} / {r['exhaustive_s']:.1f} s = {r['search_s'] / r['exhaustive_s']:.3f} (goal <= 0.25); "
+          f"Spearman rank correlation predicted / measured step time "
+          + ("n/a" if r["spearman"] is None else f"{r['spearman'][0]:.2f} over {r['spearman'][1]} dry runs")
+          + " (goal >= 0.8)")
+    for label, t in sorted(r["times"].items(), key=lambda kv: kv[1] or float("inf")):
+        print(f"  {label:<40}{t * 1000 if t else float('nan'):>9.1f}")
+    print(r["table"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per candidate in the exhaustive pass")
     parser.add_argument("--split-only", action="store_true", help="only the memory-limited micro-batch line")
+    parser.add_argument("--scale", action="store_true", help="only the sharded-only meta model (4 ranks)")
     parser.add_argument("--tiny", action="store_true", help="a 2-block model, two exhaustive candidates, one "
                         "round: checks the script")
     args = parser.parse_args()
     scale = TINY if args.tiny else Scale(steps=args.steps)
     if args.split_only:
         print_split(run_distributed(memory_limited_split, 2, scale, timeout_s=3000)[0])
+        return
+    if args.scale:
+        print_sharded_only(run_distributed(sharded_only, 4, scale, timeout_s=3000)[0])
         return
     results, split = zip(*run_distributed(_both, 2, scale, timeout_s=3000))
     results, split = results[0], split[0]
@@ -270,6 +367,8 @@ def main() -> None:
             print(f"  {label:<40}{t * 1000 if t else float('nan'):>9.1f}")
         print(f"\n{name}: the search's report\n{r['table']}")
     print_split(split)
+    if not args.tiny:  # 4 ranks and a few minutes: the smallest mode checks the rest of the script
+        print_sharded_only(run_distributed(sharded_only, 4, scale, timeout_s=3000)[0])
 
 
 def _both(scale: Scale) -> tuple[dict, dict]:
