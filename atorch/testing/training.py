@@ -154,3 +154,17 @@ def weight_difference(weights: dict, reference: dict) -> float:
     flat = torch.cat([weights[k].flatten() for k in sorted(reference)])
     flat_reference = torch.cat([reference[k].flatten() for k in sorted(reference)])
     return relative_difference(flat, flat_reference)
+
+
+def train_returned(result: Any, steps: int, input_format: Optional[str] = "unpack_dict") -> list[float]:
+    """Train what ``auto_accelerate`` returned for ``steps`` steps with the user's loop, as the contract
+    writes it; the global mean loss of each step."""
+    losses, batches = [], iter(result.dataloader)
+    for _ in range(steps):
+        batch = result.prepare_input(next(batches))
+        loss = result.loss_func(batch, call_model(result.model, batch, input_format))
+        result.optim.backward(loss) if result.args.use_optim_backward else loss.backward()
+        result.optim.step()
+        result.optim.zero_grad()
+        losses.append(global_mean(loss.detach().float()))
+    return losses

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import threading
 import weakref
@@ -46,6 +47,7 @@ def release_host_memory() -> None:
         trim(0)
 
 
+@functools.lru_cache(maxsize=1)
 def _malloc_trim() -> Any:
     name = ctypes.util.find_library("c")
     try:

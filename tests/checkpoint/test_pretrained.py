@@ -35,7 +35,7 @@ from atorch.checkpoint.tensors import model_tensors
 from atorch.errors import CheckpointError
 from atorch.testing import run_distributed
 from atorch.testing.hf_models import SEQ, VOCAB, hf_loss, token_dataset
-from atorch.testing.training import call_model, global_mean, relative_difference
+from atorch.testing.training import relative_difference, train_returned
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test extra")
 
@@ -90,15 +90,7 @@ def save_model(directory: str, family: str) -> None:
 
 def train(result: Any, steps: int = STEPS) -> list[float]:
     """The seed's loop (as ``train_gpt``): global mean loss per step."""
-    losses, batches = [], iter(result.dataloader)
-    for _ in range(steps):
-        batch = result.prepare_input(next(batches))
-        loss = result.loss_func(batch, call_model(result.model, batch, "unpack_dict"))
-        result.optim.backward(loss) if result.args.use_optim_backward else loss.backward()
-        result.optim.step()
-        result.optim.zero_grad()
-        losses.append(global_mean(loss.detach().float()))
-    return losses
+    return train_returned(result, steps)
 
 
 def reference_losses(directory: str, rows: int = BATCH * STEPS) -> list[float]:

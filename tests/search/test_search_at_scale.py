@@ -18,7 +18,7 @@ import atorch
 from atorch.models import SyntheticTokenDataset
 from atorch.testing import run_distributed
 from atorch.testing.rss import RssGrowth
-from atorch.testing.training import call_model, global_mean
+from atorch.testing.training import train_returned
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test extra")
 pytestmark = pytest.mark.multirank
@@ -65,16 +65,7 @@ def search_and_train() -> dict:
     status, result, strategy = search(model, memory_limit=MEMORY_LIMIT)
     search_growth = rss.growth()
     found = result.args.extras["search"] if status else None
-    losses = []
-    if status:
-        batches = iter(result.dataloader)
-        for _ in range(STEPS):  # the user's loop, as the contract writes it
-            batch = result.prepare_input(next(batches))
-            loss = result.loss_func(batch, call_model(result.model, batch, "unpack_dict"))
-            result.optim.backward(loss) if result.args.use_optim_backward else loss.backward()
-            result.optim.step()
-            result.optim.zero_grad()
-            losses.append(global_mean(loss.detach().float()))
+    losses = train_returned(result, STEPS) if status else []
     return {"status": status, "state": state, "search_growth": search_growth,
             "strategy": strategy.names() if strategy else None,
             "pieces": [vars(p) | {"label": p.label} for p in found.pieces] if found else [],
