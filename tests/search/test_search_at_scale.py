@@ -17,6 +17,7 @@ import torch
 import atorch
 from atorch.models import SyntheticTokenDataset
 from atorch.testing import run_distributed
+from atorch.testing.hf_models import RowsDataset
 from atorch.testing.rss import RssGrowth
 from atorch.testing.training import train_returned
 
@@ -48,7 +49,10 @@ def lm_loss(batch: dict, output) -> torch.Tensor:
 
 
 def search(model: torch.nn.Module, **kargs) -> tuple:
-    dataset = SyntheticTokenDataset(num_samples=BATCH * 16, seq_len=SEQ, vocab_size=VOCAB)
+    # one random sequence in every row: random tokens teach a model nothing in a few steps, so whether the
+    # loss falls over 4 of them would be chance; on one repeated sequence it falls when the strategy trains
+    row = SyntheticTokenDataset(num_samples=1, seq_len=SEQ, vocab_size=VOCAB)[0]
+    dataset = RowsDataset([row] * (BATCH * 16))
     return atorch.auto_accelerate(
         model, torch.optim.AdamW, dataset, lm_loss, optim_args={"lr": 1e-3}, dataloader_args={"batch_size": BATCH},
         model_input_format="unpack_dict", excluded=["amp_native"], use_profile_cache=False, **kargs)
@@ -100,7 +104,7 @@ def test_the_search_returns_a_strategy_that_trains(searched):
     assert losses[-1] < losses[0], losses
 
 
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=False, reason=(  # not strict: the growth is ~70 MiB against 64, near enough to vary
     "issue 31, open: a pipeline stage's activations are under-predicted on this model (pp4 predicted 45 MiB, "
     "measured 58 MiB): the alone peak falls at the optimizer step, so peak minus state hides the activations a "
     "stage keeps for its micro-batches in flight, and such a dry run, predicted to fit, grows a process by "
