@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -55,16 +56,28 @@ from atorch.auto.search.topology import Links, Topology
 from atorch.auto.strategy import Strategy
 from atorch.errors import InputError
 
-# Calibrated on the repo GPT (4 blocks x 128, vocab 512, 2 gloo ranks; see tests/search/test_search.py): the
-# residual stream, norms, logits and the loss are not split, and the step's peak falls where they
-# dominate, so tensor parallelism cuts the peak's activations far less than 1/t.
-REPLICATED_ACTIVATION_SHARE = 0.85
-# A pipeline stage holds the micro-batches in flight plus one being received / recomputed.
-EXTRA_MICRO_BATCHES_IN_FLIGHT = 1
+# The share of the activations tensor parallelism does not split: the residual stream, norms, logits and
+# the loss. Calibrated on the repo GPT (4 blocks x 128, vocab 512, 2 gloo ranks, tp2 with and without
+# checkpointing; tests/search/test_search.py); held out: the HF Llama of tests/search/test_search_at_scale.py,
+# whose tp2 x pp2 peaks it predicts within 7 % (0.3 to 0.5 all stay within 8 % on both).
+REPLICATED_ACTIVATION_SHARE = 0.4
+# A pipeline stage holds the micro-batches in flight beyond the stage count (1F1B: the first stage keeps
+# ``pipeline`` micro-batches' activations, the others fewer). Measured: 0 on both models above.
+EXTRA_MICRO_BATCHES_IN_FLIGHT = 0
 # micro_batch: each extra micro-step costs this share of the unsplit step (another forward / backward
 # launch over a smaller batch, the loss, the accumulation). Calibrated on the repo GPT 4x128 on 2 CPU
 # ranks (measured +0.14 to +0.23; benchmarks/search_quality.py prints the measured value beside it).
 MICRO_STEP_OVERHEAD = 0.2
+# The memory model predicts a dry run's peak within this fraction (tests/search/test_search.py holds it
+# to that): a candidate predicted closer to the limit is not dry-run, since its run could exceed the limit
+# (on a device, an out-of-memory error; under a memory cgroup, the process killed).
+MEMORY_MODEL_ERROR = 0.15
+
+
+def fits_with_margin(memory_bytes: float, limit: float) -> bool:
+    """Whether a predicted peak fits ``limit`` with the memory model's error to spare: the search dry-runs
+    only such candidates, and ``atorch.plan.plan_measured`` calls only those fitting."""
+    return memory_bytes * (1 + MEMORY_MODEL_ERROR) <= limit
 
 
 @dataclass
@@ -88,7 +101,8 @@ def estimate(candidate: Candidate, variant: VariantProfile, world: int, profile:
     - zero2: P/N + P_c + G_c + G/N + O/N + act'   (parameters stay gathered in the compute dtype
              through forward and backward; unsharded gradients until they are reduce-scattered)
     - fsdp:  P/N + 3 U_c + G/N + O/N + act'       (a gathered unit, the prefetched next one and the
-             unit's unsharded gradients)
+             unit's unsharded gradients), or, where larger, P/N + O/N + 3 U_c + the activations at
+             backward's start (``forward_peak_activations``: the gradients are not there yet)
 
     ``_c`` is in the compute dtype (half of fp32 under amp: FSDP's mixed-precision policy gathers in
     it), U the largest sharding unit, and act' = act less autocast's weight copies, which FSDP's
@@ -117,6 +131,10 @@ def estimate(candidate: Candidate, variant: VariantProfile, world: int, profile:
                 comm, collectives = shed * (G + P), 2 * units
             else:  # fsdp
                 memory = P / n + 3 * compute * unit + (G + O) / n + act_sharded
+                early = forward_peak_activations(variant)
+                if early is not None:  # backward's start: every activation alive, no gradient yet
+                    early_act = sum(early) - (0.5 * P if amp and not candidate.checkpoint else 0.0)
+                    memory = max(memory, (P + O) / n + 3 * compute * unit + early_act)
                 comm, collectives = shed * (G + 2 * P), 3 * units
     if candidate.micro > 1:
         memory, comm, collectives = _split(candidate, memory, comm, collectives, act, P, G, n, units)
@@ -153,6 +171,20 @@ def _estimate_layout(candidate: Candidate, variant: VariantProfile, world: int, 
     return Estimate(int(memory), time_s, detail)
 
 
+def forward_peak_activations(variant: VariantProfile) -> Optional[tuple[float, float]]:
+    """The activations at backward's start, from the alone run, as (saved, working): what its forward
+    left alive for backward, and backward's working memory (its forward-and-backward peak beyond the
+    parameters, the optimizer state and the larger of those saved activations and the gradients). A
+    pipeline stage keeps the first for every micro-batch in flight, the second for one. None when the
+    alone run did not measure them (a profile cached before they were)."""
+    if not variant.forward_saved_bytes or not variant.forward_backward_peak_bytes:
+        return None
+    P, G, O = variant.params, variant.grads, variant.optim_state  # noqa: E741
+    saved = float(variant.forward_saved_bytes)
+    working = max(variant.forward_backward_peak_bytes - P - O - max(saved, G), 0.0)
+    return saved, working
+
+
 def _largest_unit_bytes(profile: ModelProfile, params_bytes: int) -> float:
     """Bytes of the largest FSDP unit (a repeated block, or the root's remainder), in the measured
     parameter dtype."""
@@ -174,17 +206,32 @@ def estimate_layout_memory(candidate: Candidate, variant: VariantProfile, world:
     ``tensor * pipeline`` times that batch, so they scale by it. (Measuring the alone run at a
     second batch size to separate a batch-independent part changed no prediction by more than 2%
     here, and cost a quarter of the search's time.)
+
+    The peak is the larger of two moments: after backward (the whole state, plus what the alone run held
+    beyond it) and at backward's start, when the forward's saved activations are all alive
+    (``forward_peak_activations``). The alone run's overall peak alone hides the second where the
+    optimizer step's temporaries top the activations (a model whose state outweighs its activations).
     """
     tensor, pipeline, data = candidate.tensor, candidate.pipeline, candidate.data_size(world)
-    state = variant.params + variant.grads + variant.optim_state
+    P, G, O = variant.params, variant.grads, variant.optim_state  # noqa: E741
+    state = P + G + O
     share = facts.state_share[(tensor, pipeline)]
-    act = (variant.peak_bytes - state) * tensor * pipeline
-    act *= REPLICATED_ACTIVATION_SHARE + (1 - REPLICATED_ACTIVATION_SHARE) / tensor
-    if pipeline > 1:
-        micro = micro_batches(pipeline, variant.batch * tensor * pipeline)
-        act *= (facts.stage_block_share[pipeline] * min(min(pipeline, micro) + EXTRA_MICRO_BATCHES_IN_FLIGHT, micro)
-                / micro)
-    memory = state * share + act
+    micro = micro_batches(pipeline, variant.batch * tensor * pipeline) if pipeline > 1 else 1
+    # one micro-batch's activations on this rank, relative to the alone run's batch: a data rank sees
+    # tensor * pipeline times that batch, split in ``micro``; tensor parallelism splits part of them
+    per_micro = tensor * pipeline * (REPLICATED_ACTIVATION_SHARE + (1 - REPLICATED_ACTIVATION_SHARE) / tensor) / micro
+    in_flight = 1.0
+    if pipeline > 1:  # the stage's share of the blocks, for each micro-batch in flight
+        in_flight = facts.stage_block_share[pipeline] * min(min(pipeline, micro) + EXTRA_MICRO_BATCHES_IN_FLIGHT, micro)
+    # the step's peak after backward (the whole state and what the alone run held beyond it) ...
+    memory = state * share + (variant.peak_bytes - state) * per_micro * in_flight
+    early = forward_peak_activations(variant)
+    if early is not None:
+        saved, working = early
+        # ... or at backward's start: every micro-batch in flight saved its activations; a pipeline stage
+        # already holds its gradients from the first micro-batch's backward, a single step none yet
+        held = P + O + (G if pipeline > 1 else 0)
+        memory = max(memory, held * share + saved * per_micro * in_flight + working * per_micro)
     if data > 1:
         memory += variant.grads * share  # the data group's gradient all-reduce buffers
         if candidate.sharding == "zero1":

@@ -40,6 +40,10 @@ class DryRunResult:
     peak_memory_bytes: Optional[int] = None  # max over ranks
     error: Optional[str] = None
     step_time_spread_s: Optional[float] = None  # standard deviation of the timed steps, max over ranks (noise)
+    # the timed steps' peak up to the end of backward, before the optimizer step (max over ranks): the
+    # activations' peak, which the overall peak hides when the optimizer step's temporaries top it
+    forward_backward_peak_bytes: Optional[int] = None
+    forward_saved_bytes: Optional[int] = None  # what the forward left alive for backward (max over ranks)
     extras: dict = field(default_factory=dict)  # the applied context's ``args.extras`` (what methods reported)
 
     def __str__(self) -> str:
@@ -51,16 +55,27 @@ class DryRunResult:
 
 def train_step(ctx: ModelContext, batch) -> torch.Tensor:
     """One step exactly as the user's loop drives the returned objects."""
+    loss = forward_backward(ctx, batch)
+    optimizer_step(ctx)
+    return loss
+
+
+def forward_backward(ctx: ModelContext, batch, after_forward: Optional[Callable[[], None]] = None) -> torch.Tensor:
     data = ctx.prepare_input(batch)
     output = ctx.call_model(ctx.model, data)
     loss = loss_value(ctx.loss_func(data, output))
+    if after_forward is not None:
+        after_forward()
     if ctx.args.use_optim_backward:
         ctx.optim.backward(loss)
     else:
         loss.backward()
+    return loss.detach()
+
+
+def optimizer_step(ctx: ModelContext) -> None:
     ctx.optim.step()
     ctx.optim.zero_grad()
-    return loss.detach()
 
 
 def dry_run(ctx: ModelContext, warmup_steps: int = 1, timed_steps: int = DEFAULT_DRYRUN_STEPS,
@@ -81,15 +96,19 @@ def dry_run(ctx: ModelContext, warmup_steps: int = 1, timed_steps: int = DEFAULT
     if not outcome.ok:
         where = f" (rank {outcome.failed_rank})" if is_multi_rank() else ""
         return DryRunResult(False, error=f"{outcome.error}{where}")
-    step_time, peak, spread = max_over_ranks(outcome.value)
-    return DryRunResult(True, step_time, int(peak), step_time_spread_s=spread, extras=dict(ctx.args.extras))
+    step_time, peak, spread, forward_backward_peak, saved = max_over_ranks(outcome.value)
+    return DryRunResult(True, step_time, int(peak), step_time_spread_s=spread, extras=dict(ctx.args.extras),
+                        forward_backward_peak_bytes=int(forward_backward_peak), forward_saved_bytes=int(saved))
 
 
 def _timed_steps(ctx: ModelContext, warmup_steps: int, timed_steps: int) -> list[float]:
-    """[median seconds per timed step, peak bytes, standard deviation of the timed steps] on this rank;
-    raises on any failure. The spread is the noise a comparison of two step times must exceed."""
+    """[median seconds per timed step, peak bytes, standard deviation of the timed steps, the timed steps'
+    peak before their optimizer step] on this rank; raises on any failure. The spread is the noise a
+    comparison of two step times must exceed."""
     batches = iter(ctx.dataloader)
     times: list[float] = []
+    forward_backward_peak = 0
+    after: list[int] = []  # the bytes each step's forward left alive for backward
     with PeakMemoryTracker(ctx.device, roots=[ctx.model, ctx.raw_optim]) as tracker:
         for step in range(warmup_steps + timed_steps):
             try:
@@ -101,12 +120,18 @@ def _timed_steps(ctx: ModelContext, warmup_steps: int, timed_steps: int) -> list
                 ) from None
             _sync(ctx.device)
             start = time.perf_counter()
-            train_step(ctx, batch)
+            tracker.phase_peak()
+            before = tracker.live_bytes()
+            forward_backward(ctx, batch, lambda: after.append(tracker.live_bytes() - before))
+            phase = tracker.phase_peak()
+            optimizer_step(ctx)
             _sync(ctx.device)
             if step >= warmup_steps:
                 times.append(time.perf_counter() - start)
+                forward_backward_peak = max(forward_backward_peak, phase)
     spread = statistics.stdev(times) if len(times) > 1 else 0.0
-    return [statistics.median(times), float(tracker.stats.peak_bytes), spread]
+    return [statistics.median(times), float(tracker.stats.peak_bytes), spread, float(forward_backward_peak),
+            float(max(after[warmup_steps:], default=0))]
 
 
 def _sync(device: torch.device) -> None:

@@ -29,7 +29,7 @@ from atorch.auto.search.analyser import ModelProfile
 from atorch.auto.search.candidates import SHARDINGS, Candidate, SearchSpace, enumerate_candidates
 from atorch.auto.search.topology import Topology, keep_tensor_in_node
 from atorch.auto.strategy import Strategy
-from atorch.cost_model import MeasuredProfile, predict_measured
+from atorch.cost_model import MeasuredProfile, fits_with_margin, predict_measured
 from atorch.errors import InputError
 from atorch.plan.analytic import AC_MODES, OPTIMIZER_STATES, Prediction, Workload, predict, spec_layout_facts
 from atorch.plan.hardware_specs import ClusterSpec, DeviceSpec, cluster_spec
@@ -117,7 +117,8 @@ def plan_measured(measured: MeasuredProfile, candidates: Optional[Iterable[Candi
     ``candidates``: None enumerates the search's candidates again (its search space, less
     ``excluded``), leaving out those whose precision / checkpoint setting was not measured or failed
     alone; given ones using an ``excluded`` method are left out, and one with no usable measurement is
-    an InputError. ``memory_bytes`` is the predicted per-rank peak, ``fits`` compares it with the
+    an InputError. ``memory_bytes`` is the predicted per-rank peak, ``fits`` compares it, with the memory
+    model's error to spare (``cost_model.MEMORY_MODEL_ERROR``, as the search does), with the
     search's memory limit; ``mfu`` is 0 (the machine's peak FLOPs are not measured)."""
     excluded = frozenset(excluded)
     if candidates is None:
@@ -136,7 +137,7 @@ def measured_prediction(candidate: Candidate, measured: MeasuredProfile) -> Pred
     guess = predict_measured(candidate, measured)
     tokens = measured.per_rank_batch * measured.profile.tokens_per_sample / guess.step_time_s
     return Prediction(candidate, guess.memory_bytes, guess.step_time_s, tokens, 0.0,
-                      guess.memory_bytes <= measured.hardware.memory_limit, notes=[guess.detail],
+                      fits_with_margin(guess.memory_bytes, measured.hardware.memory_limit), notes=[guess.detail],
                       allocated_bytes=guess.memory_bytes, checkpointing="full" if candidate.checkpoint else "none")
 
 

@@ -260,6 +260,7 @@ class PeakMemoryTracker:
         self.stats: MemoryStats | None = None
         self._counter: _LiveStorageCounter | None = None
         self._baseline = 0
+        self._earlier_phases_peak = 0  # the highest peak of the phases ``phase_peak`` closed
 
     def __enter__(self) -> PeakMemoryTracker:
         if self.device.type == "cuda":
@@ -275,6 +276,30 @@ class PeakMemoryTracker:
             self._counter.__enter__()
         return self
 
+    def live_bytes(self) -> int:
+        """The bytes alive now, as the region counts them (on CPU: only storages seen from the roots or
+        made inside the region)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.memory_allocated(self.device)
+        assert self._counter is not None, "live_bytes is read inside the tracked region"
+        return self._counter.current
+
+    def phase_peak(self) -> int:
+        """The peak since entry or the previous call, and a new phase starts here: so a caller can tell
+        the forward and backward's peak (activations) from the optimizer step's (its temporaries beside
+        the whole state). The region's overall peak in ``stats`` still counts every phase."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            assert self._counter is not None, "phase_peak is read inside the tracked region"
+            peak = self._counter.peak
+            self._counter.peak = self._counter.current
+        self._earlier_phases_peak = max(self._earlier_phases_peak, peak)
+        return peak
+
     def __exit__(self, *exc: Any) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -284,6 +309,7 @@ class PeakMemoryTracker:
             assert self._counter is not None
             self._counter.__exit__(*exc)
             peak, end = self._counter.peak, self._counter.current
+        peak = max(peak, self._earlier_phases_peak)
         self.stats = MemoryStats(str(self.device), self._baseline, peak, end)
         self._counter = None  # drop weakrefs; nothing is counted after exit
 

@@ -40,6 +40,27 @@ def test_known_allocation_and_free():
     assert s.end_bytes == s.baseline_bytes
 
 
+def test_phase_peaks_tell_activations_from_the_optimizer_step():
+    # A model whose state outweighs its activations: the step's overall peak falls in the optimizer step,
+    # so only the phase before it shows the activations (what the search's pipeline estimate needs).
+    model = nn.Linear(1024, 1024)
+    opt = torch.optim.Adam(model.parameters(), foreach=True)
+    x = torch.randn(4, 1024)
+    _step(model, opt, x)  # Adam's moments exist from here on
+    opt.zero_grad(set_to_none=True)  # as the dry run's steps end: backward makes the gradients anew
+    with PeakMemoryTracker("cpu", roots=[model, opt]) as tracker:
+        before = tracker.live_bytes()
+        out = model(x)
+        saved = tracker.live_bytes() - before
+        out.square().mean().backward()
+        forward_backward = tracker.phase_peak()
+        opt.step()
+        optimizer = tracker.phase_peak()
+    assert saved >= 4 * 1024 * F32  # the output at least
+    assert optimizer > forward_backward  # foreach Adam's temporaries beside params, grads and two moments
+    assert tracker.stats.peak_bytes == max(forward_backward, optimizer)
+
+
 def test_mlp_step_peak_covers_activations():
     # B large, weights small: activations dominate. Hand count (float32):
     #   h1 = x @ W1.T + b1 : B*H   relu(h1) : B*H   out : B*D

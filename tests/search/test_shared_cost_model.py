@@ -5,6 +5,8 @@ search estimated with exactly the search's memory and step time. Checked from a 
 pickled back to this process)."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import pickle
 
 import pytest
@@ -14,11 +16,11 @@ from atorch.auto.accelerate import auto_accelerate
 from atorch.auto.search.analyser import analyse_model
 from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates
 from atorch.auto.search.layouts import layout_facts
-from atorch.auto.search.measure import HardwareProfile, VariantProfile
+from atorch.auto.search.measure import HardwareProfile, VariantProfile, load_cached, store_cached
 from atorch.auto.search.options import SearchOptions
 from atorch.auto.search.strategy_search import StrategySearch
 from atorch.auto.search.topology import Links, keep_tensor_in_node, topology_for
-from atorch.cost_model import MeasuredProfile, predict_measured, topology_estimate
+from atorch.cost_model import MeasuredProfile, estimate_layout_memory, predict_measured, topology_estimate
 from atorch.errors import InputError
 from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
 from atorch.plan import plan_measured
@@ -50,7 +52,8 @@ def _hand_made_search(world: int = 4, ranks_per_node: int = 2) -> StrategySearch
     search.links = Links(search.hardware.intra_node_bandwidth, search.hardware.inter_node_bandwidth)
     search.variants = {
         ("fp32", False): VariantProfile("fp32", False, 2, peak_bytes=30 * MIB, step_time_s=0.05, params=4 * MIB,
-                                        grads=4 * MIB, optim_state=8 * MIB),
+                                        grads=4 * MIB, optim_state=8 * MIB, forward_backward_peak_bytes=26 * MIB,
+                                        forward_saved_bytes=12 * MIB),
         ("fp32", True): VariantProfile("fp32", True, 2, error="made to fail alone"),
     }
     return search
@@ -77,6 +80,36 @@ def test_the_planner_reproduces_the_search_estimates_from_a_hand_made_profile():
     assert predict_measured(hybrid, measured) == topology_estimate(
         hybrid, search.variants[("fp32", False)], world=4, profile=search.profile, hardware=search.hardware,
         topology=search.topology, links=search.links)
+
+
+def test_a_pipeline_stage_is_predicted_at_backwards_start_when_the_optimizer_step_hides_it():
+    # state outweighs activations: the alone peak (the optimizer step's) is barely above the state, but a
+    # pipeline stage keeps its micro-batches' saved activations beside its gradients
+    search = _hand_made_search()
+    stage = next(c for c in search.candidates if c.pipeline > 1 and c.tensor == 1 and not c.checkpoint)
+    state = 4 * MIB + 4 * MIB + 8 * MIB
+    hidden = VariantProfile("fp32", False, 2, peak_bytes=state + MIB, step_time_s=0.05, params=4 * MIB,
+                            grads=4 * MIB, optim_state=8 * MIB)
+    measured = dataclasses.replace(hidden, forward_backward_peak_bytes=state, forward_saved_bytes=3 * MIB)
+    facts = search.profile.layouts
+    before = estimate_layout_memory(stage, hidden, 4, facts)
+    after = estimate_layout_memory(stage, measured, 4, facts)
+    share = facts.state_share[(1, stage.pipeline)]
+    assert after > before >= state * share
+    # the saved activations of the micro-batches in flight beside the stage's share of the whole state
+    assert after >= state * share + 3 * MIB * facts.stage_block_share[stage.pipeline]
+
+
+def test_a_profile_cached_before_a_field_was_measured_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))
+    variant = VariantProfile("fp32", False, 2, peak_bytes=30 * MIB, step_time_s=0.05)
+    store_cached("key", variant)
+    assert load_cached("key") == variant
+    path = next(tmp_path.rglob("key.json"))
+    old = json.loads(path.read_text())
+    del old["forward_saved_bytes"]
+    path.write_text(json.dumps(old))
+    assert load_cached("key") is None
 
 
 def test_a_measured_profile_pickles_and_predicts_the_same_after():

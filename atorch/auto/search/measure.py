@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -55,6 +55,10 @@ class VariantProfile:
     grads: int = 0
     optim_state: int = 0
     error: Optional[str] = None
+    # the peak up to the end of backward (0: not measured, as in profiles cached before it was): what the
+    # activations reach, which ``peak_bytes`` hides when the optimizer step's temporaries top it
+    forward_backward_peak_bytes: int = 0
+    forward_saved_bytes: int = 0  # what the forward left alive for backward: the activations (0: not measured)
 
 
 @dataclass
@@ -107,6 +111,8 @@ def measure_variant(run: Callable[[int], tuple], setting: Setting, batch: int) -
         variant.error = result.error
         return variant
     variant.peak_bytes, variant.step_time_s = result.peak_memory_bytes, result.step_time_s
+    variant.forward_backward_peak_bytes = result.forward_backward_peak_bytes or 0
+    variant.forward_saved_bytes = result.forward_saved_bytes or 0
     variant.params, variant.grads, variant.optim_state = state["params"], state["grads"], state["optim_state"]
     return variant
 
@@ -241,7 +247,10 @@ def load_cached(key: str) -> Optional[VariantProfile]:
     if not path.exists():
         return None
     try:
-        return VariantProfile(**json.loads(path.read_text()))
+        stored = json.loads(path.read_text())
+        if set(stored) != {f.name for f in fields(VariantProfile)}:  # written before a field was measured
+            return None
+        return VariantProfile(**stored)
     except (ValueError, TypeError):
         return None
 

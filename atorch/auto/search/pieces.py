@@ -117,6 +117,8 @@ def extrapolate(low: VariantProfile, high: VariantProfile, low_blocks: int, tota
         params=int(whole(low.params, high.params)),
         grads=int(whole(low.grads, high.grads)),
         optim_state=int(whole(low.optim_state, high.optim_state)),
+        forward_backward_peak_bytes=int(whole(low.forward_backward_peak_bytes, high.forward_backward_peak_bytes)),
+        forward_saved_bytes=int(whole(low.forward_saved_bytes, high.forward_saved_bytes)),
     )
 
 

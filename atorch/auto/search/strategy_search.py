@@ -53,7 +53,7 @@ from atorch.auto.search.pieces import (
 from atorch.auto.search.report import Row, format_table, write_report
 from atorch.auto.search.topology import Links, keep_tensor_in_node, topology_for
 from atorch.auto.strategy import Strategy, StrategyItem
-from atorch.cost_model import Estimate, MeasuredProfile, predict_measured
+from atorch.cost_model import MEMORY_MODEL_ERROR, Estimate, MeasuredProfile, fits_with_margin, predict_measured
 from atorch.distributed.agreement import all_ranks_true, broadcast_flag, is_main_rank, world_size
 from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.utils.batch import first_tensor, loss_value
@@ -67,10 +67,6 @@ CLOSE_CALL = 0.15  # finalists measured within this fraction of each other are m
 CONFIRM_ROUNDS = 2  # alternating re-measurements of close finalists (3 samples each: a real median)
 # the methods that make a setting (precision, checkpoint): what a rank training alone applies
 SETTING_METHODS = ("amp_native", "half", "checkpoint")
-# The memory model predicts a dry run's peak within this fraction (tests/search/test_search.py holds it
-# to that): a candidate predicted closer to the limit is not dry-run, since its run could exceed the limit
-# (on a device, an out-of-memory error; under a memory cgroup, the process killed).
-MEMORY_MODEL_ERROR = 0.15
 PIECE_STEP_FACTOR = 2  # a cut model trains this many times the dry run's steps (see ``_train_alone``)
 
 
@@ -234,7 +230,7 @@ class StrategySearch:
             limit = self.hardware.memory_limit
             if guess.memory_bytes > limit:
                 row.status = "predicted over limit"
-            elif guess.memory_bytes * (1 + MEMORY_MODEL_ERROR) > limit:
+            elif not fits_with_margin(guess.memory_bytes, limit):
                 row.status = "predicted over limit"
                 row.reason = (f"within {MEMORY_MODEL_ERROR:.0%} of the limit, the memory model's error: a dry run "
                               "could exceed it")
