@@ -359,11 +359,9 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
     tokens = work.tokens / data / micro
     if p > 1:
         # each stage's blocks times the micro-batches it holds (the first the most, the last the logits)
-        blocks = stage_blocks(spec, p, work)
-        act = max(activation_bytes(candidate, spec, work, tokens, tensor=t, layers=n,
-                                   in_flight=min(micro_batches_in_flight(p, work.virtual_stages, k), micro), fp8=fp8,
-                                   head=k == p - 1)
-                  for k, n in enumerate(blocks))
+        act = max(activation_bytes(candidate, spec, work, tokens, tensor=t, layers=held_blocks(spec, work, p, k, micro),
+                                   fp8=fp8, head=k == p - 1)
+                  for k in range(p))
     else:
         act = activation_bytes(candidate, spec, work, tokens, tensor=t, fp8=fp8)
     return states + act
@@ -377,6 +375,34 @@ def stage_blocks(spec: TransformerSpec, pipeline: int, work: Optional[Workload] 
         return [math.ceil(spec.layers / pipeline)] * pipeline
     per = math.ceil((spec.layers + 2) / pipeline)
     return [per - 1] + [per] * (pipeline - 2) + [per - 1]
+
+
+def held_blocks(spec: TransformerSpec, work: Workload, pipeline: int, stage: int, micro: int) -> float:
+    """Blocks x micro-batches whose activations ``stage`` holds at its peak. 1F1B: its blocks times
+    ``micro_batches_in_flight``. Interleaved (v chunks a stage, Megatron's order: chunk 0 for a round of
+    ``pipeline`` micro-batches, then chunk 1, ...): the chunk forwards outstanding at the peak, 2 (p - k
+    - 1) + (v - 1) p + 1, each holding its own chunk's blocks, so a chunk that holds only the embedding
+    (or only the output layer and loss, ``pipeline_ends_as_layers``) holds none; at most all ``micro``
+    micro-batches' chunks."""
+    v = max(work.virtual_stages, 1)
+    if v == 1:
+        return stage_blocks(spec, pipeline, work)[stage] * min(micro_batches_in_flight(pipeline, 1, stage), micro)
+    chunks = chunk_blocks(spec, work, pipeline)[stage]
+    outstanding = min(2 * (pipeline - stage - 1) + (v - 1) * pipeline + 1, micro * v)
+    return sum(chunks[(i // pipeline) % v] for i in range(outstanding))
+
+
+def chunk_blocks(spec: TransformerSpec, work: Workload, pipeline: int) -> list[list[float]]:
+    """Blocks of each model chunk, by stage: chunk j of stage k is the (j p + k)-th slice of the model.
+    Evenly L / (p v) each; with ``pipeline_ends_as_layers`` the embedding and the output layer take a
+    block's place at the two ends, so the very first and very last chunk hold one block fewer."""
+    v = max(work.virtual_stages, 1)
+    chunks = pipeline * v
+    if not work.pipeline_ends_as_layers:
+        return [[spec.layers / chunks] * v for _ in range(pipeline)]
+    per = (spec.layers + 2) / chunks
+    return [[max(per - (j * pipeline + k == 0) - (j * pipeline + k == chunks - 1), 0.0) for j in range(v)]
+            for k in range(pipeline)]
 
 
 def micro_batches_in_flight(pipeline: int, virtual: int, stage: int = 0) -> float:
