@@ -286,3 +286,24 @@ def test_interleaving_shrinks_the_bubble_and_holds_more_micro_batches():
     assert interleaved.allocated_bytes > plain.allocated_bytes
     exposed = atorch.estimate("llama2-70b", "2x8xH100-80GB", virtual_stages=4, pipeline_p2p_overlap=False, **args)
     assert exposed.tokens_per_s_per_gpu < interleaved.tokens_per_s_per_gpu
+
+
+def test_interleaved_chunks_that_hold_only_an_end_hold_no_block():
+    """Llama 3 405B's interleaved split: 128 places (126 blocks, the embedding and the output layer) in
+    16 x 8 one-place chunks, so the first stage's first chunk holds only the embedding. Its 2 (p - 1) +
+    (v - 1) p + 1 = 143 outstanding chunk forwards hold 143 - 31 blocks (31 of them are that chunk's);
+    the second stage's 141 each hold a block, so it peaks; with an even split the formula's stages'
+    worth, p + (p - 2k - 1) / v, holds."""
+    from atorch.plan import analytic, configuration
+
+    spec = model_spec({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16384,
+                       "intermediate_size": 53248, "num_hidden_layers": 126, "num_attention_heads": 128,
+                       "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False})
+    _, _, _, work = configuration(spec, "1024x8xH100-80GB", global_batch=2048, seq_len=8192, tensor=8,
+                                  pipeline=16, micro_batch_size=1, virtual_stages=8, pipeline_ends_as_layers=True)
+    assert analytic.held_blocks(spec, work, 16, 0, 32) == pytest.approx(143 - 31)
+    assert analytic.held_blocks(spec, work, 16, 1, 32) == pytest.approx(141)
+    assert analytic.held_blocks(spec, work, 16, 1, 4) == pytest.approx(4 * 8)  # 4 micro-batches x 8 chunks
+    even = dataclasses.replace(work, pipeline_ends_as_layers=False)
+    assert analytic.held_blocks(spec, even, 16, 0, 32) == pytest.approx(
+        126 / 16 * analytic.micro_batches_in_flight(16, 8, 0))
