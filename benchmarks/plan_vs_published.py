@@ -42,10 +42,19 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    "llm-foundry": {"sync_each_micro_step": True, "logit_bytes": 4},
                    # Megatron-Core's distributed optimizer; Transformer Engine's attention, which prefers
                    # cuDNN's fused kernel on Hopper (TransformerEngine dot_product_attention/utils.py)
-                   "nemo": {"distributed_optimizer": True, "hopper_attention": True},
+                   # NeMo-Framework-Launcher's Llama configs (launcher_scripts/conf/training/llama/*.yaml @
+                   # 0446d2c0603733cb7252ff36999b32b76e7cf1c4): optim overlap_grad_sync and overlap_param_sync
+                   # true, overlap_p2p_comm true; the 70B config lists a tensor-parallel overlap (userbuffers)
+                   # configuration for H100, TP 4, sequence 4096 among its defaults (ub_tp_comm_overlap)
+                   "nemo": {"distributed_optimizer": True, "hopper_attention": True, "grad_reduce_overlap": True,
+                            "param_gather_overlap": True, "pipeline_p2p_overlap": True, "tp_comm_overlap": True},
                    # the pipeline split counts the embedding and the output layer + loss as a block each: one
-                   # block fewer on the first and the last stage (the paper's section 3.3.2; 126 = 16 x 8 - 2)
-                   "llama3": {"pipeline_ends_as_layers": True}}
+                   # block fewer on the first and the last stage (the paper's section 3.3.2; 126 = 16 x 8 - 2).
+                   # The same section runs the interleaved schedule and says the first stage's first model chunk
+                   # then holds only the embedding (the last one's only the output layer and loss): one-block
+                   # chunks, 128 / 16 = 8 a stage (the rows' virtual column, 1, was an assumption: the table read
+                   # does not give it); its point-to-point communication is asynchronous
+                   "llama3": {"pipeline_ends_as_layers": True, "virtual_stages": 8, "pipeline_p2p_overlap": True}}
 
 
 def load(path: Path = DATA) -> tuple[dict, list[dict]]:
@@ -83,7 +92,8 @@ def predict_row(row: dict, models: dict) -> Prediction:
         pipeline=row["pipeline"], sharding=row["sharding"], precision=row["precision"],
         activation_checkpointing=row["checkpointing"], micro_batch_size=micro,
         optimizer_states=row["optimizer_states"])
-    work = dataclasses.replace(work, virtual_stages=row["virtual"], **SOURCE_WORKLOAD.get(row["source"], {}))
+    # a source-level fact overrides a column the row could only assume
+    work = dataclasses.replace(work, **{"virtual_stages": row["virtual"], **SOURCE_WORKLOAD.get(row["source"], {})})
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 

@@ -31,7 +31,15 @@ from atorch.auto.search.topology import Topology, keep_tensor_in_node
 from atorch.auto.strategy import Strategy
 from atorch.cost_model import MeasuredProfile, fits_with_margin, predict_measured
 from atorch.errors import InputError
-from atorch.plan.analytic import AC_MODES, OPTIMIZER_STATES, Prediction, Workload, predict, spec_layout_facts
+from atorch.plan.analytic import (
+    AC_MODES,
+    GRAD_SYNCS,
+    OPTIMIZER_STATES,
+    Prediction,
+    Workload,
+    predict,
+    spec_layout_facts,
+)
 from atorch.plan.hardware_specs import ClusterSpec, DeviceSpec, cluster_spec
 from atorch.plan.model_specs import TransformerSpec, model_spec
 from atorch.utils.plotting import headless_pyplot
@@ -165,7 +173,10 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
              cluster: Union[str, Mapping[str, Any], ClusterSpec], *, global_batch: int, seq_len: int,
              tensor: int = 1, pipeline: int = 1, sharding: str = "fsdp", precision: str = "bf16",
              activation_checkpointing: str = "none", micro_batch_size: Optional[int] = None,
-             optimizer_states: str = "fp32", pipeline_ends_as_layers: bool = False) -> Prediction:
+             optimizer_states: str = "fp32", pipeline_ends_as_layers: bool = False, virtual_stages: int = 1,
+             distributed_optimizer: bool = False, grad_sync: str = "last_micro_step",
+             tp_comm_overlap: bool = False, grad_reduce_overlap: Optional[bool] = None,
+             param_gather_overlap: Optional[bool] = None, pipeline_p2p_overlap: Optional[bool] = None) -> Prediction:
     """How fast and how big is the one configuration you name ("what I run today")?
 
     The same analytic model ``plan()`` ranks its candidates with, so a configuration that ``plan()``
@@ -178,21 +189,46 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     weights, gradients and moments, as Apex's DistributedFusedAdam with dtype=bf16);
     ``pipeline_ends_as_layers``: the pipeline split counts the embedding and the output layer as a block
     each, one block fewer on the first and the last stage (Megatron-Core's
-    account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split). Returns a
-    ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``, ``memory_bytes``, ``fits`` and the time
-    breakdown)."""
+    account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split);
+    ``virtual_stages``: model chunks per pipeline stage (Megatron's interleaved schedule; 1: plain 1F1B);
+    ``distributed_optimizer``: with ``sharding="zero1"``, Megatron's distributed optimizer (bf16 weights
+    and the gradient buffer whole, fp32 master weights and moments sharded; reduce-scatter, then gather)
+    also without tensor / pipeline parallelism, where zero1 is it anyway.
+
+    Gradient accumulation, ``grad_sync``: "last_micro_step" (default: unsharded gradients kept until
+    the last micro-step, reduced once; DDP's / FSDP's no_sync, atorch's micro_batch, Megatron) or
+    "each_micro_step" (reduced, under sharding reduce-scattered, at every micro-step, so only one
+    micro-batch's activations and sharded gradients stay between them: FSDP without no_sync, Composer).
+
+    Communication overlapped with compute (each hides behind the compute it runs beside; only what
+    exceeds it adds to the step): ``tp_comm_overlap`` the tensor-parallel collectives beside the block's
+    matmuls (Megatron-Core's --tp-comm-overlap, torchtitan's async TP; default False, as in both);
+    ``grad_reduce_overlap`` / ``param_gather_overlap`` the data dimension's gradient reduction beside
+    the backward, its parameter gathers beside the forward (default None, the framework's: on for ddp,
+    fsdp, hsdp and zero2, DDP's bucketed all-reduce and FSDP's backward_prefetch=BACKWARD_PRE /
+    FSDP2's prefetch; off for the distributed optimizer, Megatron's --overlap-grad-reduce and
+    --overlap-param-gather default); ``pipeline_p2p_overlap`` the stages' sends and receives (default
+    None: on under the interleaved schedule, off under plain 1F1B, Megatron-Core's overlap_p2p_comm).
+    Returns a ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``, ``memory_bytes``, ``fits`` and the
+    time breakdown)."""
     spec, cluster, candidate, work = configuration(
         model, cluster, global_batch=global_batch, seq_len=seq_len, tensor=tensor, pipeline=pipeline, sharding=sharding,
         precision=precision, activation_checkpointing=activation_checkpointing, micro_batch_size=micro_batch_size,
-        optimizer_states=optimizer_states, pipeline_ends_as_layers=pipeline_ends_as_layers)
+        optimizer_states=optimizer_states, pipeline_ends_as_layers=pipeline_ends_as_layers,
+        virtual_stages=virtual_stages, distributed_optimizer=distributed_optimizer, grad_sync=grad_sync,
+        tp_comm_overlap=tp_comm_overlap, grad_reduce_overlap=grad_reduce_overlap,
+        param_gather_overlap=param_gather_overlap, pipeline_p2p_overlap=pipeline_p2p_overlap)
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 
 def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, tensor: int = 1, pipeline: int = 1,
                   sharding: str = "fsdp", precision: str = "bf16", activation_checkpointing: str = "none",
-                  micro_batch_size: Optional[int] = None,
-                  optimizer_states: str = "fp32",
-                  pipeline_ends_as_layers: bool = False) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
+                  micro_batch_size: Optional[int] = None, optimizer_states: str = "fp32",
+                  pipeline_ends_as_layers: bool = False, virtual_stages: int = 1, distributed_optimizer: bool = False,
+                  grad_sync: str = "last_micro_step", tp_comm_overlap: bool = False,
+                  grad_reduce_overlap: Optional[bool] = None, param_gather_overlap: Optional[bool] = None,
+                  pipeline_p2p_overlap: Optional[bool] = None,
+                  ) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
     """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
     callers that adjust the workload further, such as the published-runs benchmark)."""
     spec, cluster = model_spec(model), cluster_spec(cluster)
@@ -202,8 +238,26 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     _check_choice("precision", precision, tuple(PRECISIONS))
     _check_choice("activation_checkpointing", activation_checkpointing, AC_MODES)
     _check_choice("optimizer_states", optimizer_states, OPTIMIZER_STATES)
+    _check_choice("grad_sync", grad_sync, GRAD_SYNCS)
+    for name, value in (("tp_comm_overlap", tp_comm_overlap), ("distributed_optimizer", distributed_optimizer),
+                        ("pipeline_ends_as_layers", pipeline_ends_as_layers)):
+        _check_flag(name, value, (True, False))
+    for name, value in (("grad_reduce_overlap", grad_reduce_overlap), ("param_gather_overlap", param_gather_overlap),
+                        ("pipeline_p2p_overlap", pipeline_p2p_overlap)):
+        _check_flag(name, value, (None, True, False))
+    if distributed_optimizer and sharding != "zero1":
+        raise InputError(f"distributed_optimizer=True is not valid with sharding={sharding!r}: the distributed "
+                         "optimizer is zero1's sharding; give sharding='zero1'")
     world = cluster.world_size
     data = _check_layout(spec, cluster, tensor, pipeline)
+    _check_positive("virtual_stages", virtual_stages)
+    if virtual_stages > 1 and pipeline == 1:
+        raise InputError(f"virtual_stages={virtual_stages} is not valid with pipeline=1: the interleaved schedule "
+                         "splits each pipeline stage into model chunks; give pipeline > 1 or virtual_stages=1")
+    ends = 2 if pipeline_ends_as_layers and pipeline > 1 else 0
+    if pipeline * virtual_stages > spec.layers + ends:
+        raise InputError(f"virtual_stages={virtual_stages} is not valid: {spec.layers} blocks cannot fill "
+                         f"{pipeline} stages x {virtual_stages} chunks")
     if global_batch % data:
         raise InputError(f"global_batch={global_batch} does not split over {data} data ranks "
                          f"(world {world} / tensor {tensor} / pipeline {pipeline})")
@@ -220,7 +274,11 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     candidate = Candidate(sharding, PRECISIONS[precision], activation_checkpointing != "none", block=spec.block,
                           tensor=tensor, pipeline=pipeline, micro=micro, shard=shard)
     work = Workload(global_batch, seq_len, activation_checkpointing, micro_batch_size=micro_batch_size,
-                    optimizer_states=optimizer_states, pipeline_ends_as_layers=bool(pipeline_ends_as_layers))
+                    optimizer_states=optimizer_states, pipeline_ends_as_layers=bool(pipeline_ends_as_layers),
+                    virtual_stages=virtual_stages, distributed_optimizer=distributed_optimizer,
+                    sync_each_micro_step=grad_sync == "each_micro_step", tp_comm_overlap=tp_comm_overlap,
+                    grad_reduce_overlap=grad_reduce_overlap, param_gather_overlap=param_gather_overlap,
+                    pipeline_p2p_overlap=pipeline_p2p_overlap)
     return spec, cluster, candidate, work
 
 
@@ -241,6 +299,13 @@ def _check_layout(spec: TransformerSpec, cluster: ClusterSpec, tensor: int, pipe
 
 def _check_choice(name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
+        raise InputError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
+
+
+def _check_flag(name: str, value: Any, choices: tuple) -> None:
+    """A switch: exactly True / False (or None, the framework's default, where ``choices`` has it); 1 or
+    "yes" is refused rather than read as a truth value."""
+    if not any(value is choice for choice in choices):
         raise InputError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
 
 

@@ -9,9 +9,12 @@ and the device's datasheet (``hardware_specs.py``):
   own formula (fed with an analytical single-rank profile instead of a measured one); activations are
   counted per token and block (flash / SDPA attention), plus the logits the loss upcasts;
 - time: compute is FLOPs / (peak x the device's efficiency); the data dimension's collectives run at
-  NVLink speed inside a node and network speed across nodes, overlapped with compute (FSDP and DDP
-  both overlap them with forward / backward); tensor-parallel all-reduces and the pipeline bubble
-  are not hidden.
+  NVLink speed inside a node and network speed across nodes. A collective that overlaps compute
+  (``Workload``'s overlap options, each defaulting to its framework's default) hides behind the
+  compute it is issued beside (a gradient reduction behind the backward it follows, a parameter gather
+  behind the forward it precedes), and only what exceeds that window is exposed; one that does not
+  overlap is added whole. Tensor-parallel collectives and pipeline sends are exposed unless their
+  overlap option is on; the pipeline bubble is never hidden.
 
 Every constant below says where it comes from; ``benchmarks/plan_vs_published.py`` compares the
 predictions with published runs.
@@ -43,6 +46,11 @@ AC_MODES = ("none", "selective", "full")
 # moments (Apex DistributedFusedAdam with dtype=bf16 and grad_sync_dtype=bf16, NeMo's ``optim.dtype:
 # bf16``; the state ``pure_bf16`` training keeps).
 OPTIMIZER_STATES = ("fp32", "bf16_moments", "bf16")
+# How gradient accumulation synchronises: reduce (reduce-scatter under sharding) at every micro-step,
+# keeping only sharded gradients between them (FSDP / DDP without no_sync, Composer), or keep unsharded
+# gradients until the last micro-step and reduce once (DDP's and FSDP's no_sync, atorch's micro_batch,
+# Megatron's gradient buffer)
+GRAD_SYNCS = ("last_micro_step", "each_micro_step")
 
 
 @dataclass(frozen=True)
@@ -71,10 +79,40 @@ class Workload:
     # first and the last stage hold one block fewer (Megatron-Core's account_for_embedding_in_pipeline_split
     # and account_for_loss_in_pipeline_split; Llama 3 405B's 126 blocks on 16 stages)
     pipeline_ends_as_layers: bool = False
+    # Communication overlapped with compute. ``tp_comm_overlap``: the tensor-parallel all-gathers and
+    # reduce-scatters run beside the matmuls they feed (Megatron-Core's --tp-comm-overlap, torchtitan's
+    # async TP; both off by default). ``grad_reduce_overlap`` / ``param_gather_overlap``: the data
+    # dimension's gradient reduction runs beside the backward, its parameter gather beside the forward;
+    # None is the framework's default: on for DDP (bucketed all-reduce in backward hooks) and FSDP / zero2
+    # (reduce-scatter in backward, gathers prefetched: FSDP's backward_prefetch=BACKWARD_PRE and FSDP2's
+    # implicit prefetch), off for Megatron's distributed optimizer (--overlap-grad-reduce and
+    # --overlap-param-gather are off by default). ``pipeline_p2p_overlap``: the stages' sends and receives
+    # run beside the next chunk's compute; None is Megatron-Core's default, on under the interleaved schedule
+    # (overlap_p2p_comm) and off under plain 1F1B (blocking batched send / receive).
+    tp_comm_overlap: bool = False
+    grad_reduce_overlap: Optional[bool] = None
+    param_gather_overlap: Optional[bool] = None
+    pipeline_p2p_overlap: Optional[bool] = None
 
     @property
     def tokens(self) -> int:
         return self.global_batch * self.seq_len
+
+    def overlaps(self, what: str, candidate: Candidate) -> bool:
+        """Whether ``what`` (grad_reduce / param_gather / pipeline_p2p) overlaps compute: the option
+        when set, else the framework's default (see the fields' comment)."""
+        chosen = getattr(self, f"{what}_overlap")
+        if chosen is not None:
+            return bool(chosen)
+        if what == "pipeline_p2p":
+            return self.virtual_stages > 1
+        return not megatron_optimizer(candidate, self)
+
+
+def megatron_optimizer(candidate: Candidate, work: Workload) -> bool:
+    """zero1 is Megatron's distributed optimizer under tensor / pipeline parallelism, and wherever the
+    workload says so (``distributed_optimizer``)."""
+    return candidate.sharding == "zero1" and (candidate.tensor * candidate.pipeline > 1 or work.distributed_optimizer)
 
 
 @dataclass
@@ -99,17 +137,88 @@ def predict(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, w
     allocated = predict_memory(candidate, spec, cluster, work, facts)
     memory = reserved_bytes(allocated)
     compute = compute_seconds(candidate, spec, cluster, work)
-    data_comm = data_comm_seconds(candidate, spec, cluster, facts, work)
-    exposed = (tensor_comm_seconds(candidate, spec, cluster, work)
-               + pipeline_comm_seconds(candidate, spec, cluster, work))
-    step = max(compute, data_comm) + exposed
+    comm = comm_seconds(candidate, spec, cluster, facts, work)
+    step = compute + exposed_comm_seconds(candidate, spec, cluster, facts, work, compute)
     tokens = work.tokens / world / step
     fp8 = candidate.precision == "fp8" and cluster.device.fp8_flops
     peak = cluster.device.fp8_flops if fp8 else cluster.device.bf16_flops
     mfu = tokens * spec.model_flops_per_token(work.seq_len) / peak
     return Prediction(candidate, int(memory), step, tokens, mfu, memory <= cluster.device.memory_bytes,
-                      compute, data_comm + exposed, allocated_bytes=int(allocated),
-                      checkpointing=checkpointing(candidate, work))
+                      compute, comm, allocated_bytes=int(allocated), checkpointing=checkpointing(candidate, work))
+
+
+def comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,
+                 facts: Optional[LayoutFacts], work: Workload) -> float:
+    """All communication of the step, hidden or not."""
+    return (data_comm_seconds(candidate, spec, cluster, facts, work)
+            + tensor_comm_seconds(candidate, spec, cluster, work)
+            + pipeline_comm_seconds(candidate, spec, cluster, work))
+
+
+def exposed_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,
+                         facts: Optional[LayoutFacts], work: Workload, compute: float) -> float:
+    """The communication the compute does not hide. Each overlapped collective hides behind the compute
+    of the phase it is issued in and adds only what exceeds it; a collective that does not overlap adds
+    whole. Phases (one data rank, its ``m`` micro-steps, compute without the bubble split 1 : 2 + r
+    between forward and backward, r the recomputed share):
+
+    - FSDP / zero2 gather parameters in every micro-step's forward (and FSDP again in its backward);
+      their gradients are reduced in every backward (``sync_each_micro_step``) or in the last one;
+    - DDP reduces in the last backward; Megatron's distributed optimizer reduce-scatters there and
+      gathers the parameters in the next step's first forward. Under the interleaved schedule a
+      stage's model chunks finish their backward (start their forward) one round of micro-batches
+      apart, so the window spans up to ``pipeline`` micro-batches rather than one;
+    - tensor-parallel collectives hide behind the block's matmuls, pipeline sends behind the next chunk."""
+    data = candidate.data_size(cluster.world_size)
+    bubble = 1.0 + pipeline_bubble(candidate, work, data)
+    busy = compute / bubble  # the GPU's own work, without the bubble
+    steps = micro_steps(candidate, work, data)
+    forward = busy / (3.0 + recomputed_share(candidate, work))
+    backward = busy - forward
+    gather, reduce = data_comm_parts(candidate, spec, cluster, facts, work)
+    exposed = 0.0
+    gather_overlaps = work.overlaps("param_gather", candidate)
+    reduce_overlaps = work.overlaps("grad_reduce", candidate)
+    if candidate.sharding in ("fsdp", "zero2", "hsdp") and candidate.tensor * candidate.pipeline == 1:
+        # per micro-step: gathers in forward (and, FSDP, backward), reductions in each or the last backward
+        passes = 2 if candidate.sharding != "zero2" else 1
+        fwd_gather = gather / steps / passes
+        bwd_gather = gather / steps - fwd_gather
+        each = work.sync_each_micro_step
+        per_reduce = reduce / steps if each else 0.0
+        last_reduce = reduce if not each else per_reduce
+        if gather_overlaps:
+            exposed += steps * max(0.0, fwd_gather - forward / steps)
+        else:
+            exposed += gather
+        bwd = backward / steps
+        if reduce_overlaps:
+            hidden_gather = bwd_gather if gather_overlaps else 0.0
+            exposed += (steps - 1) * max(0.0, hidden_gather + per_reduce - bwd)
+            exposed += max(0.0, hidden_gather + last_reduce - bwd)
+        else:
+            exposed += reduce + (steps * max(0.0, bwd_gather - bwd) if gather_overlaps else 0.0)
+    else:
+        window = overlap_window(candidate, work, steps)
+        exposed += max(0.0, gather - window * forward / steps) if gather_overlaps else gather
+        exposed += max(0.0, reduce - window * backward / steps) if reduce_overlaps else reduce
+    tensor = tensor_comm_seconds(candidate, spec, cluster, work)
+    if work.tp_comm_overlap:
+        tensor = max(0.0, tensor - matmul_seconds(candidate, spec, cluster, work))
+    pipe = pipeline_comm_seconds(candidate, spec, cluster, work)
+    if work.overlaps("pipeline_p2p", candidate):
+        pipe = max(0.0, pipe - busy)
+    return exposed + tensor + pipe
+
+
+def overlap_window(candidate: Candidate, work: Workload, steps: int) -> float:
+    """Micro-batches of compute a once-per-step reduction (gather) can hide behind: the last (first)
+    one, or under the interleaved schedule (v chunks per stage) up to a round of ``pipeline``
+    micro-batches, the chunks finishing (starting) a round apart: (v - 1) / v of a round plus 1 / v."""
+    v = max(work.virtual_stages, 1)
+    if candidate.pipeline == 1 or v == 1:
+        return 1.0
+    return min(candidate.pipeline, steps) * (v - 1) / v + 1 / v
 
 
 def reserved_bytes(allocated: float) -> float:
@@ -250,11 +359,9 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
     tokens = work.tokens / data / micro
     if p > 1:
         # each stage's blocks times the micro-batches it holds (the first the most, the last the logits)
-        blocks = stage_blocks(spec, p, work)
-        act = max(activation_bytes(candidate, spec, work, tokens, tensor=t, layers=n,
-                                   in_flight=min(micro_batches_in_flight(p, work.virtual_stages, k), micro), fp8=fp8,
-                                   head=k == p - 1)
-                  for k, n in enumerate(blocks))
+        act = max(activation_bytes(candidate, spec, work, tokens, tensor=t, layers=held_blocks(spec, work, p, k, micro),
+                                   fp8=fp8, head=k == p - 1)
+                  for k in range(p))
     else:
         act = activation_bytes(candidate, spec, work, tokens, tensor=t, fp8=fp8)
     return states + act
@@ -268,6 +375,34 @@ def stage_blocks(spec: TransformerSpec, pipeline: int, work: Optional[Workload] 
         return [math.ceil(spec.layers / pipeline)] * pipeline
     per = math.ceil((spec.layers + 2) / pipeline)
     return [per - 1] + [per] * (pipeline - 2) + [per - 1]
+
+
+def held_blocks(spec: TransformerSpec, work: Workload, pipeline: int, stage: int, micro: int) -> float:
+    """Blocks x micro-batches whose activations ``stage`` holds at its peak. 1F1B: its blocks times
+    ``micro_batches_in_flight``. Interleaved (v chunks a stage, Megatron's order: chunk 0 for a round of
+    ``pipeline`` micro-batches, then chunk 1, ...): the chunk forwards outstanding at the peak, 2 (p - k
+    - 1) + (v - 1) p + 1, each holding its own chunk's blocks, so a chunk that holds only the embedding
+    (or only the output layer and loss, ``pipeline_ends_as_layers``) holds none; at most all ``micro``
+    micro-batches' chunks."""
+    v = max(work.virtual_stages, 1)
+    if v == 1:
+        return stage_blocks(spec, pipeline, work)[stage] * min(micro_batches_in_flight(pipeline, 1, stage), micro)
+    chunks = chunk_blocks(spec, work, pipeline)[stage]
+    outstanding = min(2 * (pipeline - stage - 1) + (v - 1) * pipeline + 1, micro * v)
+    return sum(chunks[(i // pipeline) % v] for i in range(outstanding))
+
+
+def chunk_blocks(spec: TransformerSpec, work: Workload, pipeline: int) -> list[list[float]]:
+    """Blocks of each model chunk, by stage: chunk j of stage k is the (j p + k)-th slice of the model.
+    Evenly L / (p v) each; with ``pipeline_ends_as_layers`` the embedding and the output layer take a
+    block's place at the two ends, so the very first and very last chunk hold one block fewer."""
+    v = max(work.virtual_stages, 1)
+    chunks = pipeline * v
+    if not work.pipeline_ends_as_layers:
+        return [[spec.layers / chunks] * v for _ in range(pipeline)]
+    per = (spec.layers + 2) / chunks
+    return [[max(per - (j * pipeline + k == 0) - (j * pipeline + k == chunks - 1), 0.0) for j in range(v)]
+            for k in range(pipeline)]
 
 
 def micro_batches_in_flight(pipeline: int, virtual: int, stage: int = 0) -> float:
@@ -352,10 +487,15 @@ def compute_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cluste
     host = HOST_SECONDS_PER_BLOCK * max(stage_blocks(spec, p, work)) * micro_steps(candidate, work, data)
     host *= 1 + recomputed_share(candidate, work) / 3  # recompute launches the forward's kernels again
     seconds = max(seconds, host)
-    if p > 1:
-        micro = pipeline_micro_batches(candidate, work, data)
-        seconds *= 1 + (p - 1) / (micro * max(work.virtual_stages, 1))
-    return seconds
+    return seconds * (1 + pipeline_bubble(candidate, work, data))
+
+
+def pipeline_bubble(candidate: Candidate, work: Workload, data: int) -> float:
+    """The pipeline's idle share over its busy time: (p - 1) / (m v) (Narayanan et al. 2021)."""
+    p = candidate.pipeline
+    if p == 1:
+        return 0.0
+    return (p - 1) / (pipeline_micro_batches(candidate, work, data) * max(work.virtual_stages, 1))
 
 
 def micro_steps(candidate: Candidate, work: Workload, data: int) -> int:
@@ -482,14 +622,20 @@ def optimizer_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
 
 def data_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,
                       facts: Optional[LayoutFacts] = None, work: Optional[Workload] = None) -> float:
-    """Gradient reduction (and parameter gathers when sharded) over the data dimension, per GPU. FSDP
-    gathers every unit again for each micro-step, zero2 once per micro-step; their gradients are
-    reduced once per step, or at every micro-step under ``sync_each_micro_step``; DDP and zero1 reduce
-    once per step."""
+    """Gradient reduction and parameter gathers over the data dimension, per GPU (``data_comm_parts``)."""
+    return sum(data_comm_parts(candidate, spec, cluster, facts, work))
+
+
+def data_comm_parts(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,
+                    facts: Optional[LayoutFacts] = None, work: Optional[Workload] = None) -> tuple[float, float]:
+    """(parameter gathers, gradient reductions) over the data dimension, seconds per GPU and step. FSDP
+    gathers every unit again for each micro-step (forward and backward), zero2 once per micro-step;
+    their gradients are reduced once per step, or at every micro-step under ``sync_each_micro_step``;
+    DDP and zero1 reduce once per step; zero1 gathers the updated parameters once."""
     world, t, p = cluster.world_size, candidate.tensor, candidate.pipeline
     data = candidate.data_size(world)
     if data == 1:
-        return 0.0
+        return 0.0, 0.0
     P, G, _ = state_bytes(candidate, spec, work.optimizer_states if work is not None else "fp32")
     share = facts.state_share.get((t, p), 1 / (t * p)) if facts and t * p > 1 else 1.0 / (t * p)
     P, G = P * share, G * share
@@ -499,18 +645,20 @@ def data_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
     shed = 1 - 1 / shard
     steps = micro_steps(candidate, work, data) if work is not None and t * p == 1 else 1
     syncs = steps if work is not None and work.sync_each_micro_step else 1
-    bytes_moved = {"ddp": 2 * shed * G, "zero1": 2 * shed * G + shed * P,
-                   "zero2": shed * (syncs * G + steps * compute_params),
-                   "fsdp": shed * (syncs * G + 2 * steps * compute_params)}[candidate.sharding]
+    gathered, reduced = {"ddp": (0.0, 2 * shed * G), "zero1": (shed * P, 2 * shed * G),
+                         "zero2": (shed * steps * compute_params, shed * syncs * G),
+                         "fsdp": (shed * 2 * steps * compute_params, shed * syncs * G)}[candidate.sharding]
     if candidate.sharding == "zero1" and (t * p > 1 or (work is not None and work.distributed_optimizer)):
-        bytes_moved = shed * (G + compute_params)  # Megatron: reduce-scatter the gradients, gather bf16 weights
-    seconds = bytes_moved / cluster.link_bytes_per_s(shard, t * p)
-    collectives = {"ddp": 1, "zero1": 2, "zero2": 2 * spec.layers, "fsdp": 3 * spec.layers}[candidate.sharding]
-    seconds += steps * collectives * COLLECTIVE_LATENCY_S
+        gathered, reduced = shed * compute_params, shed * G  # Megatron: reduce-scatter gradients, gather bf16 weights
+    link = cluster.link_bytes_per_s(shard, t * p)
+    gathers = {"ddp": 0, "zero1": 1, "zero2": spec.layers, "fsdp": 2 * spec.layers}[candidate.sharding]
+    reductions = {"ddp": 1, "zero1": 1, "zero2": spec.layers, "fsdp": spec.layers}[candidate.sharding]
+    gather_s = gathered / link + steps * gathers * COLLECTIVE_LATENCY_S
+    reduce_s = reduced / link + steps * reductions * COLLECTIVE_LATENCY_S
     if shard < data:  # hybrid: the shards' gradients are all-reduced across the replicas
         replicas = data // shard
-        seconds += 2 * (1 - 1 / replicas) * G / shard / cluster.link_bytes_per_s(replicas, t * p * shard)
-    return seconds
+        reduce_s += 2 * (1 - 1 / replicas) * G / shard / cluster.link_bytes_per_s(replicas, t * p * shard)
+    return gather_s, reduce_s
 
 
 def tensor_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
