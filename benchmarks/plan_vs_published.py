@@ -45,7 +45,13 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    "nemo": {"distributed_optimizer": True, "hopper_attention": True},
                    # the pipeline split counts the embedding and the output layer + loss as a block each: one
                    # block fewer on the first and the last stage (the paper's section 3.3.2; 126 = 16 x 8 - 2)
-                   "llama3": {"pipeline_ends_as_layers": True}}
+                   "llama3": {"pipeline_ends_as_layers": True},
+                   # Megatron-DeepSpeed with DeepSpeed's BF16 optimizer (ZeRO-1: fp32 master weights and moments
+                   # sharded); --pp-partition-method 'type:transformer|embedding' gives the embedding and the tied
+                   # output layer a block's slot each (tr11-176B-ml: 70 + 2 blocks = 12 stages x 6)
+                   "bigscience": {"distributed_optimizer": True, "pipeline_ends_as_layers": True},
+                   # Megatron-Core, as NeMo (recipes/llama/h100/llama3.py: use_distributed_optimizer)
+                   "megatron-bridge": {"distributed_optimizer": True, "hopper_attention": True}}
 
 
 def load(path: Path = DATA) -> tuple[dict, list[dict]]:
