@@ -54,7 +54,13 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # then holds only the embedding (the last one's only the output layer and loss): one-block
                    # chunks, 128 / 16 = 8 a stage (the rows' virtual column, 1, was an assumption: the table read
                    # does not give it); its point-to-point communication is asynchronous
-                   "llama3": {"pipeline_ends_as_layers": True, "virtual_stages": 8, "pipeline_p2p_overlap": True}}
+                   "llama3": {"pipeline_ends_as_layers": True, "virtual_stages": 8, "pipeline_p2p_overlap": True},
+                   # Megatron-DeepSpeed with DeepSpeed's BF16 optimizer (ZeRO-1: fp32 master weights and moments
+                   # sharded); --pp-partition-method 'type:transformer|embedding' gives the embedding and the tied
+                   # output layer a block's slot each (tr11-176B-ml: 70 + 2 blocks = 12 stages x 6)
+                   "bigscience": {"distributed_optimizer": True, "pipeline_ends_as_layers": True},
+                   # Megatron-Core, as NeMo (recipes/llama/h100/llama3.py: use_distributed_optimizer)
+                   "megatron-bridge": {"distributed_optimizer": True, "hopper_attention": True}}
 
 
 def load(path: Path = DATA) -> tuple[dict, list[dict]]:

