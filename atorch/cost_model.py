@@ -241,29 +241,55 @@ def estimate_layout_memory(candidate: Candidate, variant: VariantProfile, world:
 
 def estimate_layout_time(candidate: Candidate, variant: VariantProfile, world: int, profile: ModelProfile,
                          hardware: HardwareProfile) -> float:
-    """Step time of a tensor / pipeline layout (see the module doc). The alone step time was measured
-    at the pure-data-parallel per-rank batch; the layout's data rank sees ``tensor * pipeline`` times
-    more."""
-    facts, tensor, pipeline = profile.layouts, candidate.tensor, candidate.pipeline
-    data, batch = candidate.data_size(world), variant.batch * tensor * pipeline  # per data rank
-    dtype_bytes = 2 if candidate.precision != "fp32" else 4
+    """Step time of a tensor / pipeline layout (see the module doc): the rank's compute, the pipeline's
+    bubble and sends and the data dimension's all-reduce, plus what the tensor split costs."""
+    return (_time_without_tensor_split(candidate.tensor, candidate.pipeline, variant, world, profile, hardware)
+            + _tensor_split_time(candidate, variant, world, profile, hardware))
+
+
+def _time_without_tensor_split(tensor: int, pipeline: int, variant: VariantProfile, world: int,
+                               profile: ModelProfile, hardware: HardwareProfile) -> float:
+    """The alone step time was measured at the pure-data-parallel per-rank batch; the layout's data rank
+    sees ``tensor * pipeline`` times more, of which the rank computes its share."""
+    facts = profile.layouts
+    data, batch = world // (tensor * pipeline), variant.batch * tensor * pipeline  # per data rank
+    dtype_bytes = 2 if variant.precision != "fp32" else 4
     share = facts.state_share[(tensor, pipeline)]
     compute = variant.step_time_s * tensor * pipeline * share
     comm, collectives = 0.0, 0
-    activation_bytes = batch * profile.tokens_per_sample * facts.hidden_size * dtype_bytes
     if pipeline > 1:
         micro = micro_batches(pipeline, batch)
         compute *= (micro + pipeline - 1) / micro
-        comm += 2 * activation_bytes  # send forward, receive gradients back, per stage boundary
+        comm += 2 * batch * profile.tokens_per_sample * facts.hidden_size * dtype_bytes  # activations, gradients
         collectives += 2 * micro
-    if tensor > 1:
-        blocks_here = max(facts.blocks, 1) * (facts.stage_block_share.get(pipeline, 1.0) if pipeline > 1 else 1.0)
-        comm += 4 * blocks_here * 2 * (1 - 1 / tensor) * activation_bytes
-        collectives += int(4 * blocks_here)
     if data > 1:
         comm += 2 * (1 - 1 / data) * variant.grads * share
         collectives += 1
     return compute + comm / max(hardware.bandwidth_bytes_per_s, 1.0) + collectives * hardware.latency_s
+
+
+def _tensor_split_time(candidate: Candidate, variant: VariantProfile, world: int, profile: ModelProfile,
+                       hardware: HardwareProfile) -> float:
+    """What the tensor split adds. Measured where the search measured it (``variant.tensor_step_times``:
+    the whole model under ddp + the split, less the other terms of the same layout without a pipeline),
+    which counts the split's collectives on the real groups and the split layers' own overheads (on CPU
+    gloo the latter dominate); a pipeline stage pays it for its share of the blocks at its per-data-rank
+    batch, through the bubble. Otherwise four activation all-reduces per block at the measured bandwidth."""
+    facts, tensor, pipeline = profile.layouts, candidate.tensor, candidate.pipeline
+    if tensor == 1:
+        return 0.0
+    along = 1.0  # the (tensor, 1) layout's cost -> this one's
+    if pipeline > 1:
+        micro = micro_batches(pipeline, variant.batch * tensor * pipeline)
+        along = pipeline * facts.stage_block_share[pipeline] * (micro + pipeline - 1) / micro
+    measured = variant.tensor_step_times.get(tensor)
+    if measured:
+        return max(measured - _time_without_tensor_split(tensor, 1, variant, world, profile, hardware), 0.0) * along
+    dtype_bytes = 2 if candidate.precision != "fp32" else 4
+    activation_bytes = variant.batch * tensor * pipeline * profile.tokens_per_sample * facts.hidden_size * dtype_bytes
+    blocks_here = max(facts.blocks, 1) * (facts.stage_block_share.get(pipeline, 1.0) if pipeline > 1 else 1.0)
+    comm = 4 * blocks_here * 2 * (1 - 1 / tensor) * activation_bytes
+    return comm / max(hardware.bandwidth_bytes_per_s, 1.0) + int(4 * blocks_here) * hardware.latency_s
 
 
 # --- the links a collective crosses ----------------------------------------------------------------

@@ -59,6 +59,9 @@ class VariantProfile:
     # activations reach, which ``peak_bytes`` hides when the optimizer step's temporaries top it
     forward_backward_peak_bytes: int = 0
     forward_saved_bytes: int = 0  # what the forward left alive for backward: the activations (0: not measured)
+    # tensor size -> the whole model's step time under ddp + that tensor split (pipeline 1, the rest data
+    # parallel) on every rank, measured by pieces: what the split really costs on these process groups
+    tensor_step_times: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -250,6 +253,7 @@ def load_cached(key: str) -> Optional[VariantProfile]:
         stored = json.loads(path.read_text())
         if set(stored) != {f.name for f in fields(VariantProfile)}:  # written before a field was measured
             return None
+        stored["tensor_step_times"] = {int(size): t for size, t in stored["tensor_step_times"].items()}
         return VariantProfile(**stored)
     except (ValueError, TypeError):
         return None

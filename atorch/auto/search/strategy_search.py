@@ -173,6 +173,7 @@ class StrategySearch:
                 continue
             strategy = self._setting_strategy(setting)
             variant = self._measure_setting(setting, strategy, batch)
+            self._measure_tensor_splits(setting, variant)
             self.variants[setting] = variant
             if is_main_rank():
                 store_cached(key, variant)
@@ -215,6 +216,48 @@ class StrategySearch:
         variant = measure_variant(lambda b: self._train_alone(strategy, b, kept), setting, batch)
         run.peak_bytes, run.step_time_s, run.error = variant.peak_bytes, variant.step_time_s, variant.error
         return variant
+
+    def _measure_tensor_splits(self, setting: Setting, variant: VariantProfile) -> None:
+        """For each tensor size the candidates propose under ``setting``: the whole model's step under ddp +
+        that split on every rank, extrapolated from the model cut to 1 and 2 blocks (without a block the
+        split finds nothing to split; each process holds 2 / tensor of the two) and dry-run as the plan
+        would split it, on the real process groups. The cost model takes
+        the split's cost from it instead of a formula (``cost_model._tensor_split_time``)."""
+        sizes = sorted({c.tensor for c in self.candidates if c.tensor > 1 and (c.precision, c.checkpoint) == setting})
+        if variant.error or self.stack is None or self.stack.blocks < 3:
+            return
+        for tensor in sizes:
+            candidate = Candidate("ddp", setting[0], setting[1], block=self.profile.main_block, tensor=tensor)
+            runs = [self._dry_run_piece(candidate, kept) for kept in (1, 2)]
+            if all(r is not None for r in runs) and runs[1] < runs[0]:  # noise: a block cannot take negative time
+                runs = [self._dry_run_piece(candidate, kept) for kept in (1, 2)]
+            if any(r is None for r in runs):
+                continue
+            variant.tensor_step_times[tensor] = runs[0] + (self.stack.blocks - 1) * max(runs[1] - runs[0], 0.0)
+
+    def _dry_run_piece(self, candidate: Candidate, kept: int) -> Optional[float]:
+        """The step time of ``candidate`` dry-run on the model cut to ``kept`` blocks, recorded in
+        ``self.pieces``; None when it failed or its state alone is predicted over the memory limit."""
+        held = self.stack.param_bytes(kept)
+        setting = "+".join(self._setting_strategy((candidate.precision, candidate.checkpoint)).names()) or "fp32"
+        run = PieceRun(f"{setting}+tp{candidate.tensor}", kept, self.stack.blocks, held)
+        self.pieces.append(run)
+        needed = state_bytes_needed(held) / candidate.tensor
+        if needed > self.hardware.memory_limit:
+            run.error = f"needs about {needed / 2**20:.1f} MiB of training state, over the memory limit"
+            return None
+        self._say(f"search: dry-running {candidate.label} on the model cut to {kept} of {self.stack.blocks} blocks")
+        try:
+            piece = cut_copy(self.model, self.stack, kept)
+        except ValueError as error:
+            run.error = str(error)
+            return None
+        result = dry_run_candidate(piece, self.make_context, candidate,
+                                   PIECE_STEP_FACTOR * self.options.dryrun_steps, self.options.collective_timeout_s)
+        del piece
+        run.peak_bytes, run.step_time_s = result.peak_memory_bytes or 0, result.step_time_s or 0.0
+        run.error = None if result.ok else result.error
+        return result.step_time_s if result.ok else None
 
     def estimate(self) -> None:
         """A row per candidate (failed when its setting failed alone, or predicted over the limit), and
