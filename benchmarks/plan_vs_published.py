@@ -59,8 +59,17 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # sharded); --pp-partition-method 'type:transformer|embedding' gives the embedding and the tied
                    # output layer a block's slot each (tr11-176B-ml: 70 + 2 blocks = 12 stages x 6)
                    "bigscience": {"distributed_optimizer": True, "pipeline_ends_as_layers": True},
-                   # Megatron-Core, as NeMo (recipes/llama/h100/llama3.py: use_distributed_optimizer)
-                   "megatron-bridge": {"distributed_optimizer": True, "hopper_attention": True}}
+                   # Megatron-Core, as NeMo (recipes/llama/h100/llama3.py: use_distributed_optimizer). The
+                   # perf recipes (perf_recipes/llama/h100/llama3.py, perf_recipes/_common.py @ 56ae11dff): the
+                   # pretraining recipe builds on recipes/llama/h100/llama3.py's 70B config (overlap_grad_reduce,
+                   # overlap_param_gather, CommOverlapConfig(tp_comm_overlap=True)), the SFT recipe sets
+                   # CommOverlapConfig(tp_comm_overlap=True), whose defaults turn on the gradient reduce and
+                   # parameter gather overlap at data-parallel size > 1 (training/comm_overlap.py); both run
+                   # _benchmark_common: ddp.grad_reduce_in_fp32 = False (a bf16 gradient buffer); the Llama
+                   # model provider sets bias_activation_fusion (models/llama/llama_bridge.py: fused SwiGLU)
+                   "megatron-bridge": {"distributed_optimizer": True, "hopper_attention": True, "tp_comm_overlap": True,
+                                       "grad_reduce_overlap": True, "param_gather_overlap": True,
+                                       "grad_reduce_dtype": "bf16", "fused_swiglu": True}}
 
 
 def load(path: Path = DATA) -> tuple[dict, list[dict]]:

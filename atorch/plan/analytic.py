@@ -51,6 +51,11 @@ OPTIMIZER_STATES = ("fp32", "bf16_moments", "bf16")
 # gradients until the last micro-step and reduce once (DDP's and FSDP's no_sync, atorch's micro_batch,
 # Megatron's gradient buffer)
 GRAD_SYNCS = ("last_micro_step", "each_micro_step")
+# The dtype of Megatron's gradient buffer, in which the distributed optimizer accumulates and
+# reduce-scatters the gradients: fp32 (Megatron-Core's --accumulate-allreduce-grads-in-fp32 /
+# DistributedDataParallelConfig.grad_reduce_in_fp32) or bf16, the parameters' own dtype (Megatron-Core's
+# default; Megatron-Bridge's performance recipes set grad_reduce_in_fp32=False)
+GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,12 @@ class Workload:
     grad_reduce_overlap: Optional[bool] = None
     param_gather_overlap: Optional[bool] = None
     pipeline_p2p_overlap: Optional[bool] = None
+    # a gated MLP's activation runs as one fused kernel (Megatron-Core's bias_swiglu_fusion, on unless
+    # --no-bias-swiglu-fusion) that saves only its input for backward: 3 intermediate widths kept per
+    # token (gate and up, the product fed to the down projection) where eager SwiGLU keeps 4 (its
+    # silu output too)
+    fused_swiglu: bool = False
+    grad_reduce_dtype: str = "fp32"  # the distributed optimizer's gradient buffer: one of GRAD_REDUCE_DTYPES
 
     @property
     def tokens(self) -> int:
@@ -246,6 +257,13 @@ def state_bytes(candidate: Candidate, spec: TransformerSpec, states: str = "fp32
     return 4.0 * n, 4.0 * n, (4.0 if states == "bf16_moments" else 8.0) * n
 
 
+def grad_buffer_bytes(candidate: Candidate, work: Workload, grads: float) -> float:
+    """The distributed optimizer's gradient buffer: ``grads`` (fp32 gradients, as ``state_bytes`` counts
+    them) unless the buffer is bf16 (``grad_reduce_dtype``) over fp32 gradients, then half of it."""
+    fp32_grads = candidate.precision not in ("fp32", "half_bf16") and work.optimizer_states != "bf16"
+    return grads / 2 if fp32_grads and work.grad_reduce_dtype == "bf16" else grads
+
+
 def half_states(candidate: Candidate, work: Workload) -> Candidate:
     """The candidate as the state formulas see it: with ``optimizer_states="bf16"`` there is no fp32
     copy, so its weights, gradients and moments are counted as pure bf16 training's (the activations are
@@ -264,17 +282,24 @@ def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload
                      fp8: bool = False, head: bool = True) -> float:
     """Activations of ``tokens`` tokens (one data rank's share of the step) over ``layers`` blocks, with
     ``in_flight`` micro-batches of them alive at once (pipelines). Under fp8 the matmuls' inputs are
-    saved as their fp8 casts (Transformer Engine keeps those for the weight gradient): 1 byte, not 2."""
+    saved as their fp8 casts (Transformer Engine keeps those for the weight gradient): 1 byte, not 2,
+    where nothing else keeps them in bf16."""
     layers = spec.layers if layers is None else layers
     width = 4 if candidate.precision == "fp32" else 2
     residual = 4 if residual_is_fp32(candidate, work) else width
     split = spec.split_activation_elements()
     unsplit = spec.block_activation_elements() - split  # norms and the residual stream
+    if work.fused_swiglu and spec.gated:
+        split -= spec.ffn  # the fused kernel does not save its silu output
     # tensor parallelism runs with sequence parallelism (Megatron, torchtitan): the norms and the
     # residual stream are split over the sequence, so every activation divides by the tensor size
     per_token = (split * width + unsplit * residual) / tensor
-    if fp8:  # the two norm outputs, the attention output and the MLP's activation output, in fp8
-        per_token -= (3 * spec.hidden + spec.ffn) * (width - 1) / tensor
+    if fp8:
+        # the two norm outputs and the MLP's activation output are saved only as the fp8 inputs of the
+        # matmuls they feed; the attention output is saved twice, in bf16 by the attention (its backward
+        # reads it) and in fp8 by the output projection
+        per_token -= (2 * spec.hidden + spec.ffn) * (width - 1) / tensor
+        per_token += spec.hidden / tensor
     mode = checkpointing(candidate, work)
     kept = {"none": per_token, "selective": calibration.value("selective activation share") * per_token,
             "full": spec.hidden * residual / tensor}[mode]  # the block input, sequence-split too
@@ -288,9 +313,13 @@ def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload
 
 def residual_is_fp32(candidate: Candidate, work: Workload) -> bool:
     """Under autocast the weights stay fp32, so the embedding output and the residual stream (and the
-    norms on it) are fp32; FSDP's mixed-precision policy casts the weights to bf16 first."""
+    norms on it) are fp32; FSDP's mixed-precision policy casts the weights to bf16 first, and Megatron's
+    distributed optimizer keeps the model itself in bf16 (its fp32 master weights live in the optimizer),
+    so the residual stream is bf16 under either."""
     if work.fp32_residual is not None:
         return work.fp32_residual
+    if megatron_optimizer(candidate, work):
+        return candidate.precision == "fp32"
     return candidate.precision == "fp32" or (candidate.precision.startswith("amp") and candidate.sharding != "fsdp")
 
 
@@ -352,7 +381,11 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
         states = (P + G + O) * share / data + 2 * block
     elif candidate.sharding == "zero1" and data > 1:
         weights = P / 2 if amp else P
-        states = (weights + G + (P if amp else 0.0) / data + O / data) * share
+        # a bf16 gradient buffer (grad_reduce_dtype): half the bytes, and the optimizer casts its own
+        # shard of it to fp32 main gradients
+        buffer = grad_buffer_bytes(candidate, work, G)
+        main_grads = G / data if buffer < G else 0.0
+        states = (weights + buffer + main_grads + (P if amp else 0.0) / data + O / data) * share
     else:
         states = (P + G + O) * share + (G * share if data > 1 else 0.0)
     micro = pipeline_micro_batches(candidate, work, data) if p > 1 else micro_steps(candidate, work, data)
@@ -649,7 +682,9 @@ def data_comm_parts(candidate: Candidate, spec: TransformerSpec, cluster: Cluste
                          "zero2": (shed * steps * compute_params, shed * syncs * G),
                          "fsdp": (shed * 2 * steps * compute_params, shed * syncs * G)}[candidate.sharding]
     if candidate.sharding == "zero1" and (t * p > 1 or (work is not None and work.distributed_optimizer)):
-        gathered, reduced = shed * compute_params, shed * G  # Megatron: reduce-scatter gradients, gather bf16 weights
+        # Megatron: reduce-scatter gradients (in the buffer's dtype), gather bf16 weights
+        buffer = grad_buffer_bytes(candidate, work, G) if work is not None else G
+        gathered, reduced = shed * compute_params, shed * buffer
     link = cluster.link_bytes_per_s(shard, t * p)
     gathers = {"ddp": 0, "zero1": 1, "zero2": spec.layers, "fsdp": 2 * spec.layers}[candidate.sharding]
     reductions = {"ddp": 1, "zero1": 1, "zero2": spec.layers, "fsdp": spec.layers}[candidate.sharding]

@@ -101,7 +101,6 @@ KNOWN_MISSES = {
     },
     "fits": {
         "llama3": "interleaved one-block chunks on 8192 GPUs: 87 GiB predicted (the MLP counted at 4 widths)",
-        "megatron-bridge": "Llama 3 70B: its pipeline layout and fp8 activations are not modelled",
     },
 }
 
