@@ -58,7 +58,12 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # Megatron-DeepSpeed with DeepSpeed's BF16 optimizer (ZeRO-1: fp32 master weights and moments
                    # sharded); --pp-partition-method 'type:transformer|embedding' gives the embedding and the tied
                    # output layer a block's slot each (tr11-176B-ml: 70 + 2 blocks = 12 stages x 6)
-                   "bigscience": {"distributed_optimizer": True, "pipeline_ends_as_layers": True},
+                   # 2022 Megatron-DeepSpeed has neither flash attention nor sequence parallelism: the scores
+                   # run as baddbmm / bmm with the fused scale-mask-softmax and attention dropout between them
+                   # (dropout not set in tr11-176B-ml.slurm: Megatron's default 0.1), and every tensor rank runs
+                   # the norms and residual adds whole
+                   "bigscience": {"distributed_optimizer": True, "pipeline_ends_as_layers": True,
+                                  "attention": "materialised", "sequence_parallel": False},
                    # Megatron-Core, as NeMo (recipes/llama/h100/llama3.py: use_distributed_optimizer). The
                    # perf recipes (perf_recipes/llama/h100/llama3.py, perf_recipes/_common.py @ 56ae11dff): the
                    # pretraining recipe builds on recipes/llama/h100/llama3.py's 70B config (overlap_grad_reduce,

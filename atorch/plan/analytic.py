@@ -56,6 +56,10 @@ GRAD_SYNCS = ("last_micro_step", "each_micro_step")
 # DistributedDataParallelConfig.grad_reduce_in_fp32) or bf16, the parameters' own dtype (Megatron-Core's
 # default; Megatron-Bridge's performance recipes set grad_reduce_in_fp32=False)
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
+# How attention runs: "flash", a fused kernel that never writes the s x s scores (FlashAttention, SDPA,
+# cuDNN); "materialised", the scores written per head as batched matmuls with a (fused) softmax between
+# them, as Megatron ran before flash attention (its fused scale-mask-softmax, then attention dropout)
+ATTENTIONS = ("flash", "materialised")
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,11 @@ class Workload:
     # silu output too)
     fused_swiglu: bool = False
     grad_reduce_dtype: str = "fp32"  # the distributed optimizer's gradient buffer: one of GRAD_REDUCE_DTYPES
+    attention: str = "flash"  # one of ATTENTIONS
+    # under tensor parallelism the norms, residual adds and dropout run split over the sequence
+    # (Megatron's --sequence-parallel, torchtitan); without it every tensor rank runs them whole and
+    # keeps their activations whole
+    sequence_parallel: bool = True
 
     @property
     def tokens(self) -> int:
@@ -292,8 +301,13 @@ def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload
     if work.fused_swiglu and spec.gated:
         split -= spec.ffn  # the fused kernel does not save its silu output
     # tensor parallelism runs with sequence parallelism (Megatron, torchtitan): the norms and the
-    # residual stream are split over the sequence, so every activation divides by the tensor size
-    per_token = (split * width + unsplit * residual) / tensor
+    # residual stream are split over the sequence, so every activation divides by the tensor size;
+    # without it they are whole on every tensor rank
+    sequence = tensor if work.sequence_parallel else 1
+    per_token = split * width / tensor + unsplit * residual / sequence
+    if work.attention == "materialised":
+        # per head and key: the softmax output, the dropout mask and the dropped-out probabilities
+        per_token += MATERIALISED_SAVED_BYTES * spec.heads * work.seq_len / tensor
     if fp8:
         # the two norm outputs and the MLP's activation output are saved only as the fp8 inputs of the
         # matmuls they feed; the attention output is saved twice, in bf16 by the attention (its backward
@@ -302,7 +316,7 @@ def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload
         per_token += spec.hidden / tensor
     mode = checkpointing(candidate, work)
     kept = {"none": per_token, "selective": calibration.value("selective activation share") * per_token,
-            "full": spec.hidden * residual / tensor}[mode]  # the block input, sequence-split too
+            "full": spec.hidden * residual / sequence}[mode]  # the block input, sequence-split too
     blocks = layers * kept * tokens * in_flight
     working = per_token * tokens * (2 if mode == "full" else 1)  # one block's backward (and its recompute)
     # vocab-parallel under tensor parallelism; only the stage holding the head has them
@@ -484,6 +498,19 @@ def _hardware(cluster: ClusterSpec) -> HardwareProfile:
 # (GELU: read + write, SwiGLU: read 2 + write 1) over the intermediate width, x3: 6 or 9 ffn-widths.
 ELEMENTWISE_HIDDEN_WIDTHS = 30
 ELEMENTWISE_FFN_WIDTHS = {True: 9, False: 6}  # gated (SwiGLU) or not
+# Of those, the ones on the residual stream that sequence parallelism splits over the tensor ranks: the
+# two norms (12) and the two residual adds (6)
+ELEMENTWISE_UNSPLIT_HIDDEN_WIDTHS = 18
+# Materialised attention, bytes per token, head and key (bf16 scores; first principles, Megatron's path):
+# forward: the score matmul writes them (2), the fused scale-mask-softmax reads and writes them (4),
+# attention dropout reads them, writes them and its mask (5), the value matmul reads them (2): 13;
+# backward: the value matmul reads the probabilities (2) and writes their gradient (2), dropout's
+# backward (5), the softmax's reads its output and gradient and writes the scores' gradient (6), the
+# query and key matmuls read that (4): 21. Saved for backward: the softmax output, the mask and the
+# dropped-out probabilities: 5 (Korthikanti et al. 2022's 5 a s / h per token).
+MATERIALISED_FORWARD_BYTES = 13
+MATERIALISED_BACKWARD_BYTES = 21
+MATERIALISED_SAVED_BYTES = 5
 # The optimizer step reads fp32 parameters, gradients and both Adam moments and writes three back,
 # plus the bf16 copy: 30 bytes per parameter the rank updates (first principles); with bf16 moments
 # 4 + 4 + 2 x 2 read, 4 + 2 x 2 written, the bf16 copy: 22; all in bf16 (no copy): 4 x 2 read, 3 x 2 written: 14.
@@ -547,7 +574,11 @@ def matmul_efficiency(candidate: Candidate, spec: TransformerSpec, cluster: Clus
     to hide its loads. The proportion is fitted. Under tensor parallelism each weight matmul keeps one
     side whole (the hidden size) and splits the other: its FLOPs per byte go as the harmonic mean of
     the two, 2 h (h / t) / (h + h / t) = 2 h / (1 + t)."""
-    width = 2 * spec.hidden / (1 + candidate.tensor)
+    return width_efficiency(2 * spec.hidden / (1 + candidate.tensor), cluster, peak)
+
+
+def width_efficiency(width: float, cluster: ClusterSpec, peak: Optional[float] = None) -> float:
+    """The chip's efficiency on a matmul of ``width`` FLOPs per byte (``matmul_efficiency``)."""
     device = cluster.device
     ridge = (peak or device.bf16_flops) / device.hbm_bytes_per_s if device.hbm_bytes_per_s else 0.0
     half = calibration.value("matmul half width per ridge") * ridge
@@ -588,7 +619,14 @@ def recomputed_share(candidate: Candidate, work: Workload) -> float:
 
 def attention_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
     """Causal flash attention's executed FLOPs at the fitted share of the matmul efficiency (bf16: flash
-    attention does not run in fp8 here)."""
+    attention does not run in fp8 here). Materialised attention runs its scores as batched matmuls over
+    the whole s x s square (the causal mask skips nothing): 4 s d FLOPs per token, layer and head forward,
+    8 backward, 4 more under full recompute, at the matmul efficiency of a matmul as wide as a head."""
+    if work.attention == "materialised":
+        per_token = (12.0 + 4.0 * (checkpointing(candidate, work) == "full")) * spec.layers * spec.hidden * work.seq_len
+        peak = cluster.device.fp32_flops if candidate.precision == "fp32" else cluster.device.bf16_flops
+        efficiency = width_efficiency(spec.head_dim, cluster)
+        return work.tokens * per_token / cluster.world_size / (peak * efficiency)
     per_token = ATTENTION_FLOPS_PER_SEQ_DIM * spec.layers * spec.hidden * work.seq_len
     if checkpointing(candidate, work) == "full":
         per_token += 2.0 * spec.layers * spec.hidden * work.seq_len
@@ -615,10 +653,16 @@ def memory_bound_seconds(candidate: Candidate, spec: TransformerSpec, cluster: C
     if not hbm:
         return 0.0
     width = 4 if candidate.precision == "fp32" else 2
-    per_block = ELEMENTWISE_HIDDEN_WIDTHS * spec.hidden + ELEMENTWISE_FFN_WIDTHS[spec.gated] * spec.ffn
+    t = candidate.tensor
+    # without sequence parallelism every tensor rank runs the norms and residual adds whole
+    unsplit = 0 if work.sequence_parallel or t == 1 else (t - 1) * ELEMENTWISE_UNSPLIT_HIDDEN_WIDTHS
+    per_block = (ELEMENTWISE_HIDDEN_WIDTHS + unsplit) * spec.hidden + ELEMENTWISE_FFN_WIDTHS[spec.gated] * spec.ffn
     per_block *= 1 + recomputed_share(candidate, work) / 3  # the forward's share once more
     per_block = per_block * width + (fp8_cast_bytes(spec) if candidate.precision == "fp8" else 0.0)
-    blocks = per_block * spec.layers * tokens / (candidate.tensor * candidate.pipeline)
+    if work.attention == "materialised":  # the scores, per head and key, forward (again under recompute), backward
+        scores = MATERIALISED_FORWARD_BYTES * (1 + recomputed_share(candidate, work)) + MATERIALISED_BACKWARD_BYTES
+        per_block += scores * spec.heads * work.seq_len
+    blocks = per_block * spec.layers * tokens / (t * candidate.pipeline)
     loss = LOSS_BYTES_PER_LOGIT * spec.vocab * tokens / candidate.tensor
     weights = 0.0
     if candidate.precision == "fp8":  # each weight cast (and transposed) once per step, per micro-step
