@@ -58,9 +58,23 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # Megatron-DeepSpeed with DeepSpeed's BF16 optimizer (ZeRO-1: fp32 master weights and moments
                    # sharded); --pp-partition-method 'type:transformer|embedding' gives the embedding and the tied
                    # output layer a block's slot each (tr11-176B-ml: 70 + 2 blocks = 12 stages x 6)
-                   "bigscience": {"distributed_optimizer": True, "pipeline_ends_as_layers": True},
-                   # Megatron-Core, as NeMo (recipes/llama/h100/llama3.py: use_distributed_optimizer)
-                   "megatron-bridge": {"distributed_optimizer": True, "hopper_attention": True}}
+                   # 2022 Megatron-DeepSpeed has neither flash attention nor sequence parallelism: the scores
+                   # run as baddbmm / bmm with the fused scale-mask-softmax and attention dropout between them
+                   # (dropout not set in tr11-176B-ml.slurm: Megatron's default 0.1), and every tensor rank runs
+                   # the norms and residual adds whole
+                   "bigscience": {"distributed_optimizer": True, "pipeline_ends_as_layers": True,
+                                  "attention": "materialised", "sequence_parallel": False},
+                   # Megatron-Core, as NeMo (recipes/llama/h100/llama3.py: use_distributed_optimizer). The
+                   # perf recipes (perf_recipes/llama/h100/llama3.py, perf_recipes/_common.py @ 56ae11dff): the
+                   # pretraining recipe builds on recipes/llama/h100/llama3.py's 70B config (overlap_grad_reduce,
+                   # overlap_param_gather, CommOverlapConfig(tp_comm_overlap=True)), the SFT recipe sets
+                   # CommOverlapConfig(tp_comm_overlap=True), whose defaults turn on the gradient reduce and
+                   # parameter gather overlap at data-parallel size > 1 (training/comm_overlap.py); both run
+                   # _benchmark_common: ddp.grad_reduce_in_fp32 = False (a bf16 gradient buffer); the Llama
+                   # model provider sets bias_activation_fusion (models/llama/llama_bridge.py: fused SwiGLU)
+                   "megatron-bridge": {"distributed_optimizer": True, "hopper_attention": True, "tp_comm_overlap": True,
+                                       "grad_reduce_overlap": True, "param_gather_overlap": True,
+                                       "grad_reduce_dtype": "bf16", "fused_swiglu": True}}
 
 
 def load(path: Path = DATA) -> tuple[dict, list[dict]]:

@@ -33,6 +33,8 @@ from atorch.cost_model import MeasuredProfile, fits_with_margin, predict_measure
 from atorch.errors import InputError
 from atorch.plan.analytic import (
     AC_MODES,
+    ATTENTIONS,
+    GRAD_REDUCE_DTYPES,
     GRAD_SYNCS,
     OPTIMIZER_STATES,
     Prediction,
@@ -176,7 +178,9 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
              optimizer_states: str = "fp32", pipeline_ends_as_layers: bool = False, virtual_stages: int = 1,
              distributed_optimizer: bool = False, grad_sync: str = "last_micro_step",
              tp_comm_overlap: bool = False, grad_reduce_overlap: Optional[bool] = None,
-             param_gather_overlap: Optional[bool] = None, pipeline_p2p_overlap: Optional[bool] = None) -> Prediction:
+             param_gather_overlap: Optional[bool] = None, pipeline_p2p_overlap: Optional[bool] = None,
+             fused_swiglu: bool = False, grad_reduce_dtype: str = "fp32", attention: str = "flash",
+             sequence_parallel: bool = True) -> Prediction:
     """How fast and how big is the one configuration you name ("what I run today")?
 
     The same analytic model ``plan()`` ranks its candidates with, so a configuration that ``plan()``
@@ -209,6 +213,19 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     FSDP2's prefetch; off for the distributed optimizer, Megatron's --overlap-grad-reduce and
     --overlap-param-gather default); ``pipeline_p2p_overlap`` the stages' sends and receives (default
     None: on under the interleaved schedule, off under plain 1F1B, Megatron-Core's overlap_p2p_comm).
+
+    ``fused_swiglu``: a gated MLP's activation runs as one fused kernel that saves only its input
+    (Megatron-Core's bias_swiglu_fusion): 3 intermediate widths saved per token instead of eager
+    SwiGLU's 4. ``grad_reduce_dtype``: the distributed optimizer's gradient buffer, "fp32" (default;
+    Megatron's grad_reduce_in_fp32) or "bf16" (half the buffer and half the reduce-scatter; only with
+    the distributed optimizer: sharding="zero1" under tensor / pipeline parallelism or with
+    ``distributed_optimizer``). ``attention``: "flash" (default: a fused kernel that never writes the
+    scores; FlashAttention, SDPA, cuDNN) or "materialised" (the s x s scores written per head, as
+    batched matmuls over the whole square with Megatron's fused softmax and attention dropout between
+    them: more FLOPs, memory-bound traffic on the scores, and 5 bytes per head and key saved for backward).
+    ``sequence_parallel``: under tensor parallelism the norms, residual adds and dropout split over the
+    sequence (default True, Megatron's --sequence-parallel, torchtitan); False runs and keeps them whole on
+    every tensor rank (Megatron before sequence parallelism).
     Returns a ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``, ``memory_bytes``, ``fits`` and the
     time breakdown)."""
     spec, cluster, candidate, work = configuration(
@@ -217,7 +234,9 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
         optimizer_states=optimizer_states, pipeline_ends_as_layers=pipeline_ends_as_layers,
         virtual_stages=virtual_stages, distributed_optimizer=distributed_optimizer, grad_sync=grad_sync,
         tp_comm_overlap=tp_comm_overlap, grad_reduce_overlap=grad_reduce_overlap,
-        param_gather_overlap=param_gather_overlap, pipeline_p2p_overlap=pipeline_p2p_overlap)
+        param_gather_overlap=param_gather_overlap, pipeline_p2p_overlap=pipeline_p2p_overlap,
+        fused_swiglu=fused_swiglu, grad_reduce_dtype=grad_reduce_dtype, attention=attention,
+        sequence_parallel=sequence_parallel)
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 
@@ -227,7 +246,8 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                   pipeline_ends_as_layers: bool = False, virtual_stages: int = 1, distributed_optimizer: bool = False,
                   grad_sync: str = "last_micro_step", tp_comm_overlap: bool = False,
                   grad_reduce_overlap: Optional[bool] = None, param_gather_overlap: Optional[bool] = None,
-                  pipeline_p2p_overlap: Optional[bool] = None,
+                  pipeline_p2p_overlap: Optional[bool] = None, fused_swiglu: bool = False,
+                  grad_reduce_dtype: str = "fp32", attention: str = "flash", sequence_parallel: bool = True,
                   ) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
     """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
     callers that adjust the workload further, such as the published-runs benchmark)."""
@@ -239,8 +259,11 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     _check_choice("activation_checkpointing", activation_checkpointing, AC_MODES)
     _check_choice("optimizer_states", optimizer_states, OPTIMIZER_STATES)
     _check_choice("grad_sync", grad_sync, GRAD_SYNCS)
+    _check_choice("grad_reduce_dtype", grad_reduce_dtype, GRAD_REDUCE_DTYPES)
+    _check_choice("attention", attention, ATTENTIONS)
     for name, value in (("tp_comm_overlap", tp_comm_overlap), ("distributed_optimizer", distributed_optimizer),
-                        ("pipeline_ends_as_layers", pipeline_ends_as_layers)):
+                        ("pipeline_ends_as_layers", pipeline_ends_as_layers), ("fused_swiglu", fused_swiglu),
+                        ("sequence_parallel", sequence_parallel)):
         _check_flag(name, value, (True, False))
     for name, value in (("grad_reduce_overlap", grad_reduce_overlap), ("param_gather_overlap", param_gather_overlap),
                         ("pipeline_p2p_overlap", pipeline_p2p_overlap)):
@@ -250,6 +273,10 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                          "optimizer is zero1's sharding; give sharding='zero1'")
     world = cluster.world_size
     data = _check_layout(spec, cluster, tensor, pipeline)
+    if grad_reduce_dtype != "fp32" and not (sharding == "zero1" and (tensor * pipeline > 1 or distributed_optimizer)):
+        raise InputError(f"grad_reduce_dtype={grad_reduce_dtype!r} is not valid with sharding={sharding!r}, "
+                         f"tensor={tensor}, pipeline={pipeline}: it is the dtype of the distributed optimizer's "
+                         "gradient buffer; give sharding='zero1' with tensor / pipeline > 1 or distributed_optimizer")
     _check_positive("virtual_stages", virtual_stages)
     if virtual_stages > 1 and pipeline == 1:
         raise InputError(f"virtual_stages={virtual_stages} is not valid with pipeline=1: the interleaved schedule "
@@ -278,7 +305,8 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                     virtual_stages=virtual_stages, distributed_optimizer=distributed_optimizer,
                     sync_each_micro_step=grad_sync == "each_micro_step", tp_comm_overlap=tp_comm_overlap,
                     grad_reduce_overlap=grad_reduce_overlap, param_gather_overlap=param_gather_overlap,
-                    pipeline_p2p_overlap=pipeline_p2p_overlap)
+                    pipeline_p2p_overlap=pipeline_p2p_overlap, fused_swiglu=fused_swiglu,
+                    grad_reduce_dtype=grad_reduce_dtype, attention=attention, sequence_parallel=sequence_parallel)
     return spec, cluster, candidate, work
 
 

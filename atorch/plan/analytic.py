@@ -51,6 +51,15 @@ OPTIMIZER_STATES = ("fp32", "bf16_moments", "bf16")
 # gradients until the last micro-step and reduce once (DDP's and FSDP's no_sync, atorch's micro_batch,
 # Megatron's gradient buffer)
 GRAD_SYNCS = ("last_micro_step", "each_micro_step")
+# The dtype of Megatron's gradient buffer, in which the distributed optimizer accumulates and
+# reduce-scatters the gradients: fp32 (Megatron-Core's --accumulate-allreduce-grads-in-fp32 /
+# DistributedDataParallelConfig.grad_reduce_in_fp32) or bf16, the parameters' own dtype (Megatron-Core's
+# default; Megatron-Bridge's performance recipes set grad_reduce_in_fp32=False)
+GRAD_REDUCE_DTYPES = ("fp32", "bf16")
+# How attention runs: "flash", a fused kernel that never writes the s x s scores (FlashAttention, SDPA,
+# cuDNN); "materialised", the scores written per head as batched matmuls with a (fused) softmax between
+# them, as Megatron ran before flash attention (its fused scale-mask-softmax, then attention dropout)
+ATTENTIONS = ("flash", "materialised")
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,17 @@ class Workload:
     grad_reduce_overlap: Optional[bool] = None
     param_gather_overlap: Optional[bool] = None
     pipeline_p2p_overlap: Optional[bool] = None
+    # a gated MLP's activation runs as one fused kernel (Megatron-Core's bias_swiglu_fusion, on unless
+    # --no-bias-swiglu-fusion) that saves only its input for backward: 3 intermediate widths kept per
+    # token (gate and up, the product fed to the down projection) where eager SwiGLU keeps 4 (its
+    # silu output too)
+    fused_swiglu: bool = False
+    grad_reduce_dtype: str = "fp32"  # the distributed optimizer's gradient buffer: one of GRAD_REDUCE_DTYPES
+    attention: str = "flash"  # one of ATTENTIONS
+    # under tensor parallelism the norms, residual adds and dropout run split over the sequence
+    # (Megatron's --sequence-parallel, torchtitan); without it every tensor rank runs them whole and
+    # keeps their activations whole
+    sequence_parallel: bool = True
 
     @property
     def tokens(self) -> int:
@@ -246,6 +266,13 @@ def state_bytes(candidate: Candidate, spec: TransformerSpec, states: str = "fp32
     return 4.0 * n, 4.0 * n, (4.0 if states == "bf16_moments" else 8.0) * n
 
 
+def grad_buffer_bytes(candidate: Candidate, work: Workload, grads: float) -> float:
+    """The distributed optimizer's gradient buffer: ``grads`` (fp32 gradients, as ``state_bytes`` counts
+    them) unless the buffer is bf16 (``grad_reduce_dtype``) over fp32 gradients, then half of it."""
+    fp32_grads = candidate.precision not in ("fp32", "half_bf16") and work.optimizer_states != "bf16"
+    return grads / 2 if fp32_grads and work.grad_reduce_dtype == "bf16" else grads
+
+
 def half_states(candidate: Candidate, work: Workload) -> Candidate:
     """The candidate as the state formulas see it: with ``optimizer_states="bf16"`` there is no fp32
     copy, so its weights, gradients and moments are counted as pure bf16 training's (the activations are
@@ -264,20 +291,32 @@ def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload
                      fp8: bool = False, head: bool = True) -> float:
     """Activations of ``tokens`` tokens (one data rank's share of the step) over ``layers`` blocks, with
     ``in_flight`` micro-batches of them alive at once (pipelines). Under fp8 the matmuls' inputs are
-    saved as their fp8 casts (Transformer Engine keeps those for the weight gradient): 1 byte, not 2."""
+    saved as their fp8 casts (Transformer Engine keeps those for the weight gradient): 1 byte, not 2,
+    where nothing else keeps them in bf16."""
     layers = spec.layers if layers is None else layers
     width = 4 if candidate.precision == "fp32" else 2
     residual = 4 if residual_is_fp32(candidate, work) else width
     split = spec.split_activation_elements()
     unsplit = spec.block_activation_elements() - split  # norms and the residual stream
+    if work.fused_swiglu and spec.gated:
+        split -= spec.ffn  # the fused kernel does not save its silu output
     # tensor parallelism runs with sequence parallelism (Megatron, torchtitan): the norms and the
-    # residual stream are split over the sequence, so every activation divides by the tensor size
-    per_token = (split * width + unsplit * residual) / tensor
-    if fp8:  # the two norm outputs, the attention output and the MLP's activation output, in fp8
-        per_token -= (3 * spec.hidden + spec.ffn) * (width - 1) / tensor
+    # residual stream are split over the sequence, so every activation divides by the tensor size;
+    # without it they are whole on every tensor rank
+    sequence = tensor if work.sequence_parallel else 1
+    per_token = split * width / tensor + unsplit * residual / sequence
+    if work.attention == "materialised":
+        # per head and key: the softmax output, the dropout mask and the dropped-out probabilities
+        per_token += MATERIALISED_SAVED_BYTES * spec.heads * work.seq_len / tensor
+    if fp8:
+        # the two norm outputs and the MLP's activation output are saved only as the fp8 inputs of the
+        # matmuls they feed; the attention output is saved twice, in bf16 by the attention (its backward
+        # reads it) and in fp8 by the output projection
+        per_token -= (2 * spec.hidden + spec.ffn) * (width - 1) / tensor
+        per_token += spec.hidden / tensor
     mode = checkpointing(candidate, work)
     kept = {"none": per_token, "selective": calibration.value("selective activation share") * per_token,
-            "full": spec.hidden * residual / tensor}[mode]  # the block input, sequence-split too
+            "full": spec.hidden * residual / sequence}[mode]  # the block input, sequence-split too
     blocks = layers * kept * tokens * in_flight
     working = per_token * tokens * (2 if mode == "full" else 1)  # one block's backward (and its recompute)
     # vocab-parallel under tensor parallelism; only the stage holding the head has them
@@ -288,9 +327,13 @@ def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload
 
 def residual_is_fp32(candidate: Candidate, work: Workload) -> bool:
     """Under autocast the weights stay fp32, so the embedding output and the residual stream (and the
-    norms on it) are fp32; FSDP's mixed-precision policy casts the weights to bf16 first."""
+    norms on it) are fp32; FSDP's mixed-precision policy casts the weights to bf16 first, and Megatron's
+    distributed optimizer keeps the model itself in bf16 (its fp32 master weights live in the optimizer),
+    so the residual stream is bf16 under either."""
     if work.fp32_residual is not None:
         return work.fp32_residual
+    if megatron_optimizer(candidate, work):
+        return candidate.precision == "fp32"
     return candidate.precision == "fp32" or (candidate.precision.startswith("amp") and candidate.sharding != "fsdp")
 
 
@@ -352,7 +395,11 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
         states = (P + G + O) * share / data + 2 * block
     elif candidate.sharding == "zero1" and data > 1:
         weights = P / 2 if amp else P
-        states = (weights + G + (P if amp else 0.0) / data + O / data) * share
+        # a bf16 gradient buffer (grad_reduce_dtype): half the bytes, and the optimizer casts its own
+        # shard of it to fp32 main gradients
+        buffer = grad_buffer_bytes(candidate, work, G)
+        main_grads = G / data if buffer < G else 0.0
+        states = (weights + buffer + main_grads + (P if amp else 0.0) / data + O / data) * share
     else:
         states = (P + G + O) * share + (G * share if data > 1 else 0.0)
     micro = pipeline_micro_batches(candidate, work, data) if p > 1 else micro_steps(candidate, work, data)
@@ -451,6 +498,19 @@ def _hardware(cluster: ClusterSpec) -> HardwareProfile:
 # (GELU: read + write, SwiGLU: read 2 + write 1) over the intermediate width, x3: 6 or 9 ffn-widths.
 ELEMENTWISE_HIDDEN_WIDTHS = 30
 ELEMENTWISE_FFN_WIDTHS = {True: 9, False: 6}  # gated (SwiGLU) or not
+# Of those, the ones on the residual stream that sequence parallelism splits over the tensor ranks: the
+# two norms (12) and the two residual adds (6)
+ELEMENTWISE_UNSPLIT_HIDDEN_WIDTHS = 18
+# Materialised attention, bytes per token, head and key (bf16 scores; first principles, Megatron's path):
+# forward: the score matmul writes them (2), the fused scale-mask-softmax reads and writes them (4),
+# attention dropout reads them, writes them and its mask (5), the value matmul reads them (2): 13;
+# backward: the value matmul reads the probabilities (2) and writes their gradient (2), dropout's
+# backward (5), the softmax's reads its output and gradient and writes the scores' gradient (6), the
+# query and key matmuls read that (4): 21. Saved for backward: the softmax output, the mask and the
+# dropped-out probabilities: 5 (Korthikanti et al. 2022's 5 a s / h per token).
+MATERIALISED_FORWARD_BYTES = 13
+MATERIALISED_BACKWARD_BYTES = 21
+MATERIALISED_SAVED_BYTES = 5
 # The optimizer step reads fp32 parameters, gradients and both Adam moments and writes three back,
 # plus the bf16 copy: 30 bytes per parameter the rank updates (first principles); with bf16 moments
 # 4 + 4 + 2 x 2 read, 4 + 2 x 2 written, the bf16 copy: 22; all in bf16 (no copy): 4 x 2 read, 3 x 2 written: 14.
@@ -514,7 +574,11 @@ def matmul_efficiency(candidate: Candidate, spec: TransformerSpec, cluster: Clus
     to hide its loads. The proportion is fitted. Under tensor parallelism each weight matmul keeps one
     side whole (the hidden size) and splits the other: its FLOPs per byte go as the harmonic mean of
     the two, 2 h (h / t) / (h + h / t) = 2 h / (1 + t)."""
-    width = 2 * spec.hidden / (1 + candidate.tensor)
+    return width_efficiency(2 * spec.hidden / (1 + candidate.tensor), cluster, peak)
+
+
+def width_efficiency(width: float, cluster: ClusterSpec, peak: Optional[float] = None) -> float:
+    """The chip's efficiency on a matmul of ``width`` FLOPs per byte (``matmul_efficiency``)."""
     device = cluster.device
     ridge = (peak or device.bf16_flops) / device.hbm_bytes_per_s if device.hbm_bytes_per_s else 0.0
     half = calibration.value("matmul half width per ridge") * ridge
@@ -555,7 +619,14 @@ def recomputed_share(candidate: Candidate, work: Workload) -> float:
 
 def attention_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
     """Causal flash attention's executed FLOPs at the fitted share of the matmul efficiency (bf16: flash
-    attention does not run in fp8 here)."""
+    attention does not run in fp8 here). Materialised attention runs its scores as batched matmuls over
+    the whole s x s square (the causal mask skips nothing): 4 s d FLOPs per token, layer and head forward,
+    8 backward, 4 more under full recompute, at the matmul efficiency of a matmul as wide as a head."""
+    if work.attention == "materialised":
+        per_token = (12.0 + 4.0 * (checkpointing(candidate, work) == "full")) * spec.layers * spec.hidden * work.seq_len
+        peak = cluster.device.fp32_flops if candidate.precision == "fp32" else cluster.device.bf16_flops
+        efficiency = width_efficiency(spec.head_dim, cluster)
+        return work.tokens * per_token / cluster.world_size / (peak * efficiency)
     per_token = ATTENTION_FLOPS_PER_SEQ_DIM * spec.layers * spec.hidden * work.seq_len
     if checkpointing(candidate, work) == "full":
         per_token += 2.0 * spec.layers * spec.hidden * work.seq_len
@@ -582,10 +653,16 @@ def memory_bound_seconds(candidate: Candidate, spec: TransformerSpec, cluster: C
     if not hbm:
         return 0.0
     width = 4 if candidate.precision == "fp32" else 2
-    per_block = ELEMENTWISE_HIDDEN_WIDTHS * spec.hidden + ELEMENTWISE_FFN_WIDTHS[spec.gated] * spec.ffn
+    t = candidate.tensor
+    # without sequence parallelism every tensor rank runs the norms and residual adds whole
+    unsplit = 0 if work.sequence_parallel or t == 1 else (t - 1) * ELEMENTWISE_UNSPLIT_HIDDEN_WIDTHS
+    per_block = (ELEMENTWISE_HIDDEN_WIDTHS + unsplit) * spec.hidden + ELEMENTWISE_FFN_WIDTHS[spec.gated] * spec.ffn
     per_block *= 1 + recomputed_share(candidate, work) / 3  # the forward's share once more
     per_block = per_block * width + (fp8_cast_bytes(spec) if candidate.precision == "fp8" else 0.0)
-    blocks = per_block * spec.layers * tokens / (candidate.tensor * candidate.pipeline)
+    if work.attention == "materialised":  # the scores, per head and key, forward (again under recompute), backward
+        scores = MATERIALISED_FORWARD_BYTES * (1 + recomputed_share(candidate, work)) + MATERIALISED_BACKWARD_BYTES
+        per_block += scores * spec.heads * work.seq_len
+    blocks = per_block * spec.layers * tokens / (t * candidate.pipeline)
     loss = LOSS_BYTES_PER_LOGIT * spec.vocab * tokens / candidate.tensor
     weights = 0.0
     if candidate.precision == "fp8":  # each weight cast (and transposed) once per step, per micro-step
@@ -649,7 +726,9 @@ def data_comm_parts(candidate: Candidate, spec: TransformerSpec, cluster: Cluste
                          "zero2": (shed * steps * compute_params, shed * syncs * G),
                          "fsdp": (shed * 2 * steps * compute_params, shed * syncs * G)}[candidate.sharding]
     if candidate.sharding == "zero1" and (t * p > 1 or (work is not None and work.distributed_optimizer)):
-        gathered, reduced = shed * compute_params, shed * G  # Megatron: reduce-scatter gradients, gather bf16 weights
+        # Megatron: reduce-scatter gradients (in the buffer's dtype), gather bf16 weights
+        buffer = grad_buffer_bytes(candidate, work, G) if work is not None else G
+        gathered, reduced = shed * compute_params, shed * buffer
     link = cluster.link_bytes_per_s(shard, t * p)
     gathers = {"ddp": 0, "zero1": 1, "zero2": spec.layers, "fsdp": 2 * spec.layers}[candidate.sharding]
     reductions = {"ddp": 1, "zero1": 1, "zero2": spec.layers, "fsdp": spec.layers}[candidate.sharding]

@@ -141,6 +141,8 @@ def test_estimate_of_the_top_plan_gives_the_figures_plan_reports():
     ("grad_sync", "every", "each_micro_step"), ("tp_comm_overlap", "yes", "True"),
     ("grad_reduce_overlap", 1, "None"), ("param_gather_overlap", "on", "None"), ("pipeline_p2p_overlap", 0, "None"),
     ("distributed_optimizer", True, "zero1"), ("virtual_stages", 2, "pipeline > 1"), ("virtual_stages", 0, "positive"),
+    ("fused_swiglu", "yes", "True"), ("grad_reduce_dtype", "fp16", "bf16"), ("grad_reduce_dtype", "bf16", "zero1"),
+    ("attention", "eager", "materialised"), ("sequence_parallel", 1, "True"),
 ])
 def test_estimate_names_a_bad_value_and_the_valid_choices(key, value, valid):
     with pytest.raises(InputError, match=valid) as error:
@@ -307,3 +309,62 @@ def test_interleaved_chunks_that_hold_only_an_end_hold_no_block():
     even = dataclasses.replace(work, pipeline_ends_as_layers=False)
     assert analytic.held_blocks(spec, even, 16, 0, 32) == pytest.approx(
         126 / 16 * analytic.micro_batches_in_flight(16, 8, 0))
+
+
+def test_a_fused_swiglu_saves_three_intermediate_widths_not_four():
+    """fused_swiglu (Megatron-Core's bias_swiglu_fusion) keeps no silu output for backward: less memory on a
+    gated MLP, by one intermediate width per token and block; the same speed; a GELU MLP is unchanged."""
+    args = dict(global_batch=64, seq_len=4096, tensor=4, pipeline=2, sharding="zero1", micro_batch_size=1)
+    eager = atorch.estimate("llama3-8b", "2x8xH100-80GB", **args)
+    fused = atorch.estimate("llama3-8b", "2x8xH100-80GB", fused_swiglu=True, **args)
+    assert fused.memory_bytes < eager.memory_bytes
+    assert fused.tokens_per_s_per_gpu == eager.tokens_per_s_per_gpu
+    gelu = {"hidden_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 16, "intermediate_size": 8192,
+            "vocab_size": 32000, "hidden_act": "gelu", "model_type": "gpt2"}
+    assert (atorch.estimate(gelu, "8xH100-80GB", fused_swiglu=True, **{**args, "pipeline": 1}).memory_bytes
+            == atorch.estimate(gelu, "8xH100-80GB", **{**args, "pipeline": 1}).memory_bytes)
+
+
+def test_a_bf16_gradient_buffer_halves_the_distributed_optimizers_buffer_and_reduce_scatter():
+    """grad_reduce_dtype="bf16" (Megatron's grad_reduce_in_fp32=False): the whole gradient buffer in 2 bytes
+    a parameter, not 4 (the optimizer's own shard cast to fp32 beside it), and half the reduce-scatter."""
+    from atorch.plan import configuration
+    from atorch.plan.analytic import data_comm_parts
+
+    args = dict(global_batch=64, seq_len=4096, tensor=4, pipeline=2, sharding="zero1", micro_batch_size=1)
+    fp32 = atorch.estimate("llama3-8b", "4x8xH100-80GB", **args)
+    bf16 = atorch.estimate("llama3-8b", "4x8xH100-80GB", grad_reduce_dtype="bf16", **args)
+    assert bf16.memory_bytes < fp32.memory_bytes and bf16.comm_s < fp32.comm_s
+    parts = {}
+    for dtype in ("fp32", "bf16"):
+        spec, cluster, candidate, work = configuration("llama3-8b", "4x8xH100-80GB", grad_reduce_dtype=dtype, **args)
+        parts[dtype] = data_comm_parts(candidate, spec, cluster, None, work)
+    assert parts["bf16"][0] == parts["fp32"][0]
+    assert parts["bf16"][1] < parts["fp32"][1]
+
+
+def test_materialised_attention_is_slower_and_keeps_its_scores():
+    """attention="materialised" (Megatron before flash attention): the whole s x s square as batched
+    matmuls as narrow as a head, memory-bound softmax and dropout over the scores, and 5 bytes per head and
+    key saved: slower and bigger than flash, more so with more heads (narrower heads, more scores)."""
+    args = dict(global_batch=64, seq_len=4096, tensor=4, pipeline=2, sharding="zero1", micro_batch_size=1)
+    flash = atorch.estimate("llama2-13b", "2x8xA100-80GB", **args)
+    eager = atorch.estimate("llama2-13b", "2x8xA100-80GB", attention="materialised", **args)
+    assert eager.tokens_per_s_per_gpu < 0.95 * flash.tokens_per_s_per_gpu
+    assert eager.memory_bytes > flash.memory_bytes
+    shape = {"hidden_size": 5120, "num_hidden_layers": 40, "intermediate_size": 13824, "vocab_size": 32000,
+             "model_type": "llama"}
+    few, many = ({**shape, "num_attention_heads": heads} for heads in (20, 80))
+    assert (atorch.estimate(many, "2x8xA100-80GB", attention="materialised", **args).tokens_per_s_per_gpu
+            < atorch.estimate(few, "2x8xA100-80GB", attention="materialised", **args).tokens_per_s_per_gpu)
+
+
+def test_without_sequence_parallelism_the_residual_stream_is_whole_on_every_tensor_rank():
+    """sequence_parallel=False: the norms and residual adds run whole on each tensor rank (slower) and their
+    activations are kept whole (bigger); at tensor 1 there is nothing to split, so nothing changes."""
+    args = dict(global_batch=64, seq_len=4096, pipeline=2, sharding="zero1", micro_batch_size=1)
+    on = atorch.estimate("llama2-13b", "2x8xA100-80GB", tensor=4, **args)
+    off = atorch.estimate("llama2-13b", "2x8xA100-80GB", tensor=4, sequence_parallel=False, **args)
+    assert off.tokens_per_s_per_gpu < on.tokens_per_s_per_gpu and off.memory_bytes > on.memory_bytes
+    one = atorch.estimate("llama2-13b", "2x8xA100-80GB", tensor=1, **args)
+    assert atorch.estimate("llama2-13b", "2x8xA100-80GB", tensor=1, sequence_parallel=False, **args) == one
