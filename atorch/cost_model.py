@@ -149,15 +149,22 @@ def _split(candidate: Candidate, memory: float, comm: float, collectives: int, a
     """micro_batch with k micro-steps: the batch's activations shrink to 1/k (autocast's weight
     copies do not scale with the batch); inside the window FSDP keeps its gradients unsharded (in the
     compute dtype) and gathers every unit again for each micro-step's forward and backward (zero2's
-    parameters stay gathered through the window; DDP and zero1 communicate once, at its end)."""
+    parameters stay gathered through the window; DDP and zero1 communicate once, at its end).
+    ``grad_sync="each_micro_step"`` (fsdp / zero2): every micro-step reduce-scatters, k times G's share
+    instead of once, and FSDP's gradients stay sharded between micro-steps (no unsharded copy kept;
+    zero2's model already holds its whole gradients through one backward)."""
     k, amp = candidate.micro, candidate.precision.startswith("amp")
     batch_act = max(act - (0.5 * P if amp and not candidate.checkpoint else 0.0), 0.0)
     memory -= (1 - 1 / k) * batch_act
+    each = candidate.grad_sync == "each_micro_step" and candidate.sharding in ("fsdp", "zero2")
     if candidate.sharding == "fsdp" and n > 1:
         shed = 1.0 - 1.0 / n
-        memory += (0.5 if amp else 1.0) * G * shed
+        memory += 0.0 if each else (0.5 if amp else 1.0) * G * shed
         comm += (k - 1) * shed * 2 * P
         collectives += (k - 1) * 2 * units
+    if each and n > 1:
+        comm += (k - 1) * (1.0 - 1.0 / n) * G
+        collectives += (k - 1) * units
     return memory, comm, collectives
 
 

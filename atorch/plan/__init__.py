@@ -298,8 +298,10 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     shard = 0
     if sharding == "hsdp":
         sharding, shard = "fsdp", (cluster.gpus_per_node if cluster.nodes > 1 else 0)
+    # the candidate names the sync where atorch's micro_batch would run it (a split under fsdp / zero2)
+    sync = grad_sync if micro > 1 and sharding in ("fsdp", "zero2") else "last_micro_step"
     candidate = Candidate(sharding, PRECISIONS[precision], activation_checkpointing != "none", block=spec.block,
-                          tensor=tensor, pipeline=pipeline, micro=micro, shard=shard)
+                          tensor=tensor, pipeline=pipeline, micro=micro, shard=shard, grad_sync=sync)
     work = Workload(global_batch, seq_len, activation_checkpointing, micro_batch_size=micro_batch_size,
                     optimizer_states=optimizer_states, pipeline_ends_as_layers=bool(pipeline_ends_as_layers),
                     virtual_stages=virtual_stages, distributed_optimizer=distributed_optimizer,

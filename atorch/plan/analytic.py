@@ -128,6 +128,10 @@ class Workload:
             return self.virtual_stages > 1
         return not megatron_optimizer(candidate, self)
 
+    def syncs_each_micro_step(self, candidate: Candidate) -> bool:
+        """Gradients reduced at every micro-step: the option, or the candidate's micro_batch grad_sync."""
+        return self.sync_each_micro_step or candidate.grad_sync == "each_micro_step"
+
 
 def megatron_optimizer(candidate: Candidate, work: Workload) -> bool:
     """zero1 is Megatron's distributed optimizer under tensor / pipeline parallelism, and wherever the
@@ -204,7 +208,7 @@ def exposed_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: C
         passes = 2 if candidate.sharding != "zero2" else 1
         fwd_gather = gather / steps / passes
         bwd_gather = gather / steps - fwd_gather
-        each = work.sync_each_micro_step
+        each = work.syncs_each_micro_step(candidate)
         per_reduce = reduce / steps if each else 0.0
         last_reduce = reduce if not each else per_reduce
         if gather_overlaps:
@@ -351,7 +355,7 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
     if t * p > 1 or (candidate.sharding == "zero1" and work.distributed_optimizer):
         return layout_memory(candidate, spec, work, facts, data, fp8)
     tokens = work.tokens / data
-    if work.sync_each_micro_step:  # one micro-batch's activations, and no unsharded gradients kept
+    if work.syncs_each_micro_step(candidate):  # one micro-batch's activations, no unsharded gradients kept
         tokens /= max(candidate.micro, 1)
         candidate = dataclasses.replace(candidate, micro=1)
     kept_casts = candidate.precision.startswith("amp") and checkpointing(candidate, work) == "none"
@@ -721,7 +725,7 @@ def data_comm_parts(candidate: Candidate, spec: TransformerSpec, cluster: Cluste
     shard = shard_size(candidate, world)
     shed = 1 - 1 / shard
     steps = micro_steps(candidate, work, data) if work is not None and t * p == 1 else 1
-    syncs = steps if work is not None and work.sync_each_micro_step else 1
+    syncs = steps if work is not None and work.syncs_each_micro_step(candidate) else 1
     gathered, reduced = {"ddp": (0.0, 2 * shed * G), "zero1": (shed * P, 2 * shed * G),
                          "zero2": (shed * steps * compute_params, shed * syncs * G),
                          "fsdp": (shed * 2 * steps * compute_params, shed * syncs * G)}[candidate.sharding]

@@ -1,6 +1,9 @@
 """micro_batch: the per-rank batch as k micro-steps with gradient accumulation trains exactly like the
-unsplit batch (fp32 losses and final weights within 1e-5) in one process and on 2 gloo ranks under
-DDP, zero2 and fsdp; its config, its refusals, and the seed's loop (evaluation included) work unchanged."""
+unsplit batch (fp32 losses and final weights over 5 steps within 1e-5 of one process's unsplit run, same
+seed and global batch) in one process and on 2 gloo ranks under DDP, zero2 and fsdp, with gradients
+synchronised at the last micro-step or at each (``grad_sync``); under fsdp, synchronising at each keeps
+the gradients sharded, so the rank's peak is lower by about the unsharded gradients (same launch); its
+config, its refusals, and the seed's loop (evaluation included) work unchanged."""
 from __future__ import annotations
 
 import pytest
@@ -15,11 +18,19 @@ from tests.parity import assert_matches, run_suite
 
 MB2 = ("micro_batch", {"num_micro_batch": 2})
 MB4 = ("micro_batch", 4)
+FSDP = ("fsdp", {"atorch_wrap_cls": ("GPTBlock",)})
+EACH = "each_micro_step"
 CASES_2 = {
     "ddp": ["parallel_mode", MB4],
     "zero2": ["parallel_mode", "zero2", MB2],
-    "fsdp": ["parallel_mode", ("fsdp", {"atorch_wrap_cls": ("GPTBlock",)}), MB2],
+    "fsdp": ["parallel_mode", FSDP, MB2],
+    # grad_sync="each_micro_step": a gradient reduction after every micro-step, the same numerics
+    "ddp_each": ["parallel_mode", ("micro_batch", {"num_micro_batch": 2, "grad_sync": EACH})],
+    "zero2_each": ["parallel_mode", "zero2", ("micro_batch", {"num_micro_batch": 4, "grad_sync": EACH})],
+    "fsdp_each": ["parallel_mode", FSDP, ("micro_batch", {"num_micro_batch": 2, "grad_sync": EACH})],
 }
+# the memory check's model: large enough that its gradients stand out of the activations
+MEMORY_GPT = GPTConfig(vocab_size=256, block_size=16, n_layer=8, n_head=4, n_embd=128)
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +46,50 @@ def test_one_process_matches_the_unsplit_batch(reference):
         assert run["result"].args.extras["micro_batch"]["num_micro_batch"] == expected
 
 
+def suite_and_sync_memory(cases: dict) -> dict:
+    """On every rank: the parity cases, then this rank's peak over one fsdp step (after a warm-up
+    step) for each grad_sync, with the rank's gradient bytes (one launch for both)."""
+    from atorch.utils.memory import PeakMemoryTracker, release_host_memory
+
+    out = run_suite(cases)
+    dataset = SyntheticTokenDataset(16, MEMORY_GPT.block_size, MEMORY_GPT.vocab_size)
+    for sync in ("last_micro_step", EACH):
+        release_host_memory()
+        status, result, _ = auto_accelerate(
+            build_gpt(0, MEMORY_GPT), torch.optim.SGD, dataset, gpt_loss, optim_args={"lr": 0.1, "momentum": 0.9},
+            dataloader_args={"batch_size": 8}, model_input_format="unpack_dict",
+            load_strategy=["parallel_mode", FSDP, ("micro_batch", {"num_micro_batch": 4, "grad_sync": sync})])
+        assert status
+        peaks = []
+        for batch in result.dataloader:
+            batch = result.prepare_input(batch)
+            with PeakMemoryTracker("cpu", roots=[result.model]) as tracker:
+                result.optim.backward(result.loss_func(batch, result.model(**batch)))
+                result.optim.step()
+                result.optim.zero_grad()
+            peaks.append(tracker.stats.delta_bytes)
+        out[f"peak_{sync}"] = peaks[-1]  # the second step: the optimizer state already exists
+    model = build_gpt(0, MEMORY_GPT)
+    out["grad_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    out["block_bytes"] = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    return out
+
+
 @pytest.mark.multirank
 def test_two_ranks_match_the_unsplit_batch(reference):
-    results = run_distributed(run_suite, 2, CASES_2)
+    results = run_distributed(suite_and_sync_memory, 2, CASES_2)
     for rank, per_rank in enumerate(results):
         for key, strategy in CASES_2.items():
             assert_matches(per_rank[key], reference, strategy, f"2 ranks, rank {rank}, {key}")
+        # fsdp: the last-step sync keeps the whole model's unsharded gradients between micro-steps, each
+        # micro-step's sync only the rank's shard (1/2) of them, but reduce-scatters in every backward, whose
+        # buffers hold one more unit's gradients at its peak (measured: 0.85 MiB saved of 1.64 on 4 blocks)
+        saved = per_rank["peak_last_micro_step"] - per_rank[f"peak_{EACH}"]
+        expected = per_rank["grad_bytes"] * (1 - 1 / 2) - per_rank["block_bytes"]
+        assert 0.8 * expected <= saved <= 1.2 * expected, (
+            f"rank {rank}: each_micro_step's peak is {saved / 2**20:.2f} MiB below last_micro_step's "
+            f"({per_rank['peak_last_micro_step'] / 2**20:.2f} MiB), expected about the unsharded gradients less "
+            f"the shard and one unit's reduce-scatter buffer, {expected / 2**20:.2f} MiB")
 
 
 def test_the_seed_loop_and_evaluation_run_unchanged():
@@ -48,7 +97,8 @@ def test_the_seed_loop_and_evaluation_run_unchanged():
         build_gpt(), torch.optim.SGD, SyntheticTokenDataset(16, 16, 64), gpt_loss, optim_args={"lr": 0.1},
         dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", load_strategy=[MB4])
     assert status and result.args.use_optim_backward
-    assert result.args.extras["micro_batch"] == {"num_micro_batch": 4, "micro_batch_size": 2}
+    assert result.args.extras["micro_batch"] == {"num_micro_batch": 4, "micro_batch_size": 2,
+                                                 "grad_sync": "last_micro_step"}
     batch = result.prepare_input(next(iter(result.dataloader)))
     loss = result.loss_func(batch, result.model(**batch))
     result.optim.backward(loss)  # already done inside the model: a no-op
@@ -65,6 +115,9 @@ def test_refusals_name_the_reason():
 
     with pytest.raises(MethodConfigError, match="num_micro_batch=0 is out of range"):
         get_optimization("micro_batch").normalize({"num_micro_batch": 0})
+    with pytest.raises(MethodConfigError, match=r"micro_batch: grad_sync='every' is not valid: expected one of "
+                                                r"\['last_micro_step', 'each_micro_step'\]"):
+        get_optimization("micro_batch").normalize({"num_micro_batch": 2, "grad_sync": "every"})
     with pytest.raises(MethodConfigError, match=r"does not divide the per-rank batch 8; choose one of \[1, 2, 4, 8\]"):
         auto_accelerate(build_gpt(), torch.optim.SGD, SyntheticTokenDataset(16, 16, 64), gpt_loss,
                         optim_args={"lr": 0.1}, dataloader_args={"batch_size": 8}, model_input_format="unpack_dict",

@@ -128,7 +128,9 @@ def test_estimate_of_the_top_plan_gives_the_figures_plan_reports():
         mine = atorch.estimate("llama3-8b", "2x8xH100-80GB", global_batch=32, seq_len=8192, tensor=c.tensor,
                                pipeline=c.pipeline, sharding=sharding, precision=precision,
                                activation_checkpointing=best.checkpointing,
-                               micro_batch_size=32 // data // c.micro if c.micro > 1 else None)
+                               micro_batch_size=32 // data // c.micro if c.micro > 1 else None,
+                               grad_sync=c.grad_sync)
+        assert mine.candidate == c
         assert mine.tokens_per_s_per_gpu == pytest.approx(best.tokens_per_s_per_gpu, rel=1e-9)
         assert mine.mfu == pytest.approx(best.mfu, rel=1e-9)
         assert mine.memory_bytes == best.memory_bytes and mine.fits == best.fits
@@ -237,6 +239,10 @@ def test_reducing_every_micro_step_keeps_only_sharded_gradients_and_one_micro_ba
     each = atorch.estimate(MPT_70B, "4x8xH100-80GB", grad_sync="each_micro_step", **args)
     assert atorch.estimate(MPT_70B, "4x8xH100-80GB", **args).memory_bytes == last.memory_bytes  # the default
     assert not last.fits and each.fits
+    # the candidate names it as atorch's micro_batch would run it (grad_sync, label mb16s)
+    assert (last.candidate.label, each.candidate.label) == ("fsdp+amp_bf16+ckpt+mb16", "fsdp+amp_bf16+ckpt+mb16s")
+    assert ("micro_batch", {"num_micro_batch": 16, "grad_sync": "each_micro_step"}) in [
+        (item.name, item.config) for item in each.candidate.strategy(32)]
     # at least the unsharded bf16 gradients of the whole model are gone
     assert each.allocated_bytes < last.allocated_bytes - 2 * model_spec(MPT_70B).param_count * 0.9
     assert each.tokens_per_s_per_gpu == pytest.approx(last.tokens_per_s_per_gpu, rel=0.05)

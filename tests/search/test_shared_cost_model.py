@@ -100,6 +100,37 @@ def test_a_pipeline_stage_is_predicted_at_backwards_start_when_the_optimizer_ste
     assert after >= state * share + 3 * MIB * facts.stage_block_share[stage.pipeline]
 
 
+def test_each_micro_step_sync_is_searched_under_fsdp_where_the_last_step_split_does_not_fit():
+    """micro_batch's grad_sync="each_micro_step" under fsdp (label ``mb2s``): the rank keeps only its shard
+    of the gradients between micro-steps (the unsharded fp32 gradients less the shard, 3 of 4 MiB, off the
+    prediction), for one more reduce-scatter of them per extra micro-step. Dry-run only where the last-step
+    split is predicted over the limit; not enumerated for ddp / zero1 / zero2 or hybrid sharding."""
+    search = _hand_made_search()
+    labels = {c.label: c for c in search.candidates}
+    each, last = labels["fsdp+fp32+mb2s"], labels["fsdp+fp32+mb2"]
+    assert dataclasses.replace(last, grad_sync="each_micro_step") == each
+    assert ("micro_batch", {"num_micro_batch": 2, "grad_sync": "each_micro_step"}) in [
+        (item.name, item.config) for item in each.strategy(4)]
+    assert {c.sharding for c in search.candidates if c.grad_sync != "last_micro_step"} == {"fsdp"}
+    assert not any(c.shard for c in search.candidates if c.grad_sync != "last_micro_step")
+    search.estimate()
+    measured = search.measured
+    e, la = predict_measured(each, measured), predict_measured(last, measured)
+    assert la.memory_bytes - e.memory_bytes == 3 * MIB and e.step_time_s > la.step_time_s
+    rows = dict(zip((c.label for c in search.candidates), search.rows))
+    assert rows[each.label].reason == "the split fits with gradients synchronised at the last micro-step"
+    # a limit between the two: the last-step split is over it (and so is the unsplit batch), each-step fits
+    search.hardware = dataclasses.replace(search.hardware, memory_limit=19 * MIB)
+    search.rows = []
+    search.estimate()
+    rows = dict(zip((c.label for c in search.candidates), search.rows))
+    assert rows[last.label].status == rows["fsdp+fp32"].status == "predicted over limit"
+    assert rows[each.label].status == "not tried" and not rows[each.label].reason
+    assert search.candidates.index(each) in search.order
+    predicted = {p.candidate.label: p for p in plan_measured(search.measured)}
+    assert predicted[each.label].fits and not predicted[last.label].fits
+
+
 def test_a_profile_cached_before_a_field_was_measured_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))
     variant = VariantProfile("fp32", False, 2, peak_bytes=30 * MIB, step_time_s=0.05)

@@ -8,8 +8,8 @@ per-micro-step overhead. DeepSpeed's autotuner tunes the same pair (micro-batch 
 
 How the seed's loop runs unchanged (as under pipeline_parallel): the dataloader yields the same
 per-rank batches; ``model(**batch)`` runs every micro-step (forward, the user's loss on the
-micro-batch divided by ``num_micro_batch``, backward; gradient communication only after the last
-one, through the data-parallel wrapper's accumulation switch) and returns a ``MicroBatchOutput``;
+micro-batch divided by ``num_micro_batch``, backward; gradient communication as ``grad_sync`` says,
+through the data-parallel wrapper's accumulation switch) and returns a ``MicroBatchOutput``;
 ``loss_func(batch, output)`` returns the batch's mean loss; ``optim.backward(loss)`` has nothing
 left to do (``result.args.use_optim_backward`` is True); ``optim.step()`` steps once. Without
 gradients (``torch.no_grad()`` or ``model.eval()``) the model runs the whole batch and returns the
@@ -18,6 +18,17 @@ user's own output, and ``loss_func`` is the user's.
 The loss must be a mean over rows of equal weight (the usual cross-entropy over equal-length rows):
 a loss summed over rows, or normalised by a count that differs between micro-batches, would be
 weighted differently. Layers that mix rows (BatchNorm) see micro-batches, as under pipelines.
+
+Gradient synchronisation, ``grad_sync`` (the same numerics either way):
+
+- ``"last_micro_step"`` (default): gradients are communicated once, after the last micro-step (DDP's
+  no_sync, FSDP's ``set_requires_gradient_sync(False)`` before it). The least communication, but
+  under fsdp / zero2 every rank keeps the whole model's unsharded gradients between micro-steps.
+- ``"each_micro_step"``: every micro-step's backward reduce-scatters (fsdp / zero2), so gradients stay
+  sharded between micro-steps: about the unsharded gradients (less the rank's shard) less memory per
+  rank, for ``num_micro_batch - 1`` more gradient reduce-scatters a step. Under DDP and zero1 it
+  all-reduces every micro-step: allowed, but it only adds communication (DDP's gradients are whole on
+  every rank anyway). The search offers it under fsdp, for a split whose last-step variant does not fit.
 """
 from __future__ import annotations
 
@@ -33,11 +44,18 @@ from atorch.errors import MethodConfigError
 from atorch.utils.batch import batch_of_call, batch_size_of, call_with_batch, loss_value, map_tensors
 from atorch.utils.config import MethodConfig, option
 
+LAST_MICRO_STEP, EACH_MICRO_STEP = "last_micro_step", "each_micro_step"
+GRAD_SYNCS = (LAST_MICRO_STEP, EACH_MICRO_STEP)
+
 
 @dataclass(frozen=True)
 class MicroBatchConfig(MethodConfig):
     num_micro_batch: int = option(2, doc="micro-steps per per-rank batch; it must divide the per-rank batch",
                                   minimum=1)
+    grad_sync: str = option(LAST_MICRO_STEP, doc="when gradients are communicated: once after the last micro-step "
+                            "(unsharded gradients kept between micro-steps under fsdp / zero2), or after each one "
+                            "(reduce-scattered, so they stay sharded; under DDP an all-reduce each, only slower)",
+                            choices=GRAD_SYNCS)
 
 
 @dataclass
@@ -62,11 +80,11 @@ class MicroBatchModule(nn.Module):
     """Runs ``num_micro_batch`` forward / loss / backward micro-steps on one per-rank batch."""
 
     def __init__(self, model: nn.Module, loss_func: Any, optim: Optional[AtorchOptimizer], outer: Any,
-                 num_micro_batch: int, input_format: Optional[str]):
+                 num_micro_batch: int, input_format: Optional[str], grad_sync: str = LAST_MICRO_STEP):
         super().__init__()
         self.module = model
         self.user_loss, self.optim, self.outer = loss_func, optim, outer
-        self.num_micro_batch, self.input_format = num_micro_batch, input_format
+        self.num_micro_batch, self.input_format, self.grad_sync = num_micro_batch, input_format, grad_sync
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (torch.is_grad_enabled() and self.training):
@@ -79,15 +97,16 @@ class MicroBatchModule(nn.Module):
         losses = []
         for index in range(k):
             micro = map_tensors(lambda t: t.narrow(0, index * rows // k, rows // k), batch)
-            self._set_sync(index == k - 1)
+            self._set_sync(index == k - 1 or self.grad_sync == EACH_MICRO_STEP)
             loss = loss_value(self.user_loss(micro, call_with_batch(self.module, micro, self.input_format))) / k
             self._backward(loss)
             losses.append(loss.detach().float())
         return MicroBatchOutput(torch.stack(losses).sum())
 
     def _set_sync(self, last: bool) -> None:
-        """Gradients are communicated on the last micro-step of the user's boundary only (the
-        data-parallel wrapper's switch: DDP's no_sync, FSDP's requires_gradient_sync)."""
+        """Gradients are communicated on the micro-steps ``grad_sync`` names (the last, or each) of the
+        user's boundary only (the data-parallel wrapper's switch: DDP's no_sync, FSDP's
+        requires_gradient_sync)."""
         if self.optim is not None:
             self.optim.set_gradient_accumulation_boundary(last and self.outer.is_gradient_accumulation_boundary)
 
@@ -140,9 +159,11 @@ def apply_micro_batch(ctx, config: MicroBatchConfig) -> None:
                                 "schedule, which splits the batch into micro-batches itself): set the pipeline's "
                                 "num_micro_batch instead")
     outer = MicroBatchOptimizer(ctx.optim) if ctx.optim is not None else None
-    ctx.model = MicroBatchModule(ctx.model, ctx.loss_func, ctx.optim, outer, k, ctx.model_input_format)
+    ctx.model = MicroBatchModule(ctx.model, ctx.loss_func, ctx.optim, outer, k, ctx.model_input_format,
+                                 config.grad_sync)
     ctx.loss_func = micro_batch_loss(ctx.loss_func)
     ctx.optim = outer
     ctx.args.use_optim_backward = True
     ctx.args.extras["micro_batch"] = {"num_micro_batch": k,
-                                      "micro_batch_size": batch // k if batch is not None else None}
+                                      "micro_batch_size": batch // k if batch is not None else None,
+                                      "grad_sync": config.grad_sync}

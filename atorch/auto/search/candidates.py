@@ -4,7 +4,9 @@ A candidate is a point in six dimensions: the parallel layout (tensor and pipeli
 data parallel), sharding over the data dimension (ddp / zero1 / zero2 / fsdp), precision (fp32 /
 amp bf16 / amp fp16 / half), activation checkpointing (off / on the main repeated block), micro-
 batches per per-rank batch (1 / 2 / 4 / 8, gradient accumulation inside one step) and compute
-methods (module_replace, native_dynamo). Every rule that removes a point lives in ``RULES`` below,
+methods (module_replace, native_dynamo). A split under fsdp also comes with its gradients synchronised
+at each micro-step (micro_batch's ``grad_sync="each_micro_step"``, label ``mb2s``: sharded gradients
+between micro-steps, more reduce-scatters). Every rule that removes a point lives in ``RULES`` below,
 with the reason the report shows.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from atorch.auto import opt_lib
 from atorch.auto.opt_lib.compat import check_compatible
+from atorch.auto.opt_lib.micro_batch import EACH_MICRO_STEP, LAST_MICRO_STEP
 from atorch.auto.search.analyser import ModelProfile
 from atorch.auto.search.layouts import layouts_for, micro_batches
 from atorch.auto.strategy import Strategy, StrategyItem
@@ -34,6 +37,14 @@ PRECISION_METHODS = {"amp_bf16": ("amp_native", {"dtype": torch.bfloat16}),
                      "half_bf16": ("half", "bf16")}
 LAYOUT_METHODS = ("tensor_parallel", "pipeline_parallel", "mixed_parallel")
 MICRO_BATCHES = (1, 2, 4, 8)  # micro-steps per per-rank batch (micro_batch's num_micro_batch; 1: unsplit)
+# Shardings whose split is also searched with its gradients reduce-scattered at each micro-step. Only fsdp:
+# the memory model holds zero2's whole gradients through its backward anyway (its parameters stay gathered,
+# ``cost_model.estimate``), so there each-step sync would only add communication; DDP / zero1 keep whole
+# gradients on every rank, where it is all-reduce after all-reduce. Both syncs are always enumerated (the
+# estimate is cheap); ``needless_split`` leaves the each-step one out of the dry runs where the last-step
+# one is predicted to fit, since it communicates more for the same numerics: it is tried only where memory
+# asks for it.
+SYNC_SEARCHED = ("fsdp",)
 SEARCHED = {"zero1", "zero2", "fsdp", "amp_native", "half", "checkpoint", "micro_batch", *COMPUTE_METHODS,
             *LAYOUT_METHODS}
 
@@ -50,12 +61,14 @@ class Candidate:
     pipeline: int = 1  # pipeline-parallel size
     micro: int = 1     # micro-batches per per-rank batch (micro_batch); 1: the batch in one piece
     shard: int = 0     # fsdp over this many ranks (a node), replicated across: hybrid sharding; 0: all data ranks
+    grad_sync: str = LAST_MICRO_STEP  # with micro > 1: gradients reduced at the last micro-step, or at each
 
     @property
     def label(self) -> str:
         sharding = f"hsdp{self.shard}" if self.shard else self.sharding
         parts = [sharding, self.precision] + (["ckpt"] if self.checkpoint else [])
-        parts += [f"mb{self.micro}"] * (self.micro > 1) + list(self.compute)
+        sync = "s" if self.grad_sync == EACH_MICRO_STEP else ""
+        parts += [f"mb{self.micro}{sync}"] * (self.micro > 1) + list(self.compute)
         parts += [f"tp{self.tensor}"] * (self.tensor > 1) + [f"pp{self.pipeline}"] * (self.pipeline > 1)
         parts += [item.name for item in self.forced]
         return "+".join(parts)
@@ -101,7 +114,10 @@ class Candidate:
         if self.layout_method:
             items.append(self.layout_method)
         if self.micro > 1:
-            items.append(("micro_batch", {"num_micro_batch": self.micro}))
+            config = {"num_micro_batch": self.micro}
+            if self.grad_sync != LAST_MICRO_STEP:
+                config["grad_sync"] = self.grad_sync
+            items.append(("micro_batch", config))
         items.extend(self.compute)
         items.extend(self.forced)
         return Strategy(items)
@@ -189,9 +205,24 @@ def _rule_micro_batch(c: Candidate, space: SearchSpace) -> Optional[str]:
     return None
 
 
+def _rule_grad_sync(c: Candidate, space: SearchSpace) -> Optional[str]:
+    """Gradients synchronised at each micro-step: a split under fsdp / zero2 (``SYNC_SEARCHED``)."""
+    if c.grad_sync == LAST_MICRO_STEP:
+        return None
+    if c.micro == 1:
+        return "grad_sync needs micro-batches"
+    if c.sharding not in ("fsdp", "zero2"):
+        return f"each-micro-step sync under {c.sharding} only adds communication (gradients are whole on every rank)"
+    return None
+
+
 def needless_split(c: Candidate, fits: Callable[[Candidate], bool]) -> Optional[str]:
     """Why a split need not be dry-run: the same candidate with fewer micro-batches is predicted to fit
-    (a split only adds per-micro-step overhead then). Applied after the estimate, with its predictions."""
+    (a split only adds per-micro-step overhead then), or, for one synchronising gradients at each
+    micro-step, the same split synchronising at the last (which communicates less). Applied after the
+    estimate, with its predictions."""
+    if c.grad_sync != LAST_MICRO_STEP and fits(dataclasses.replace(c, grad_sync=LAST_MICRO_STEP)):
+        return "the split fits with gradients synchronised at the last micro-step"
     fewer = next((m for m in MICRO_BATCHES if m < c.micro and fits(dataclasses.replace(c, micro=m))), None)
     if fewer is None:
         return None
@@ -217,7 +248,7 @@ def _rule_compatible(c: Candidate, space: SearchSpace) -> Optional[str]:
 
 
 RULES: tuple[Rule, ...] = (_rule_single_process, _rule_excluded, _rule_included, _rule_checkpoint_needs_block,
-                           _rule_layout, _rule_micro_batch, _rule_compatible)
+                           _rule_layout, _rule_micro_batch, _rule_grad_sync, _rule_compatible)
 
 
 def enumerate_candidates(space: SearchSpace) -> tuple[list[Candidate], dict[str, str]]:
@@ -244,6 +275,7 @@ def enumerate_candidates(space: SearchSpace) -> tuple[list[Candidate], dict[str,
             skipped[candidate.label] = reason
         else:
             candidates.append(candidate)
+    candidates += [s for s in sync_candidates(candidates) if not any(rule(s, space) for rule in RULES)]
     candidates += [h for h in hybrid_candidates(candidates, space.world_size, space.ranks_per_node)
                    if not any(rule(h, space) for rule in RULES)]
     if not candidates:
@@ -251,13 +283,22 @@ def enumerate_candidates(space: SearchSpace) -> tuple[list[Candidate], dict[str,
     return candidates, skipped
 
 
+def sync_candidates(candidates: list[Candidate]) -> list[Candidate]:
+    """Each split under a ``SYNC_SEARCHED`` sharding once more with its gradients synchronised at each
+    micro-step (pure data parallelism: the splits that are searched)."""
+    return [dataclasses.replace(c, grad_sync=EACH_MICRO_STEP) for c in candidates
+            if c.micro > 1 and c.sharding in SYNC_SEARCHED and c.grad_sync == LAST_MICRO_STEP]
+
+
 def hybrid_candidates(candidates: list[Candidate], world: int, ranks_per_node: int) -> list[Candidate]:
     """fsdp sharded inside a node and replicated across nodes, for each pure data-parallel fsdp candidate
-    (several nodes only): all-gathers stay on the fast links, only gradients cross the network."""
+    (several nodes only): all-gathers stay on the fast links, only gradients cross the network. Not for
+    each-micro-step sync: its gradients would cross the network every micro-step, which the hybrid model
+    (``cost_model.topology_estimate``: one all-reduce across the replicas) does not count."""
     if not ranks_per_node or world <= ranks_per_node or world % ranks_per_node:
         return []
     return [dataclasses.replace(c, shard=ranks_per_node) for c in candidates
-            if c.sharding == "fsdp" and c.tensor * c.pipeline == 1 and not c.shard]
+            if c.sharding == "fsdp" and c.tensor * c.pipeline == 1 and not c.shard and c.grad_sync == LAST_MICRO_STEP]
 
 
 def refinements(space: SearchSpace, winner: Candidate) -> list[Candidate]:
