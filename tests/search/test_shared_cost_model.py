@@ -131,6 +131,29 @@ def test_each_micro_step_sync_is_searched_under_fsdp_where_the_last_step_split_d
     assert predicted[each.label].fits and not predicted[last.label].fits
 
 
+def test_only_tensor_splits_that_could_be_dry_run_are_measured():
+    search = _hand_made_search()
+    search.stack = None
+    setting = ("fp32", False)
+    everything = {(setting, c.tensor) for c in search.candidates
+                  if c.tensor > 1 and (c.precision, c.checkpoint) == setting}
+    assert everything
+    # every fitting candidate is dry-run: every split that fits is measured
+    search.options = dataclasses.replace(search.options, exhaustive=True)
+    fitting = search._tensor_splits_that_matter([setting])
+    assert fitting and fitting <= everything
+    search.options = dataclasses.replace(search.options, exhaustive=False, topk=1)
+    fastest = min(predict_measured(c, search.measured).step_time_s for c in search.candidates
+                  if c.precision == "fp32" and not c.checkpoint)
+    kept = search._tensor_splits_that_matter([setting])
+    for key in kept:  # within CLOSE_CALL of the fastest candidate, by the formula's optimistic cost
+        assert min(predict_measured(c, search.measured).step_time_s for c in search.candidates
+                   if (c.precision, c.checkpoint, c.tensor) == (*key[0], key[1])) <= 1.15 * fastest
+    assert kept < fitting or len(fitting) == 1
+    search.hardware = dataclasses.replace(search.hardware, memory_limit=MIB)  # nothing fits: nothing to measure
+    assert search._tensor_splits_that_matter([setting]) == set()
+
+
 def test_a_profile_cached_before_a_field_was_measured_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))
     variant = VariantProfile("fp32", False, 2, peak_bytes=30 * MIB, step_time_s=0.05)

@@ -18,7 +18,7 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -165,18 +165,46 @@ class StrategySearch:
         measured by pieces (``pieces.py``) where the model has a block stack."""
         batch = self.per_rank_batch
         self.stack = find_block_stack(self.model)
+        fresh: dict[Setting, str] = {}
         for setting in sorted({(c.precision, c.checkpoint) for c in self.candidates}):
             key = cache_key(self.profile, self.hardware, batch, setting)
             cached = load_cached(key) if self.options.use_cache else None
             if all_ranks_true(cached is not None):
                 self.variants[setting] = cached
                 continue
-            strategy = self._setting_strategy(setting)
-            variant = self._measure_setting(setting, strategy, batch)
-            self._measure_tensor_splits(setting, variant)
-            self.variants[setting] = variant
-            if is_main_rank():
-                store_cached(key, variant)
+            self.variants[setting] = self._measure_setting(setting, self._setting_strategy(setting), batch)
+            fresh[setting] = key
+        for setting, tensor in sorted(self._tensor_splits_that_matter(fresh)):
+            self._measure_tensor_split(setting, tensor, self.variants[setting])
+        if is_main_rank():
+            for setting, key in fresh.items():
+                store_cached(key, self.variants[setting])
+
+    def _tensor_splits_that_matter(self, settings: Iterable[Setting]) -> set[tuple[Setting, int]]:
+        """The (setting, tensor size) pairs among ``settings`` worth a measurement: a candidate splitting
+        by that size is predicted to fit and, with the formula's cost of the split (which leaves out the
+        split layers' own overheads, so it is the optimistic one), within ``CLOSE_CALL`` of the ``topk``-th
+        fastest fitting candidate (all with ``exhaustive``). A split that could not be dry-run whatever it
+        measured is not measured."""
+        settings = set(settings)
+        self.measured = self._measured()
+        limit = self.hardware.memory_limit
+        fitting, splits = [], {}
+        for candidate in self.candidates:
+            setting = (candidate.precision, candidate.checkpoint)
+            if self.variants[setting].error:
+                continue
+            guess = self._estimate(candidate)
+            if not fits_with_margin(guess.memory_bytes, limit):
+                continue
+            fitting.append(guess.step_time_s)
+            if candidate.tensor > 1 and setting in settings:
+                key = (setting, candidate.tensor)
+                splits[key] = min(splits.get(key, float("inf")), guess.step_time_s)
+        if not splits or self.options.exhaustive:
+            return set(splits)
+        threshold = sorted(fitting)[min(self.options.topk, len(fitting)) - 1] * (1 + CLOSE_CALL)
+        return {key for key, fastest in splits.items() if fastest <= threshold}
 
     def _measure_setting(self, setting: Setting, strategy: Strategy, batch: int) -> VariantProfile:
         """The whole model's alone profile under ``setting``: extrapolated from the model cut to 0 and 1
@@ -217,22 +245,18 @@ class StrategySearch:
         run.peak_bytes, run.step_time_s, run.error = variant.peak_bytes, variant.step_time_s, variant.error
         return variant
 
-    def _measure_tensor_splits(self, setting: Setting, variant: VariantProfile) -> None:
-        """For each tensor size the candidates propose under ``setting``: the whole model's step under ddp +
-        that split on every rank, extrapolated from the model cut to 1 and 2 blocks (without a block the
-        split finds nothing to split; each process holds 2 / tensor of the two) and dry-run as the plan
-        would split it, on the real process groups. The cost model takes
-        the split's cost from it instead of a formula (``cost_model._tensor_split_time``)."""
-        sizes = sorted({c.tensor for c in self.candidates if c.tensor > 1 and (c.precision, c.checkpoint) == setting})
+    def _measure_tensor_split(self, setting: Setting, tensor: int, variant: VariantProfile) -> None:
+        """The whole model's step under ddp + a ``tensor``-way split on every rank, extrapolated from the
+        model cut to 1 and 2 blocks (without a block the split finds nothing to split; each process
+        holds 2 / tensor of the two) and dry-run as the plan would split it, on the real process groups.
+        The cost model takes the split's cost from it instead of a formula (``cost_model._tensor_split_time``)."""
         if variant.error or self.stack is None or self.stack.blocks < 3:
             return
-        for tensor in sizes:
-            candidate = Candidate("ddp", setting[0], setting[1], block=self.profile.main_block, tensor=tensor)
+        candidate = Candidate("ddp", setting[0], setting[1], block=self.profile.main_block, tensor=tensor)
+        runs = [self._dry_run_piece(candidate, kept) for kept in (1, 2)]
+        if all(r is not None for r in runs) and runs[1] < runs[0]:  # noise: a block cannot take negative time
             runs = [self._dry_run_piece(candidate, kept) for kept in (1, 2)]
-            if all(r is not None for r in runs) and runs[1] < runs[0]:  # noise: a block cannot take negative time
-                runs = [self._dry_run_piece(candidate, kept) for kept in (1, 2)]
-            if any(r is None for r in runs):
-                continue
+        if all(r is not None for r in runs):
             variant.tensor_step_times[tensor] = runs[0] + (self.stack.blocks - 1) * max(runs[1] - runs[0], 0.0)
 
     def _dry_run_piece(self, candidate: Candidate, kept: int) -> Optional[float]:
