@@ -48,6 +48,7 @@ from typing import Optional
 
 import torch
 
+from atorch.auto.opt_lib.micro_batch import EACH_MICRO_STEP
 from atorch.auto.search.analyser import ModelProfile
 from atorch.auto.search.candidates import Candidate, SearchSpace
 from atorch.auto.search.layouts import LayoutFacts, micro_batches
@@ -156,7 +157,7 @@ def _split(candidate: Candidate, memory: float, comm: float, collectives: int, a
     k, amp = candidate.micro, candidate.precision.startswith("amp")
     batch_act = max(act - (0.5 * P if amp and not candidate.checkpoint else 0.0), 0.0)
     memory -= (1 - 1 / k) * batch_act
-    each = candidate.grad_sync == "each_micro_step" and candidate.sharding in ("fsdp", "zero2")
+    each = candidate.grad_sync == EACH_MICRO_STEP and candidate.sharding in ("fsdp", "zero2")
     if candidate.sharding == "fsdp" and n > 1:
         shed = 1.0 - 1.0 / n
         memory += 0.0 if each else (0.5 if amp else 1.0) * G * shed

@@ -104,11 +104,16 @@ def cut_copy(model: nn.Module, stack: BlockStack, kept: int) -> nn.Module:
     return piece
 
 
+def whole_model(at_low: float, at_high: float, low_blocks: int, total_blocks: int) -> float:
+    """One measured quantity of the whole model from two pieces that differ by one block (see the module
+    doc). A block's share is never negative: step-time noise must not make a block look free."""
+    return at_low + (total_blocks - low_blocks) * max(at_high - at_low, 0.0)
+
+
 def extrapolate(low: VariantProfile, high: VariantProfile, low_blocks: int, total_blocks: int) -> VariantProfile:
-    """The whole model's profile from two pieces that differ by one block (see the module doc). A block's
-    share is never negative: step-time noise must not make a block look free."""
+    """The whole model's profile from two pieces that differ by one block (``whole_model``)."""
     def whole(at_low: float, at_high: float) -> float:
-        return at_low + (total_blocks - low_blocks) * max(at_high - at_low, 0.0)
+        return whole_model(at_low, at_high, low_blocks, total_blocks)
 
     return VariantProfile(
         low.precision, low.checkpoint, low.batch,

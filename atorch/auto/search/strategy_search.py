@@ -49,6 +49,7 @@ from atorch.auto.search.pieces import (
     extrapolate,
     find_block_stack,
     state_bytes_needed,
+    whole_model,
 )
 from atorch.auto.search.report import Row, format_table, write_report
 from atorch.auto.search.topology import Links, keep_tensor_in_node, topology_for
@@ -211,7 +212,7 @@ class StrategySearch:
         blocks (or 1 and 2 when it cannot run without blocks), or, without a usable block stack, measured
         whole. Under checkpointing the pieces are 1 and 2 blocks: backward recomputes one block at a time,
         a working set the step holds once, which only two pieces with blocks separate from a block's share."""
-        label = "+".join(strategy.names()) or "fp32"
+        label = _setting_label(strategy)
         if self.stack is not None:
             for low in ((1,) if setting[1] else (0, 1)):
                 self._say(f"search: measuring one rank alone with {label} at batch {batch}, the model cut to "
@@ -257,13 +258,13 @@ class StrategySearch:
         if all(r is not None for r in runs) and runs[1] < runs[0]:  # noise: a block cannot take negative time
             runs = [self._dry_run_piece(candidate, kept) for kept in (1, 2)]
         if all(r is not None for r in runs):
-            variant.tensor_step_times[tensor] = runs[0] + (self.stack.blocks - 1) * max(runs[1] - runs[0], 0.0)
+            variant.tensor_step_times[tensor] = whole_model(runs[0], runs[1], 1, self.stack.blocks)
 
     def _dry_run_piece(self, candidate: Candidate, kept: int) -> Optional[float]:
         """The step time of ``candidate`` dry-run on the model cut to ``kept`` blocks, recorded in
         ``self.pieces``; None when it failed or its state alone is predicted over the memory limit."""
         held = self.stack.param_bytes(kept)
-        setting = "+".join(self._setting_strategy((candidate.precision, candidate.checkpoint)).names()) or "fp32"
+        setting = _setting_label(self._setting_strategy((candidate.precision, candidate.checkpoint)))
         run = PieceRun(f"{setting}+tp{candidate.tensor}", kept, self.stack.blocks, held)
         self.pieces.append(run)
         needed = state_bytes_needed(held) / candidate.tensor
@@ -535,6 +536,11 @@ def dry_run_candidate(model: torch.nn.Module, make_context: ContextFactory, cand
     del ctx, setup  # free this candidate's model and optimizer before the next one is built
     release_host_memory()
     return result
+
+
+def _setting_label(strategy: Strategy) -> str:
+    """How the search's record names a setting: its methods (``fp32`` for none)."""
+    return "+".join(strategy.names()) or "fp32"
 
 
 def unchanged_by(result: DryRunResult, method: str) -> str:
