@@ -6,9 +6,9 @@ sequence 2048; random weights), AdamW, a fixed global batch of 8 sequences (1638
 optimizer step. Rows:
 
 - ``eager fp32`` / ``eager bf16 autocast``: the user's starting point (AdamW as torch defaults it);
-- ``expert``: bf16 autocast, ``torch.compile``, SDPA restricted to flash attention, fused AdamW; the
-  largest micro-batch that fits (gradient accumulation makes up the global batch), activation
-  checkpointing only when no micro-batch fits without it;
+- ``expert``: bf16 autocast, ``torch.compile`` of each decoder layer, SDPA restricted to flash
+  attention, fused AdamW; the largest micro-batch that fits (gradient accumulation makes up the
+  global batch), activation checkpointing only when no micro-batch fits without it;
 - ``auto_accelerate``: the fully automatic search (its wall time reported apart), then the chosen
   strategy's steady-state step.
 
@@ -120,7 +120,8 @@ def build_model(setup: Setup, attn: str = "sdpa") -> torch.nn.Module:
 
     config = LlamaConfig(num_hidden_layers=setup.layers, hidden_size=setup.hidden, num_attention_heads=setup.heads,
                          num_key_value_heads=setup.heads, intermediate_size=setup.intermediate,
-                         vocab_size=setup.vocab, max_position_embeddings=setup.seq, attn_implementation=attn)
+                         vocab_size=setup.vocab, max_position_embeddings=setup.seq, attn_implementation=attn,
+                         use_cache=False)
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
 
@@ -216,6 +217,14 @@ def _flash_only(setup: Setup, flash: bool) -> Any:
     return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
 
 
+def compile_blocks(model: torch.nn.Module) -> None:
+    """torch.compile each decoder layer in place, as torchtitan does, not the whole model: compiled
+    whole, transformers materialises the causal mask (it cannot skip it while tracing) and SDPA's
+    flash kernel refuses a mask; built eagerly, the mask is None and the layers call SDPA causal."""
+    for layer in model.model.layers:
+        layer.compile()
+
+
 def device_batches(setup: Setup, count: int = 4) -> list:
     data = make_dataset(setup, count)
     ids = torch.stack([d["input_ids"] for d in data]).to(setup.device)
@@ -247,22 +256,24 @@ def run_hand(setup: Setup, name: str, dtype: Optional[torch.dtype], expert: bool
         if checkpoint:
             model.gradient_checkpointing_enable()
         if expert and setup.compile:
-            model = torch.compile(model)
+            compile_blocks(model)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=expert)
-        try:
-            step = hand_step(setup, model, optim, batches, micro, dtype, flash=expert)
+        step = hand_step(setup, model, optim, batches, micro, dtype, flash=expert)
+        del model, optim  # the step holds them; dropping it (and collecting: compiled layers make cycles)
+        try:               # frees the row's memory before the next row is measured
             seconds = time_steps(setup, step, setup.steps, setup.warmup)
         except Exception as error:  # compile can wrap an out-of-memory error in its own type
             if not is_oom(error):
                 raise
             print(f"  {name}: micro-batch {micro}{' + checkpoint' if checkpoint else ''} is out of memory")
-            del model, optim
             continue
-        del model, optim
-        release(setup)
+        finally:
+            del step
+            release(setup)
         detail = f"micro-batch {micro} x {setup.global_batch // micro}" + (", checkpoint" if checkpoint else "")
         if expert:
-            detail += ", fused AdamW" + (", compile, flash SDPA" if setup.compile else "")
+            detail += ", fused AdamW" + (", compile per layer, flash SDPA" if setup.compile else "")
+        print(f"  {name}: {seconds * 1000:.1f} ms/step ({detail})", flush=True)
         return seconds, detail
     raise MicroBatchTooLarge(f"{name}: no micro-batch of {setup.micro_batches} fits")
 

@@ -4,7 +4,14 @@ Strategy search needs to know how much memory a step needs *on each rank*, so
 every number here is local to the calling process:
 
 * CUDA: the caching allocator already records a peak, so we reset it on entry
-  and read ``max_memory_allocated`` on exit.
+  and read ``max_memory_allocated`` on exit. What the region itself held is that
+  peak less what was allocated at entry, plus the bytes of ``roots`` on the
+  device: memory the process held before, reachable from nothing the region
+  uses (a model the caller dropped whose reference cycle the garbage collector
+  has not reached yet), would otherwise count, and a search that subtracts two
+  such measurements (pieces of a model) reads its release mid-way as a block
+  costing nothing. Garbage is collected on entry so such memory is not freed
+  in the middle of the region either.
 * CPU: there is no allocator peak, so we count live tensor storage bytes
   ourselves. Storages reachable from ``roots`` (model / optimizer) form the
   baseline; a ``TorchDispatchMode`` records every storage an op creates, and a
@@ -89,6 +96,17 @@ def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
                 yield from _storages(inner)
     elif t.device.type != "meta":
         yield t.untyped_storage()
+
+
+def _device_bytes(roots: Iterable[object], device: torch.device) -> int:
+    """Bytes of the distinct storages on ``device`` that ``roots`` hold."""
+    seen: dict[int, int] = {}
+    for root in roots:
+        for _, t in _root_tensors(root):
+            for st in _storages(t):
+                if st.device == device:
+                    seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
 
 
 def _root_tensors(root: object) -> Iterator[tuple[str, torch.Tensor]]:
@@ -244,9 +262,9 @@ class PeakMemoryTracker:
     ``with PeakMemoryTracker(device, roots=[model, optimizer]) as t: <run steps>``
     then ``t.stats`` is a :class:`MemoryStats`.
 
-    On CPU, ``roots`` define the baseline (storages alive at entry that we can see);
-    tensors alive before entry but not reachable from ``roots`` are not counted.
-    On CUDA, the allocator sees everything and ``roots`` are ignored.
+    On both devices ``roots`` define the baseline (their tensors alive at entry); tensors alive before
+    entry but not reachable from ``roots`` are not counted (on CUDA: the allocator's figures less what
+    was allocated at entry, plus the roots' bytes on the device; see the module doc).
     """
 
     def __init__(self, device: torch.device | str = "cpu", roots: Iterable[object] = ()) -> None:
@@ -261,12 +279,15 @@ class PeakMemoryTracker:
         self._counter: _LiveStorageCounter | None = None
         self._baseline = 0
         self._earlier_phases_peak = 0  # the highest peak of the phases ``phase_peak`` closed
+        self._foreign = 0  # CUDA: bytes allocated at entry that no root holds (not the region's)
 
     def __enter__(self) -> PeakMemoryTracker:
         if self.device.type == "cuda":
+            gc.collect()
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            self._baseline = torch.cuda.memory_allocated(self.device)
+            self._baseline = _device_bytes(self.roots, self.device)
+            self._foreign = max(torch.cuda.memory_allocated(self.device) - self._baseline, 0)
         else:
             self._counter = _LiveStorageCounter("cpu")
             for _, t in _root_tensors(self.roots):
@@ -281,7 +302,7 @@ class PeakMemoryTracker:
         made inside the region)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            return torch.cuda.memory_allocated(self.device)
+            return torch.cuda.memory_allocated(self.device) - self._foreign
         assert self._counter is not None, "live_bytes is read inside the tracked region"
         return self._counter.current
 
@@ -291,7 +312,7 @@ class PeakMemoryTracker:
         the whole state). The region's overall peak in ``stats`` still counts every phase."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - self._foreign
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             assert self._counter is not None, "phase_peak is read inside the tracked region"
@@ -303,8 +324,8 @@ class PeakMemoryTracker:
     def __exit__(self, *exc: Any) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
-            end = torch.cuda.memory_allocated(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - self._foreign
+            end = torch.cuda.memory_allocated(self.device) - self._foreign
         else:
             assert self._counter is not None
             self._counter.__exit__(*exc)
