@@ -19,9 +19,11 @@ a memory limit a split only adds overhead.
 4. A model only sharded or split candidates fit, built on the meta device (``--scale``; part of the
    default run): an HF Llama (12 blocks x 256) whose training state is 2.3 times a 64 MiB per-process
    limit, on 4 CPU ranks. The search (which measures it by pieces, never whole) against an exhaustive
-   dry run of every unsplit candidate, the best being the fastest whose measured peak is within the
-   limit; the chosen and the best side by side; and the search's Spearman rank correlation of predicted
-   and measured step times (goal >= 0.8).
+   dry run of every unsplit candidate, the best being the fastest whose measured peak and whose
+   processes' resident growth (RSS, what a memory cgroup enforces) are both within the limit; the
+   chosen and the best side by side; and the search's Spearman rank correlation of predicted
+   and measured step times (goal >= 0.8), over its own dry runs and, for the zoo models and this one,
+   over every candidate the exhaustive pass measured (the search's predictions against those times).
 
     .venv/bin/python benchmarks/search_quality.py [--steps 4] [--split-only] [--scale] [--tiny]
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -43,6 +46,7 @@ import torch.distributed as dist
 from atorch.auto.accelerate import auto_accelerate
 from atorch.models import GPTConfig, SyntheticTokenDataset, gpt_loss
 from atorch.testing import run_distributed
+from atorch.testing.rss import RssGrowth
 from atorch.testing.training import build_gpt
 
 if TYPE_CHECKING:
@@ -99,7 +103,7 @@ def _arguments(name: str, scale: Scale) -> dict:
                 model_input_format="unpack_dict")
 
 
-def run_search(name: str, scale: Scale) -> tuple[str, float, str, "Candidate"]:
+def run_search(name: str, scale: Scale) -> tuple[str, float, str, "Candidate", dict]:
     dist.barrier()
     start = time.perf_counter()
     status, result, strategy = auto_accelerate(**_arguments(name, scale), excluded=EXCLUDED, use_profile_cache=False,
@@ -107,7 +111,21 @@ def run_search(name: str, scale: Scale) -> tuple[str, float, str, "Candidate"]:
     elapsed = time.perf_counter() - start
     found = result.args.extras["search"]
     chosen = next(r.label for r in found.rows if r.chosen)
-    return chosen, elapsed, found.table, found.candidate
+    return chosen, elapsed, found.table, found.candidate, predictions(found.rows)
+
+
+def predictions(rows: list) -> dict:
+    """The search's predicted step time of every candidate it estimated (not those it could not)."""
+    return {r.label: r.predicted_time_s for r in rows if math.isfinite(r.predicted_time_s)}
+
+
+def spearman_over_space(predicted: dict, times: dict):
+    """The search's predictions against the exhaustive pass's measured step times, over every candidate
+    both have: how well the cost model orders the whole space, where the search's own dry runs (its
+    top few, often within noise of each other) say little."""
+    from atorch.auto.search.report import spearman
+
+    return spearman([(predicted[label], t) for label, t in times.items() if t and label in predicted])
 
 
 def _every_candidate(name: str, scale: Scale) -> tuple[list, dict, "torch.nn.Module"]:
@@ -172,12 +190,13 @@ def measure(scale: Scale) -> dict:
         # charged to whichever pass happens to run first
         every, arguments, model = _every_candidate(name, scale)
         _dry_run(model, arguments, every[0], 1)
-        chosen, search_s, table, chosen_candidate = run_search(name, scale)
+        chosen, search_s, table, chosen_candidate, predicted = run_search(name, scale)
         times, exhaustive_s = run_exhaustive(name, scale)
         best = min((k for k, v in times.items() if v), key=lambda k: times[k])
         again = side_by_side(name, sorted({chosen, best}), scale, chosen_candidate)
         out[name] = {"chosen": chosen, "search_s": search_s, "table": table, "times": times,
-                     "exhaustive_s": exhaustive_s, "best": best, "again": again}
+                     "exhaustive_s": exhaustive_s, "best": best, "again": again,
+                     "space_spearman": spearman_over_space(predicted, times)}
     return out
 
 
@@ -284,12 +303,16 @@ def sharded_only(scale: Scale) -> dict:
     chosen = next(r for r in found.rows if r.chosen)
     dist.barrier()
     start = time.perf_counter()
-    times, candidates = {}, {}
+    times, candidates, grown = {}, {}, {}
     for candidate in found.candidates:
         if candidate.micro > 1 or candidate.compute or candidate.label in times:
             continue
+        rss = RssGrowth()
         run = _dry_run_meta(model, make_context, candidate, scale.steps)
-        fits = run.ok and run.peak_memory_bytes <= SCALE_LIMIT
+        grown[candidate.label] = _largest_over_ranks(rss.growth())
+        # fits as the limit is enforced (a memory cgroup kills the process over it): the tracked peak and
+        # the process's resident growth both within it
+        fits = run.ok and run.peak_memory_bytes <= SCALE_LIMIT and grown[candidate.label] <= SCALE_LIMIT
         times[candidate.label], candidates[candidate.label] = (run.step_time_s if fits else None), candidate
     exhaustive_s = time.perf_counter() - start
     best = min((k for k, v in times.items() if v), key=lambda k: times[k])
@@ -297,7 +320,14 @@ def sharded_only(scale: Scale) -> dict:
     again = _alternate(model, make_context, {k: candidates[k] for k in sorted({chosen.label, best})}, scale)
     return {"state": state, "chosen": chosen.label, "best": best, "times": times, "again": again,
             "search_s": search_s, "exhaustive_s": exhaustive_s, "spearman": rank_correlation(found.rows),
-            "table": found.table}
+            "space_spearman": spearman_over_space(predictions(found.rows), times), "table": found.table,
+            "rss": grown}
+
+
+def _largest_over_ranks(value: int) -> int:
+    buffer = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(buffer, op=dist.ReduceOp.MAX)
+    return int(buffer.item())
 
 
 def _dry_run_meta(model, make_context, candidate, steps: int):
@@ -326,10 +356,17 @@ def print_sharded_only(r: dict) -> None:
           f"{r['search_s']:.1f} / {r['exhaustive_s']:.1f} s = {r['search_s'] / r['exhaustive_s']:.3f} (goal <= 0.25); "
           f"Spearman rank correlation predicted / measured step time "
           + ("n/a" if r["spearman"] is None else f"{r['spearman'][0]:.2f} over {r['spearman'][1]} dry runs")
-          + " (goal >= 0.8)")
+          + " (goal >= 0.8), " + _space_spearman(r))
+    print(f"  {'candidate (exhaustive pass)':<40}{'ms':>9}{'RSS growth MiB':>16}  (nan: over the limit)")
     for label, t in sorted(r["times"].items(), key=lambda kv: kv[1] or float("inf")):
-        print(f"  {label:<40}{t * 1000 if t else float('nan'):>9.1f}")
+        print(f"  {label:<40}{t * 1000 if t else float('nan'):>9.1f}{r['rss'][label] / 2**20:>16.1f}")
     print(r["table"])
+
+
+def _space_spearman(r: dict) -> str:
+    found = r["space_spearman"]
+    return ("Spearman of the search's predictions against the exhaustive pass's step times: "
+            + ("n/a" if found is None else f"{found[0]:.2f} over {found[1]} candidates"))
 
 
 def main() -> None:
@@ -361,6 +398,8 @@ def main() -> None:
     print("throughput ratio = best step time / chosen step time (goal >= 0.95), from the exhaustive pass and "
           f"re-measured side by side ({scale.rounds} alternating rounds, medians); time ratio = search wall time / "
           "exhaustive wall time (goal <= 0.25)")
+    for name, r in results.items():
+        print(f"{name}: {_space_spearman(r)}")
     for name, r in results.items():
         print(f"\n{name}: exhaustive step times (ms)")
         for label, t in sorted(r["times"].items(), key=lambda kv: kv[1] or float("inf")):

@@ -202,12 +202,12 @@ def _search(**kargs) -> dict:
 
 
 def _assert_the_planner_agrees(found: dict) -> None:
-    """Every candidate the search estimated (every row but those whose setting failed alone, the
-    refinements included) gets the search's predicted memory and step time from ``plan_measured``; and
-    enumerating again gives the search's own candidates."""
+    """Every candidate the search estimated (every row but those whose setting failed alone or was not
+    measured, the refinements included) gets the search's predicted memory and step time from
+    ``plan_measured``; and enumerating again gives the search's own candidates."""
     assert found["status"], found["table"]
     estimated = [(c, r) for c, r in zip(found["candidates"], found["rows"], strict=True)
-                 if not r.reason.startswith("alone: ")]
+                 if not r.reason.startswith(("alone: ", "not measured: "))]
     assert estimated, found["table"]
     predicted = {p.candidate.label: p for p in plan_measured(found["measured"], [c for c, _ in estimated])}
     for candidate, row in estimated:
@@ -236,3 +236,45 @@ def test_the_planner_reproduces_a_search_on_two_ranks():
     for found in results:  # each rank's, pickled back to this process
         assert found["measured"].world == 2 and found["measured"].variants == results[0]["measured"].variants
         _assert_the_planner_agrees(found)
+
+
+def test_checkpointing_is_measured_only_where_a_candidate_without_it_does_not_fit():
+    """Checkpointing only adds recompute: a checkpointed candidate whose twin without it is predicted to fit
+    can never be the fastest that fits, so its setting is not measured (a row saying why, nothing for
+    plan_measured to predict from); under a limit some twin does not fit, and it is measured."""
+    search = _hand_made_search()
+    del search.variants[("fp32", True)]
+    search.hardware = dataclasses.replace(search.hardware, memory_limit=2**30)
+    assert search._checkpointing_dominated(("fp32", True))
+    search.estimate()
+    rows = dict(zip((c.label for c in search.candidates), search.rows))
+    checkpointed = [c.label for c in search.candidates if c.checkpoint]
+    assert checkpointed and all(rows[label].reason.startswith("not measured: checkpointing only adds recompute")
+                                for label in checkpointed)
+    assert not {search.candidates[i].label for i in search.order} & set(checkpointed)
+    assert {p.candidate.label for p in plan_measured(search.measured)} == set(rows) - set(checkpointed)
+    tight = _hand_made_search()  # 33 MiB: some candidates without checkpointing are predicted over it
+    del tight.variants[("fp32", True)]
+    assert not tight._checkpointing_dominated(("fp32", True)) and not tight.dominated
+    search.options = dataclasses.replace(search.options, exhaustive=True)  # every candidate, as asked
+    assert not search._checkpointing_dominated(("fp32", True))
+
+
+def test_a_checkpointed_setting_is_never_predicted_faster_than_the_same_without():
+    """Pieces measured a checkpointed setting faster than its twin (noise in a difference of two pieces'
+    times): the search lifts it to the twin's, in every tensor split too, so a checkpointed candidate never
+    ranks ahead of the same one without checkpointing."""
+    search = _hand_made_search()
+    plain = dataclasses.replace(search.variants[("fp32", False)], tensor_step_times={2: 0.06})
+    search.variants = {("fp32", False): plain,
+                       ("fp32", True): dataclasses.replace(plain, checkpoint=True, step_time_s=0.04,
+                                                           peak_bytes=20 * MIB, tensor_step_times={2: 0.03})}
+    search._bound_checkpointed_times()
+    lifted = search.variants[("fp32", True)]
+    assert (lifted.step_time_s, lifted.tensor_step_times, lifted.peak_bytes) == (0.05, {2: 0.06}, 20 * MIB)
+    search.estimate()
+    by_label = {c.label: r for c, r in zip(search.candidates, search.rows)}
+    for candidate in search.candidates:
+        if candidate.checkpoint:
+            twin = by_label[dataclasses.replace(candidate, checkpoint=False).label]
+            assert by_label[candidate.label].predicted_time_s >= twin.predicted_time_s, candidate.label

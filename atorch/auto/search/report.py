@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,7 +45,12 @@ def rank_correlation(rows: list[Row]) -> Optional[tuple[float, int]]:
     """Spearman's rank correlation between the predicted and the measured step times of the rows
     that were dry-run (ties share their average rank), and how many there were; None under three:
     how far the predictions that pick the dry runs can be trusted to order them."""
-    pairs = [(row.predicted_time_s, row.measured_time_s) for row in rows if row.measured_time_s]
+    return spearman([(row.predicted_time_s, row.measured_time_s) for row in rows if row.measured_time_s])
+
+
+def spearman(pairs: list[tuple[float, float]]) -> Optional[tuple[float, int]]:
+    """Spearman's rank correlation of (predicted, measured) pairs (ties share their average rank) and
+    how many pairs there were; None under three."""
     if len(pairs) < 3:
         return None
     predicted, measured = _ranks([p for p, _ in pairs]), _ranks([m for _, m in pairs])
@@ -77,8 +83,11 @@ def format_table(rows: list[Row], memory_limit: int) -> str:
         error = f"{row.memory_error * 100:>6.1f}%" if row.memory_error is not None else f"{'':>7}"
         measured_time = f"{row.measured_time_s * 1000:>10.1f}" if row.measured_time_s else f"{'':>10}"
         status = row.status + (f" ({row.reason})" if row.reason else "")
-        lines.append(f"{'*' if row.chosen else ' ':2}{row.label:<40}{row.predicted_memory / MIB:>10.1f}{measured_mem}"
-                     f"{error}{row.predicted_time_s * 1000:>10.1f}{measured_time}  {status}")
+        predicted = math.isfinite(row.predicted_time_s)  # not: failed alone, or never measured
+        predicted_mem = f"{row.predicted_memory / MIB:>10.1f}" if predicted else f"{'':>10}"
+        predicted_time = f"{row.predicted_time_s * 1000:>10.1f}" if predicted else f"{'':>10}"
+        lines.append(f"{'*' if row.chosen else ' ':2}{row.label:<40}{predicted_mem}{measured_mem}"
+                     f"{error}{predicted_time}{measured_time}  {status}")
     correlation = rank_correlation(rows)
     lines.append("predicted vs measured step time: " + (
         f"Spearman rank correlation {correlation[0]:.2f} over {correlation[1]} dry-run candidates" if correlation

@@ -13,6 +13,7 @@ state it needs, instead of a function passed a dozen positional arguments.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import logging
 import statistics
@@ -125,6 +126,7 @@ class StrategySearch:
         self.dry_runs: dict[int, DryRunResult] = {}  # each candidate's first dry run
         self.stack: Optional[BlockStack] = None      # the model's repeated blocks, measured by pieces
         self.pieces: list[PieceRun] = []             # every alone measurement, in order
+        self.dominated: dict[Setting, str] = {}      # checkpointed settings not measured, and why
 
     def run(self) -> SearchResult:
         self.analyse()
@@ -167,7 +169,10 @@ class StrategySearch:
         batch = self.per_rank_batch
         self.stack = find_block_stack(self.model)
         fresh: dict[Setting, str] = {}
-        for setting in sorted({(c.precision, c.checkpoint) for c in self.candidates}):
+        # without checkpointing first: whether a checkpointed setting is needed at all depends on them
+        for setting in sorted({(c.precision, c.checkpoint) for c in self.candidates}, key=lambda s: (s[1], s)):
+            if setting[1] and self._checkpointing_dominated(setting):
+                continue
             key = cache_key(self.profile, self.hardware, batch, setting)
             cached = load_cached(key) if self.options.use_cache else None
             if all_ranks_true(cached is not None):
@@ -180,6 +185,42 @@ class StrategySearch:
         if is_main_rank():
             for setting, key in fresh.items():
                 store_cached(key, self.variants[setting])
+        self._bound_checkpointed_times()
+
+    def _checkpointing_dominated(self, setting: Setting) -> bool:
+        """Whether the checkpointed ``setting`` need not be measured: checkpointing recomputes the forward
+        and changes nothing else, so a candidate with it is never faster than its twin without; when every
+        candidate using the setting has such a twin predicted to fit (with the memory model's margin),
+        none of them can be the fastest that fits. Recorded in ``self.dominated`` with the reason.
+        ``search_exhaustive`` measures and dry-runs every candidate all the same."""
+        if self.options.exhaustive:
+            return False
+        self.measured = self._measured()
+        labels = {c.label for c in self.candidates}
+        twins = [dataclasses.replace(c, checkpoint=False) for c in self.candidates
+                 if (c.precision, c.checkpoint) == setting]
+        for twin in twins:
+            if twin.label not in labels or not self.measured.predictable(twin):
+                return False
+            if not fits_with_margin(self._estimate(twin).memory_bytes, self.hardware.memory_limit):
+                return False
+        self.dominated[setting] = ("not measured: checkpointing only adds recompute, and the same candidate "
+                                   "without it is predicted to fit")
+        self._say(f"search: {setting[0]} with checkpointing not measured: every candidate using it has a twin "
+                  "without checkpointing that is predicted to fit, and recompute never makes a step faster")
+        return True
+
+    def _bound_checkpointed_times(self) -> None:
+        """A checkpointed setting's step times are at least those of the same precision without it
+        (recompute only adds work): where pieces measured it faster, that difference was noise, and left
+        in it would rank checkpointed candidates ahead of their twins."""
+        for (precision, checkpoint), variant in list(self.variants.items()):
+            plain = self.variants.get((precision, False))
+            if not checkpoint or plain is None or plain.error or variant.error:
+                continue
+            splits = {t: max(s, plain.tensor_step_times.get(t, 0.0)) for t, s in variant.tensor_step_times.items()}
+            self.variants[(precision, checkpoint)] = dataclasses.replace(
+                variant, step_time_s=max(variant.step_time_s, plain.step_time_s), tensor_step_times=splits)
 
     def _tensor_splits_that_matter(self, settings: Iterable[Setting]) -> set[tuple[Setting, int]]:
         """The (setting, tensor size) pairs among ``settings`` worth a measurement: a candidate splitting
@@ -193,7 +234,7 @@ class StrategySearch:
         fitting, splits = [], {}
         for candidate in self.candidates:
             setting = (candidate.precision, candidate.checkpoint)
-            if self.variants[setting].error:
+            if setting in self.dominated or self.variants[setting].error:
                 continue
             guess = self._estimate(candidate)
             if not fits_with_margin(guess.memory_bytes, limit):
@@ -289,6 +330,10 @@ class StrategySearch:
         the order to dry-run the rest: fastest first, among equals the one with fewer methods."""
         self.measured = self._measured()
         for candidate in self.candidates:
+            dominated = self.dominated.get((candidate.precision, candidate.checkpoint))
+            if dominated:
+                self.rows.append(Row(candidate.label, 0, float("inf"), "not tried", reason=dominated))
+                continue
             variant = self.variants[(candidate.precision, candidate.checkpoint)]
             if variant.error:
                 self.rows.append(Row(candidate.label, 0, float("inf"), "failed", reason=f"alone: {variant.error}"))
@@ -442,7 +487,7 @@ class StrategySearch:
         would only add per-micro-step overhead (``candidates.needless_split``)."""
         fits = {c.label: r.status == "not tried" for c, r in zip(self.candidates, self.rows)}
         for candidate, row in zip(self.candidates, self.rows):
-            if candidate.micro > 1 and row.status == "not tried":
+            if candidate.micro > 1 and row.status == "not tried" and not row.reason:
                 row.reason = needless_split(candidate, lambda c: fits.get(c.label, False)) or ""
 
     def _profile(self, probe) -> ModelProfile:
