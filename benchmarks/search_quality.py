@@ -303,7 +303,7 @@ def sharded_only(scale: Scale) -> dict:
     chosen = next(r for r in found.rows if r.chosen)
     dist.barrier()
     start = time.perf_counter()
-    times, candidates, grown = {}, {}, {}
+    times, candidates, grown, ran = {}, {}, {}, {}
     for candidate in found.candidates:
         if candidate.micro > 1 or candidate.compute or candidate.label in times:
             continue
@@ -313,6 +313,7 @@ def sharded_only(scale: Scale) -> dict:
         # fits as the limit is enforced (a memory cgroup kills the process over it): the tracked peak and
         # the process's resident growth both within it
         fits = run.ok and run.peak_memory_bytes <= SCALE_LIMIT and grown[candidate.label] <= SCALE_LIMIT
+        ran[candidate.label] = run.step_time_s if run.ok else None  # fitting or not: the cost model's check
         times[candidate.label], candidates[candidate.label] = (run.step_time_s if fits else None), candidate
     exhaustive_s = time.perf_counter() - start
     best = min((k for k, v in times.items() if v), key=lambda k: times[k])
@@ -320,8 +321,8 @@ def sharded_only(scale: Scale) -> dict:
     again = _alternate(model, make_context, {k: candidates[k] for k in sorted({chosen.label, best})}, scale)
     return {"state": state, "chosen": chosen.label, "best": best, "times": times, "again": again,
             "search_s": search_s, "exhaustive_s": exhaustive_s, "spearman": rank_correlation(found.rows),
-            "space_spearman": spearman_over_space(predictions(found.rows), times), "table": found.table,
-            "rss": grown}
+            "space_spearman": spearman_over_space(predictions(found.rows), ran), "table": found.table,
+            "rss": grown, "ran": ran}
 
 
 def _largest_over_ranks(value: int) -> int:
@@ -359,7 +360,9 @@ def print_sharded_only(r: dict) -> None:
           + " (goal >= 0.8), " + _space_spearman(r))
     print(f"  {'candidate (exhaustive pass)':<40}{'ms':>9}{'RSS growth MiB':>16}  (nan: over the limit)")
     for label, t in sorted(r["times"].items(), key=lambda kv: kv[1] or float("inf")):
-        print(f"  {label:<40}{t * 1000 if t else float('nan'):>9.1f}{r['rss'][label] / 2**20:>16.1f}")
+        ran = r["ran"][label]
+        print(f"  {label:<40}{t * 1000 if t else float('nan'):>9.1f}{r['rss'][label] / 2**20:>16.1f}"
+              + ("" if t or not ran else f"  (ran in {ran * 1000:.1f} ms)"))
     print(r["table"])
 
 

@@ -180,8 +180,7 @@ class StrategySearch:
                 continue
             self.variants[setting] = self._measure_setting(setting, self._setting_strategy(setting), batch)
             fresh[setting] = key
-        for setting, tensor in sorted(self._tensor_splits_that_matter(fresh)):
-            self._measure_tensor_split(setting, tensor, self.variants[setting])
+        self._measure_tensor_splits(set(fresh))
         if is_main_rank():
             for setting, key in fresh.items():
                 store_cached(key, self.variants[setting])
@@ -222,31 +221,47 @@ class StrategySearch:
             self.variants[(precision, checkpoint)] = dataclasses.replace(
                 variant, step_time_s=max(variant.step_time_s, plain.step_time_s), tensor_step_times=splits)
 
-    def _tensor_splits_that_matter(self, settings: Iterable[Setting]) -> set[tuple[Setting, int]]:
-        """The (setting, tensor size) pairs among ``settings`` worth a measurement: a candidate splitting
-        by that size is predicted to fit and, with the formula's cost of the split (which leaves out the
-        split layers' own overheads, so it is the optimistic one), within ``CLOSE_CALL`` of the ``topk``-th
-        fastest fitting candidate (all with ``exhaustive``). A split that could not be dry-run whatever it
-        measured is not measured."""
+    def _measure_tensor_splits(self, settings: set[Setting]) -> None:
+        """Measure tensor splits (``_measure_tensor_split``) until none that could be dry-run is left
+        unmeasured: one at a time, since a measurement moves its candidates (the formula's cost of a split
+        is the optimistic one) and so changes which candidates are the fastest."""
+        tried: set[tuple[Setting, int]] = set()
+        while True:
+            wanted = {key: t for key, t in self._tensor_splits_that_matter(settings).items() if key not in tried}
+            if not wanted:
+                return
+            setting, tensor = min(wanted, key=lambda key: (wanted[key], key))
+            self._measure_tensor_split(setting, tensor, self.variants[setting])
+            tried.add((setting, tensor))
+
+    def _tensor_splits_that_matter(self, settings: Iterable[Setting]) -> dict[tuple[Setting, int], float]:
+        """The (setting, tensor size) pairs among ``settings`` not measured yet that some candidate the
+        search would dry-run uses, each with that candidate's predicted step time: among the ``topk``
+        fastest candidates predicted to fit (every fitting one with ``exhaustive``), unmeasured splits
+        costed by the formula, which leaves out the split layers' own overheads (the optimistic cost: a
+        split beyond the ``topk`` by it stays beyond once measured, and is never dry-run)."""
         settings = set(settings)
         self.measured = self._measured()
         limit = self.hardware.memory_limit
-        fitting, splits = [], {}
+        fitting = []
         for candidate in self.candidates:
             setting = (candidate.precision, candidate.checkpoint)
             if setting in self.dominated or self.variants[setting].error:
                 continue
             guess = self._estimate(candidate)
-            if not fits_with_margin(guess.memory_bytes, limit):
-                continue
-            fitting.append(guess.step_time_s)
-            if candidate.tensor > 1 and setting in settings:
+            if fits_with_margin(guess.memory_bytes, limit):
+                fitting.append((guess.step_time_s, candidate))
+        fitting.sort(key=lambda pair: pair[0])
+        if not self.options.exhaustive:
+            fitting = fitting[:self.options.topk]
+        wanted: dict[tuple[Setting, int], float] = {}
+        for time_s, candidate in fitting:
+            setting = (candidate.precision, candidate.checkpoint)
+            if (candidate.tensor > 1 and setting in settings
+                    and candidate.tensor not in self.variants[setting].tensor_step_times):
                 key = (setting, candidate.tensor)
-                splits[key] = min(splits.get(key, float("inf")), guess.step_time_s)
-        if not splits or self.options.exhaustive:
-            return set(splits)
-        threshold = sorted(fitting)[min(self.options.topk, len(fitting)) - 1] * (1 + CLOSE_CALL)
-        return {key for key, fastest in splits.items() if fastest <= threshold}
+                wanted[key] = min(wanted.get(key, float("inf")), time_s)
+        return wanted
 
     def _measure_setting(self, setting: Setting, strategy: Strategy, batch: int) -> VariantProfile:
         """The whole model's alone profile under ``setting``: extrapolated from the model cut to 0 and 1
