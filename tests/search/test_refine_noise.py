@@ -62,6 +62,13 @@ def test_a_win_beyond_the_noise_is_added_after_confirmation(monkeypatch):
     assert row.chosen and row.reason == ""
 
 
+def test_a_method_slower_in_its_dry_run_is_not_measured_again(monkeypatch):
+    # no more scripted runs: a re-measurement would fail the test
+    row = _refine(monkeypatch, [], [_run(0.105)])
+    assert not row.chosen and row.samples == [0.105]
+    assert row.reason == "not added: 5.0% slower in its dry run", row.reason
+
+
 def test_a_method_that_changed_no_module_is_never_added(monkeypatch):
     row = _refine(monkeypatch, [], [_run(0.050, extras=NOTHING)])  # twice as fast, by noise alone
     assert not row.chosen and row.reason == "not added: changed no module"

@@ -444,10 +444,16 @@ class StrategySearch:
     def _keeps(self, chosen: int, index: int, method: str) -> bool:
         """Whether refinement ``index`` (the chosen candidate plus ``method``) replaces the chosen one:
         it changed some module, and after the close-call re-measurement it is faster by more than the
-        noise. Otherwise its row says why it was not added."""
+        noise. A method must earn its place: one that measured slower than the chosen candidate in its
+        own dry run is not measured again (the chosen one stays). Otherwise its row says why it was not
+        added."""
         row = self.rows[index]
         row.reason = unchanged_by(self.dry_runs[index], method)
         if row.reason:
+            return False
+        base_time = self.rows[chosen].measured_time_s
+        if row.measured_time_s >= base_time:
+            row.reason = f"not added: {row.measured_time_s / base_time - 1:.1%} slower in its dry run"
             return False
         if self.confirm_finalists(indices=[chosen, index]) != index:
             return False
