@@ -98,15 +98,21 @@ def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
         yield t.untyped_storage()
 
 
+def _distinct_storages(roots: object) -> Iterator[tuple[str, torch.UntypedStorage]]:
+    """Each storage ``roots`` hold, once (tied weights, flat-parameter views), with the category of the
+    first tensor that reached it."""
+    seen: set[tuple[str, int]] = set()
+    for kind, t in _root_tensors(roots):
+        for st in _storages(t):
+            key = (str(st.device), st.data_ptr())
+            if st.nbytes() and key not in seen:
+                seen.add(key)
+                yield kind, st
+
+
 def _device_bytes(roots: Iterable[object], device: torch.device) -> int:
     """Bytes of the distinct storages on ``device`` that ``roots`` hold."""
-    seen: dict[int, int] = {}
-    for root in roots:
-        for _, t in _root_tensors(root):
-            for st in _storages(t):
-                if st.device == device:
-                    seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
+    return sum(st.nbytes() for _, st in _distinct_storages(list(roots)) if st.device == device)
 
 
 def _root_tensors(root: object) -> Iterator[tuple[str, torch.Tensor]]:
@@ -150,14 +156,8 @@ def state_bytes(
     ``{"params": ..., "grads": ..., "optim_state": ..., "total": ...}``.
     """
     out = {"params": 0, "grads": 0, "optim_state": 0}
-    seen: set[tuple[str, int]] = set()
-    roots = [model] if optimizer is None else [model, optimizer]
-    for kind, t in _root_tensors(roots):
-        for st in _storages(t):
-            key = (str(st.device), st.data_ptr())
-            if st.nbytes() and key not in seen:
-                seen.add(key)
-                out[kind] += st.nbytes()
+    for kind, st in _distinct_storages([model] if optimizer is None else [model, optimizer]):
+        out[kind] += st.nbytes()
     out["total"] = sum(out.values())
     return out
 

@@ -245,8 +245,7 @@ class StrategySearch:
         limit = self.hardware.memory_limit
         fitting = []
         for candidate in self.candidates:
-            setting = (candidate.precision, candidate.checkpoint)
-            if setting in self.dominated or self.variants[setting].error:
+            if not self.measured.predictable(candidate):  # its setting failed alone, or was not measured
                 continue
             guess = self._estimate(candidate)
             if fits_with_margin(guess.memory_bytes, limit):
