@@ -10,7 +10,9 @@ optimizer step. Rows:
   attention, fused AdamW; the largest micro-batch that fits (gradient accumulation makes up the
   global batch), activation checkpointing only when no micro-batch fits without it;
 - ``auto_accelerate``: the fully automatic search (its wall time reported apart), then the chosen
-  strategy's steady-state step.
+  strategy's steady-state step;
+- ``atorch compile model`` / ``atorch compile blocks`` (``--compile-scopes``): bf16 autocast and
+  native_dynamo named by hand, compiling the whole model, then each decoder layer.
 
 Each row gives tokens/s and MFU: model FLOPs (6 N per token, N the parameters but the input
 embedding's, plus attention 12 L H S per token) over the GPU's bf16 dense peak from ``PEAK_BF16``
@@ -23,7 +25,8 @@ Without CUDA it prints why it skips and exits 0. ``--tiny`` runs the same rows o
 config (2 layers, hidden 64, sequence 32, fp32 where bf16 is not sensible, no torch.compile), so CI
 can check the script does not rot; its figures mean nothing.
 
-    .venv/bin/python benchmarks/gpu.py [--tiny] [--steps 10] [--time-limit 900] [--out benchmarks/results]
+    .venv/bin/python benchmarks/gpu.py [--tiny] [--steps 10] [--time-limit 900] [--compile-scopes]
+        [--out benchmarks/results]
 """
 from __future__ import annotations
 
@@ -315,6 +318,27 @@ def run_auto(setup: Setup) -> tuple[float, str, SearchSummary]:
     return seconds, "chosen: " + "+".join(summary.strategy), summary
 
 
+def run_compile_scope(setup: Setup, scope: str) -> tuple[float, str]:
+    """Semi-automatic bf16 autocast + native_dynamo at one ``scope`` (whole model or each decoder
+    layer), the whole global batch per step: the two ways atorch can compile, side by side."""
+    model = build_model(setup)
+    strategy = [("amp_native", {"dtype": setup.low_dtype}), ("native_dynamo", {"scope": scope})]
+    _, result, _ = auto_accelerate(model, torch.optim.AdamW, make_dataset(setup, 4), causal_lm_loss,
+                                   optim_args={"lr": 1e-4}, dataloader_args={"batch_size": setup.global_batch},
+                                   model_input_format="unpack_dict", load_strategy=strategy)
+    del model
+    batches = [result.prepare_input(b) for b in result.dataloader]
+    step = training_step(result, batches)
+    del result
+    try:
+        seconds = time_steps(setup, step, setup.steps, setup.warmup)
+    finally:
+        del step, batches
+        release(setup)
+    print(f"  atorch compile {scope}: {seconds * 1000:.1f} ms/step", flush=True)
+    return seconds, f"load_strategy amp_native + native_dynamo scope {scope!r}, micro-batch {setup.global_batch}"
+
+
 def summarize_search(search: Any, seconds: float, strategy: Any) -> SearchSummary:
     """What the search's result exposes: every row it dry-ran, with predicted and measured memory."""
     names = (strategy.names() or ["(empty: fp32, nothing applied)"]) if strategy is not None else []
@@ -402,6 +426,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per row (after warm-up)")
     parser.add_argument("--time-limit", type=float, default=900.0, help="seconds for auto_accelerate's search")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--compile-scopes", action="store_true",
+                        help="add two rows: bf16 + native_dynamo compiling the whole model, then each layer")
     args = parser.parse_args()
     if not args.tiny and not torch.cuda.is_available():
         print("benchmarks/gpu.py: skipped, no CUDA device here (torch.cuda.is_available() is False). "
@@ -422,6 +448,9 @@ def main() -> int:
     timed["expert"] = run_hand(setup, "expert", expert_dtype, expert=True)
     auto_s, auto_detail, summary = run_auto(setup)
     timed["auto_accelerate"] = (auto_s, auto_detail)
+    if args.compile_scopes and setup.compile:
+        for scope in ("model", "blocks"):
+            timed[f"atorch compile {scope}"] = run_compile_scope(setup, scope)
     rows = {name: make_row(name, s, d, flops, setup, peaks["table"], peaks["measured"])
             for name, (s, d) in timed.items()}
     print_table(list(rows.values()))

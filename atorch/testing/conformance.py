@@ -163,6 +163,10 @@ def run_column(column_key: str, models: list[str], progress: Optional[str] = Non
         _progress(progress, f"{column_key} {name} start")
 
         def cell() -> dict:
+            # each cell compiles afresh, as a user's process with one model does: dynamo's recompile
+            # limit counts per code object, and HF's decoder layers share one forward, so later
+            # families would otherwise run eager under native_dynamo
+            torch._dynamo.reset()
             try:
                 run = train_gpt(column.strategy(ZOO[family(name)]), hf_model=family(name), steps=STEPS,
                                 global_batch=GLOBAL_BATCH, lr=LR,

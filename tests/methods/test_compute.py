@@ -19,6 +19,7 @@ from atorch.auto.opt_lib import fp8 as fp8_module
 from atorch.auto.opt_lib.fp8 import select_fp8_linears
 from atorch.auto.opt_lib.module_replace import register_replace_pair, replace_modules
 from atorch.auto.opt_lib.module_replace_optimization import register_replace_pair as seed_path_register
+from atorch.auto.opt_lib.native_dynamo import COMPILED_BLOCK_ATTR, NativeDynamoConfig, compile_model, compiled_blocks
 from atorch.errors import MethodConfigError, UnsupportedAttentionError
 from atorch.kernels import FusedLayerNorm, attention, reference_attention, reference_layer_norm
 from atorch.testing.hf_models import ZOO
@@ -289,12 +290,39 @@ def test_fp8_trains_with_transformer_engine_on_gpu():
 
 
 # --- native_dynamo -----------------------------------------------------------------------------
-def test_native_dynamo_trains_like_eager():
+@pytest.mark.parametrize("scope", ["auto", "model"])
+def test_native_dynamo_trains_like_eager(scope):
+    """The default compiles each repeated block (the GPT's two GPTBlocks), ``model`` the whole model."""
     eager = train_gpt([])
-    compiled = train_gpt(["native_dynamo"])
-    assert type(compiled["result"].model).__name__ == "OptimizedModule"
+    compiled = train_gpt([("native_dynamo", {"scope": scope})])
+    model = compiled["result"].model
+    blocks = [m for m in model.modules() if getattr(m, COMPILED_BLOCK_ATTR, False)]
+    if scope == "model":
+        assert type(model).__name__ == "OptimizedModule" and not blocks
+    else:
+        assert type(model).__name__ == "GPT" and [type(b).__name__ for b in blocks] == ["GPTBlock"] * 2
     assert relative_difference(compiled["losses"], eager["losses"]) < 1e-4
     assert weight_difference(compiled["weights"], eager["weights"]) < 1e-4
+
+
+def test_native_dynamo_compiles_the_block_inside_a_checkpoint_wrapper():
+    """The checkpoint wrapper repeats as often as the block and holds the same parameters: the block
+    itself is compiled (found from the module tree), and training still matches eager."""
+    eager = train_gpt([])
+    run = train_gpt([("checkpoint", ("GPTBlock",)), "native_dynamo"])
+    compiled = [type(m).__name__ for m in run["result"].model.modules() if getattr(m, COMPILED_BLOCK_ATTR, False)]
+    assert compiled == ["GPTBlock"] * 2
+    assert relative_difference(run["losses"], eager["losses"]) < 1e-4
+    assert weight_difference(run["weights"], eager["weights"]) < 1e-4
+
+
+def test_native_dynamo_block_scope_needs_repeated_blocks():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert compiled_blocks(model) == []
+    with pytest.raises(MethodConfigError, match="scope 'blocks'.*repeats"):
+        compile_model(model, NativeDynamoConfig(scope="blocks"))
+    with pytest.raises(MethodConfigError, match="scope"):
+        auto_accelerate(build_gpt(), load_strategy=[("native_dynamo", {"scope": "layers"})])
 
 
 def test_native_dynamo_config_errors():

@@ -1,9 +1,22 @@
-"""native_dynamo: ``torch.compile`` of the model, applied after the parallel wrappers.
+"""native_dynamo: ``torch.compile``, applied after the parallel wrappers.
 
-Config: ``{"backend": "inductor", "mode": None, "fullgraph": False, "dynamic": None}`` (any subset).
-Compiling after DDP / FSDP lets dynamo see the wrapper (DDP's graph breaks at bucket boundaries so
-communication still overlaps). The compiled module's parameters and state dict are the original
-model's (keys gain the ``_orig_mod.`` prefix of ``torch.compile``).
+Config: ``{"backend": "inductor", "mode": None, "fullgraph": False, "dynamic": None, "scope": "auto"}``
+(any subset).
+
+``scope`` says what is compiled:
+
+- ``"blocks"``: the ``forward`` of each repeated block (the transformer layers: the largest module
+  class that occurs several times with parameters, found from the module tree, not from names), as
+  torchtitan and PyTorch's regional compilation do. The blocks share one compiled graph, so compile
+  time is one block's, and whatever sits around them (the user's embedding, the causal mask an HF
+  model builds, the loss) stays eager: compiling the whole of an HF model makes it build an explicit
+  mask, which rules out flash attention (measured on an H200: the whole-model compile was 14 % slower
+  than per-layer compile with flash SDPA). Hooks the parallel wrappers put on a block (FSDP2's
+  gather and reshard, checkpointing) stay outside the compiled code. Parameter names do not change.
+- ``"model"``: the whole model (``torch.compile(model)``); its state dict keys gain the
+  ``_orig_mod.`` prefix of ``torch.compile``. Compiling after DDP / FSDP lets dynamo see the wrapper
+  (DDP's graph breaks at bucket boundaries so communication still overlaps).
+- ``"auto"`` (the default): ``"blocks"`` where the model has repeated blocks, ``"model"`` otherwise.
 """
 from __future__ import annotations
 
@@ -11,12 +24,19 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
+from torch import nn
 
 from atorch.auto.opt_lib.base import Optimization
 from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, option
+from atorch.utils.modules import repeated_blocks, unwrap_model
 
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+Scope = Literal["auto", "blocks", "model"]
+# set on each block whose forward native_dynamo compiled (tests and the report read it)
+COMPILED_BLOCK_ATTR = "atorch_compiled_forward"
+# modules that wrap a block and so repeat exactly as often as it does, with the same parameters
+_WRAPPER_CLASSES = ("CheckpointWrapper", "OffloadWrapper")
 
 
 @dataclass(frozen=True)
@@ -25,6 +45,26 @@ class NativeDynamoConfig(MethodConfig):
     mode: Optional[Mode] = option(None, doc="torch.compile mode")
     fullgraph: bool = option(False, doc="fail on a graph break instead of splitting the graph")
     dynamic: Optional[bool] = option(None, doc="dynamic shapes: None lets dynamo decide")
+    scope: Scope = option("auto", doc="what is compiled: each repeated block's forward, the whole model, "
+                                      "or blocks where the model has them")
+
+    def compile_options(self) -> dict[str, Any]:
+        options = self.to_dict(omit_defaults=False)
+        options.pop("scope")
+        return options
+
+
+def compiled_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules native_dynamo's ``"blocks"`` scope compiles: every instance of the largest module
+    class that repeats with parameters (the innermost of equal-sized classes, so a checkpoint or
+    FSDP2 wrapper's own class is not taken for the block). Empty where nothing repeats."""
+    counts, sizes = repeated_blocks(model)
+    names = [name for name in counts if name not in _WRAPPER_CLASSES]
+    if not names:
+        return []
+    largest = max(sizes[name] for name in names)
+    chosen = [name for name in names if sizes[name] == largest][-1]
+    return [m for m in model.modules() if type(m).__name__ == chosen and m is not model]
 
 
 class NativeDynamoOptimization(Optimization):
@@ -44,6 +84,21 @@ class NativeDynamoOptimization(Optimization):
 
     def transform(self, ctx, config: NativeDynamoConfig) -> None:
         def wrap(ctx) -> None:
-            ctx.model = torch.compile(ctx.model, **config.to_dict(omit_defaults=False))
+            ctx.model = compile_model(ctx.model, config)
 
         ctx.add_wrapper("compile", self.name, wrap)
+
+
+def compile_model(model: nn.Module, config: NativeDynamoConfig) -> nn.Module:
+    """Compile ``model`` as ``config.scope`` says; returns the model to train (the same object
+    under ``"blocks"``)."""
+    blocks = compiled_blocks(unwrap_model(model)) if config.scope != "model" else []
+    if config.scope == "blocks" and not blocks:
+        raise MethodConfigError("native_dynamo", "scope 'blocks': the model has no module class that repeats with "
+                                                 "parameters; use scope 'model' or 'auto'")
+    if not blocks:
+        return torch.compile(model, **config.compile_options())
+    for block in blocks:
+        block.forward = torch.compile(block.forward, **config.compile_options())
+        setattr(block, COMPILED_BLOCK_ATTR, True)
+    return model
