@@ -41,6 +41,7 @@ CASES_2 = {
     "tp_hf_llama": {"strategy": [TP2, "tensor_parallel"], "hf_model": "llama"},
     "tp_hf_bert": {"strategy": [TP2, "tensor_parallel"], "hf_model": "bert"},
     "tp_sp": [TP2, "tensor_parallel", "sequence_parallel"],
+    "tp_compiled": [TP2, "tensor_parallel", "native_dynamo"],  # DTensor blocks under per-block compile
     "tp_clip": {"strategy": [TP2, "tensor_parallel"], "max_grad_norm": 0.5},
     "pp_gpipe": [PP2, ("pipeline_parallel", {"schedule": "GPipe", "num_micro_batch": 4})],
     "pp_1f1b": [PP2, ("pipeline_parallel", {"num_micro_batch": 4})],

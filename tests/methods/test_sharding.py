@@ -56,6 +56,9 @@ FSDP_OPTIONS = {
     "fsdp_ignored_cls": ["parallel_mode", ("fsdp", dict(WRAP, atorch_ignored_cls=("LayerNorm",)))],
     "fsdp_ignored_cls_acc4": {"strategy": ["parallel_mode", ("fsdp", dict(WRAP, atorch_ignored_cls=("LayerNorm",)))],
                               "accumulation": 4, "global_batch": ACC_BATCH},
+    # native_dynamo compiles each block's forward; FSDP2's gather / reshard hooks and the checkpoint
+    # wrapper stay around it
+    "fsdp_ckpt_compiled": ["parallel_mode", ("fsdp", WRAP), CKPT, "native_dynamo"],
     "fsdp_clip_via_model": {"strategy": ["parallel_mode", ("fsdp", WRAP)], "max_grad_norm": CLIP, "clip_via": "model"},
     "zero2_nofsdp_clip_via_model": {"strategy": ["parallel_mode", ("zero2", {"not_use_fsdp": True})],
                                     "max_grad_norm": CLIP, "clip_via": "model"},

@@ -67,6 +67,11 @@ ContextFactory = Callable[..., Any]  # (model, local=False, batch_size=None) -> 
 
 CLOSE_CALL = 0.15  # finalists measured within this fraction of each other are measured again
 CONFIRM_ROUNDS = 2  # alternating re-measurements of close finalists (3 samples each: a real median)
+# a candidate predicted inside MEMORY_MODEL_ERROR of the limit is dry-run once the search's own dry runs
+# (at least MIN_MEMORY_EVIDENCE of them) show the memory model's error on this model to be smaller;
+# the margin kept then is that observed error, never under LEARNED_MARGIN_FLOOR
+MIN_MEMORY_EVIDENCE = 2
+LEARNED_MARGIN_FLOOR = 0.05
 # the methods that make a setting (precision, checkpoint): what a rank training alone applies
 SETTING_METHODS = ("amp_native", "half", "checkpoint")
 PIECE_STEP_FACTOR = 2  # a cut model trains this many times the dry run's steps (see ``_train_alone``)
@@ -388,9 +393,46 @@ class StrategySearch:
                 f"(predicted {row.predicted_memory / 2**20:.1f} MiB)" if row.status == "ok" else f" ({row.reason})"))
             if row.status == "ok" and (best is None or row.measured_time_s < self.rows[best].measured_time_s):
                 best = index
+        best = self.try_near_limit(best) if best is not None else None
         best = self.confirm_finalists() if best is not None else None
         if best is not None:
             self.rows[best].chosen = True
+        return best
+
+    def observed_memory_margin(self) -> Optional[float]:
+        """The memory model's error on this model, as this search's dry runs measured it: the largest
+        share by which a measured peak exceeded its prediction (at least ``LEARNED_MARGIN_FLOOR``);
+        None before ``MIN_MEMORY_EVIDENCE`` dry runs measured a peak."""
+        runs = [r for r in self.rows if r.measured_memory and r.predicted_memory]
+        if len(runs) < MIN_MEMORY_EVIDENCE:
+            return None
+        return max(LEARNED_MARGIN_FLOOR, max(r.measured_memory / r.predicted_memory - 1 for r in runs))
+
+    def try_near_limit(self, best: int) -> int:
+        """Dry-run the candidates kept out only by the memory model's default margin, predicted faster
+        than the best so far, where the error measured on this model's dry runs leaves room: a layout
+        whose prediction sits 8 % under the limit is often the fastest that fits. At most ``topk``; the
+        margin is measured again after each. Returns the best index (by measured time)."""
+        limit, tried = self.hardware.memory_limit, 0
+        near = sorted((i for i, r in enumerate(self.rows) if r.status == "predicted over limit"
+                       and r.predicted_memory <= limit), key=lambda i: self.rows[i].predicted_time_s)
+        for index in near:
+            margin, row = self.observed_memory_margin(), self.rows[index]
+            if (margin is None or margin >= MEMORY_MODEL_ERROR or tried >= self.options.topk
+                    or row.predicted_time_s >= self.rows[best].predicted_time_s or self._out_of_time()):
+                break
+            if row.predicted_memory * (1 + margin) > limit:
+                continue
+            tried += 1
+            row.status, row.reason = "not tried", ""
+            self._try(index)
+            if row.status == "ok":
+                row.reason = f"dry-run: within the {margin:.0%} memory error this search's dry runs measured"
+            self._say(f"search [near the limit] {row.label}: {row.status}" + (
+                f", {row.measured_time_s * 1000:.1f} ms/step, {row.measured_memory / 2**20:.1f} MiB "
+                f"(predicted {row.predicted_memory / 2**20:.1f} MiB)" if row.status == "ok" else f" ({row.reason})"))
+            if row.status == "ok" and row.measured_time_s < self.rows[best].measured_time_s:
+                best = index
         return best
 
     def confirm_finalists(self, indices: Optional[list[int]] = None) -> Optional[int]:
