@@ -63,3 +63,18 @@ def test_a_candidate_tried_near_the_limit_that_measures_over_it_is_not_chosen(mo
     rows = [_measured("a", 50, 51, 0.2), _measured("b", 40, 40, 0.3), _near("fast", 58.7, 0.1)]
     search = _search(monkeypatch, rows, [DryRunResult(True, 0.05, 65 * MIB)])
     assert search.try_near_limit(0) == 0 and rows[2].status == "over memory limit"
+
+
+def test_a_candidate_near_the_limit_takes_its_place_in_the_order_once_the_error_is_known(monkeypatch):
+    """Two dry runs measure the error (2 %); the near-limit candidate, predicted faster than the next
+    in the order, is tried third (the top-k) and wins; the last in the order is not tried."""
+    rows = [Row(label, int(mib * MIB), seconds) for label, mib, seconds in
+            (("a", 50, 0.3), ("b", 40, 0.4), ("c", 30, 0.5))] + [_near("near", 58.7, 0.2)]
+    runs = [DryRunResult(True, 0.3, int(51 * MIB)), DryRunResult(True, 0.4, int(40.8 * MIB)),
+            DryRunResult(True, 0.15, int(58 * MIB))]
+    search = _search(monkeypatch, rows, runs)
+    search.options = SearchOptions(topk=3)
+    search.order = [0, 1, 2]
+    assert search.dry_run_best() == 3 and rows[3].chosen
+    assert [r.status for r in rows] == ["ok", "ok", "not tried", "ok"]
+    assert rows[2].reason == "below the top-k by prediction" and not runs

@@ -68,7 +68,7 @@ class VariantProfile:
 class HardwareProfile:
     device: str
     memory_limit: int
-    bandwidth_bytes_per_s: float  # all-reduce algorithm bandwidth over the data-parallel ranks
+    bandwidth_bytes_per_s: float  # all-reduce bus bandwidth over all ranks (see ``_bandwidth``)
     latency_s: float = 0.0        # one small all-reduce
     intra_node_bandwidth: Optional[float] = None  # all-reduce bytes/s per rank inside a node
     inter_node_bandwidth: Optional[float] = None  # the same between nodes; None: one node (no such link)
@@ -196,9 +196,16 @@ def _bandwidth_in_groups(device: torch.device, rank_lists: list[list[int]]) -> f
 
 
 def _bandwidth(device: torch.device, group: Optional[dist.ProcessGroup] = None) -> float:
-    """Bytes per second of an 8 MiB all-reduce over ``group`` (default: all ranks) on this rank."""
+    """The bus bandwidth of an 8 MiB all-reduce over ``group`` (default: all ranks) on this rank: its
+    bytes per second times 2 (n - 1) / n, the share of the buffer a ring all-reduce moves through each
+    rank's link. The cost formulas divide such ring volumes by it (``2 (1 - 1/n) G`` for DDP's
+    all-reduce, ``(1 - 1/n) P`` for a gather), as ``atorch.plan`` does a datasheet's link bandwidth;
+    the buffer's bytes per second alone would price every collective over more than 2 ranks too high
+    (by 1.5 times over 4)."""
     buffer = torch.zeros(2**21, device=device)
-    return buffer.numel() * buffer.element_size() / _seconds_per_all_reduce(buffer, calls=3, group=group)
+    ranks = dist.get_world_size(group)
+    seconds = _seconds_per_all_reduce(buffer, calls=3, group=group)
+    return buffer.numel() * buffer.element_size() / seconds * 2 * (ranks - 1) / ranks
 
 
 def _seconds_per_all_reduce(buffer: torch.Tensor, calls: int, group: Optional[dist.ProcessGroup] = None) -> float:

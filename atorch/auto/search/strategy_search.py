@@ -374,23 +374,28 @@ class StrategySearch:
 
     def dry_run_best(self) -> Optional[int]:
         """Dry-run candidates in predicted order: at least ``topk``, and on until one succeeds (or all,
-        with ``exhaustive``), within the time limit. Returns the chosen candidate's index."""
-        tried, best = 0, None
-        for position, index in enumerate(self.order):
+        with ``exhaustive``), within the time limit. A candidate kept out only by the memory model's
+        default margin takes its place in that order once the error measured so far admits it
+        (``_near_limit_before``). Returns the chosen candidate's index."""
+        tried, best, position = 0, None, 0
+        queue = list(self.order)
+        while queue:
+            successes = any(r.status == "ok" for r in self.rows)
+            room = tried < self.options.topk or not successes or self.options.exhaustive
+            near = self._near_limit_before(self.rows[queue[0]].predicted_time_s) if room else None
+            index = near if near is not None else queue.pop(0)
+            position += near is None
             row = self.rows[index]
             if self._out_of_time():
                 row.status = "skipped: time limit"
                 continue
-            successes = sum(r.status == "ok" for r in self.rows)
-            if tried >= self.options.topk and successes and not self.options.exhaustive:
+            if not room:
                 row.status = "not tried"
                 row.reason = "below the top-k by prediction"
                 continue
             tried += 1
-            self._try(index)
-            self._say(f"search [{position + 1}/{len(self.order)}] {row.label}: {row.status}" + (
-                f", {row.measured_time_s * 1000:.1f} ms/step, {row.measured_memory / 2**20:.1f} MiB "
-                f"(predicted {row.predicted_memory / 2**20:.1f} MiB)" if row.status == "ok" else f" ({row.reason})"))
+            self._try_near(index) if near is not None else self._try(index)
+            self._say_tried("near the limit" if near is not None else f"{position}/{len(self.order)}", row)
             if row.status == "ok" and (best is None or row.measured_time_s < self.rows[best].measured_time_s):
                 best = index
         best = self.try_near_limit(best) if best is not None else None
@@ -409,31 +414,43 @@ class StrategySearch:
         return max(LEARNED_MARGIN_FLOOR, max(r.measured_memory / r.predicted_memory - 1 for r in runs))
 
     def try_near_limit(self, best: int) -> int:
-        """Dry-run the candidates kept out only by the memory model's default margin, predicted faster
-        than the best so far, where the error measured on this model's dry runs leaves room: a layout
-        whose prediction sits 8 % under the limit is often the fastest that fits. At most ``topk``; the
-        margin is measured again after each. Returns the best index (by measured time)."""
-        limit, tried = self.hardware.memory_limit, 0
-        near = sorted((i for i, r in enumerate(self.rows) if r.status == "predicted over limit"
-                       and r.predicted_memory <= limit), key=lambda i: self.rows[i].predicted_time_s)
-        for index in near:
-            margin, row = self.observed_memory_margin(), self.rows[index]
-            if (margin is None or margin >= MEMORY_MODEL_ERROR or tried >= self.options.topk
-                    or row.predicted_time_s >= self.rows[best].predicted_time_s or self._out_of_time()):
+        """After the ordered dry runs: the candidates kept out only by the default margin and predicted
+        faster than the best so far, where the error measured on this model's dry runs leaves room (a
+        layout predicted 8 % under the limit is often the fastest that fits); at most ``topk``, the
+        margin measured again after each. Returns the best index (by measured time)."""
+        for _ in range(self.options.topk):
+            index = self._near_limit_before(self.rows[best].predicted_time_s)
+            if index is None or self._out_of_time():
                 break
-            if row.predicted_memory * (1 + margin) > limit:
-                continue
-            tried += 1
-            row.status, row.reason = "not tried", ""
-            self._try(index)
-            if row.status == "ok":
-                row.reason = f"dry-run: within the {margin:.0%} memory error this search's dry runs measured"
-            self._say(f"search [near the limit] {row.label}: {row.status}" + (
-                f", {row.measured_time_s * 1000:.1f} ms/step, {row.measured_memory / 2**20:.1f} MiB "
-                f"(predicted {row.predicted_memory / 2**20:.1f} MiB)" if row.status == "ok" else f" ({row.reason})"))
+            self._try_near(index)
+            row = self.rows[index]
+            self._say_tried("near the limit", row)
             if row.status == "ok" and row.measured_time_s < self.rows[best].measured_time_s:
                 best = index
         return best
+
+    def _near_limit_before(self, predicted_time_s: float) -> Optional[int]:
+        """The fastest-predicted candidate kept out only by ``MEMORY_MODEL_ERROR``, predicted faster than
+        ``predicted_time_s``, that fits with the error this search's dry runs measured; None if none."""
+        margin = self.observed_memory_margin()
+        if margin is None or margin >= MEMORY_MODEL_ERROR:
+            return None
+        limit = self.hardware.memory_limit
+        near = [i for i, r in enumerate(self.rows) if r.status == "predicted over limit"
+                and r.predicted_memory * (1 + margin) <= limit and r.predicted_time_s < predicted_time_s]
+        return min(near, key=lambda i: self.rows[i].predicted_time_s, default=None)
+
+    def _try_near(self, index: int) -> None:
+        margin, row = self.observed_memory_margin(), self.rows[index]
+        row.status, row.reason = "not tried", ""
+        self._try(index)
+        if row.status == "ok":
+            row.reason = f"dry-run: within the {margin:.0%} memory error this search's dry runs measured"
+
+    def _say_tried(self, where: str, row: Row) -> None:
+        self._say(f"search [{where}] {row.label}: {row.status}" + (
+            f", {row.measured_time_s * 1000:.1f} ms/step, {row.measured_memory / 2**20:.1f} MiB "
+            f"(predicted {row.predicted_memory / 2**20:.1f} MiB)" if row.status == "ok" else f" ({row.reason})"))
 
     def confirm_finalists(self, indices: Optional[list[int]] = None) -> Optional[int]:
         """The fastest of ``indices`` (default: every candidate) that trained within the limit.
@@ -487,7 +504,9 @@ class StrategySearch:
         it changed some module, and after the close-call re-measurement it is faster by more than the
         noise. A method must earn its place: one that measured slower than the chosen candidate in its
         own dry run is not measured again (the chosen one stays). Otherwise its row says why it was not
-        added."""
+        added. Nor is one whose first dry run gained less than the noise its and the chosen one's dry
+        runs measured: a method must show its gain beyond the noise at once (at scale the close-call
+        re-measurement of such gains was most of the refine step's time)."""
         row = self.rows[index]
         row.reason = unchanged_by(self.dry_runs[index], method)
         if row.reason:
@@ -495,6 +514,9 @@ class StrategySearch:
         base_time = self.rows[chosen].measured_time_s
         if row.measured_time_s >= base_time:
             row.reason = f"not added: {row.measured_time_s / base_time - 1:.1%} slower in its dry run"
+            return False
+        row.reason = self._within_noise(chosen, index)
+        if row.reason:  # measuring again only widens the noise (its spread is a running maximum)
             return False
         if self.confirm_finalists(indices=[chosen, index]) != index:
             return False
