@@ -78,3 +78,18 @@ def test_a_candidate_near_the_limit_takes_its_place_in_the_order_once_the_error_
     assert search.dry_run_best() == 3 and rows[3].chosen
     assert [r.status for r in rows] == ["ok", "ok", "not tried", "ok"]
     assert rows[2].reason == "below the top-k by prediction" and not runs
+
+
+def test_a_candidate_that_cannot_win_by_the_measured_error_is_not_dry_run(monkeypatch):
+    """The first dry runs over-predicted by up to 1.5 times; a candidate predicted at 0.9 s is still
+    0.6 s at that error, three times the best measured 0.2 s: not tried although within the top-k.
+    One predicted at 0.34 s (0.227 s at that error, within 15 % of 0.2 s) could still win, and is tried."""
+    rows = [Row(label, 10 * MIB, seconds) for label, seconds in (("a", 0.3), ("b", 0.34), ("c", 0.33), ("d", 0.9))]
+    runs = [DryRunResult(True, 0.2, 10 * MIB), DryRunResult(True, 0.35, 10 * MIB), DryRunResult(True, 0.3, 10 * MIB)]
+    search = _search(monkeypatch, rows, runs)
+    search.order = [0, 2, 1, 3]
+    assert search.dry_run_best() == 0 and not runs
+    assert [r.status for r in rows] == ["ok", "ok", "ok", "not tried"]
+    assert rows[3].reason == ("cannot win: predicted 900 ms, over 1.50 (the largest over-prediction measured) "
+                              "still 200% slower than the best measured"), rows[3].reason
+    assert not search._cannot_win(1, 0)

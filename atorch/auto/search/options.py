@@ -49,7 +49,7 @@ class SearchOptions:
 
     time_limit: Optional[float] = None        # seconds for the whole search; None: no limit
     memory_limit: Optional[int] = None        # bytes per rank; None: the device's (see measure.py)
-    topk: int = 4                             # candidates dry-run at least (more if these fail)
+    topk: int = 4                             # candidates dry-run (more if these fail, fewer if the rest cannot win)
     dryrun_steps: int = DEFAULT_DRYRUN_STEPS  # timed steps per dry run, after one warm-up step
     report_dir: Optional[str] = None          # None: no files; else the table, CSV and plot go there
     verbose: bool = False

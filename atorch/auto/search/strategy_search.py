@@ -71,6 +71,9 @@ CONFIRM_ROUNDS = 2  # alternating re-measurements of close finalists (3 samples 
 # (at least MIN_MEMORY_EVIDENCE of them) show the memory model's error on this model to be smaller;
 # the margin kept then is that observed error, never under LEARNED_MARGIN_FLOOR
 MIN_MEMORY_EVIDENCE = 2
+# a candidate predicted slower than the best measured, beyond the largest over-prediction seen in at least
+# this many successful dry runs, is not dry-run (``_cannot_win``)
+MIN_TIME_EVIDENCE = 2
 LEARNED_MARGIN_FLOOR = 0.05
 # the methods that make a setting (precision, checkpoint): what a rank training alone applies
 SETTING_METHODS = ("amp_native", "half", "checkpoint")
@@ -393,6 +396,10 @@ class StrategySearch:
                 row.status = "not tried"
                 row.reason = "below the top-k by prediction"
                 continue
+            hopeless = self._cannot_win(index, best) if near is None and not self.options.exhaustive else ""
+            if hopeless:
+                row.status, row.reason = "not tried", hopeless
+                continue
             tried += 1
             self._try_near(index) if near is not None else self._try(index)
             self._say_tried("near the limit" if near is not None else f"{position}/{len(self.order)}", row)
@@ -403,6 +410,21 @@ class StrategySearch:
         if best is not None:
             self.rows[best].chosen = True
         return best
+
+    def _cannot_win(self, index: int, best: Optional[int]) -> str:
+        """Why candidate ``index`` need not be dry-run, or "": once ``MIN_TIME_EVIDENCE`` dry runs succeeded,
+        one whose predicted time, divided by the largest over-prediction they measured, is still slower than
+        the best measured by more than ``CLOSE_CALL`` cannot win (at scale: a layout predicted 3.7 times the
+        best's time, a dry run of 8 of the search's 44 s)."""
+        done = [r for r in self.rows if r.status == "ok" and r.measured_time_s]
+        if best is None or len(done) < MIN_TIME_EVIDENCE:
+            return ""
+        over = max(1.0, max(r.predicted_time_s / r.measured_time_s for r in done))
+        best_s, predicted_s = self.rows[best].measured_time_s, self.rows[index].predicted_time_s
+        if predicted_s / over <= best_s * (1 + CLOSE_CALL):
+            return ""
+        return (f"cannot win: predicted {predicted_s * 1000:.0f} ms, over {over:.2f} (the largest over-prediction "
+                f"measured) still {predicted_s / over / best_s - 1:.0%} slower than the best measured")
 
     def observed_memory_margin(self) -> Optional[float]:
         """The memory model's error on this model, as this search's dry runs measured it: the largest
