@@ -305,6 +305,23 @@ def test_native_dynamo_trains_like_eager(scope):
     assert weight_difference(compiled["weights"], eager["weights"]) < 1e-4
 
 
+def test_a_deep_copy_of_a_block_compiled_model_runs_its_own_weights():
+    """An EMA or teacher copy (copy.deepcopy) of the returned model must compute with the copy's
+    weights: each compiled forward is a method bound to its block, so the copy binds its own."""
+    model = build_gpt()
+    compile_model(model, NativeDynamoConfig())
+    copied = copy.deepcopy(model)
+    blocks = [m for m in copied.modules() if getattr(m, COMPILED_BLOCK_ATTR, False)]
+    assert blocks and all(b.forward.__self__ is b for b in blocks)
+    with torch.no_grad():
+        for p in copied.parameters():
+            p.mul_(0.5)
+    tokens = torch.randint(0, 64, (2, 8))
+    assert not torch.allclose(copied(tokens), model(tokens))
+    fresh = copy.deepcopy(copied)  # the same halved weights, its own compiled methods
+    assert torch.allclose(fresh(tokens), copied(tokens))
+
+
 def test_native_dynamo_compiles_the_block_inside_a_checkpoint_wrapper():
     """The checkpoint wrapper repeats as often as the block and holds the same parameters: the block
     itself is compiled (found from the module tree), and training still matches eager."""

@@ -1,6 +1,8 @@
 """Single-process behaviour of the spine and its methods beyond parity: skipping non-finite steps,
 checkpoint recomputation, user-registered methods, dry-run reports, results and saved strategies."""
+import copy
 import logging
+import pickle
 
 import pytest
 import torch
@@ -143,3 +145,27 @@ def test_results_saved_strategy_scheduler_and_param_groups(tmp_path):
 def test_unpack_sequence_and_falling_loss():
     run = train_gpt([], steps=12, optim_func=torch.optim.AdamW, optim_args={"lr": 3e-3})
     assert run["losses"][-1] < run["losses"][0] - 0.1
+
+
+@pytest.mark.parametrize("strategy", [
+    [("amp_native", {"dtype": torch.bfloat16})],
+    [("checkpoint", ("GPTBlock",))],
+    [("amp_native", {"dtype": torch.bfloat16}), ("checkpoint", ("GPTBlock",)), "native_dynamo"],
+], ids=["amp", "checkpoint", "amp_checkpoint_compiled"])
+def test_a_deep_copy_of_the_returned_model_computes_with_its_own_weights(strategy):
+    """An EMA or teacher copy (``copy.deepcopy``) of a model whose forward a method wrapped must run the
+    copy's weights: a closure over the original's forward would silently run the original's (it did,
+    for checkpoint, amp_native and fp8, until the patches became ``PatchedForward`` objects)."""
+    _, result, _ = auto_accelerate(build_gpt(), load_strategy=strategy)
+    model = result.model
+    copied = copy.deepcopy(model)
+    tokens = torch.randint(0, SMALL_GPT.vocab_size, (2, 8))
+    with torch.no_grad():
+        for parameter in copied.parameters():
+            parameter.mul_(0.5)
+        assert not torch.allclose(copied(tokens), model(tokens))
+        for parameter in model.parameters():  # now the same weights: the same output
+            parameter.mul_(0.5)
+        assert torch.allclose(copied(tokens), model(tokens))
+    with pytest.raises(TypeError, match="cannot be pickled whole; save its state_dict"):
+        pickle.dumps(model)

@@ -1,6 +1,8 @@
-"""A candidate predicted inside the memory model's default margin (15 %) of the limit is dry-run once
-the search's own dry runs show a smaller error on this model (at least 5 %, from at least two dry
-runs), and only when it is predicted faster than the best so far. The dry runs are scripted here."""
+"""On a GPU, a candidate predicted inside the memory model's default margin (15 %) of the limit is dry-run
+once the search's own dry runs show a smaller error on this model (at least 5 %, from at least two dry
+runs), and only when it is predicted faster than the best so far; on CPU (the limit holds on the resident
+size, above the tracked peak) it is not. A candidate that cannot win by the over-prediction measured so
+far is not dry-run. The dry runs are scripted here."""
 from __future__ import annotations
 
 from atorch.auto.dryrun import DryRunResult
@@ -15,12 +17,13 @@ MIB = 2**20
 LIMIT = 64 * MIB
 
 
-def _search(monkeypatch, rows: list[Row], runs: list[DryRunResult]) -> search_module.StrategySearch:
+def _search(monkeypatch, rows: list[Row], runs: list[DryRunResult], device: str = "NVIDIA H200"
+            ) -> search_module.StrategySearch:
     monkeypatch.setattr(search_module, "dry_run_candidate", lambda *a, **k: runs.pop(0))  # none left: IndexError
     search = search_module.StrategySearch(build_gpt(), None, SearchOptions())
     search.candidates = [Candidate() for _ in rows]
     search.rows = rows
-    search.hardware = HardwareProfile("cpu", LIMIT, float("inf"))
+    search.hardware = HardwareProfile(device, LIMIT, float("inf"))
     return search
 
 
@@ -41,6 +44,12 @@ def test_a_candidate_near_the_limit_is_tried_when_the_measured_error_leaves_room
     assert search.try_near_limit(0) == 2
     assert rows[2].status == "ok" and rows[2].reason.startswith("dry-run: within the 5% memory error")
     assert rows[3].status == "predicted over limit" and rows[3].reason == "within 15% of the limit"
+
+
+def test_on_cpu_the_margin_stays(monkeypatch):
+    rows = [_measured("slow", 50, 51, 0.2), _measured("slower", 40, 40.4, 0.3), _near("fast", 58.7, 0.1)]
+    search = _search(monkeypatch, rows, [], device="cpu")  # no scripted run: trying would raise
+    assert search.try_near_limit(0) == 0 and rows[2].status == "predicted over limit"
 
 
 def test_the_margin_is_the_largest_error_measured(monkeypatch):

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from atorch.auto.opt_lib.base import Optimization
 from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, ModuleTargets, option
+from atorch.utils.forward_patch import patch_forward
 
 logger = logging.getLogger(__name__)
 
@@ -94,16 +95,14 @@ def matching_modules(model: torch.nn.Module, targets: tuple) -> list[torch.nn.Mo
 
 
 def enable_checkpoint(module: torch.nn.Module, use_reentrant: bool = False) -> None:
-    forward = module.forward
+    patch_forward(module, _checkpointed_call, use_reentrant=use_reentrant)
 
-    @functools.wraps(forward)
-    def checkpointed_forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        if use_reentrant:  # the reentrant variant takes positional tensors only
-            if kwargs:
-                return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=True)
-            return checkpoint(forward, *args, use_reentrant=True)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
-    module.forward = checkpointed_forward
+def _checkpointed_call(forward, options: dict, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    if options["use_reentrant"]:  # the reentrant variant takes positional tensors only
+        if kwargs:
+            return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=True)
+        return checkpoint(forward, *args, use_reentrant=True)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)

@@ -19,6 +19,7 @@ from atorch.auto.optimizer import AtorchOptimizer
 from atorch.checkpoint.adapters import register_optimizer_adapter
 from atorch.errors import MethodConfigError
 from atorch.utils.config import LOW_PRECISION_DTYPES, MethodConfig, option
+from atorch.utils.forward_patch import patch_forward
 
 _UNSCALED = OptState.UNSCALED  # the grad scaler's per-optimizer stage marker
 
@@ -82,7 +83,12 @@ class AmpNativeOptimization(Optimization):
 
 def patch_forward_autocast(model: torch.nn.Module, device_type: str, dtype: torch.dtype) -> None:
     """Run ``model.forward`` under autocast by patching the instance (state_dict keys unchanged)."""
-    model.forward = autocast_callable(model.forward, device_type, dtype)
+    patch_forward(model, _autocast_call, device_type=device_type, dtype=dtype)
+
+
+def _autocast_call(forward, options: dict, *args, **kwargs):
+    with torch.autocast(device_type=options["device_type"], dtype=options["dtype"]):
+        return forward(*args, **kwargs)
 
 
 def autocast_callable(fn, device_type: str, dtype: torch.dtype):

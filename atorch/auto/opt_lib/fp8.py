@@ -18,6 +18,7 @@ from torch import nn
 
 from atorch.auto.opt_lib.base import Optimization
 from atorch.utils.config import MethodConfig, option
+from atorch.utils.forward_patch import patch_forward
 
 logger = logging.getLogger(__name__)
 
@@ -115,13 +116,11 @@ def make_recipe(config: FP8Config) -> Any:
 
 
 def patch_fp8_autocast(model: nn.Module, recipe: Any) -> None:
+    patch_forward(model, _fp8_call, recipe=recipe)
+
+
+def _fp8_call(forward, options: dict, *args, **kwargs):
     import transformer_engine.pytorch as te
 
-    forward = model.forward
-
-    @functools.wraps(forward)
-    def fp8_forward(*args, **kwargs):
-        with te.fp8_autocast(enabled=True, fp8_recipe=recipe):
-            return forward(*args, **kwargs)
-
-    model.forward = fp8_forward
+    with te.fp8_autocast(enabled=True, fp8_recipe=options["recipe"]):
+        return forward(*args, **kwargs)

@@ -11,8 +11,11 @@ Config: ``{"backend": "inductor", "mode": None, "fullgraph": False, "dynamic": N
   time is one block's, and whatever sits around them (the user's embedding, the causal mask an HF
   model builds, the loss) stays eager: compiling the whole of an HF model makes it build an explicit
   mask, which rules out flash attention (a 1B Llama on an H200, bf16: 207.5 ms per step with the
-  layers compiled, 226.3 ms with the whole model, benchmarks/README.md). Hooks the parallel wrappers put on a block (FSDP2's
-  gather and reshard, checkpointing) stay outside the compiled code. Parameter names do not change.
+  layers compiled, 226.3 ms with the whole model, benchmarks/README.md). Hooks the parallel wrappers
+  put on a block (FSDP2's gather and reshard) and the checkpoint method's recomputation stay outside
+  the compiled code (the checkpoint recomputes the compiled forward). Parameter names do not change;
+  each compiled forward is a method bound to its block, so ``copy.deepcopy`` of the model binds the
+  copy's own blocks.
 - ``"model"``: the whole model (``torch.compile(model)``); its state dict keys gain the
   ``_orig_mod.`` prefix of ``torch.compile``. Compiling after DDP / FSDP lets dynamo see the wrapper
   (DDP's graph breaks at bucket boundaries so communication still overlaps).
@@ -20,6 +23,8 @@ Config: ``{"backend": "inductor", "mode": None, "fullgraph": False, "dynamic": N
 """
 from __future__ import annotations
 
+import functools
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -29,6 +34,7 @@ from torch import nn
 from atorch.auto.opt_lib.base import Optimization
 from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, option
+from atorch.utils.forward_patch import replace_innermost_forward
 from atorch.utils.modules import repeated_blocks, unwrap_model
 
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
@@ -98,7 +104,20 @@ def compile_model(model: nn.Module, config: NativeDynamoConfig) -> nn.Module:
                                                  "parameters; use scope 'model' or 'auto'")
     if not blocks:
         return torch.compile(model, **config.compile_options())
+    compiled: dict[Callable, Callable] = {}  # one compiled function per forward: the blocks share it
     for block in blocks:
-        block.forward = torch.compile(block.forward, **config.compile_options())
+        replace_innermost_forward(block, functools.partial(_compiled_method, block, compiled, config))
         setattr(block, COMPILED_BLOCK_ATTR, True)
     return model
+
+
+def _compiled_method(block: nn.Module, compiled: dict, config: NativeDynamoConfig, forward: Callable) -> Callable:
+    """``forward`` (the block's own method, under any patches) compiled, bound to the block: a bound method, not
+    a closure over it, so ``copy.deepcopy`` binds the copy's block, and dynamo sees the block as an input."""
+    function = getattr(forward, "__func__", None)
+    if function is None or forward.__self__ is not block:
+        raise MethodConfigError("native_dynamo", f"{type(block).__name__}.forward is not a method of the block "
+                                                 "(something replaced it); use scope 'model'")
+    if function not in compiled:
+        compiled[function] = torch.compile(function, **config.compile_options())
+    return types.MethodType(compiled[function], block)
