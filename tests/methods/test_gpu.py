@@ -34,6 +34,9 @@ def nccl_runs() -> dict:
         "zero1_bf16": ["parallel_mode", "zero1", BF16],
         "fsdp_bf16_ckpt": ["parallel_mode", BF16, ("checkpoint", ("GPTBlock",)),
                            ("fsdp", {"atorch_wrap_cls": ("GPTBlock",)})],
+        # each block's forward compiled, under FSDP2's hooks and inside the checkpoint's recomputation
+        "fsdp_bf16_ckpt_compiled": ["parallel_mode", BF16, ("checkpoint", ("GPTBlock",)),
+                                    ("fsdp", {"atorch_wrap_cls": ("GPTBlock",)}), "native_dynamo"],
     }
     out = {"backend": dist.get_backend()}
     for key, strategy in cases.items():
@@ -90,9 +93,12 @@ def test_module_replace_runs_flash_attention_in_bf16(name):
     assert relative_difference(got.float().flatten(), want.flatten()) < LOW_TOL
 
 
-def test_native_dynamo_on_cuda_trains_like_eager():
+@pytest.mark.parametrize("strategy", [["native_dynamo"], [("native_dynamo", {"scope": "model"})],
+                                      [("checkpoint", ("GPTBlock",)), "native_dynamo"]],
+                         ids=["blocks", "model", "checkpointed_blocks"])
+def test_native_dynamo_on_cuda_trains_like_eager(strategy):
     eager = train_gpt([])
-    compiled = train_gpt(["native_dynamo"])
+    compiled = train_gpt(strategy)
     assert next(compiled["result"].model.parameters()).is_cuda
     assert relative_difference(compiled["losses"], eager["losses"]) < 1e-4
     assert weight_difference(compiled["weights"], eager["weights"]) < 1e-4
