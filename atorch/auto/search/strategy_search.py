@@ -71,10 +71,10 @@ CONFIRM_ROUNDS = 2  # alternating re-measurements of close finalists (3 samples 
 # (at least MIN_MEMORY_EVIDENCE of them) show the memory model's error on this model to be smaller;
 # the margin kept then is that observed error, never under LEARNED_MARGIN_FLOOR
 MIN_MEMORY_EVIDENCE = 2
+LEARNED_MARGIN_FLOOR = 0.05
 # a candidate predicted slower than the best measured, beyond the largest over-prediction seen in at least
 # this many successful dry runs, is not dry-run (``_cannot_win``)
 MIN_TIME_EVIDENCE = 2
-LEARNED_MARGIN_FLOOR = 0.05
 # the methods that make a setting (precision, checkpoint): what a rank training alone applies
 SETTING_METHODS = ("amp_native", "half", "checkpoint")
 PIECE_STEP_FACTOR = 2  # a cut model trains this many times the dry run's steps (see ``_train_alone``)
@@ -376,10 +376,10 @@ class StrategySearch:
                                                      len(self.rows[i].label.split("+"))))
 
     def dry_run_best(self) -> Optional[int]:
-        """Dry-run candidates in predicted order: at least ``topk``, and on until one succeeds (or all,
-        with ``exhaustive``), within the time limit. A candidate kept out only by the memory model's
-        default margin takes its place in that order once the error measured so far admits it
-        (``_near_limit_before``). Returns the chosen candidate's index."""
+        """Dry-run candidates in predicted order: up to ``topk``, and on until one succeeds (or all, with
+        ``exhaustive``), within the time limit; fewer where the rest cannot win (``_cannot_win``). On a GPU a
+        candidate kept out only by the memory model's default margin takes its place in that order once the
+        error measured so far admits it (``_near_limit_before``). Returns the chosen candidate's index."""
         tried, best, position = 0, None, 0
         queue = list(self.order)
         while queue:
