@@ -11,7 +11,7 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -102,36 +102,53 @@ def dry_run(ctx: ModelContext, warmup_steps: int = 1, timed_steps: int = DEFAULT
 
 
 def _timed_steps(ctx: ModelContext, warmup_steps: int, timed_steps: int) -> list[float]:
-    """[median seconds per timed step, peak bytes, standard deviation of the timed steps, the timed steps'
-    peak before their optimizer step] on this rank; raises on any failure. The spread is the noise a
-    comparison of two step times must exceed."""
-    batches = iter(ctx.dataloader)
-    times: list[float] = []
-    forward_backward_peak = 0
-    after: list[int] = []  # the bytes each step's forward left alive for backward
+    """[median seconds per timed step, peak bytes, standard deviation of the timed steps, the steady step's
+    peak before its optimizer step, what its forward saved for backward] on this rank; raises on any failure.
+    The spread is the noise a comparison of two step times must exceed.
+
+    Memory is tracked over the warm-up steps and one steady step after them (the optimizer state then
+    exists: every later step peaks as that one does); the timed steps run after it, untracked. On CPU the
+    tracker is a ``TorchDispatchMode`` that runs Python for every operator: timed under it, a 4-block GPT's
+    step took 165 ms instead of 37, and each layout was charged by its operator count (FSDP's gathers and
+    copies, an unfused attention), not by its time."""
+    take = _batch_source(ctx, warmup_steps + 1 + timed_steps)
+    after: list[int] = []  # the bytes each tracked step's forward left alive for backward
     with PeakMemoryTracker(ctx.device, roots=[ctx.model, ctx.raw_optim]) as tracker:
-        for step in range(warmup_steps + timed_steps):
-            try:
-                batch = next(batches)
-            except StopIteration:
-                raise InputError(
-                    f"the dataset gives {step} batch(es) of {ctx.per_rank_batch_size} per rank; the dry run needs "
-                    f"{warmup_steps + timed_steps}"
-                ) from None
-            _sync(ctx.device)
-            start = time.perf_counter()
+        for _ in range(warmup_steps + 1):
             tracker.phase_peak()
             before = tracker.live_bytes()
-            forward_backward(ctx, batch, lambda: after.append(tracker.live_bytes() - before))
-            phase = tracker.phase_peak()
+            forward_backward(ctx, take(), lambda: after.append(tracker.live_bytes() - before))
+            steady_forward_backward_peak = tracker.phase_peak()
             optimizer_step(ctx)
-            _sync(ctx.device)
-            if step >= warmup_steps:
-                times.append(time.perf_counter() - start)
-                forward_backward_peak = max(forward_backward_peak, phase)
+    times: list[float] = []
+    for _ in range(timed_steps):
+        batch = take()
+        _sync(ctx.device)
+        start = time.perf_counter()
+        forward_backward(ctx, batch)
+        optimizer_step(ctx)
+        _sync(ctx.device)
+        times.append(time.perf_counter() - start)
     spread = statistics.stdev(times) if len(times) > 1 else 0.0
-    return [statistics.median(times), float(tracker.stats.peak_bytes), spread, float(forward_backward_peak),
-            float(max(after[warmup_steps:], default=0))]
+    return [statistics.median(times), float(tracker.stats.peak_bytes), spread, float(steady_forward_backward_peak),
+            float(after[-1])]
+
+
+def _batch_source(ctx: ModelContext, needed: int) -> Callable[[], Any]:
+    """The next batch of the dataloader at each call; InputError naming both counts when it runs out."""
+    batches, given = iter(ctx.dataloader), 0
+
+    def take() -> Any:
+        nonlocal given
+        try:
+            batch = next(batches)
+        except StopIteration:
+            raise InputError(f"the dataset gives {given} batch(es) of {ctx.per_rank_batch_size} per rank; the dry "
+                             f"run needs {needed}") from None
+        given += 1
+        return batch
+
+    return take
 
 
 def _sync(device: torch.device) -> None:
