@@ -62,8 +62,12 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # run as baddbmm / bmm with the fused scale-mask-softmax and attention dropout between them
                    # (dropout not set in tr11-176B-ml.slurm: Megatron's default 0.1), and every tensor rank runs
                    # the norms and residual adds whole
+                   # DeepSpeed's pipeline engine keeps each micro-batch's bf16 gradients after adding them into the
+                   # BF16 optimizer's fp32 buffer (update_hp_grads(clear_lp_grads=False) after every backward) and
+                   # each in-flight micro-batch's stage output until its backward (pipe_buffers['outputs'])
                    "bigscience": {"distributed_optimizer": True, "pipeline_ends_as_layers": True,
-                                  "attention": "materialised", "sequence_parallel": False},
+                                  "attention": "materialised", "sequence_parallel": False,
+                                  "half_grads_kept": True, "stage_outputs_kept": True},
                    # Megatron-Core, as NeMo (recipes/llama/h100/llama3.py: use_distributed_optimizer). The
                    # perf recipes (perf_recipes/llama/h100/llama3.py, perf_recipes/_common.py @ 56ae11dff): the
                    # pretraining recipe builds on recipes/llama/h100/llama3.py's 70B config (overlap_grad_reduce,

@@ -113,6 +113,15 @@ class Workload:
     # (Megatron's --sequence-parallel, torchtitan); without it every tensor rank runs them whole and
     # keeps their activations whole
     sequence_parallel: bool = True
+    # DeepSpeed's BF16 optimizer (Megatron-DeepSpeed's ZeRO-1 equivalent): each micro-batch's bf16
+    # gradients are added into the fp32 buffer and stay allocated on the parameters until the next
+    # backward clears them (its pipeline engine calls update_hp_grads(clear_lp_grads=False) after every
+    # backward), so the next forward's activation peak meets them: 2 more bytes per parameter held
+    half_grads_kept: bool = False
+    # a pipeline stage keeps each in-flight micro-batch's output tensor until that micro-batch's backward
+    # (DeepSpeed's pipeline engine frees pipe_buffers['outputs'] only after it); Megatron-Core frees the
+    # output's data once it is sent (deallocate_pipeline_outputs), keeping only its autograd node
+    stage_outputs_kept: bool = False
 
     @property
     def tokens(self) -> int:
@@ -403,7 +412,8 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
         # shard of it to fp32 main gradients
         buffer = grad_buffer_bytes(candidate, work, G)
         main_grads = G / data if buffer < G else 0.0
-        states = (weights + buffer + main_grads + (P if amp else 0.0) / data + O / data) * share
+        half_grads = P / 2 if amp and work.half_grads_kept else 0.0  # the parameters' own bf16 gradients
+        states = (weights + buffer + main_grads + half_grads + (P if amp else 0.0) / data + O / data) * share
     else:
         states = (P + G + O) * share + (G * share if data > 1 else 0.0)
     micro = pipeline_micro_batches(candidate, work, data) if p > 1 else micro_steps(candidate, work, data)
@@ -412,10 +422,32 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
         # each stage's blocks times the micro-batches it holds (the first the most, the last the logits)
         act = max(activation_bytes(candidate, spec, work, tokens, tensor=t, layers=held_blocks(spec, work, p, k, micro),
                                    fp8=fp8, head=k == p - 1)
-                  for k in range(p))
+                  + kept_stage_outputs(candidate, spec, work, tokens, k, micro) for k in range(p))
     else:
         act = activation_bytes(candidate, spec, work, tokens, tensor=t, fp8=fp8)
     return states + act
+
+
+def kept_stage_outputs(candidate: Candidate, spec: TransformerSpec, work: Workload, tokens: float, stage: int,
+                       micro: int) -> float:
+    """The stage outputs ``stage`` keeps until their backward (``stage_outputs_kept``): one hidden-wide
+    tensor per model chunk forward outstanding at its peak (``outstanding_chunks``), split over the
+    tensor ranks only under sequence parallelism. The last stage sends nothing and keeps none."""
+    p = candidate.pipeline
+    if not work.stage_outputs_kept or stage == p - 1:
+        return 0.0
+    width = 4 if candidate.precision == "fp32" else 2
+    sequence = candidate.tensor if work.sequence_parallel else 1
+    return outstanding_chunks(p, max(work.virtual_stages, 1), stage, micro) * tokens * spec.hidden * width / sequence
+
+
+def outstanding_chunks(pipeline: int, virtual: int, stage: int, micro: int) -> int:
+    """Model chunk forwards ``stage`` has run whose backward has not run at its peak: 1F1B's p - k
+    (``micro_batches_in_flight``), the interleaved schedule's 2 (p - k - 1) + (v - 1) p + 1; at most
+    every micro-batch's chunks."""
+    if virtual == 1:
+        return int(min(micro_batches_in_flight(pipeline, 1, stage), micro))
+    return min(2 * (pipeline - stage - 1) + (virtual - 1) * pipeline + 1, micro * virtual)
 
 
 def stage_blocks(spec: TransformerSpec, pipeline: int, work: Optional[Workload] = None) -> list[int]:
@@ -439,7 +471,7 @@ def held_blocks(spec: TransformerSpec, work: Workload, pipeline: int, stage: int
     if v == 1:
         return stage_blocks(spec, pipeline, work)[stage] * min(micro_batches_in_flight(pipeline, 1, stage), micro)
     chunks = chunk_blocks(spec, work, pipeline)[stage]
-    outstanding = min(2 * (pipeline - stage - 1) + (v - 1) * pipeline + 1, micro * v)
+    outstanding = outstanding_chunks(pipeline, v, stage, micro)
     return sum(chunks[(i // pipeline) % v] for i in range(outstanding))
 
 

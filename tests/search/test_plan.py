@@ -145,6 +145,8 @@ def test_estimate_of_the_top_plan_gives_the_figures_plan_reports():
     ("distributed_optimizer", True, "zero1"), ("virtual_stages", 2, "pipeline > 1"), ("virtual_stages", 0, "positive"),
     ("fused_swiglu", "yes", "True"), ("grad_reduce_dtype", "fp16", "bf16"), ("grad_reduce_dtype", "bf16", "zero1"),
     ("attention", "eager", "materialised"), ("sequence_parallel", 1, "True"),
+    ("half_grads_kept", "yes", "True"), ("half_grads_kept", True, "zero1"), ("stage_outputs_kept", 1, "True"),
+    ("stage_outputs_kept", True, "pipeline > 1"),
 ])
 def test_estimate_names_a_bad_value_and_the_valid_choices(key, value, valid):
     with pytest.raises(InputError, match=valid) as error:
@@ -374,3 +376,26 @@ def test_without_sequence_parallelism_the_residual_stream_is_whole_on_every_tens
     assert off.tokens_per_s_per_gpu < on.tokens_per_s_per_gpu and off.memory_bytes > on.memory_bytes
     one = atorch.estimate("llama2-13b", "2x8xA100-80GB", tensor=1, **args)
     assert atorch.estimate("llama2-13b", "2x8xA100-80GB", tensor=1, sequence_parallel=False, **args) == one
+
+
+def test_deepspeeds_kept_gradients_and_stage_outputs_add_their_exact_bytes():
+    """half_grads_kept (DeepSpeed's BF16 optimizer keeps the model's bf16 gradients beside its fp32 buffer):
+    2 bytes per parameter of the largest stage's share, time unchanged; stage_outputs_kept (DeepSpeed's
+    pipeline engine keeps each in-flight micro-batch's stage output until its backward): on the first
+    stage, p in-flight micro-batches x tokens x hidden x 2 bytes, whole on each tensor rank without
+    sequence parallelism."""
+    from atorch.plan import configuration
+    from atorch.plan.analytic import _largest_stage, outstanding_chunks
+
+    args = dict(global_batch=64, seq_len=2048, tensor=4, pipeline=4, sharding="zero1", micro_batch_size=1,
+                activation_checkpointing="full", sequence_parallel=False)
+    base = atorch.estimate("llama2-13b", "4x8xA100-80GB", **args)
+    grads = atorch.estimate("llama2-13b", "4x8xA100-80GB", half_grads_kept=True, **args)
+    spec, cluster, candidate, work = configuration("llama2-13b", "4x8xA100-80GB", **args)
+    assert grads.allocated_bytes - base.allocated_bytes == pytest.approx(2 * _largest_stage(spec, 4, 4), rel=1e-6)
+    assert grads.step_time_s == base.step_time_s
+    outputs = atorch.estimate("llama2-13b", "4x8xA100-80GB", stage_outputs_kept=True, **args)
+    micro = 64 // 2  # 32 data-rank micro-batches of one sequence (world 32 / tensor 4 / pipeline 4 = 2 data ranks)
+    in_flight = outstanding_chunks(4, 1, 0, micro)
+    assert in_flight == 4
+    assert outputs.allocated_bytes - base.allocated_bytes == pytest.approx(in_flight * 2048 * spec.hidden * 2, rel=1e-6)
