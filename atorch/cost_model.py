@@ -137,12 +137,33 @@ def estimate(candidate: Candidate, variant: VariantProfile, world: int, profile:
                     early_act = sum(early) - (0.5 * P if amp and not candidate.checkpoint else 0.0)
                     memory = max(memory, (P + O) / n + 3 * compute * unit + early_act)
                 comm, collectives = shed * (G + 2 * P), 3 * units
+    unsplit_comm_s = _comm_seconds(comm, collectives, hardware)
     if candidate.micro > 1:
         memory, comm, collectives = _split(candidate, memory, comm, collectives, act, P, G, n, units)
-    time_s = (variant.step_time_s * (1 + MICRO_STEP_OVERHEAD * (candidate.micro - 1))
-              + comm / max(hardware.bandwidth_bytes_per_s, 1.0) + collectives * hardware.latency_s)
+    comm_s = _comm_seconds(comm, collectives, hardware)
+    comm_s = _measured_sharding_seconds(candidate, variant, n, unsplit_comm_s, comm_s)
+    time_s = variant.step_time_s * (1 + MICRO_STEP_OVERHEAD * (candidate.micro - 1)) + comm_s
     detail = f"alone {variant.peak_bytes / 2**20:.1f} MiB, P/G/O {P / 2**20:.1f}/{G / 2**20:.1f}/{O / 2**20:.1f} MiB"
     return Estimate(int(memory), time_s, detail)
+
+
+def _comm_seconds(comm_bytes: float, collectives: int, hardware: HardwareProfile) -> float:
+    return comm_bytes / max(hardware.bandwidth_bytes_per_s, 1.0) + collectives * hardware.latency_s
+
+
+def _measured_sharding_seconds(candidate: Candidate, variant: VariantProfile, world: int, unsplit_comm_s: float,
+                               comm_s: float) -> float:
+    """What the sharding adds to the alone step: the formula's ``comm_s``, or, where the search measured
+    the sharding over every rank (``variant.sharded_step_times``: the whole model's unsplit step, less the
+    alone step), that measured excess scaled as the formula scales with micro-steps (``comm_s`` over
+    ``unsplit_comm_s``). The measurement counts what the formula cannot: each collective's real cost on
+    these process groups (gloo's all-gather and reduce-scatter are not its all-reduce) and the sharding's
+    own per-unit work (FSDP's copy-in / copy-out and hooks). Hybrid sharding (``candidate.shard``) and
+    other world sizes keep the formula: the measurement was over all ranks as one group."""
+    measured = variant.sharded_step_times.get(candidate.sharding)
+    if measured is None or candidate.shard or world != variant.sharded_world or unsplit_comm_s <= 0:
+        return comm_s
+    return max(measured - variant.step_time_s, 0.0) * comm_s / unsplit_comm_s
 
 
 def _split(candidate: Candidate, memory: float, comm: float, collectives: int, act: float, P: float, G: float,

@@ -21,6 +21,7 @@ from atorch.auto.search.options import SearchOptions
 from atorch.auto.search.strategy_search import StrategySearch
 from atorch.auto.search.topology import Links, keep_tensor_in_node, topology_for
 from atorch.cost_model import (
+    MICRO_STEP_OVERHEAD,
     MeasuredProfile,
     estimate_layout_memory,
     fits_with_margin,
@@ -137,6 +138,11 @@ def test_each_micro_step_sync_is_searched_under_fsdp_where_the_last_step_split_d
     assert predicted[each.label].fits and not predicted[last.label].fits
 
 
+def _wanted(search, setting, kind) -> set:
+    """The measurements of ``kind`` (int: a tensor size; str: a sharding) the search wants for ``setting``."""
+    return {key for key in search._measurements_that_matter([setting]) if isinstance(key[1], kind)}
+
+
 def test_only_tensor_splits_that_could_be_dry_run_are_measured():
     """A split is measured only when a candidate using it is among the ``topk`` fastest predicted to fit
     (the formula's optimistic cost for unmeasured splits), one at a time as measurements move them."""
@@ -148,25 +154,51 @@ def test_only_tensor_splits_that_could_be_dry_run_are_measured():
     assert everything
     # every fitting candidate is dry-run: every split that fits is wanted
     search.options = dataclasses.replace(search.options, exhaustive=True)
-    fitting = set(search._tensor_splits_that_matter([setting]))
+    fitting = _wanted(search, setting, int)
     assert fitting and fitting <= everything
     search.options = dataclasses.replace(search.options, exhaustive=False, topk=1)
     ranked = sorted((c for c in search.candidates if c.precision == "fp32" and not c.checkpoint
                      and fits_with_margin(search._estimate(c).memory_bytes, search.hardware.memory_limit)),
                     key=lambda c: search._estimate(c).step_time_s)
-    kept = search._tensor_splits_that_matter([setting])
-    assert set(kept) == ({(setting, ranked[0].tensor)} if ranked[0].tensor > 1 else set())
+    kept = _wanted(search, setting, int)
+    assert kept == ({(setting, ranked[0].tensor)} if ranked[0].tensor > 1 else set())
     search.options = dataclasses.replace(search.options, topk=len(ranked))
-    assert set(search._tensor_splits_that_matter([setting])) == fitting
+    assert _wanted(search, setting, int) == fitting
     # measured, a split costs what it measured: here far more than the formula, so it leaves the top-k,
     # and the next fastest candidate's split (if any) is wanted instead
     tensor = max(fitting, key=lambda key: key[1])[1]
     search.variants[setting].tensor_step_times[tensor] = 10.0
-    after = search._tensor_splits_that_matter([setting])
+    after = _wanted(search, setting, int)
     assert (setting, tensor) not in after
     assert all(key[1] != tensor for key in after)
     search.hardware = dataclasses.replace(search.hardware, memory_limit=MIB)  # nothing fits: nothing to measure
-    assert search._tensor_splits_that_matter([setting]) == {}
+    assert search._measurements_that_matter([setting]) == {}
+
+
+def test_fsdp_is_measured_when_it_could_be_dry_run_and_then_costs_what_it_measured():
+    """FSDP's cost (``MEASURED_SHARDINGS``) is measured over every rank when an fsdp candidate is among the
+    fitting ``topk``; once measured, its unsplit candidate costs exactly the measured step, and a
+    micro-batched one the measured excess scaled as the formula scales it with micro-steps."""
+    search = _hand_made_search()
+    search.stack = None
+    setting = ("fp32", False)
+    search.options = dataclasses.replace(search.options, exhaustive=True)
+    assert _wanted(search, setting, str) == {(setting, "fsdp")}
+    variant = search.variants[setting]
+    unsplit = Candidate("fsdp", "fp32", False, block="Block")
+    split = dataclasses.replace(unsplit, micro=2)
+    formula = {c.label: search._estimate(c).step_time_s for c in (unsplit, split)}
+    variant.sharded_step_times["fsdp"], variant.sharded_world = variant.step_time_s + 1.0, search.world
+    assert _wanted(search, setting, str) == set()
+    assert search._estimate(unsplit).step_time_s == pytest.approx(variant.step_time_s + 1.0)
+    formula_excess = {label: t - variant.step_time_s * (1 + MICRO_STEP_OVERHEAD * (c.micro - 1))
+                      for (label, t), c in zip(formula.items(), (unsplit, split))}
+    expected = (variant.step_time_s * (1 + MICRO_STEP_OVERHEAD)
+                + 1.0 * formula_excess[split.label] / formula_excess[unsplit.label])
+    assert search._estimate(split).step_time_s == pytest.approx(expected)
+    # measured over another world size (a cached profile of another run), the formula stands
+    variant.sharded_world = search.world * 2
+    assert search._estimate(unsplit).step_time_s == pytest.approx(formula[unsplit.label])
 
 
 def test_a_profile_cached_before_a_field_was_measured_is_measured_again(tmp_path, monkeypatch):

@@ -62,6 +62,11 @@ class VariantProfile:
     # tensor size -> the whole model's step time under ddp + that tensor split (pipeline 1, the rest data
     # parallel) on every rank, measured by pieces: what the split really costs on these process groups
     tensor_step_times: dict = field(default_factory=dict)
+    # sharding ("fsdp") -> the whole model's unsplit step time under it over all ``sharded_world`` ranks (one
+    # shard group), measured by pieces on the real process group: what its gathers, reduce-scatters and
+    # per-unit work really cost, which the bandwidth formula prices from an all-reduce
+    sharded_step_times: dict = field(default_factory=dict)
+    sharded_world: int = 0
 
 
 @dataclass

@@ -78,6 +78,10 @@ MIN_TIME_EVIDENCE = 2
 # the methods that make a setting (precision, checkpoint): what a rank training alone applies
 SETTING_METHODS = ("amp_native", "half", "checkpoint")
 PIECE_STEP_FACTOR = 2  # a cut model trains this many times the dry run's steps (see ``_train_alone``)
+# the shardings whose cost the search measures on the real process group before dry-running them
+# (``_measure_sharding``): FSDP, whose per-unit gathers, reduce-scatters and copies the bandwidth formula
+# prices from an all-reduce and so under-prices (on 2 to 4 gloo ranks, 1.6 to 2 times)
+MEASURED_SHARDINGS = ("fsdp",)
 
 
 @dataclass
@@ -226,28 +230,35 @@ class StrategySearch:
             if not checkpoint or plain is None or plain.error or variant.error:
                 continue
             splits = {t: max(s, plain.tensor_step_times.get(t, 0.0)) for t, s in variant.tensor_step_times.items()}
+            sharded = {k: max(s, plain.sharded_step_times.get(k, 0.0)) for k, s in variant.sharded_step_times.items()}
             self.variants[(precision, checkpoint)] = dataclasses.replace(
-                variant, step_time_s=max(variant.step_time_s, plain.step_time_s), tensor_step_times=splits)
+                variant, step_time_s=max(variant.step_time_s, plain.step_time_s), tensor_step_times=splits,
+                sharded_step_times=sharded)
 
     def _measure_tensor_splits(self, settings: set[Setting]) -> None:
-        """Measure tensor splits (``_measure_tensor_split``) until none that could be dry-run is left
-        unmeasured: one at a time, since a measurement moves its candidates (the formula's cost of a split
-        is the optimistic one) and so changes which candidates are the fastest."""
-        tried: set[tuple[Setting, int]] = set()
+        """Measure tensor splits and shardings (``_measure_tensor_split``, ``_measure_sharding``) until
+        none that could be dry-run is left unmeasured: one at a time, since a measurement moves its
+        candidates (the formula's cost is the optimistic one) and so changes which are the fastest."""
+        tried: set[tuple[Setting, Any]] = set()
         while True:
-            wanted = {key: t for key, t in self._tensor_splits_that_matter(settings).items() if key not in tried}
+            wanted = {key: t for key, t in self._measurements_that_matter(settings).items() if key not in tried}
             if not wanted:
                 return
-            setting, tensor = min(wanted, key=lambda key: (wanted[key], key))
-            self._measure_tensor_split(setting, tensor, self.variants[setting])
-            tried.add((setting, tensor))
+            setting, what = min(wanted, key=lambda key: (wanted[key], str(key)))
+            if isinstance(what, int):
+                self._measure_tensor_split(setting, what, self.variants[setting])
+            else:
+                self._measure_sharding(setting, what, self.variants[setting])
+            tried.add((setting, what))
 
-    def _tensor_splits_that_matter(self, settings: Iterable[Setting]) -> dict[tuple[Setting, int], float]:
-        """The (setting, tensor size) pairs among ``settings`` not measured yet that some candidate the
-        search would dry-run uses, each with that candidate's predicted step time: among the ``topk``
-        fastest candidates predicted to fit (every fitting one with ``exhaustive``), unmeasured splits
-        costed by the formula, which leaves out the split layers' own overheads (the optimistic cost: a
-        split beyond the ``topk`` by it stays beyond once measured, and is never dry-run)."""
+    def _measurements_that_matter(self, settings: Iterable[Setting]) -> dict[tuple[Setting, Any], float]:
+        """The (setting, tensor size) and (setting, sharding) pairs among ``settings`` not measured yet that
+        some candidate the search would dry-run uses, each with that candidate's predicted step time: among
+        the ``topk`` fastest candidates predicted to fit (every fitting one with ``exhaustive``), unmeasured
+        splits and shardings costed by the formula, which leaves out the split layers' and the sharding's own
+        overheads (the optimistic cost: a candidate beyond the ``topk`` by it stays beyond once measured, and
+        is never dry-run). A sharding is measured where ``MEASURED_SHARDINGS`` names it, unsplit over all
+        ranks (what ``sharded_step_times`` holds)."""
         settings = set(settings)
         self.measured = self._measured()
         limit = self.hardware.memory_limit
@@ -261,12 +272,19 @@ class StrategySearch:
         fitting.sort(key=lambda pair: pair[0])
         if not self.options.exhaustive:
             fitting = fitting[:self.options.topk]
-        wanted: dict[tuple[Setting, int], float] = {}
+        wanted: dict[tuple[Setting, Any], float] = {}
         for time_s, candidate in fitting:
             setting = (candidate.precision, candidate.checkpoint)
-            if (candidate.tensor > 1 and setting in settings
-                    and candidate.tensor not in self.variants[setting].tensor_step_times):
+            if setting not in settings:
+                continue
+            variant = self.variants[setting]
+            key = None
+            if candidate.tensor > 1 and candidate.tensor not in variant.tensor_step_times:
                 key = (setting, candidate.tensor)
+            elif (candidate.sharding in MEASURED_SHARDINGS and candidate.tensor * candidate.pipeline == 1
+                  and not candidate.shard and self.world > 1 and candidate.sharding not in variant.sharded_step_times):
+                key = (setting, candidate.sharding)
+            if key is not None:
                 wanted[key] = min(wanted.get(key, float("inf")), time_s)
         return wanted
 
@@ -323,14 +341,30 @@ class StrategySearch:
         if all(r is not None for r in runs):
             variant.tensor_step_times[tensor] = whole_model(runs[0], runs[1], 1, self.stack.blocks)
 
+    def _measure_sharding(self, setting: Setting, sharding: str, variant: VariantProfile) -> None:
+        """The whole model's unsplit step under ``sharding`` over every rank, extrapolated from the model cut
+        to 1 and 2 blocks (the sharding's per-unit cost is a block's share, as compute is), dry-run on the
+        real process group, each process holding its shard of the two. The cost model takes what the
+        sharding adds from it instead of the bandwidth formula (``cost_model._measured_sharding_seconds``)."""
+        if variant.error or self.stack is None or self.stack.blocks < 3:
+            return
+        candidate = Candidate(sharding, setting[0], setting[1], block=self.profile.main_block)
+        runs = [self._dry_run_piece(candidate, kept) for kept in (1, 2)]
+        if all(r is not None for r in runs) and runs[1] < runs[0]:  # noise: a block cannot take negative time
+            runs = [self._dry_run_piece(candidate, kept) for kept in (1, 2)]
+        if all(r is not None for r in runs):
+            variant.sharded_step_times[sharding] = whole_model(runs[0], runs[1], 1, self.stack.blocks)
+            variant.sharded_world = self.world
+
     def _dry_run_piece(self, candidate: Candidate, kept: int) -> Optional[float]:
         """The step time of ``candidate`` dry-run on the model cut to ``kept`` blocks, recorded in
         ``self.pieces``; None when it failed or its state alone is predicted over the memory limit."""
         held = self.stack.param_bytes(kept)
         setting = _setting_label(self._setting_strategy((candidate.precision, candidate.checkpoint)))
-        run = PieceRun(f"{setting}+tp{candidate.tensor}", kept, self.stack.blocks, held)
+        split = f"tp{candidate.tensor}" if candidate.tensor > 1 else candidate.sharding
+        run = PieceRun(f"{setting}+{split}", kept, self.stack.blocks, held)
         self.pieces.append(run)
-        needed = state_bytes_needed(held) / candidate.tensor
+        needed = state_bytes_needed(held) / (candidate.tensor if candidate.tensor > 1 else self.world)
         if needed > self.hardware.memory_limit:
             run.error = f"needs about {needed / 2**20:.1f} MiB of training state, over the memory limit"
             return None
