@@ -7,6 +7,7 @@ the dry run on every rank within seconds and leaves a usable process group behin
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import statistics
 import time
@@ -110,7 +111,9 @@ def _timed_steps(ctx: ModelContext, warmup_steps: int, timed_steps: int) -> list
     exists: every later step peaks as that one does); the timed steps run after it, untracked. On CPU the
     tracker is a ``TorchDispatchMode`` that runs Python for every operator: timed under it, a 4-block GPT's
     step took 165 ms instead of 37, and each layout was charged by its operator count (FSDP's gathers and
-    copies, an unfused attention), not by its time."""
+    copies, an unfused attention), not by its time. The timed steps run with Python's garbage collector
+    held off (collected just before, as ``timeit`` does): a collection landing in one candidate's steps
+    and not another's would be charged to that candidate."""
     take = _batch_source(ctx, warmup_steps + 1 + timed_steps)
     after: list[int] = []  # the bytes each tracked step's forward left alive for backward
     with PeakMemoryTracker(ctx.device, roots=[ctx.model, ctx.raw_optim]) as tracker:
@@ -121,14 +124,21 @@ def _timed_steps(ctx: ModelContext, warmup_steps: int, timed_steps: int) -> list
             steady_forward_backward_peak = tracker.phase_peak()
             optimizer_step(ctx)
     times: list[float] = []
-    for _ in range(timed_steps):
-        batch = take()
-        _sync(ctx.device)
-        start = time.perf_counter()
-        forward_backward(ctx, batch)
-        optimizer_step(ctx)
-        _sync(ctx.device)
-        times.append(time.perf_counter() - start)
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(timed_steps):
+            batch = take()
+            _sync(ctx.device)
+            start = time.perf_counter()
+            forward_backward(ctx, batch)
+            optimizer_step(ctx)
+            _sync(ctx.device)
+            times.append(time.perf_counter() - start)
+    finally:
+        if collecting:
+            gc.enable()
     spread = statistics.stdev(times) if len(times) > 1 else 0.0
     return [statistics.median(times), float(tracker.stats.peak_bytes), spread, float(steady_forward_backward_peak),
             float(after[-1])]
