@@ -122,8 +122,9 @@ def run_search(name: str, scale: Scale) -> tuple[str, float, str, "Candidate", d
 
 
 def predictions(rows: list) -> dict:
-    """The search's predicted step time of every candidate it estimated (not those it could not)."""
-    return {r.label: r.predicted_time_s for r in rows if math.isfinite(r.predicted_time_s)}
+    """The search's predicted step time of every candidate it estimated (not those it could not, nor its
+    refine tries, whose compute methods the cost model does not price: ``Row.priced``)."""
+    return {r.label: r.predicted_time_s for r in rows if math.isfinite(r.predicted_time_s) and r.priced}
 
 
 def spearman_over_space(predicted: dict, times: dict):

@@ -37,3 +37,14 @@ def test_the_table_ends_with_the_correlation():
     assert table.splitlines()[-1] == ("predicted vs measured step time: Spearman rank correlation -1.00 over 3 "
                                       "dry-run candidates")
     assert "no rank correlation" in format_table(rows([1, 2], [0.1, 0.2]), 100 * MIB)
+
+
+def test_refine_tries_are_left_out_and_the_table_says_so():
+    """A refine try's predicted time is its base's (the cost model does not price compute methods): the
+    pair would compare a method's measured effect with a tie never predicted, so it does not count."""
+    table_rows = rows([1, 2, 3, 2], [0.1, 0.2, 0.3, 0.05])
+    table_rows[-1].priced = False
+    correlation, count = rank_correlation(table_rows)
+    assert count == 3 and correlation == pytest.approx(1.0)
+    assert format_table(table_rows, 100 * MIB).splitlines()[-1].endswith(
+        "over 3 dry-run candidates (refine tries left out: the cost model does not price their methods)")

@@ -41,8 +41,6 @@ Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 Scope = Literal["auto", "blocks", "model"]
 # set on each block whose forward native_dynamo compiled (tests and the report read it)
 COMPILED_BLOCK_ATTR = "atorch_compiled_forward"
-# modules that wrap a block and so repeat exactly as often as it does, with the same parameters
-_WRAPPER_CLASSES = ("CheckpointWrapper", "OffloadWrapper")
 
 
 @dataclass(frozen=True)
@@ -65,7 +63,7 @@ def compiled_blocks(model: nn.Module) -> list[nn.Module]:
     class that repeats with parameters (the innermost of equal-sized classes, so a checkpoint or
     FSDP2 wrapper's own class is not taken for the block). Empty where nothing repeats."""
     counts, sizes = repeated_blocks(model)
-    names = [name for name in counts if name not in _WRAPPER_CLASSES]
+    names = list(counts)  # outermost first among equal sizes: a wrapper comes before the block it wraps
     if not names:
         return []
     largest = max(sizes[name] for name in names)

@@ -33,6 +33,9 @@ class Row:
     chosen: bool = False
     samples: list = field(default_factory=list)  # every measured step time (confirmation rounds add more)
     spread_s: float = 0.0  # the largest standard deviation of one dry run's timed steps (the noise)
+    # False for a refine try (the chosen candidate plus a compute method): the cost model does not price
+    # compute methods, so its predicted time is its base candidate's, not a prediction of its own
+    priced: bool = True
 
     @property
     def memory_error(self) -> Optional[float]:
@@ -44,8 +47,10 @@ class Row:
 def rank_correlation(rows: list[Row]) -> Optional[tuple[float, int]]:
     """Spearman's rank correlation between the predicted and the measured step times of the rows
     that were dry-run (ties share their average rank), and how many there were; None under three:
-    how far the predictions that pick the dry runs can be trusted to order them."""
-    return spearman([(row.predicted_time_s, row.measured_time_s) for row in rows if row.measured_time_s])
+    how far the predictions that pick the dry runs can be trusted to order them. Refine tries are left
+    out (``Row.priced``): their predicted time is their base's, so a pair of them would only compare a
+    method's measured effect, and the noise, with a tie the cost model never predicted."""
+    return spearman([(row.predicted_time_s, row.measured_time_s) for row in rows if row.measured_time_s and row.priced])
 
 
 def spearman(pairs: list[tuple[float, float]]) -> Optional[tuple[float, int]]:
@@ -91,7 +96,9 @@ def format_table(rows: list[Row], memory_limit: int) -> str:
     correlation = rank_correlation(rows)
     lines.append("predicted vs measured step time: " + (
         f"Spearman rank correlation {correlation[0]:.2f} over {correlation[1]} dry-run candidates" if correlation
-        else "fewer than 3 dry-run candidates, no rank correlation"))
+        else "fewer than 3 dry-run candidates, no rank correlation")
+        + (" (refine tries left out: the cost model does not price their methods)"
+           if any(row.measured_time_s and not row.priced for row in rows) else ""))
     return "\n".join(lines)
 
 

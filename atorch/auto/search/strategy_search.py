@@ -546,7 +546,7 @@ class StrategySearch:
             if self._out_of_time():
                 break
             guess = self._estimate(candidate)
-            row = Row(candidate.label, guess.memory_bytes, guess.step_time_s)
+            row = Row(candidate.label, guess.memory_bytes, guess.step_time_s, priced=False)
             self.rows.append(row)
             self.candidates.append(candidate)
             self._try(len(self.candidates) - 1)
