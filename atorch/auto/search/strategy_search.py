@@ -269,6 +269,9 @@ class StrategySearch:
             guess = self._estimate(candidate)
             if fits_with_margin(guess.memory_bytes, limit):
                 fitting.append((guess.step_time_s, candidate))
+        # the splits the search would not dry-run (``_skip_needless_splits``) take no place in the top-k
+        labels = {candidate.label for _, candidate in fitting}
+        fitting = [(t, c) for t, c in fitting if c.micro == 1 or not needless_split(c, lambda x: x.label in labels)]
         fitting.sort(key=lambda pair: pair[0])
         if not self.options.exhaustive:
             fitting = fitting[:self.options.topk]
