@@ -177,15 +177,29 @@ def test_only_tensor_splits_that_could_be_dry_run_are_measured():
 
 def test_fsdp_is_measured_when_it_could_be_dry_run_and_then_costs_what_it_measured():
     """FSDP's cost (``MEASURED_SHARDINGS``) is measured over every rank when an fsdp candidate is among the
-    fitting ``topk``; once measured, its unsplit candidate costs exactly the measured step, and a
+    fitting ``topk`` and more candidates fit than are dry-run (else its pieces would cost what its own dry
+    run does, to no end); once measured, its unsplit candidate costs exactly the measured step, and a
     micro-batched one the measured excess scaled as the formula scales it with micro-steps."""
     search = _hand_made_search()
     search.stack = None
     setting = ("fp32", False)
-    search.options = dataclasses.replace(search.options, exhaustive=True)
-    assert _wanted(search, setting, str) == {(setting, "fsdp")}
-    variant = search.variants[setting]
     unsplit = Candidate("fsdp", "fp32", False, block="Block")
+    search.measured = search._measured()
+    fitting = sorted((c for c in search.candidates if (c.precision, c.checkpoint) == setting and c.micro == 1
+                      and fits_with_margin(search._estimate(c).memory_bytes, search.hardware.memory_limit)),
+                     key=lambda c: search._estimate(c).step_time_s)
+    place = [c.label for c in fitting].index(unsplit.label)
+    assert place + 1 < len(fitting)
+    # fsdp among the top-k while more candidates fit than are dry-run: measured
+    search.options = dataclasses.replace(search.options, exhaustive=False, topk=place + 1)
+    assert _wanted(search, setting, str) == {(setting, "fsdp")}
+    # outside the top-k, or every fitting candidate dry-run anyway (exhaustive): not worth its pieces
+    search.options = dataclasses.replace(search.options, topk=place)
+    assert _wanted(search, setting, str) == set()
+    search.options = dataclasses.replace(search.options, exhaustive=True)
+    assert _wanted(search, setting, str) == set()
+    search.options = dataclasses.replace(search.options, exhaustive=False, topk=place + 1)
+    variant = search.variants[setting]
     split = dataclasses.replace(unsplit, micro=2)
     formula = {c.label: search._estimate(c).step_time_s for c in (unsplit, split)}
     variant.sharded_step_times["fsdp"], variant.sharded_world = variant.step_time_s + 1.0, search.world

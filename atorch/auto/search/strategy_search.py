@@ -273,6 +273,10 @@ class StrategySearch:
         labels = {candidate.label for _, candidate in fitting}
         fitting = [(t, c) for t, c in fitting if c.micro == 1 or not needless_split(c, lambda x: x.label in labels)]
         fitting.sort(key=lambda pair: pair[0])
+        # a sharding's pieces cost about what its candidate's own dry run costs (every rank's collectives
+        # run on both), so it is measured only where its candidate could then be left out: where more
+        # candidates fit than are dry-run (otherwise every one of them is dry-run in some order anyway)
+        shardings_matter = not self.options.exhaustive and len(fitting) > self.options.topk
         if not self.options.exhaustive:
             fitting = fitting[:self.options.topk]
         wanted: dict[tuple[Setting, Any], float] = {}
@@ -284,8 +288,7 @@ class StrategySearch:
             key = None
             if candidate.tensor > 1 and candidate.tensor not in variant.tensor_step_times:
                 key = (setting, candidate.tensor)
-            elif (candidate.sharding in MEASURED_SHARDINGS and candidate.tensor * candidate.pipeline == 1
-                  and not candidate.shard and self.world > 1 and candidate.sharding not in variant.sharded_step_times):
+            elif shardings_matter and self._unmeasured_sharding(candidate, variant):
                 key = (setting, candidate.sharding)
             if key is not None:
                 wanted[key] = min(wanted.get(key, float("inf")), time_s)
@@ -343,6 +346,12 @@ class StrategySearch:
             runs = [self._dry_run_piece(candidate, kept) for kept in (1, 2)]
         if all(r is not None for r in runs):
             variant.tensor_step_times[tensor] = whole_model(runs[0], runs[1], 1, self.stack.blocks)
+
+    def _unmeasured_sharding(self, candidate: Candidate, variant: VariantProfile) -> bool:
+        """Whether ``candidate`` is an unsplit candidate over every rank of a sharding the search measures
+        (``MEASURED_SHARDINGS``) that ``variant`` has not measured yet."""
+        return (candidate.sharding in MEASURED_SHARDINGS and candidate.tensor * candidate.pipeline == 1
+                and not candidate.shard and self.world > 1 and candidate.sharding not in variant.sharded_step_times)
 
     def _measure_sharding(self, setting: Setting, sharding: str, variant: VariantProfile) -> None:
         """The whole model's unsplit step under ``sharding`` over every rank, extrapolated from the model cut
