@@ -294,7 +294,7 @@ def _time_without_tensor_split(tensor: int, pipeline: int, variant: VariantProfi
     if data > 1:
         comm += 2 * (1 - 1 / data) * variant.grads * share
         collectives += 1
-    return compute + comm / max(hardware.bandwidth_bytes_per_s, 1.0) + collectives * hardware.latency_s
+    return compute + _comm_seconds(comm, collectives, hardware)
 
 
 def _tensor_split_time(candidate: Candidate, variant: VariantProfile, world: int, profile: ModelProfile,
@@ -318,7 +318,7 @@ def _tensor_split_time(candidate: Candidate, variant: VariantProfile, world: int
     activation_bytes = variant.batch * tensor * pipeline * profile.tokens_per_sample * facts.hidden_size * dtype_bytes
     blocks_here = max(facts.blocks, 1) * (facts.stage_block_share.get(pipeline, 1.0) if pipeline > 1 else 1.0)
     comm = 4 * blocks_here * 2 * (1 - 1 / tensor) * activation_bytes
-    return comm / max(hardware.bandwidth_bytes_per_s, 1.0) + int(4 * blocks_here) * hardware.latency_s
+    return _comm_seconds(comm, int(4 * blocks_here), hardware)
 
 
 # --- the links a collective crosses ----------------------------------------------------------------

@@ -338,14 +338,12 @@ class StrategySearch:
         model cut to 1 and 2 blocks (without a block the split finds nothing to split; each process
         holds 2 / tensor of the two) and dry-run as the plan would split it, on the real process groups.
         The cost model takes the split's cost from it instead of a formula (``cost_model._tensor_split_time``)."""
-        if variant.error or self.stack is None or self.stack.blocks < 3:
+        if variant.error:
             return
         candidate = Candidate("ddp", setting[0], setting[1], block=self.profile.main_block, tensor=tensor)
-        runs = [self._dry_run_piece(candidate, kept) for kept in (1, 2)]
-        if all(r is not None for r in runs) and runs[1] < runs[0]:  # noise: a block cannot take negative time
-            runs = [self._dry_run_piece(candidate, kept) for kept in (1, 2)]
-        if all(r is not None for r in runs):
-            variant.tensor_step_times[tensor] = whole_model(runs[0], runs[1], 1, self.stack.blocks)
+        whole = self._whole_from_pieces(candidate)
+        if whole is not None:
+            variant.tensor_step_times[tensor] = whole
 
     def _unmeasured_sharding(self, candidate: Candidate, variant: VariantProfile) -> bool:
         """Whether ``candidate`` is an unsplit candidate over every rank of a sharding the search measures
@@ -358,15 +356,24 @@ class StrategySearch:
         to 1 and 2 blocks (the sharding's per-unit cost is a block's share, as compute is), dry-run on the
         real process group, each process holding its shard of the two. The cost model takes what the
         sharding adds from it instead of the bandwidth formula (``cost_model._measured_sharding_seconds``)."""
-        if variant.error or self.stack is None or self.stack.blocks < 3:
+        if variant.error:
             return
-        candidate = Candidate(sharding, setting[0], setting[1], block=self.profile.main_block)
+        whole = self._whole_from_pieces(Candidate(sharding, setting[0], setting[1], block=self.profile.main_block))
+        if whole is not None:
+            variant.sharded_step_times[sharding], variant.sharded_world = whole, self.world
+
+    def _whole_from_pieces(self, candidate: Candidate) -> Optional[float]:
+        """The whole model's step time under ``candidate``, extrapolated from its dry runs on the model cut
+        to 1 and 2 blocks (both again once when the second ran faster: a block cannot take negative time);
+        None without a stack of three or more blocks, or when a piece failed."""
+        if self.stack is None or self.stack.blocks < 3:
+            return None
         runs = [self._dry_run_piece(candidate, kept) for kept in (1, 2)]
-        if all(r is not None for r in runs) and runs[1] < runs[0]:  # noise: a block cannot take negative time
+        if all(r is not None for r in runs) and runs[1] < runs[0]:
             runs = [self._dry_run_piece(candidate, kept) for kept in (1, 2)]
-        if all(r is not None for r in runs):
-            variant.sharded_step_times[sharding] = whole_model(runs[0], runs[1], 1, self.stack.blocks)
-            variant.sharded_world = self.world
+        if any(r is None for r in runs):
+            return None
+        return whole_model(runs[0], runs[1], 1, self.stack.blocks)
 
     def _dry_run_piece(self, candidate: Candidate, kept: int) -> Optional[float]:
         """The step time of ``candidate`` dry-run on the model cut to ``kept`` blocks, recorded in
