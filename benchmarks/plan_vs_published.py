@@ -40,6 +40,8 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # cross-entropy (llmfoundry/models/mpt/modeling_mpt.py: loss_fn='fused_crossentropy'):
                    # bf16 logits and their bf16 gradient, no fp32 copy: 4 bytes per logit
                    "llm-foundry": {"sync_each_micro_step": True, "logit_bytes": 4},
+                   # fms-fsdp's FSDP mixed precision policy (bfSixteen) reduces gradients in bf16
+                   "fms-fsdp": {"grad_reduce_dtype": "bf16"},
                    # Megatron-Core's distributed optimizer; Transformer Engine's attention, which prefers
                    # cuDNN's fused kernel on Hopper (TransformerEngine dot_product_attention/utils.py)
                    # NeMo-Framework-Launcher's Llama configs (launcher_scripts/conf/training/llama/*.yaml @

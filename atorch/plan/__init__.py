@@ -217,13 +217,16 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
 
     ``fused_swiglu``: a gated MLP's activation runs as one fused kernel that saves only its input
     (Megatron-Core's bias_swiglu_fusion): 3 intermediate widths saved per token instead of eager
-    SwiGLU's 4. ``grad_reduce_dtype``: the distributed optimizer's gradient buffer, "fp32" (default;
-    Megatron's grad_reduce_in_fp32) or "bf16" (half the buffer and half the reduce-scatter; only with
-    the distributed optimizer: sharding="zero1" under tensor / pipeline parallelism or with
-    ``distributed_optimizer``). ``attention``: "flash" (default: a fused kernel that never writes the
-    scores; FlashAttention, SDPA, cuDNN) or "materialised" (the s x s scores written per head, as
-    batched matmuls over the whole square with Megatron's fused softmax and attention dropout between
-    them: more FLOPs, memory-bound traffic on the scores, and 5 bytes per head and key saved for backward).
+    SwiGLU's 4. ``grad_reduce_dtype``: the dtype gradients are reduced in, "fp32" (default; Megatron's
+    grad_reduce_in_fp32, torchtitan's FSDP reduce_dtype) or "bf16": the distributed optimizer's buffer
+    in bf16 (half the buffer and half the reduce-scatter: sharding="zero1" under tensor / pipeline
+    parallelism or with ``distributed_optimizer``), or FSDP / hsdp / zero2 reduce-scattering in bf16
+    (MixedPrecision's reduce_dtype, which FSDP sets to the param dtype when not given: half the bytes
+    reduced); refused for ddp, plain zero1 and fp32 training. ``attention``: "flash" (default: a fused
+    kernel that never writes the scores; FlashAttention, SDPA, cuDNN) or "materialised" (the s x s
+    scores written per head, as batched matmuls over the whole square with Megatron's fused softmax and
+    attention dropout between them: more FLOPs, memory-bound traffic on the scores, and 5 bytes per head
+    and key saved for backward).
     ``sequence_parallel``: under tensor parallelism the norms, residual adds and dropout split over the
     sequence (default True, Megatron's --sequence-parallel, torchtitan); False runs and keeps them whole on
     every tensor rank (Megatron before sequence parallelism).
@@ -247,6 +250,25 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
         fused_swiglu=fused_swiglu, grad_reduce_dtype=grad_reduce_dtype, attention=attention,
         sequence_parallel=sequence_parallel, half_grads_kept=half_grads_kept, stage_outputs_kept=stage_outputs_kept)
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
+
+
+def _check_grad_reduce_dtype(dtype: str, sharding: str, precision: str, tensor: int, pipeline: int,
+                             distributed_optimizer: bool) -> None:
+    """A bf16 gradient reduction exists where gradients are reduced into a buffer or a shard of their own
+    dtype: the distributed optimizer's buffer, FSDP's / zero2's reduce-scatter (MixedPrecision's
+    reduce_dtype); DDP and ZeRO-1 without it reduce the fp32 gradients themselves."""
+    if dtype == "fp32":
+        return
+    reduced_in_its_own_dtype = sharding in ("fsdp", "hsdp", "zero2") or (
+        sharding == "zero1" and (tensor * pipeline > 1 or distributed_optimizer))
+    if not reduced_in_its_own_dtype:
+        raise InputError(f"grad_reduce_dtype={dtype!r} is not valid with sharding={sharding!r}, tensor={tensor}, "
+                         f"pipeline={pipeline}: it is the dtype of the distributed optimizer's gradient buffer or of "
+                         "FSDP's / zero2's reduce-scatter; keep grad_reduce_dtype='fp32' there, or give sharding "
+                         "'fsdp', 'hsdp' or 'zero2', or 'zero1' with tensor / pipeline > 1 or distributed_optimizer")
+    if precision == "fp32":
+        raise InputError(f"grad_reduce_dtype={dtype!r} is not valid with precision='fp32': fp32 training is "
+                         "modelled reducing its fp32 gradients; give grad_reduce_dtype='fp32' or a 16-bit precision")
 
 
 def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, tensor: int = 1, pipeline: int = 1,
@@ -284,10 +306,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                          "optimizer is zero1's sharding; give sharding='zero1'")
     world = cluster.world_size
     data = _check_layout(spec, cluster, tensor, pipeline)
-    if grad_reduce_dtype != "fp32" and not (sharding == "zero1" and (tensor * pipeline > 1 or distributed_optimizer)):
-        raise InputError(f"grad_reduce_dtype={grad_reduce_dtype!r} is not valid with sharding={sharding!r}, "
-                         f"tensor={tensor}, pipeline={pipeline}: it is the dtype of the distributed optimizer's "
-                         "gradient buffer; give sharding='zero1' with tensor / pipeline > 1 or distributed_optimizer")
+    _check_grad_reduce_dtype(grad_reduce_dtype, sharding, precision, tensor, pipeline, distributed_optimizer)
     _check_kept(sharding, precision, tensor, pipeline, distributed_optimizer, half_grads_kept, stage_outputs_kept)
     _check_positive("virtual_stages", virtual_stages)
     if virtual_stages > 1 and pipeline == 1:

@@ -107,7 +107,9 @@ class Workload:
     # token (gate and up, the product fed to the down projection) where eager SwiGLU keeps 4 (its
     # silu output too)
     fused_swiglu: bool = False
-    grad_reduce_dtype: str = "fp32"  # the distributed optimizer's gradient buffer: one of GRAD_REDUCE_DTYPES
+    # the distributed optimizer's gradient buffer, or the dtype FSDP / zero2 reduce-scatter gradients in
+    # (FSDP's MixedPrecision reduce_dtype): one of GRAD_REDUCE_DTYPES
+    grad_reduce_dtype: str = "fp32"
     attention: str = "flash"  # one of ATTENTIONS
     # under tensor parallelism the norms, residual adds and dropout run split over the sequence
     # (Megatron's --sequence-parallel, torchtitan); without it every tensor rank runs them whole and
@@ -280,8 +282,9 @@ def state_bytes(candidate: Candidate, spec: TransformerSpec, states: str = "fp32
 
 
 def grad_buffer_bytes(candidate: Candidate, work: Workload, grads: float) -> float:
-    """The distributed optimizer's gradient buffer: ``grads`` (fp32 gradients, as ``state_bytes`` counts
-    them) unless the buffer is bf16 (``grad_reduce_dtype``) over fp32 gradients, then half of it."""
+    """The gradients as the data dimension reduces them (the distributed optimizer's gradient buffer,
+    FSDP's and zero2's reduce dtype): ``grads`` (fp32 gradients, as ``state_bytes`` counts them) unless
+    that dtype is bf16 (``grad_reduce_dtype``) over fp32 gradients, then half of it."""
     fp32_grads = candidate.precision not in ("fp32", "half_bf16") and work.optimizer_states != "bf16"
     return grads / 2 if fp32_grads and work.grad_reduce_dtype == "bf16" else grads
 
@@ -758,9 +761,11 @@ def data_comm_parts(candidate: Candidate, spec: TransformerSpec, cluster: Cluste
     shed = 1 - 1 / shard
     steps = micro_steps(candidate, work, data) if work is not None and t * p == 1 else 1
     syncs = steps if work is not None and work.syncs_each_micro_step(candidate) else 1
+    # FSDP and zero2 reduce-scatter in their reduce dtype (``grad_reduce_dtype``), DDP in the gradients'
+    reduced_grads = grad_buffer_bytes(candidate, work, G) if work is not None else G
     gathered, reduced = {"ddp": (0.0, 2 * shed * G), "zero1": (shed * P, 2 * shed * G),
-                         "zero2": (shed * steps * compute_params, shed * syncs * G),
-                         "fsdp": (shed * 2 * steps * compute_params, shed * syncs * G)}[candidate.sharding]
+                         "zero2": (shed * steps * compute_params, shed * syncs * reduced_grads),
+                         "fsdp": (shed * 2 * steps * compute_params, shed * syncs * reduced_grads)}[candidate.sharding]
     if candidate.sharding == "zero1" and (t * p > 1 or (work is not None and work.distributed_optimizer)):
         # Megatron: reduce-scatter gradients (in the buffer's dtype), gather bf16 weights
         buffer = grad_buffer_bytes(candidate, work, G) if work is not None else G
@@ -772,7 +777,7 @@ def data_comm_parts(candidate: Candidate, spec: TransformerSpec, cluster: Cluste
     reduce_s = reduced / link + steps * reductions * COLLECTIVE_LATENCY_S
     if shard < data:  # hybrid: the shards' gradients are all-reduced across the replicas
         replicas = data // shard
-        reduce_s += 2 * (1 - 1 / replicas) * G / shard / cluster.link_bytes_per_s(replicas, t * p * shard)
+        reduce_s += 2 * (1 - 1 / replicas) * reduced_grads / shard / cluster.link_bytes_per_s(replicas, t * p * shard)
     return gather_s, reduce_s
 
 

@@ -143,7 +143,7 @@ def test_estimate_of_the_top_plan_gives_the_figures_plan_reports():
     ("grad_sync", "every", "each_micro_step"), ("tp_comm_overlap", "yes", "True"),
     ("grad_reduce_overlap", 1, "None"), ("param_gather_overlap", "on", "None"), ("pipeline_p2p_overlap", 0, "None"),
     ("distributed_optimizer", True, "zero1"), ("virtual_stages", 2, "pipeline > 1"), ("virtual_stages", 0, "positive"),
-    ("fused_swiglu", "yes", "True"), ("grad_reduce_dtype", "fp16", "bf16"), ("grad_reduce_dtype", "bf16", "zero1"),
+    ("fused_swiglu", "yes", "True"), ("grad_reduce_dtype", "fp16", "bf16"),
     ("attention", "eager", "materialised"), ("sequence_parallel", 1, "True"),
     ("half_grads_kept", "yes", "True"), ("half_grads_kept", True, "zero1"), ("stage_outputs_kept", 1, "True"),
     ("stage_outputs_kept", True, "pipeline > 1"),
@@ -349,6 +349,39 @@ def test_a_bf16_gradient_buffer_halves_the_distributed_optimizers_buffer_and_red
         parts[dtype] = data_comm_parts(candidate, spec, cluster, None, work)
     assert parts["bf16"][0] == parts["fp32"][0]
     assert parts["bf16"][1] < parts["fp32"][1]
+
+
+@pytest.mark.parametrize("layout, named", [(dict(sharding="ddp"), "sharding='ddp'"),
+                                           (dict(sharding="zero1"), "sharding='zero1'"),
+                                           (dict(sharding="fsdp", precision="fp32"), "precision='fp32'")])
+def test_a_bf16_gradient_reduction_is_refused_where_gradients_are_not_reduced_in_their_own_dtype(layout, named):
+    """DDP and plain ZeRO-1 all-reduce the fp32 gradients themselves, and fp32 training is modelled reducing
+    fp32: grad_reduce_dtype='bf16' there is refused, naming the value and what would take it."""
+    with pytest.raises(InputError, match="grad_reduce_dtype='bf16'") as error:
+        atorch.estimate("llama3-8b", "2x8xH100-80GB", global_batch=16, seq_len=4096, grad_reduce_dtype="bf16",
+                        **layout)
+    assert named in str(error.value) and "'fp32'" in str(error.value)
+
+
+@pytest.mark.parametrize("sharding", ["fsdp", "hsdp", "zero2"])
+def test_fsdp_reducing_in_bf16_halves_the_gradient_reduction_and_nothing_else(sharding):
+    """FSDP's MixedPrecision reduce_dtype (fms-fsdp's bfSixteen; FSDP's default when only param_dtype is
+    given): the reduce-scatter (and hsdp's all-reduce across replicas) moves 2 bytes a gradient, not 4;
+    the parameter gathers and the memory stay as they were."""
+    from atorch.plan import configuration
+    from atorch.plan.analytic import COLLECTIVE_LATENCY_S, data_comm_parts
+
+    args = dict(global_batch=32, seq_len=4096, sharding=sharding, micro_batch_size=1)
+    fp32 = atorch.estimate("llama2-7b", "2x8xA100-80GB", **args)
+    bf16 = atorch.estimate("llama2-7b", "2x8xA100-80GB", grad_reduce_dtype="bf16", **args)
+    assert bf16.memory_bytes == fp32.memory_bytes and bf16.comm_s < fp32.comm_s
+    parts = {}
+    for dtype in ("fp32", "bf16"):
+        spec, cluster, candidate, work = configuration("llama2-7b", "2x8xA100-80GB", grad_reduce_dtype=dtype, **args)
+        parts[dtype] = data_comm_parts(candidate, spec, cluster, None, work)
+    assert parts["bf16"][0] == parts["fp32"][0]
+    latency = 2 * spec.layers * COLLECTIVE_LATENCY_S  # two micro-steps, one reduction per block
+    assert parts["bf16"][1] - latency == pytest.approx((parts["fp32"][1] - latency) / 2, rel=1e-9)
 
 
 def test_materialised_attention_is_slower_and_keeps_its_scores():
