@@ -180,7 +180,7 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
              tp_comm_overlap: bool = False, grad_reduce_overlap: Optional[bool] = None,
              param_gather_overlap: Optional[bool] = None, pipeline_p2p_overlap: Optional[bool] = None,
              fused_swiglu: bool = False, grad_reduce_dtype: str = "fp32", attention: str = "flash",
-             sequence_parallel: bool = True, half_grads_kept: bool = False,
+             sequence_parallel: bool = True, half_grads_kept: bool = False, reduce_cast_copy: bool = False,
              stage_outputs_kept: bool = False) -> Prediction:
     """How fast and how big is the one configuration you name ("what I run today")?
 
@@ -231,13 +231,17 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     sequence (default True, Megatron's --sequence-parallel, torchtitan); False runs and keeps them whole on
     every tensor rank (Megatron before sequence parallelism).
 
-    What a framework keeps that Megatron-Core frees (both default False): ``half_grads_kept``, the
+    What a framework keeps that Megatron-Core frees (all default False): ``half_grads_kept``, the
     model's own bf16 gradients stay allocated beside the distributed optimizer's fp32 buffer through the
     next forward (DeepSpeed's BF16 optimizer under its pipeline engine: 2 more bytes per parameter; only
     with that optimizer, ``sharding="zero1"`` under tensor / pipeline parallelism or with
     ``distributed_optimizer``, and a 16-bit ``precision``); ``stage_outputs_kept``, each pipeline stage
     keeps every in-flight micro-batch's output until its backward (DeepSpeed's pipeline engine;
-    Megatron-Core frees the data once sent; only with ``pipeline`` > 1).
+    Megatron-Core frees the data once sent; only with ``pipeline`` > 1); ``reduce_cast_copy``, the data
+    dimension all-reduces the distributed optimizer's fp32 gradient buffer through a 16-bit copy of it
+    (DeepSpeed's engine: ``communication_data_type`` is bf16 under bf16), 2 bytes per parameter on top
+    of the peak, since the activations' blocks stay cached (the same optimizer and precision as
+    ``half_grads_kept``, with ``grad_reduce_dtype="fp32"``).
     Returns a ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``, ``memory_bytes``, ``fits`` and the
     time breakdown)."""
     spec, cluster, candidate, work = configuration(
@@ -248,7 +252,8 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
         tp_comm_overlap=tp_comm_overlap, grad_reduce_overlap=grad_reduce_overlap,
         param_gather_overlap=param_gather_overlap, pipeline_p2p_overlap=pipeline_p2p_overlap,
         fused_swiglu=fused_swiglu, grad_reduce_dtype=grad_reduce_dtype, attention=attention,
-        sequence_parallel=sequence_parallel, half_grads_kept=half_grads_kept, stage_outputs_kept=stage_outputs_kept)
+        sequence_parallel=sequence_parallel, half_grads_kept=half_grads_kept, stage_outputs_kept=stage_outputs_kept,
+        reduce_cast_copy=reduce_cast_copy)
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 
@@ -279,7 +284,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                   grad_reduce_overlap: Optional[bool] = None, param_gather_overlap: Optional[bool] = None,
                   pipeline_p2p_overlap: Optional[bool] = None, fused_swiglu: bool = False,
                   grad_reduce_dtype: str = "fp32", attention: str = "flash", sequence_parallel: bool = True,
-                  half_grads_kept: bool = False, stage_outputs_kept: bool = False,
+                  half_grads_kept: bool = False, stage_outputs_kept: bool = False, reduce_cast_copy: bool = False,
                   ) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
     """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
     callers that adjust the workload further, such as the published-runs benchmark)."""
@@ -296,6 +301,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     for name, value in (("tp_comm_overlap", tp_comm_overlap), ("distributed_optimizer", distributed_optimizer),
                         ("pipeline_ends_as_layers", pipeline_ends_as_layers), ("fused_swiglu", fused_swiglu),
                         ("sequence_parallel", sequence_parallel), ("half_grads_kept", half_grads_kept),
+                        ("reduce_cast_copy", reduce_cast_copy),
                         ("stage_outputs_kept", stage_outputs_kept)):
         _check_flag(name, value, (True, False))
     for name, value in (("grad_reduce_overlap", grad_reduce_overlap), ("param_gather_overlap", param_gather_overlap),
@@ -307,7 +313,8 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     world = cluster.world_size
     data = _check_layout(spec, cluster, tensor, pipeline)
     _check_grad_reduce_dtype(grad_reduce_dtype, sharding, precision, tensor, pipeline, distributed_optimizer)
-    _check_kept(sharding, precision, tensor, pipeline, distributed_optimizer, half_grads_kept, stage_outputs_kept)
+    _check_kept(sharding, precision, tensor, pipeline, distributed_optimizer, half_grads_kept, stage_outputs_kept,
+                reduce_cast_copy, grad_reduce_dtype)
     _check_positive("virtual_stages", virtual_stages)
     if virtual_stages > 1 and pipeline == 1:
         raise InputError(f"virtual_stages={virtual_stages} is not valid with pipeline=1: the interleaved schedule "
@@ -340,15 +347,24 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                     grad_reduce_overlap=grad_reduce_overlap, param_gather_overlap=param_gather_overlap,
                     pipeline_p2p_overlap=pipeline_p2p_overlap, fused_swiglu=fused_swiglu,
                     grad_reduce_dtype=grad_reduce_dtype, attention=attention, sequence_parallel=sequence_parallel,
-                    half_grads_kept=half_grads_kept, stage_outputs_kept=stage_outputs_kept)
+                    half_grads_kept=half_grads_kept, stage_outputs_kept=stage_outputs_kept,
+                    reduce_cast_copy=reduce_cast_copy)
     return spec, cluster, candidate, work
 
 
 def _check_kept(sharding: str, precision: str, tensor: int, pipeline: int, distributed_optimizer: bool,
-                half_grads_kept: bool, stage_outputs_kept: bool) -> None:
-    """``half_grads_kept`` needs the distributed optimizer over 16-bit compute, ``stage_outputs_kept`` a
-    pipeline: elsewhere neither buffer exists, and a flag that changed nothing would hide the mistake."""
+                half_grads_kept: bool, stage_outputs_kept: bool, reduce_cast_copy: bool = False,
+                grad_reduce_dtype: str = "fp32") -> None:
+    """``half_grads_kept`` needs the distributed optimizer over 16-bit compute, ``reduce_cast_copy`` that
+    and an fp32 buffer to cast, ``stage_outputs_kept`` a pipeline: elsewhere the buffer does not exist,
+    and a flag that changed nothing would hide the mistake."""
     optimizer = sharding == "zero1" and (tensor * pipeline > 1 or distributed_optimizer)
+    if reduce_cast_copy and not (optimizer and precision in ("bf16", "fp16", "fp8") and grad_reduce_dtype == "fp32"):
+        raise InputError(f"reduce_cast_copy=True is not valid with sharding={sharding!r}, precision={precision!r}, "
+                         f"tensor={tensor}, pipeline={pipeline}, grad_reduce_dtype={grad_reduce_dtype!r}: it is the "
+                         "16-bit copy of the distributed optimizer's fp32 gradient buffer that the reduction "
+                         "sends; give sharding='zero1' with tensor / pipeline > 1 or distributed_optimizer, "
+                         "precision 'bf16', 'fp16' or 'fp8', and grad_reduce_dtype='fp32'")
     if half_grads_kept and not (optimizer and precision in ("bf16", "fp16", "fp8")):
         raise InputError(f"half_grads_kept=True is not valid with sharding={sharding!r}, precision={precision!r}, "
                          f"tensor={tensor}, pipeline={pipeline}: it is the 16-bit gradients kept beside the "

@@ -124,6 +124,11 @@ class Workload:
     # (DeepSpeed's pipeline engine frees pipe_buffers['outputs'] only after it); Megatron-Core frees the
     # output's data once it is sent (deallocate_pipeline_outputs), keeping only its autograd node
     stage_outputs_kept: bool = False
+    # DeepSpeed's engine all-reduces the BF16 optimizer's fp32 gradient buffer (one flat tensor, one
+    # bucket) through a bf16 copy of it (allreduce_bucket: tensor.to(communication_data_type), which is
+    # bf16 when bf16 is enabled): 2 bytes per parameter at the end of the step, when the activations are
+    # freed but their blocks stay cached, so the allocator reserves a new segment that size beside them
+    reduce_cast_copy: bool = False
 
     @property
     def tokens(self) -> int:
@@ -416,7 +421,9 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
         buffer = grad_buffer_bytes(candidate, work, G)
         main_grads = G / data if buffer < G else 0.0
         half_grads = P / 2 if amp and work.half_grads_kept else 0.0  # the parameters' own bf16 gradients
-        states = (weights + buffer + main_grads + half_grads + (P if amp else 0.0) / data + O / data) * share
+        cast_copy = buffer / 2 if amp and work.reduce_cast_copy and buffer == G else 0.0  # fp32 buffer, bf16 copy
+        states = (weights + buffer + main_grads + half_grads + cast_copy + (P if amp else 0.0) / data
+                  + O / data) * share
     else:
         states = (P + G + O) * share + (G * share if data > 1 else 0.0)
     micro = pipeline_micro_batches(candidate, work, data) if p > 1 else micro_steps(candidate, work, data)

@@ -411,6 +411,26 @@ def test_without_sequence_parallelism_the_residual_stream_is_whole_on_every_tens
     assert atorch.estimate("llama2-13b", "2x8xA100-80GB", tensor=1, sequence_parallel=False, **args) == one
 
 
+def test_deepspeeds_bf16_copy_of_the_reduced_gradients_adds_two_bytes_a_parameter():
+    """reduce_cast_copy (DeepSpeed's engine all-reduces the BF16 optimizer's fp32 gradient buffer through a
+    bf16 copy): 2 bytes per parameter of the largest stage's share on top of the peak, time unchanged;
+    refused where there is no fp32 distributed-optimizer buffer to copy, naming what would take it."""
+    from atorch.plan import configuration
+    from atorch.plan.analytic import _largest_stage
+
+    args = dict(global_batch=64, seq_len=2048, tensor=4, pipeline=4, sharding="zero1", micro_batch_size=1,
+                activation_checkpointing="full")
+    base = atorch.estimate("llama2-13b", "4x8xA100-80GB", **args)
+    copy = atorch.estimate("llama2-13b", "4x8xA100-80GB", reduce_cast_copy=True, **args)
+    spec, cluster, candidate, work = configuration("llama2-13b", "4x8xA100-80GB", **args)
+    assert copy.allocated_bytes - base.allocated_bytes == pytest.approx(2 * _largest_stage(spec, 4, 4), rel=1e-6)
+    assert copy.step_time_s == base.step_time_s
+    for bad in (dict(sharding="fsdp"), dict(grad_reduce_dtype="bf16"), dict(precision="fp32")):
+        with pytest.raises(InputError, match="reduce_cast_copy=True is not valid") as error:
+            atorch.estimate("llama2-13b", "4x8xA100-80GB", reduce_cast_copy=True, **{**args, **bad})
+        assert "grad_reduce_dtype='fp32'" in str(error.value) and "zero1" in str(error.value)
+
+
 def test_deepspeeds_kept_gradients_and_stage_outputs_add_their_exact_bytes():
     """half_grads_kept (DeepSpeed's BF16 optimizer keeps the model's bf16 gradients beside its fp32 buffer):
     2 bytes per parameter of the largest stage's share, time unchanged; stage_outputs_kept (DeepSpeed's

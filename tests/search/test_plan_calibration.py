@@ -99,11 +99,7 @@ KNOWN_MISSES = {
                       "tensor-8 rows (1.27, 1.33) and the 104-head row (1.26: the fused-softmax kernel's shape "
                       "constraints) are still predicted fast",
     },
-    "memory": {
-        "bigscience": "nvidia-smi memory at 0.75-0.83 predicted (0.63-0.67 before DeepSpeed's kept bf16 gradients "
-                      "and stage outputs were modelled): a 10-16 GiB remainder, the CUDA context, NCCL buffers and "
-                      "what the allocator caches, is not counted",
-    },
+    "memory": {},
     "fits": {
         "llama3": "interleaved one-block chunks on 8192 GPUs: 87 GiB predicted with eager SwiGLU's 4 MLP widths "
                   "(72.7 with fused_swiglu; Meta's stack does not say which it runs)",
