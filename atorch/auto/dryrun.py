@@ -145,17 +145,22 @@ def _timed_steps(ctx: ModelContext, warmup_steps: int, timed_steps: int) -> list
 
 
 def _batch_source(ctx: ModelContext, needed: int) -> Callable[[], Any]:
-    """The next batch of the dataloader at each call; InputError naming both counts when it runs out."""
-    batches, given = iter(ctx.dataloader), 0
+    """The next batch of the dataloader at each call, starting the dataloader over when an epoch ends: a
+    dry run measures time and memory, not learning, so a dataset of fewer batches than its steps (a small
+    fine-tuning set) is read again rather than refused. InputError when an epoch gives no batch at all."""
+    batches, given_this_epoch = iter(ctx.dataloader), 0
 
     def take() -> Any:
-        nonlocal given
+        nonlocal batches, given_this_epoch
         try:
             batch = next(batches)
         except StopIteration:
-            raise InputError(f"the dataset gives {given} batch(es) of {ctx.per_rank_batch_size} per rank; the dry "
-                             f"run needs {needed}") from None
-        given += 1
+            if given_this_epoch == 0:
+                raise InputError(f"the dataset gives no batch of {ctx.per_rank_batch_size} per rank; the dry "
+                                 f"run needs {needed} (an epoch is read again when it ends)") from None
+            batches, given_this_epoch = iter(ctx.dataloader), 0
+            batch = next(batches)
+        given_this_epoch += 1
         return batch
 
     return take

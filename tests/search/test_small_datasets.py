@@ -1,0 +1,28 @@
+"""The fully automatic mode on a dataset of fewer batches than its measurements take steps (a small
+fine-tuning set): every dry run and every piece measurement reads the dataset again when an epoch ends,
+so the search completes and picks a measured candidate instead of failing every one of them."""
+from __future__ import annotations
+
+import torch
+
+from atorch.auto.accelerate import auto_accelerate
+from atorch.models import GPTConfig, SyntheticTokenDataset, gpt_loss
+from atorch.testing.training import build_gpt
+
+
+def test_a_dataset_of_two_batches_is_read_again_by_every_measurement(tmp_path):
+    config = GPTConfig(vocab_size=256, block_size=32, n_layer=3, n_head=2, n_embd=32)
+    dataset = SyntheticTokenDataset(16, config.block_size, config.vocab_size)  # two batches of 8
+    status, result, strategy = auto_accelerate(
+        build_gpt(0, config), torch.optim.AdamW, dataset, gpt_loss, optim_args={"lr": 1e-3},
+        dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", report_dir=str(tmp_path),
+        use_profile_cache=False, excluded=["native_dynamo"])
+    assert status, "the search failed on a two-batch dataset"
+    search = result.args.extras["search"]
+    dry_runs = [row for row in search.rows if row.measured_memory]
+    assert dry_runs and all(row.status.startswith("ok") for row in dry_runs), search.table
+    assert "(failed)" not in search.table, search.table  # the block pieces were measured, not given up
+    batch = next(iter(result.dataloader))
+    loss = gpt_loss(batch, result.model(**batch))
+    loss.backward()
+    assert torch.isfinite(loss)
