@@ -116,6 +116,11 @@ SINGLE: list[Case] = [
          ("model_input_format='unpack_tuple'", "'unpack_dict'", "'unpack_sequence'")),
     Case("input_format_int", call(accelerate, model_input_format=1), InputError,
          ("model_input_format=1", "'unpack_dict'")),
+    # a valid format the model's forward does not take: the search's first measurements fail alike under
+    # every setting, and it says so instead of reporting every candidate failed
+    Case("input_format_the_model_does_not_take", search(model_input_format="unpack_sequence",
+                                                        excluded=["native_dynamo"]), InputError,
+         ("every setting with the same error", "model_input_format='unpack_sequence'", "'unpack_dict'")),
     # --- optim_func, optim_args, optim_param_func ---
     Case("optim_func_str", call(accelerate, optim_func="adam"), InputError,
          ("optim_func must be callable", "optimizer class")),

@@ -58,6 +58,7 @@ from atorch.auto.strategy import Strategy, StrategyItem
 from atorch.cost_model import MEMORY_MODEL_ERROR, Estimate, MeasuredProfile, fits_with_margin, predict_measured
 from atorch.distributed.agreement import all_ranks_true, broadcast_flag, is_main_rank, world_size
 from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
+from atorch.errors import InputError
 from atorch.utils.batch import first_tensor, loss_value
 from atorch.utils.memory import release_host_memory
 
@@ -127,6 +128,7 @@ class StrategySearch:
         self.started = time.perf_counter()
         self.phases = _Phases()
         self.per_rank_batch = 1  # under pure data parallelism
+        self.input_format: Optional[str] = None  # the context's model_input_format, for the errors that name it
         self.profile: Optional[ModelProfile] = None
         self.hardware: Optional[HardwareProfile] = None
         self.space: Optional[SearchSpace] = None
@@ -145,6 +147,7 @@ class StrategySearch:
         self.phases.mark("analyse")
         self.measure()
         self.phases.mark("measure alone")
+        self._refuse_a_model_that_never_trained()
         self.estimate()
         chosen = self.dry_run_best()
         self.phases.mark("dry-run")
@@ -156,6 +159,7 @@ class StrategySearch:
     # --- the steps -------------------------------------------------------------------------------------
     def analyse(self) -> None:
         probe = self.make_context(self.model, local=True)
+        self.input_format = probe.model_input_format
         self.per_rank_batch = probe.dataloader_args.get("batch_size", 1) // self.world
         self.profile = self._profile(probe)
         self.space = SearchSpace(self.world, probe.device, self.profile, self.options.excluded,
@@ -165,6 +169,21 @@ class StrategySearch:
         self._say(f"search: {len(self.candidates)} candidate strategies for {self.world} rank(s); model "
                   f"{self.profile.param_count / 1e6:.2f} M parameters, repeated block {self.profile.main_block}")
         self.measure_machine(probe.device)
+
+    def _refuse_a_model_that_never_trained(self) -> None:
+        """When every setting's measurement failed with one and the same error, and not for memory, no
+        method can help: the model does not train on the batches as they reach it (``model_input_format``,
+        the dataset's items, ``loss_func``). A typed error naming it, on every rank alike, instead of a table
+        of candidates that all failed the same way."""
+        errors = {variant.error for variant in self.variants.values()}
+        error = next(iter(errors)) if len(errors) == 1 else None
+        if not all_ranks_true(error is not None and "memory" not in error.lower()):
+            return
+        raise InputError(f"the model failed to train alone under every setting with the same error, before any "
+                         f"method was applied: {error}. No strategy can fix that: check that "
+                         f"model_input_format={self.input_format!r} calls the model as its forward expects "
+                         "(None: model(batch), 'unpack_sequence': model(*batch), 'unpack_dict': model(**batch)), "
+                         "and that loss_func(batch, output) runs on what it returns")
 
     def measure_machine(self, device: torch.device) -> None:
         """The memory limit, the all-reduce bandwidth and latency, and each link's bandwidth: measured, or as
