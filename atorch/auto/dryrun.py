@@ -174,6 +174,7 @@ def _sync(device: torch.device) -> None:
 def dry_run_copy(model: nn.Module) -> nn.Module:
     """The model a dry run applies its candidate to: a meta copy (``meta_copy``), which the candidate
     materialises shard by shard, so the dry run costs the candidate's memory only; a deep copy where some
-    module has no initialiser (the same on every rank: the model is)."""
+    module has no initialiser or its initialiser leaves a tensor unset (HF CLIP's ``logit_scale``; the
+    same on every rank: the model is)."""
     copied = meta_copy(model)
     return copied if copied is not None else copy.deepcopy(model)

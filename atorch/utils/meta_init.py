@@ -128,10 +128,43 @@ def meta_copy(model: nn.Module) -> Optional[nn.Module]:
                                            requires_grad=parameter.requires_grad)
     copied = copy.deepcopy(model, memo)
     try:
-        plan_initialisation(copied)
+        plan = plan_initialisation(copied)
     except MetaModelError:
         return None
-    return copied
+    return copied if _custom_initialisers_set_their_tensors(plan) else None
+
+
+def _custom_initialisers_set_their_tensors(plan: InitPlan) -> bool:
+    """Whether the initialiser of each module not from ``torch.nn`` sets every tensor the module owns,
+    tried full size on CPU, one module's own tensors at a time (a norm's weight, a class token; the
+    user's RNG state is left as it was). Hugging Face's ``_init_weights`` skips some (CLIP's
+    ``logit_scale``): a meta copy of such a model could never be materialised, and every dry run on it
+    would fail, so the caller copies the real model instead. ``torch.nn``'s own layers' initialisers set
+    all their tensors and are not tried."""
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        for _, module, init, _ in plan.per_module:
+            if not type(module).__module__.startswith("torch.") and not _sets_every_own_tensor(module, init):
+                return False
+    return True
+
+
+def _sets_every_own_tensor(module: nn.Module, init: Callable[[], Any]) -> bool:
+    """Run ``init`` with the module's own meta tensors swapped for NaN-filled CPU ones; whether none is
+    left NaN. The meta tensors are put back whatever happens."""
+    own = [(attr, slot) for slot in ("_parameters", "_buffers")
+           for attr, t in getattr(module, slot).items() if is_meta(t)]
+    live = {attr: getattr(module, slot)[attr] for attr, slot in own}
+    trial = {attr: _nan_tensor(tuple(t.shape), t.dtype, torch.device("cpu")) for attr, t in live.items()}
+    try:
+        for attr, slot in own:
+            getattr(module, slot)[attr] = (nn.Parameter(trial[attr], requires_grad=live[attr].requires_grad)
+                                           if slot == "_parameters" else trial[attr])
+        init()
+        filled = [getattr(module, slot)[attr] for attr, slot in own]
+    finally:
+        for attr, slot in own:
+            getattr(module, slot)[attr] = live[attr]
+    return not any((t.is_floating_point() or t.is_complex()) and torch.isnan(t).any() for t in filled)
 
 
 def _whole_model_roots(model: nn.Module) -> list[tuple[str, nn.Module, Callable[[], Any]]]:

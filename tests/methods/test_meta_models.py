@@ -30,12 +30,13 @@ import torch
 from torch import nn
 
 import atorch
+from atorch.auto.dryrun import dry_run_copy
 from atorch.errors import MetaModelError
 from atorch.testing import run_distributed
 from atorch.testing.community_models import TitanLlama, TorchEncoderLM
-from atorch.testing.hf_models import SEQ, VOCAB, hf_loss, token_dataset
+from atorch.testing.hf_models import SEQ, VOCAB, ZOO, hf_loss, token_dataset
 from atorch.testing.training import relative_difference
-from atorch.utils.meta_init import has_meta_tensors, plan_initialisation
+from atorch.utils.meta_init import has_meta_tensors, meta_copy, plan_initialisation
 from atorch.utils.modules import full_state_dict
 from tests.checkpoint.test_pretrained import BATCH, LR, accelerate, reference_losses, save_model, train
 
@@ -347,6 +348,31 @@ def test_an_initialiser_that_leaves_a_tensor_unset_is_refused_naming_it():
     model = _meta(lambda: nn.Sequential(nn.Linear(4, 4), HalfReset(4, 2)))
     with pytest.raises(MetaModelError, match=r"'1.bias'.*left it \(partly\) unset"):
         atorch.auto_accelerate(model, torch.optim.SGD, optim_args={"lr": 0.1}, load_strategy=[])
+
+
+def test_a_dry_run_copies_a_real_model_whose_initialiser_leaves_a_tensor_unset():
+    """Dry runs apply each candidate to a meta copy of the user's real model, materialised by the model's
+    own initialisers; where one leaves a tensor unset (HalfReset here; Hugging Face CLIP's _init_weights
+    skips logit_scale) that copy could never be materialised and every dry run failed, so the real model
+    is copied instead. Trying the initialisers leaves the user's RNG state as it was."""
+    model = nn.Sequential(nn.Linear(4, 4), HalfReset(4, 2))
+    state = torch.random.get_rng_state()
+    assert meta_copy(model) is None
+    assert torch.equal(state, torch.random.get_rng_state())
+    copied = dry_run_copy(model)
+    assert not has_meta_tensors(copied) and torch.equal(copied[1].bias, model[1].bias)
+    assert meta_copy(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))) is not None
+
+
+def test_the_automatic_mode_trains_clip_whose_hf_initialiser_skips_logit_scale(tmp_path):
+    clip = ZOO["clip"]
+    status, result, _ = atorch.auto_accelerate(
+        clip.build(), torch.optim.AdamW, clip.make_dataset(16), clip.loss_func, optim_args={"lr": 1e-3},
+        dataloader_args={"batch_size": 8}, model_input_format=clip.input_format, excluded=["native_dynamo"],
+        report_dir=str(tmp_path))
+    assert status, "every dry run failed on the meta copy"
+    rows = result.args.extras["search"].rows
+    assert any(row.status == "ok" for row in rows)
 
 
 def test_real_buffers_of_an_init_empty_weights_model_are_kept():
