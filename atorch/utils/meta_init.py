@@ -150,7 +150,7 @@ def _custom_initialisers_set_their_tensors(plan: InitPlan) -> bool:
 
 def _sets_every_own_tensor(module: nn.Module, init: Callable[[], Any]) -> bool:
     """Run ``init`` with the module's own meta tensors swapped for NaN-filled CPU ones; whether none is
-    left NaN. The meta tensors are put back whatever happens."""
+    left NaN (False too when ``init`` raises). The meta tensors are put back whatever happens."""
     own = [(attr, slot) for slot in ("_parameters", "_buffers")
            for attr, t in getattr(module, slot).items() if is_meta(t)]
     live = {attr: getattr(module, slot)[attr] for attr, slot in own}
@@ -161,6 +161,8 @@ def _sets_every_own_tensor(module: nn.Module, init: Callable[[], Any]) -> bool:
                                            if slot == "_parameters" else trial[attr])
         init()
         filled = [getattr(module, slot)[attr] for attr, slot in own]
+    except Exception:  # noqa: BLE001 - an initialiser that cannot run here: the caller copies the real model
+        return False
     finally:
         for attr, slot in own:
             getattr(module, slot)[attr] = live[attr]
