@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
+from torch.distributed.tensor import DTensor
 
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.optimizer import AtorchOptimizer
@@ -100,6 +101,39 @@ def autocast_callable(fn, device_type: str, dtype: torch.dtype):
     return run
 
 
+@dataclass
+class _ParamGroups:
+    """An optimizer as GradScaler's unscaling reads it: its parameter groups only."""
+
+    param_groups: list
+
+
+def _mixes_dtensor_and_plain_grads(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's gradients are partly DTensors (fsdp / zero2 shards) and partly plain
+    tensors (the 0-dim parameters fully_shard leaves replicated, such as CLIP's logit_scale)."""
+    kinds = {isinstance(p.grad, DTensor) for group in optimizer.param_groups for p in group["params"]
+             if p.grad is not None}
+    return len(kinds) == 2
+
+
+def _unscale_dtensor_and_plain_apart(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer,
+                                     state: dict) -> None:
+    """``scaler.unscale_(optimizer)`` with the DTensor gradients and the plain ones unscaled as two lists:
+    GradScaler groups gradients by device and dtype only, and DTensor's handler of the fused
+    check-and-unscale reads every gradient of a mixed list as a DTensor (AttributeError 'placements').
+    The two lists' non-finite flags are merged per device, as one list would have given them."""
+    inv_scale = scaler._scale.double().reciprocal().float()
+    found: dict = {}
+    for wanted in (True, False):
+        groups = [{**group, "params": [p for p in group["params"] if isinstance(p.grad, DTensor) == wanted]}
+                  for group in optimizer.param_groups]
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=scaler._scale.device)
+        for device, flag in scaler._unscale_grads_(_ParamGroups(groups), inv_scale, found_inf, False).items():
+            found[device] = torch.maximum(found[device], flag) if device in found else flag
+    state["found_inf_per_device"] = found
+    state["stage"] = _UNSCALED
+
+
 class AmpOptimizer(AtorchOptimizer):
     """Mixed precision on top of the strategy's optimizer: ``backward`` scales the loss, ``step``
     unscales, skips non-finite steps (agreed over all ranks, so sharded gradients cannot make ranks
@@ -142,7 +176,10 @@ class AmpOptimizer(AtorchOptimizer):
         target = self.torch_optimizer
         state = self.scaler._per_optimizer_states[id(target)]
         if state["stage"] is not _UNSCALED:
-            self.scaler.unscale_(target)
+            if _mixes_dtensor_and_plain_grads(target):
+                _unscale_dtensor_and_plain_apart(self.scaler, target, state)
+            else:
+                self.scaler.unscale_(target)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 for found_inf in state["found_inf_per_device"].values():
                     dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
