@@ -103,6 +103,10 @@ COLUMNS: list[Column] = [
     Column("zero1", "zero1", 2, _fixed("zero1"), DP_TOL, 2),
     Column("zero2", "zero2", 2, _fixed("zero2"), DP_TOL, 2),
     Column("fsdp", "fsdp", 2, lambda m: [("fsdp", {"atorch_wrap_cls": (m.block,)})], DP_TOL, 2),
+    # sharding composed with mixed precision: fully_shard casts what it shards (BatchNorm's running
+    # statistics stay fp32, a scalar parameter stays a plain tensor beside the DTensor shards)
+    Column("fsdp_amp_bf16", "fsdp + amp_native bf16", 2,
+           lambda m: [("fsdp", {"atorch_wrap_cls": (m.block,)}), BF16], LOW_TOL, 2),
     Column("ds_zero1", "DeepSpeed zero1", 2, _fixed(("zero1", {"use_ds_zero": True})), DP_TOL, 2),
     Column("ds_zero2", "DeepSpeed zero2", 2, _fixed(("zero2", {"use_ds_zero": True})), DP_TOL, 2),
     # 2 processes: model parallel

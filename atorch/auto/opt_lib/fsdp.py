@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.modules.batchnorm import _NormBase
 
 try:  # the custom-collective hooks of FSDP2 (torch >= 2.9); without them the defaults are kept
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
@@ -123,7 +124,7 @@ def shard_model(ctx, config: FSDPConfig, reshard_after_forward: bool) -> None:
     model = ctx.model
     if config.sync_module_states and not has_meta_tensors(model):  # a meta model's values are agreed on
         _broadcast_module_states(model)
-    ignored = _ignored_params(model, config)
+    ignored = _ignored_params(model, config) | _norms_with_running_stats(model, ctx.amp_dtype)
     kwargs: dict[str, Any] = {
         "mesh": dp_mesh,
         "reshard_after_forward": reshard_after_forward,
@@ -290,6 +291,23 @@ def _ignored_params(model: torch.nn.Module, config: FSDPConfig) -> set[torch.nn.
     if not modules:
         raise MethodConfigError("fsdp", f"atorch_ignored_cls {targets!r} matches no submodule")
     return scalars | {p for module in modules for p in module.parameters()}
+
+
+def _norms_with_running_stats(model: torch.nn.Module, amp_dtype: Optional[torch.dtype]) -> set[torch.nn.Parameter]:
+    """Under mixed precision, the parameters of normalisation layers that keep fp32 running statistics
+    (BatchNorm and its kind): fully_shard would cast their weight and bias to the compute dtype beside
+    fp32 running_mean / running_var, which batch_norm refuses ("expected scalar type Half but found
+    Float"); left replicated in fp32 they take the half-precision input as autocast would give it. Their
+    parameters are a few per channel."""
+    if amp_dtype is None:
+        return set()
+    norms = [(name, module) for name, module in model.named_modules()
+             if isinstance(module, _NormBase) and module.running_mean is not None]
+    params = {p for _, module in norms for p in module.parameters(recurse=False)}
+    if params:
+        logger.info("fsdp: %d normalisation layer(s) with running statistics stay replicated in fp32 under "
+                    "mixed precision (e.g. %s)", len(norms), norms[0][0])
+    return params
 
 
 def _mixed_precision(ctx) -> MixedPrecisionPolicy:
