@@ -353,8 +353,8 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
 
 
 def _check_kept(sharding: str, precision: str, tensor: int, pipeline: int, distributed_optimizer: bool,
-                half_grads_kept: bool, stage_outputs_kept: bool, reduce_cast_copy: bool = False,
-                grad_reduce_dtype: str = "fp32") -> None:
+                half_grads_kept: bool, stage_outputs_kept: bool, reduce_cast_copy: bool,
+                grad_reduce_dtype: str) -> None:
     """``half_grads_kept`` needs the distributed optimizer over 16-bit compute, ``reduce_cast_copy`` that
     and an fp32 buffer to cast, ``stage_outputs_kept`` a pipeline: elsewhere the buffer does not exist,
     and a flag that changed nothing would hide the mistake."""

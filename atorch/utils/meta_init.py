@@ -156,17 +156,26 @@ def _sets_every_own_tensor(module: nn.Module, init: Callable[[], Any]) -> bool:
     live = {attr: getattr(module, slot)[attr] for attr, slot in own}
     trial = {attr: _nan_tensor(tuple(t.shape), t.dtype, torch.device("cpu")) for attr, t in live.items()}
     try:
-        for attr, slot in own:
-            getattr(module, slot)[attr] = (nn.Parameter(trial[attr], requires_grad=live[attr].requires_grad)
-                                           if slot == "_parameters" else trial[attr])
-        init()
-        filled = [getattr(module, slot)[attr] for attr, slot in own]
+        filled = _init_in_place_of(module, own, live, trial, init)
     except Exception:  # noqa: BLE001 - an initialiser that cannot run here: the caller copies the real model
         return False
+    return not any((t.is_floating_point() or t.is_complex()) and torch.isnan(t).any() for t in filled.values())
+
+
+def _init_in_place_of(module: nn.Module, own: list[tuple[str, str]], live: dict[str, torch.Tensor],
+                      stand_ins: dict[str, torch.Tensor], init: Callable[[], Any]) -> dict[str, torch.Tensor]:
+    """Run ``init`` with the module's own tensors (``own``: (attr, slot) pairs) swapped for ``stand_ins``;
+    returns what it left in their places (it may replace a buffer: torchtitan's freqs_cis). The ``live``
+    tensors are put back whatever happens."""
+    for attr, slot in own:
+        getattr(module, slot)[attr] = (nn.Parameter(stand_ins[attr], requires_grad=live[attr].requires_grad)
+                                       if slot == "_parameters" else stand_ins[attr])
+    try:
+        init()
+        return {attr: getattr(module, slot)[attr] for attr, slot in own}
     finally:
         for attr, slot in own:
             getattr(module, slot)[attr] = live[attr]
-    return not any((t.is_floating_point() or t.is_complex()) and torch.isnan(t).any() for t in filled)
 
 
 def _whole_model_roots(model: nn.Module) -> list[tuple[str, nn.Module, Callable[[], Any]]]:
@@ -361,17 +370,7 @@ def _init_module_full_size(name: str, module: nn.Module, init: Callable[[], Any]
             for attr, t in live.items()}
     record.largest_temporary_bytes = max(record.largest_temporary_bytes,
                                          sum(t.numel() * t.element_size() for t in full.values()))
-    for attr, slot in own:
-        replacement = nn.Parameter(full[attr], requires_grad=live[attr].requires_grad) if slot == "_parameters" \
-            else full[attr]
-        getattr(module, slot)[attr] = replacement
-    try:
-        init()
-        for attr, slot in own:  # the initialiser may have replaced a buffer (torchtitan's freqs_cis)
-            full[attr] = getattr(module, slot)[attr]
-    finally:
-        for attr, slot in own:
-            getattr(module, slot)[attr] = live[attr]
+    full = _init_in_place_of(module, own, live, full, init)
     for attr, slot in own:
         if attr in fresh:
             _check_not_nan(name, attr, full[attr])
