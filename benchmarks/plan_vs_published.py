@@ -23,12 +23,20 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _block_implementations import (  # noqa: E402
+    FmsLlamaBlock,
+    TorchtitanFusedNormLlamaBlock,
+    TorchtitanLlamaBlock,
+)
 
 from atorch.plan import (
     calibration,  # noqa: E402
     configuration,  # noqa: E402
 )
 from atorch.plan.analytic import Prediction, predict, spec_layout_facts  # noqa: E402
+from atorch.plan.elementwise import elementwise_bytes  # noqa: E402
 from atorch.plan.hardware_specs import DEVICES, ClusterSpec  # noqa: E402
 from atorch.plan.model_specs import from_hf_config, model_spec  # noqa: E402
 
@@ -40,8 +48,14 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # cross-entropy (llmfoundry/models/mpt/modeling_mpt.py: loss_fn='fused_crossentropy'):
                    # bf16 logits and their bf16 gradient, no fp32 copy: 4 bytes per logit
                    "llm-foundry": {"sync_each_micro_step": True, "logit_bytes": 4},
-                   # fms-fsdp's FSDP mixed precision policy (bfSixteen) reduces gradients in bf16
-                   "fms-fsdp": {"grad_reduce_dtype": "bf16"},
+                   # fms-fsdp's FSDP mixed precision policy (bfSixteen) reduces gradients in bf16; its block
+                   # is eager PyTorch (fp32 RMSNorm, fp32 rotation-matrix rotary): traffic counted from its ops
+                   "fms-fsdp": {"grad_reduce_dtype": "bf16", "elementwise_bytes": elementwise_bytes(FmsLlamaBlock)},
+                   # torchtitan's Llama: eager complex rotary and SwiGLU; the A100 table's configs set
+                   # norm_type 'fused_rmsnorm' (train_configs/llama*.toml @ 04133643), the H100 table's 'rmsnorm'
+                   # (@ eaea6f6a), the eager fp32 one
+                   "torchtitan-a100": {"elementwise_bytes": elementwise_bytes(TorchtitanFusedNormLlamaBlock)},
+                   "torchtitan-h100": {"elementwise_bytes": elementwise_bytes(TorchtitanLlamaBlock)},
                    # Megatron-Core's distributed optimizer; Transformer Engine's attention, which prefers
                    # cuDNN's fused kernel on Hopper (TransformerEngine dot_product_attention/utils.py)
                    # NeMo-Framework-Launcher's Llama configs (launcher_scripts/conf/training/llama/*.yaml @
@@ -119,7 +133,7 @@ def predict_row(row: dict, models: dict) -> Prediction:
         spec, cluster, global_batch=row["global_batch"], seq_len=row["seq_len"], tensor=row["tensor"],
         pipeline=row["pipeline"], sharding=row["sharding"], precision=row["precision"],
         activation_checkpointing=row["checkpointing"], micro_batch_size=micro,
-        optimizer_states=row["optimizer_states"])
+        optimizer_states=row["optimizer_states"], attention_span=row["attention_span"])
     # a source-level fact overrides a column the row could only assume
     work = dataclasses.replace(work, **{"virtual_stages": row["virtual"], **SOURCE_WORKLOAD.get(row["source"], {})})
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))

@@ -18,6 +18,7 @@ the search's own function (``cost_model.predict_measured``), so it reproduces th
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Union
@@ -181,7 +182,8 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
              param_gather_overlap: Optional[bool] = None, pipeline_p2p_overlap: Optional[bool] = None,
              fused_swiglu: bool = False, grad_reduce_dtype: str = "fp32", attention: str = "flash",
              sequence_parallel: bool = True, half_grads_kept: bool = False, reduce_cast_copy: bool = False,
-             stage_outputs_kept: bool = False) -> Prediction:
+             stage_outputs_kept: bool = False, attention_span: Optional[int] = None,
+             elementwise_bytes: Optional[tuple[float, float, float]] = None) -> Prediction:
     """How fast and how big is the one configuration you name ("what I run today")?
 
     The same analytic model ``plan()`` ranks its candidates with, so a configuration that ``plan()``
@@ -227,6 +229,15 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     scores written per head, as batched matmuls over the whole square with Megatron's fused softmax and
     attention dropout between them: more FLOPs, memory-bound traffic on the scores, and 5 bytes per head
     and key saved for backward).
+    ``attention_span``: packed sequences whose documents attend only within themselves (variable-length
+    flash attention, cu_seqlens / THD: NeMo's and torchtune's packed fine-tuning): the length of the
+    document a token sits in, averaged over the tokens (sum of squared lengths over the sum of lengths);
+    causal attention's FLOPs, and the MFU's attention term, go with it instead of ``seq_len`` (default
+    None: each sequence is one document); at most ``seq_len``, and only with ``attention="flash"``.
+    ``elementwise_bytes``: the block's memory-bound traffic as your code writes it, bytes per token (forward
+    and backward, 16-bit compute) per element of the hidden size, the MLP's width and the key / value
+    width: ``atorch.plan.elementwise.elementwise_bytes(YourBlock)`` counts it from the block's own ops (an
+    eager fp32 RMSNorm and rotary move several times what fused kernels do); default None: fused kernels.
     ``sequence_parallel``: under tensor parallelism the norms, residual adds and dropout split over the
     sequence (default True, Megatron's --sequence-parallel, torchtitan); False runs and keeps them whole on
     every tensor rank (Megatron before sequence parallelism).
@@ -253,7 +264,7 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
         param_gather_overlap=param_gather_overlap, pipeline_p2p_overlap=pipeline_p2p_overlap,
         fused_swiglu=fused_swiglu, grad_reduce_dtype=grad_reduce_dtype, attention=attention,
         sequence_parallel=sequence_parallel, half_grads_kept=half_grads_kept, stage_outputs_kept=stage_outputs_kept,
-        reduce_cast_copy=reduce_cast_copy)
+        reduce_cast_copy=reduce_cast_copy, attention_span=attention_span, elementwise_bytes=elementwise_bytes)
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 
@@ -285,6 +296,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                   pipeline_p2p_overlap: Optional[bool] = None, fused_swiglu: bool = False,
                   grad_reduce_dtype: str = "fp32", attention: str = "flash", sequence_parallel: bool = True,
                   half_grads_kept: bool = False, stage_outputs_kept: bool = False, reduce_cast_copy: bool = False,
+                  attention_span: Optional[int] = None, elementwise_bytes: Optional[tuple[float, float, float]] = None,
                   ) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
     """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
     callers that adjust the workload further, such as the published-runs benchmark)."""
@@ -298,6 +310,8 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     _check_choice("grad_sync", grad_sync, GRAD_SYNCS)
     _check_choice("grad_reduce_dtype", grad_reduce_dtype, GRAD_REDUCE_DTYPES)
     _check_choice("attention", attention, ATTENTIONS)
+    _check_attention_span(attention_span, seq_len, attention)
+    _check_elementwise_bytes(elementwise_bytes)
     for name, value in (("tp_comm_overlap", tp_comm_overlap), ("distributed_optimizer", distributed_optimizer),
                         ("pipeline_ends_as_layers", pipeline_ends_as_layers), ("fused_swiglu", fused_swiglu),
                         ("sequence_parallel", sequence_parallel), ("half_grads_kept", half_grads_kept),
@@ -348,8 +362,37 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                     pipeline_p2p_overlap=pipeline_p2p_overlap, fused_swiglu=fused_swiglu,
                     grad_reduce_dtype=grad_reduce_dtype, attention=attention, sequence_parallel=sequence_parallel,
                     half_grads_kept=half_grads_kept, stage_outputs_kept=stage_outputs_kept,
-                    reduce_cast_copy=reduce_cast_copy)
+                    reduce_cast_copy=reduce_cast_copy, attention_span=attention_span,
+                    elementwise_bytes=None if elementwise_bytes is None else tuple(elementwise_bytes))
     return spec, cluster, candidate, work
+
+
+def _check_elementwise_bytes(value: Any) -> None:
+    """Three finite, non-negative byte counts (per hidden, MLP and key / value element), or None."""
+    if value is None:
+        return
+    valid = (isinstance(value, (tuple, list)) and len(value) == 3
+             and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+                     for v in value))
+    if not valid:
+        raise InputError(f"elementwise_bytes={value!r} is not valid: give three non-negative numbers, bytes per token "
+                         "per element of the hidden size, the MLP's width and the key / value width (as "
+                         "atorch.plan.elementwise.elementwise_bytes returns them), or None for fused kernels")
+
+
+def _check_attention_span(span: Optional[int], seq_len: int, attention: str) -> None:
+    """Packed documents attend within themselves only through a variable-length fused kernel; a
+    materialised score matrix is written whole whatever the mask, so a span there would hide the cost."""
+    if span is None:
+        return
+    _check_positive("attention_span", span)
+    if span > seq_len:
+        raise InputError(f"attention_span={span} is not valid with seq_len={seq_len}: a document is at most the "
+                         "packed sequence; give attention_span <= seq_len, or None for one document a sequence")
+    if attention != "flash":
+        raise InputError(f"attention_span={span} is not valid with attention={attention!r}: materialised attention "
+                         "writes the whole s x s scores whatever the documents; give attention='flash' or "
+                         "attention_span=None")
 
 
 def _check_kept(sharding: str, precision: str, tensor: int, pipeline: int, distributed_optimizer: bool,

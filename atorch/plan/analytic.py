@@ -129,10 +129,24 @@ class Workload:
     # bf16 when bf16 is enabled): 2 bytes per parameter at the end of the step, when the activations are
     # freed but their blocks stay cached, so the allocator reserves a new segment that size beside them
     reduce_cast_copy: bool = False
+    # packed sequences whose documents attend only within themselves (variable-length flash attention:
+    # cu_seqlens / THD, NeMo's packed SFT): the document length a token sits in, averaged over the tokens
+    # (sum L^2 / sum L), which causal attention's FLOPs go with instead of seq_len; None: one document
+    attention_span: Optional[int] = None
+    # the block's memory-bound traffic as its implementation writes it: bytes per token, forward and
+    # backward, per element of the hidden size, the MLP's width and the key / value width, counted from
+    # its ops (``atorch.plan.elementwise.elementwise_bytes``); None: the fused count (norms, rotary,
+    # activation and residual adds each one kernel: ELEMENTWISE_HIDDEN_WIDTHS, ELEMENTWISE_FFN_WIDTHS)
+    elementwise_bytes: Optional[tuple[float, float, float]] = None
 
     @property
     def tokens(self) -> int:
         return self.global_batch * self.seq_len
+
+    @property
+    def attended(self) -> int:
+        """The tokens' attention length: ``attention_span`` within packed documents, else the sequence."""
+        return min(self.attention_span or self.seq_len, self.seq_len)
 
     def overlaps(self, what: str, candidate: Candidate) -> bool:
         """Whether ``what`` (grad_reduce / param_gather / pipeline_p2p) overlaps compute: the option
@@ -182,7 +196,7 @@ def predict(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, w
     tokens = work.tokens / world / step
     fp8 = candidate.precision == "fp8" and cluster.device.fp8_flops
     peak = cluster.device.fp8_flops if fp8 else cluster.device.bf16_flops
-    mfu = tokens * spec.model_flops_per_token(work.seq_len) / peak
+    mfu = tokens * spec.model_flops_per_token(work.attended) / peak
     return Prediction(candidate, int(memory), step, tokens, mfu, memory <= cluster.device.memory_bytes,
                       compute, comm, allocated_bytes=int(allocated), checkpointing=checkpointing(candidate, work))
 
@@ -665,7 +679,8 @@ def recomputed_share(candidate: Candidate, work: Workload) -> float:
 
 def attention_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
     """Causal flash attention's executed FLOPs at the fitted share of the matmul efficiency (bf16: flash
-    attention does not run in fp8 here). Materialised attention runs its scores as batched matmuls over
+    attention does not run in fp8 here), over the attended length (``Workload.attended``: packed
+    documents attend within themselves). Materialised attention runs its scores as batched matmuls over
     the whole s x s square (the causal mask skips nothing): 4 s d FLOPs per token, layer and head forward,
     8 backward, 4 more under full recompute, at the matmul efficiency of a matmul as wide as a head."""
     if work.attention == "materialised":
@@ -673,9 +688,9 @@ def attention_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
         peak = cluster.device.fp32_flops if candidate.precision == "fp32" else cluster.device.bf16_flops
         efficiency = width_efficiency(spec.head_dim, cluster)
         return work.tokens * per_token / cluster.world_size / (peak * efficiency)
-    per_token = ATTENTION_FLOPS_PER_SEQ_DIM * spec.layers * spec.hidden * work.seq_len
+    per_token = ATTENTION_FLOPS_PER_SEQ_DIM * spec.layers * spec.hidden * work.attended
     if checkpointing(candidate, work) == "full":
-        per_token += 2.0 * spec.layers * spec.hidden * work.seq_len
+        per_token += 2.0 * spec.layers * spec.hidden * work.attended
     peak = cluster.device.fp32_flops if candidate.precision == "fp32" else cluster.device.bf16_flops
     family = attention_family(cluster)
     efficiency = matmul_efficiency(candidate, spec, cluster) * calibration.value(f"{family} attention efficiency")
@@ -702,9 +717,9 @@ def memory_bound_seconds(candidate: Candidate, spec: TransformerSpec, cluster: C
     t = candidate.tensor
     # without sequence parallelism every tensor rank runs the norms and residual adds whole
     unsplit = 0 if work.sequence_parallel or t == 1 else (t - 1) * ELEMENTWISE_UNSPLIT_HIDDEN_WIDTHS
-    per_block = (ELEMENTWISE_HIDDEN_WIDTHS + unsplit) * spec.hidden + ELEMENTWISE_FFN_WIDTHS[spec.gated] * spec.ffn
+    per_block = block_elementwise_bytes(spec, work, width) + unsplit * spec.hidden * width
     per_block *= 1 + recomputed_share(candidate, work) / 3  # the forward's share once more
-    per_block = per_block * width + (fp8_cast_bytes(spec) if candidate.precision == "fp8" else 0.0)
+    per_block += fp8_cast_bytes(spec) if candidate.precision == "fp8" else 0.0
     if work.attention == "materialised":  # the scores, per head and key, forward (again under recompute), backward
         scores = MATERIALISED_FORWARD_BYTES * (1 + recomputed_share(candidate, work)) + MATERIALISED_BACKWARD_BYTES
         per_block += scores * spec.heads * work.seq_len
@@ -717,6 +732,17 @@ def memory_bound_seconds(candidate: Candidate, spec: TransformerSpec, cluster: C
         weights = (FP8_WEIGHT_CAST_BYTES * spec.layers * spec.block_params
                    / (candidate.tensor * candidate.pipeline) * passes)
     return (blocks + loss + weights) / hbm
+
+
+def block_elementwise_bytes(spec: TransformerSpec, work: Workload, width: int) -> float:
+    """Bytes per token a block's memory-bound kernels move, forward and backward: the fused count
+    (``ELEMENTWISE_HIDDEN_WIDTHS`` / ``ELEMENTWISE_FFN_WIDTHS`` elements of ``width`` bytes), or the
+    implementation's own, counted from its ops (``Workload.elementwise_bytes``, at 16-bit compute: scaled
+    by ``width`` / 2)."""
+    if work.elementwise_bytes is None:
+        return (ELEMENTWISE_HIDDEN_WIDTHS * spec.hidden + ELEMENTWISE_FFN_WIDTHS[spec.gated] * spec.ffn) * width
+    per_hidden, per_ffn, per_kv = work.elementwise_bytes
+    return (per_hidden * spec.hidden + per_ffn * spec.ffn + per_kv * spec.kv_dim) * width / 2
 
 
 def fp8_cast_bytes(spec: TransformerSpec) -> float:

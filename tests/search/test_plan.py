@@ -452,3 +452,98 @@ def test_deepspeeds_kept_gradients_and_stage_outputs_add_their_exact_bytes():
     in_flight = outstanding_chunks(4, 1, 0, micro)
     assert in_flight == 4
     assert outputs.allocated_bytes - base.allocated_bytes == pytest.approx(in_flight * 2048 * spec.hidden * 2, rel=1e-6)
+
+
+def test_packed_documents_attend_over_their_span_not_the_whole_sequence():
+    """attention_span (packed fine-tuning, variable-length flash attention): causal attention's time and
+    the MFU's attention term go with the documents' span; the weights' matmuls and the memory do not move.
+    Exactly: the attention seconds scale by span / seq_len (no recompute here), and a span equal to the
+    sequence changes nothing."""
+    from atorch.plan import configuration
+    from atorch.plan.analytic import attention_seconds, matmul_seconds
+
+    args = dict(global_batch=32, seq_len=4096, sharding="zero1", micro_batch_size=1, precision="fp8")
+    whole = atorch.estimate("llama2-7b", "8xH100-80GB", **args)
+    packed = atorch.estimate("llama2-7b", "8xH100-80GB", attention_span=128, **args)
+    assert packed.tokens_per_s_per_gpu > 1.1 * whole.tokens_per_s_per_gpu
+    assert packed.memory_bytes == whole.memory_bytes
+    assert atorch.estimate("llama2-7b", "8xH100-80GB", attention_span=4096, **args) == whole
+    seconds = {}
+    for span in (None, 128):
+        spec, cluster, candidate, work = configuration("llama2-7b", "8xH100-80GB", attention_span=span, **args)
+        seconds[span] = (attention_seconds(candidate, spec, cluster, work),
+                         matmul_seconds(candidate, spec, cluster, work))
+    assert seconds[128][0] == pytest.approx(seconds[None][0] * 128 / 4096, rel=1e-12)
+    assert seconds[128][1] == seconds[None][1]
+
+
+@pytest.mark.parametrize("bad, named", [
+    (dict(attention_span=0), "attention_span=0"),
+    (dict(attention_span=8192), "attention_span=8192 is not valid with seq_len=4096"),
+    (dict(attention_span=1.5), "attention_span=1.5"),
+    (dict(attention_span=512, attention="materialised"), "attention='materialised'"),
+])
+def test_a_bad_attention_span_is_refused_by_name(bad, named):
+    with pytest.raises(InputError, match="attention_span") as error:
+        atorch.estimate("llama2-7b", "8xH100-80GB", global_batch=32, seq_len=4096, **bad)
+    assert named in str(error.value)
+
+
+class _OneMultiply(torch.nn.Module):
+    def forward(self, x):
+        return x * 2.0
+
+
+def test_the_traffic_counter_counts_what_each_memory_bound_kernel_reads_and_writes():
+    """A multiply moves its input and output once forward and once backward: 4 tensors of hidden bf16
+    elements a token, 8 bytes per hidden element; matmuls (priced by FLOPs) and views move nothing."""
+    from atorch.plan.elementwise import block_traffic
+
+    hidden = 64
+    assert block_traffic(_OneMultiply(), hidden) == pytest.approx(8 * hidden, rel=0.01)
+    matmuls = torch.nn.Sequential(*(torch.nn.Linear(hidden, hidden, bias=False) for _ in range(2)))
+    assert block_traffic(matmuls, hidden) == 0
+
+
+class _EagerNormBlock(torch.nn.Module):
+    """A gated MLP block with an eager fp32 RMSNorm (upcast, square, mean, rsqrt, scale, downcast)."""
+
+    def __init__(self, hidden, heads, kv_heads, ffn, fused=False):
+        super().__init__()
+        self.fused = fused
+        self.weight = torch.nn.Parameter(torch.ones(hidden))
+        self.k = torch.nn.Linear(hidden, hidden // heads * kv_heads, bias=False)
+        self.gate, self.up = torch.nn.Linear(hidden, ffn, bias=False), torch.nn.Linear(hidden, ffn, bias=False)
+        self.down = torch.nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        if self.fused:
+            y = x * self.weight
+        else:
+            xf = x.float()
+            y = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).type_as(x)
+        y = y + self.k(y).sum(-1, keepdim=True)
+        return x + self.down(torch.nn.functional.silu(self.gate(y)) * self.up(y))
+
+
+def test_an_eager_fp32_norm_counts_several_times_a_fused_ones_traffic_and_slows_the_estimate():
+    """elementwise_bytes splits a block's traffic over the hidden, MLP and key / value widths; the eager
+    norm's fp32 intermediates show in the hidden part only, and estimate() prices them: slower, same memory."""
+    from atorch.plan.elementwise import elementwise_bytes
+
+    eager = elementwise_bytes(lambda h, a, kv, f: _EagerNormBlock(h, a, kv, f))
+    fused = elementwise_bytes(lambda h, a, kv, f: _EagerNormBlock(h, a, kv, f, fused=True))
+    assert eager[0] > 3 * fused[0]
+    assert eager[1] == pytest.approx(fused[1]) and eager[2] == pytest.approx(fused[2])
+    assert eager[2] > 0  # the key projection's output is read by the sum: traffic that grows with kv heads
+    args = dict(global_batch=64, seq_len=4096, sharding="fsdp", micro_batch_size=1)
+    lean = atorch.estimate("llama2-7b", "8xH100-80GB", **args)
+    heavy = atorch.estimate("llama2-7b", "8xH100-80GB", elementwise_bytes=eager, **args)
+    assert heavy.tokens_per_s_per_gpu < lean.tokens_per_s_per_gpu and heavy.memory_bytes == lean.memory_bytes
+
+
+@pytest.mark.parametrize("bad", [(1.0, 2.0), (1.0, -2.0, 3.0), (1.0, float("nan"), 3.0), "60,18,0", (True, 1, 1)])
+def test_bad_elementwise_bytes_are_refused_by_name(bad):
+    with pytest.raises(InputError, match="elementwise_bytes=") as error:
+        atorch.estimate("llama2-7b", "8xH100-80GB", global_batch=32, seq_len=4096, elementwise_bytes=bad)
+    assert "three non-negative numbers" in str(error.value)
