@@ -29,6 +29,7 @@ SMALLEST = {
     "checkpoint.py": (["--tiny"], "asynchronous save: training blocked"),
     "host_memory.py": (["--tiny"], "atorch / pytorch recipe: "),
     "plan_vs_published.py": ([], "calibrated constants"),
+    "elementwise_traffic.py": (["--tiny"], "measured / predicted"),
     "gpu.py": (["--tiny"], "auto / expert = "),  # checked further below
 }
 
