@@ -17,6 +17,7 @@ the search's own function (``cost_model.predict_measured``), so it reproduces th
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -86,19 +87,26 @@ class Plan:
 
 def plan(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
          cluster: Union[str, Mapping[str, Any], ClusterSpec], global_batch: int, seq_len: int,
-         excluded: Iterable[str] = (), device: Optional[Union[str, Mapping[str, Any], DeviceSpec]] = None) -> Plan:
+         excluded: Iterable[str] = (), device: Optional[Union[str, Mapping[str, Any], DeviceSpec]] = None, *,
+         attention_span: Optional[int] = None,
+         elementwise_bytes: Optional[tuple[float, float, float]] = None) -> Plan:
     """Rank the candidate strategies for ``model`` on ``cluster`` (see the module doc).
 
     ``model``: a built-in name (``llama3-8b``, ...), a transformers config.json path or dict, or an
     ``nn.Module`` built on the meta device. ``cluster``: ``"8xH100-96GB"``, ``"4x8xA100-80GB"`` or a
     dict (its device may be a dict of your own numbers). ``excluded``: method names to leave out.
+    ``attention_span`` (packed documents attending within themselves) and ``elementwise_bytes`` (the
+    block's memory-bound traffic as your code writes it) as ``estimate`` takes them.
     """
     spec, cluster = model_spec(model), cluster_spec(cluster)
     if device is not None:
         cluster = cluster_spec({"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node, "device": device})
     _check_positive("global_batch", global_batch)
     _check_positive("seq_len", seq_len)
-    work = Workload(global_batch, seq_len)
+    _check_attention_span(attention_span, seq_len, "flash")
+    _check_elementwise_bytes(elementwise_bytes)
+    work = Workload(global_batch, seq_len, attention_span=attention_span,
+                    elementwise_bytes=None if elementwise_bytes is None else tuple(elementwise_bytes))
     world = cluster.world_size
     facts = keep_tensor_in_node(spec_layout_facts(spec, world), Topology(cluster.nodes, cluster.gpus_per_node))
     profile = _profile(spec, facts)
@@ -157,7 +165,7 @@ def selective_predictions(candidates: list[Candidate], spec: TransformerSpec, cl
     """Every checkpointed candidate once more under selective checkpointing (the op policy torchtitan
     runs: matmul outputs kept, the rest recomputed), which often beats full recompute when it fits.
     No atorch method applies it, so ``Plan.strategy`` skips these; they show what it would buy."""
-    selective = Workload(work.global_batch, work.seq_len, "selective")
+    selective = dataclasses.replace(work, activation_checkpointing="selective")
     return [predict(c, spec, cluster, selective, facts) for c in candidates if c.checkpoint]
 
 

@@ -547,3 +547,35 @@ def test_bad_elementwise_bytes_are_refused_by_name(bad):
     with pytest.raises(InputError, match="elementwise_bytes=") as error:
         atorch.estimate("llama2-7b", "8xH100-80GB", global_batch=32, seq_len=4096, elementwise_bytes=bad)
     assert "three non-negative numbers" in str(error.value)
+
+
+def test_plan_ranks_with_the_workload_options_estimate_takes():
+    """plan() passes attention_span and elementwise_bytes to every candidate, selective checkpointing's rows
+    included (they once rebuilt the workload and dropped its options): eager traffic makes every row slower,
+    packed documents every row faster; bad values are refused by name there too."""
+    def times(**options):
+        result = atorch.plan("llama2-7b", "8xH100-80GB", 64, 4096, **options)
+        return result, {(p.candidate.label, p.checkpointing): p.step_time_s for p in result.predictions}
+
+    _, plain = times()
+    heavy, slower = times(elementwise_bytes=(415.0, 28.0, 69.0))
+    packed, faster = times(attention_span=256)
+    assert heavy.workload.elementwise_bytes == (415.0, 28.0, 69.0) and packed.workload.attention_span == 256
+    assert set(slower) == set(plain) == set(faster)
+    assert all(slower[key] > plain[key] > faster[key] for key in plain)
+    with pytest.raises(InputError, match="attention_span=8192"):
+        atorch.plan("llama2-7b", "8xH100-80GB", 64, 4096, attention_span=8192)
+    with pytest.raises(InputError, match="elementwise_bytes="):
+        atorch.plan("llama2-7b", "8xH100-80GB", 64, 4096, elementwise_bytes=(1.0, 2.0))
+
+
+def test_cli_takes_the_workload_options_and_refuses_a_malformed_triple(capsys):
+    from atorch.plan.__main__ import main
+
+    assert main(["--model", "llama2-7b", "--cluster", "8xH100-80GB", "--global-batch", "64", "--seq-len", "4096",
+                 "--attention-span", "256", "--elementwise-bytes", "415,28,69", "--top", "3"]) == 0
+    assert "llama2-7b" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--model", "llama2-7b", "--cluster", "8xH100-80GB", "--global-batch", "64", "--seq-len", "4096",
+              "--elementwise-bytes", "415,28"])
+    assert "HIDDEN,FFN,KV" in capsys.readouterr().err
