@@ -737,11 +737,13 @@ def memory_bound_seconds(candidate: Candidate, spec: TransformerSpec, cluster: C
 def block_elementwise_bytes(spec: TransformerSpec, work: Workload, width: int) -> float:
     """Bytes per token a block's memory-bound kernels move, forward and backward: the fused count
     (``ELEMENTWISE_HIDDEN_WIDTHS`` / ``ELEMENTWISE_FFN_WIDTHS`` elements of ``width`` bytes), or the
-    implementation's own, counted from its ops (``Workload.elementwise_bytes``, at 16-bit compute: scaled
+    implementation's own, counted from its ops (``Workload.elementwise_bytes`` as given, else the module's
+    own where the spec came from one: ``TransformerSpec.elementwise_bytes``; at 16-bit compute, scaled
     by ``width`` / 2)."""
-    if work.elementwise_bytes is None:
+    counted = work.elementwise_bytes or spec.elementwise_bytes
+    if counted is None:
         return (ELEMENTWISE_HIDDEN_WIDTHS * spec.hidden + ELEMENTWISE_FFN_WIDTHS[spec.gated] * spec.ffn) * width
-    per_hidden, per_ffn, per_kv = work.elementwise_bytes
+    per_hidden, per_ffn, per_kv = counted
     return (per_hidden * spec.hidden + per_ffn * spec.ffn + per_kv * spec.kv_dim) * width / 2
 
 

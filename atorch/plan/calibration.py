@@ -39,7 +39,7 @@ FITTED: dict[str, Fitted] = {
         0.526, ("lf H100-80GB 7b s2048 8gpu", "lf H100-80GB 13b s2048 8gpu", "lf H100-80GB 30b s2048 8gpu"),
         0.2, 0.95, "the same on H100 SXM 700 W (and H200 / GH200, the same chip with other memory)"),
     "hopper 500W efficiency": Fitted(
-        0.5667, ("titan llama3.1-8b 8xH100 fsdp",),
+        0.5677, ("titan llama3.1-8b 8xH100 fsdp",),
         0.2, 0.95, "the same on the power-capped 500 W H100 96 GB (torchtitan's Grand Teton parts)"),
     "fp8 efficiency": Fitted(
         0.9097, ("lf H100-80GB 3b s2048 8gpu fp8", "lf H100-80GB 1b s8192 8gpu fp8"),

@@ -11,14 +11,22 @@ is not a matmul or attention reads and writes, and splits the total per token in
 with the hidden size, the MLP's width and the key / value width (three traces). Views and allocations
 move nothing and are not counted; each other op is taken to read its inputs and write its outputs once
 from memory (an eager kernel does: its tensors are far larger than the cache at training sizes).
+Attention runs as one fused kernel priced by its FLOPs elsewhere, so ``scaled_dot_product_attention``
+is stood in for by a kernel that moves nothing here. ``model_block_traffic`` does the same for a whole
+token model built on the meta device, from copies of it cut to 0 and 1 blocks: the planner counts the
+block of a module it is given (``model_specs.from_module``).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from atorch.auto.search.pieces import cut_copy, find_block_stack
 
 # ops that run on the tensor cores or inside the fused attention kernel: priced by FLOPs, not bytes
 MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm"})
@@ -57,18 +65,94 @@ class _TrafficCounter(TorchDispatchMode):
         return out
 
 
+class _FusedAttention(torch.autograd.Function):
+    """Stands in for a fused attention kernel, which the cost model prices by its FLOPs: its output and
+    gradients are allocated, never written here, so no bytes are counted for it (on the meta device, or
+    with a mask on CPU, SDPA would otherwise decompose into materialised scores and softmax)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(q, k, v)
+        return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
+
+
+class _AttentionAsOneKernel(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")][len(args):])[:3]
+            return _FusedAttention.apply(q, k, v)
+        return func(*args, **kwargs)
+
+
+def _count(run: Callable[[], torch.Tensor]) -> int:
+    """Bytes the memory-bound kernels of ``run()`` and of the backward of its output move."""
+    counter = _TrafficCounter()
+    with _AttentionAsOneKernel(), counter:
+        out = run()
+        out.backward(torch.ones_like(out))
+    return counter.bytes
+
+
+def _in_dtype(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    for parameter in module.parameters():  # the weights in the compute dtype; buffers (rotary tables) as built
+        parameter.data = parameter.data.to(dtype)
+    return module
+
+
 def block_traffic(block: nn.Module, hidden: int, tokens: int = 512, seq_len: int = 128,
                   dtype: torch.dtype = torch.bfloat16) -> float:
     """Bytes per token the memory-bound kernels of ``block`` move in one forward and backward, with its
     parameters and input in ``dtype`` (a 16-bit compute dtype, as FSDP's mixed precision runs it)."""
-    for parameter in block.parameters():  # the weights in the compute dtype; buffers (rotary tables) as built
-        parameter.data = parameter.data.to(dtype)
+    block = _in_dtype(block, dtype)
     x = torch.randn(tokens // seq_len, seq_len, hidden, dtype=dtype, requires_grad=True)
-    counter = _TrafficCounter()
-    with counter:
-        y = block(x)
-        y.backward(torch.ones_like(y))
-    return counter.bytes / tokens
+    return _count(lambda: block(x)) / tokens
+
+
+def model_block_traffic(model: nn.Module, batch: int = 2, seq_len: int = 256,
+                        dtype: torch.dtype = torch.bfloat16) -> Optional[float]:
+    """Bytes per token one repeated block of a token model moves, forward and backward, from copies of the
+    model cut to 0 and 1 of its blocks (1 and 2 where it cannot run without one; ``pieces.cut_copy``),
+    run on the meta device: only shapes and dtypes are needed, so a model of any size costs
+    milliseconds and no memory. The difference of the two counts is the block's. None when the model
+    has no stack of repeated blocks or does not run on token ids there (data-dependent ops, other inputs):
+    the caller keeps the fused count."""
+    stack = find_block_stack(model)
+    if stack is None:
+        return None
+    tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    for low in (0, 1):
+        if low + 1 > stack.blocks:
+            break
+        try:
+            counts = [_count(lambda piece=_meta_piece(model, stack, kept, dtype): _first_tensor(piece(tokens)))
+                      for kept in (low, low + 1)]
+        except Exception:  # noqa: BLE001 - any failure of a foreign model's forward on meta: not countable
+            continue
+        return max(counts[1] - counts[0], 0) / (batch * seq_len)
+    return None
+
+
+def _meta_piece(model: nn.Module, stack: Any, kept: int, dtype: torch.dtype) -> nn.Module:
+    piece = cut_copy(model, stack, kept)  # a copy of its own: moving it to meta leaves the model as it was
+    if any(not p.is_meta for p in piece.parameters()):
+        piece = piece.to("meta")
+    return _in_dtype(piece, dtype)
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    """The model output's first floating tensor (logits), as a float so its backward seeds every token."""
+    if isinstance(output, torch.Tensor):
+        return output.float()
+    values = output.values() if isinstance(output, dict) else output
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.float()
+    raise TypeError(f"no floating tensor in the model's output {type(output).__name__}")
 
 
 def elementwise_bytes(make_block: Callable[[int, int, int, int], nn.Module], hidden: int = 256, heads: int = 4,

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 from torch import nn
 
 from atorch.errors import InputError, nearest_name
+from atorch.plan.elementwise import model_block_traffic
 from atorch.utils.modules import repeated_blocks
 
 # transformers config.json contents of well-known models (the shape keys only)
@@ -58,6 +59,9 @@ class TransformerSpec:
     gated: bool = True
     block: str = "Block"            # class name of the repeated block (checkpoint / FSDP unit)
     param_count_override: int = 0   # a real module's exact count, when known
+    # a module's own block traffic (``elementwise.model_block_traffic``, bytes per token and hidden element,
+    # forward and backward), in ``Workload.elementwise_bytes``' form; None: fused kernels are assumed
+    elementwise_bytes: Optional[tuple[float, float, float]] = None
 
     @property
     def head_dim(self) -> int:
@@ -154,7 +158,13 @@ def from_hf_config(config: Mapping[str, Any], name: str = "") -> TransformerSpec
 
 def from_module(model: nn.Module) -> TransformerSpec:
     """Shape of a module (meta tensors are fine): a transformers model through its ``config``; any
-    other from its embedding, its repeated blocks and its exact parameter count."""
+    other from its embedding, its repeated blocks and its exact parameter count. Its block's
+    memory-bound traffic is counted from the module's own ops where it runs on token ids on the meta
+    device (``elementwise.model_block_traffic``): the norms and rotary embedding as this code writes them."""
+    return _with_traffic(_module_shape(model), model)
+
+
+def _module_shape(model: nn.Module) -> TransformerSpec:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_dict"):
         spec = from_hf_config(config.to_dict(), name=type(model).__name__)
@@ -173,6 +183,11 @@ def from_module(model: nn.Module) -> TransformerSpec:
     ffn = max((block_params - 4 * hidden * hidden) // (2 * hidden), hidden)
     return TransformerSpec(type(model).__name__, hidden, layers, heads, heads, ffn, vocab, gated=False, block=block,
                            param_count_override=sum(p.numel() for p in model.parameters()))
+
+
+def _with_traffic(spec: TransformerSpec, model: nn.Module) -> TransformerSpec:
+    traffic = model_block_traffic(model)
+    return spec if traffic is None else replace(spec, elementwise_bytes=(traffic / spec.hidden, 0.0, 0.0))
 
 
 def _with_block(spec: TransformerSpec, model: nn.Module) -> TransformerSpec:

@@ -579,3 +579,66 @@ def test_cli_takes_the_workload_options_and_refuses_a_malformed_triple(capsys):
         main(["--model", "llama2-7b", "--cluster", "8xH100-80GB", "--global-batch", "64", "--seq-len", "4096",
               "--elementwise-bytes", "415,28"])
     assert "HIDDEN,FFN,KV" in capsys.readouterr().err
+
+
+def test_a_module_s_own_block_traffic_is_counted_on_meta():
+    """From an nn.Module the planner counts its block's memory-bound traffic on the meta device (no
+    memory, milliseconds): the repo GPT, written with fused LayerNorm, GELU and SDPA, counts what the
+    fused constants assume (within 25 %); transformers' eager Llama (fp32 RMSNorm, rotate_half rotary)
+    several times that, and estimate() prices it: slower than the same shape from its config, same memory."""
+    transformers = pytest.importorskip("transformers")
+    from atorch.plan.analytic import ELEMENTWISE_FFN_WIDTHS, ELEMENTWISE_HIDDEN_WIDTHS
+    from atorch.plan.model_specs import model_spec
+
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig(vocab_size=512, block_size=256, n_layer=4, n_head=4, n_embd=128))
+    spec = model_spec(gpt)
+    fused = 2 * (ELEMENTWISE_HIDDEN_WIDTHS * spec.hidden + ELEMENTWISE_FFN_WIDTHS[False] * spec.ffn) / spec.hidden
+    assert 0.8 < spec.elementwise_bytes[0] / fused < 1.25, (spec.elementwise_bytes, fused)
+    config = dict(hidden_size=1024, intermediate_size=2752, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=8, vocab_size=32000)
+    with torch.device("meta"):
+        llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    counted = model_spec(llama).elementwise_bytes
+    assert counted is not None and counted[0] > 3 * 2 * ELEMENTWISE_HIDDEN_WIDTHS
+    args = dict(global_batch=16, seq_len=2048, sharding="fsdp", micro_batch_size=1)
+    from_module = atorch.estimate(llama, "8xH100-80GB", **args)
+    from_config = atorch.estimate({**config, "model_type": "llama"}, "8xH100-80GB", **args)
+    assert from_module.tokens_per_s_per_gpu < from_config.tokens_per_s_per_gpu
+    assert from_module.memory_bytes == from_config.memory_bytes
+
+
+class _TinyBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _NeedsValues(torch.nn.Module):
+    """A token model whose forward reads a value (no meta tensor has one): its traffic cannot be counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.blocks = torch.nn.ModuleList(_TinyBlock() for _ in range(3))
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        if x.abs().max().item() > 0:  # data-dependent
+            x = x * 1.0
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_module_that_cannot_run_on_meta_keeps_the_fused_count():
+    from atorch.plan.model_specs import model_spec
+
+    with torch.device("meta"):
+        model = _NeedsValues()
+    assert model_spec(model).elementwise_bytes is None
+    assert atorch.estimate(model, "1xA100-80GB", global_batch=8, seq_len=64).fits
