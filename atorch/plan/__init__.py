@@ -245,7 +245,8 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     ``elementwise_bytes``: the block's memory-bound traffic as your code writes it, bytes per token (forward
     and backward, 16-bit compute) per element of the hidden size, the MLP's width and the key / value
     width: ``atorch.plan.elementwise.elementwise_bytes(YourBlock)`` counts it from the block's own ops (an
-    eager fp32 RMSNorm and rotary move several times what fused kernels do); default None: fused kernels.
+    eager fp32 RMSNorm and rotary move several times what fused kernels do); default None: fused kernels,
+    or, for a model given as an ``nn.Module``, its own block's traffic counted on the meta device.
     ``sequence_parallel``: under tensor parallelism the norms, residual adds and dropout split over the
     sequence (default True, Megatron's --sequence-parallel, torchtitan); False runs and keeps them whole on
     every tensor rank (Megatron before sequence parallelism).
