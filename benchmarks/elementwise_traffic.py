@@ -7,6 +7,11 @@ no norm, no rotary) at Llama 2 7B's width, and the extra time is set beside the 
 over the copy bandwidth measured in the same run. Prints measured / predicted per block (1.0: the
 count explains the time; above 1: small kernels that do not reach the copy bandwidth).
 
+Then whole training steps: eager transformers Llamas (sdpa attention, bf16 autocast over fp32 weights,
+torch's AdamW) at a few shapes, timed (median of 6 steps) beside ``atorch.estimate`` on the device the
+planner's table names (``--device``, default H200) from the config (fused count) and from the model
+built on meta (its block's traffic counted): no constant is fitted on these.
+
     .venv/bin/python benchmarks/elementwise_traffic.py [--tiny]
 
 Without CUDA it skips (exit 0); ``--tiny`` runs a narrow block on CPU to check the script.
@@ -14,6 +19,7 @@ Without CUDA it skips (exit 0); ``--tiny`` runs a narrow block on CPU to check t
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 import warnings
@@ -27,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _block_implementations as blocks  # noqa: E402
 
+import atorch  # noqa: E402
 from atorch.plan.elementwise import block_traffic  # noqa: E402
 
 SHAPE = dict(hidden=4096, heads=32, kv_heads=32, ffn=11008, batch=2, seq=4096)  # Llama 2 7B, 8192 tokens
@@ -86,9 +93,73 @@ def counted_bytes(cls: type, shape: dict) -> float:
     return block_traffic(narrow, shape["hidden"] // k) * k
 
 
+# (layers, hidden, heads, kv heads, MLP, batch, sequence)
+LLAMA_STEPS = [(16, 2048, 16, 16, 5632, 8, 2048), (16, 2048, 16, 16, 5632, 4, 4096), (24, 3072, 24, 8, 8192, 4, 2048),
+               (32, 4096, 32, 32, 11008, 2, 2048)]
+TINY_STEPS = [(2, 64, 2, 2, 172, 2, 32)]
+
+
+def llama_config(shape: tuple) -> dict:
+    layers, hidden, heads, kv, mlp, _, seq = shape
+    return dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
+                intermediate_size=mlp, vocab_size=32000, max_position_embeddings=seq)
+
+
+def llama_step_ms(transformers, shape: tuple, device: torch.device, steps: int) -> float:
+    """The median step of an eager transformers Llama trained as benchmarks/gpu.py's eager bf16 row is."""
+    batch, seq = shape[5], shape[6]
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config(shape), attn_implementation="sdpa"))
+    model = model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(0, 32000, (batch, seq), device=device)
+    times = []
+    for i in range(steps + 2):
+        _sync(device)
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def whole_steps(shapes: list, device: torch.device, planner_device: str, steps: int) -> None:
+    try:
+        import transformers
+    except ImportError:
+        print("whole steps: transformers is not installed; skipped")
+        return
+    print(f"\nwhole steps (eager transformers Llama, bf16 autocast, AdamW) against atorch.estimate on "
+          f"1x{planner_device}: predicted / measured")
+    print(f"{'layers x hidden, kv, MLP':28s} {'batch x seq':>12s} {'measured ms':>12s} {'config ms':>10s} "
+          f"{'module ms':>10s}")
+    errors = {"config": [], "module": []}
+    for shape in shapes:
+        measured = llama_step_ms(transformers, shape, device, steps)
+        with torch.device("meta"):
+            meta = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config(shape),
+                                                                          attn_implementation="sdpa"))
+        args = dict(global_batch=shape[5], seq_len=shape[6], sharding="ddp", precision="bf16")
+        config = atorch.estimate({**llama_config(shape), "model_type": "llama"}, f"1x{planner_device}", **args)
+        module = atorch.estimate(meta, f"1x{planner_device}", **args)
+        predicted = {"config": config.step_time_s * 1e3, "module": module.step_time_s * 1e3}
+        for key, value in predicted.items():
+            errors[key].append(abs(value / measured - 1))
+        print(f"{shape[0]} x {shape[1]}, {shape[3]}, {shape[4]}".ljust(28) + f" {shape[5]:>5} x {shape[6]:<5}"
+              f" {measured:12.1f} {predicted['config']:10.1f} {predicted['module']:10.1f}"
+              f"   ({predicted['config'] / measured:.2f}, {predicted['module'] / measured:.2f})")
+    print("mean absolute error: config " + f"{statistics.mean(errors['config']):.1%}, module "
+          f"{statistics.mean(errors['module']):.1%}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a narrow block on CPU: checks the script")
+    parser.add_argument("--device", default="H200", help="the planner's device for the whole steps (its table)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     if not args.tiny and not torch.cuda.is_available():
@@ -115,6 +186,7 @@ def main() -> int:
         predicted = extra / bandwidth
         print(f"{cls.__name__:30s} {seconds * 1e3:8.2f} {(seconds - bare_s) * 1e3:14.2f} {extra / 1e9:12.2f} "
               f"{predicted * 1e3:14.2f}  measured / predicted {(seconds - bare_s) / predicted:.2f}")
+    whole_steps(TINY_STEPS if args.tiny else LLAMA_STEPS, device, args.device, 1 if args.tiny else 6)
     return 0
 
 
