@@ -9,8 +9,10 @@ count explains the time; above 1: small kernels that do not reach the copy bandw
 
 Then whole training steps: eager transformers Llamas (sdpa attention, bf16 autocast over fp32 weights,
 torch's AdamW) at a few shapes, timed (median of 6 steps) beside ``atorch.estimate`` on the device the
-planner's table names (``--device``, default H200) from the config (fused count) and from the model
-built on meta (its block's traffic counted): no constant is fitted on these.
+planner's table names (``--device``, default H200) from the config (fused count), from the model
+built on meta (its block's traffic counted) and from the model with torch's AdamW counted too
+(``optimizer_step_bytes``: its foreach step, CUDA's default, where the planner assumes a fused Adam):
+no constant is fitted on these.
 
     .venv/bin/python benchmarks/elementwise_traffic.py [--tiny]
 
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _block_implementations as blocks  # noqa: E402
 
 import atorch  # noqa: E402
-from atorch.plan.elementwise import block_traffic  # noqa: E402
+from atorch.plan.elementwise import block_traffic, optimizer_step_bytes  # noqa: E402
 
 SHAPE = dict(hidden=4096, heads=32, kv_heads=32, ffn=11008, batch=2, seq=4096)  # Llama 2 7B, 8192 tokens
 TINY = dict(hidden=64, heads=2, kv_heads=2, ffn=172, batch=1, seq=64)
@@ -136,24 +138,29 @@ def whole_steps(shapes: list, device: torch.device, planner_device: str, steps: 
     print(f"\nwhole steps (eager transformers Llama, bf16 autocast, AdamW) against atorch.estimate on "
           f"1x{planner_device}: predicted / measured")
     print(f"{'layers x hidden, kv, MLP':28s} {'batch x seq':>12s} {'measured ms':>12s} {'config ms':>10s} "
-          f"{'module ms':>10s}")
-    errors = {"config": [], "module": []}
+          f"{'module ms':>10s} {'+AdamW ms':>10s}")
+    adamw = optimizer_step_bytes(lambda parameters: torch.optim.AdamW(parameters, lr=1e-5, foreach=True))
+    errors: dict = {"config": [], "module": [], "+AdamW": []}
     for shape in shapes:
         measured = llama_step_ms(transformers, shape, device, steps)
         with torch.device("meta"):
             meta = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config(shape),
                                                                           attn_implementation="sdpa"))
         args = dict(global_batch=shape[5], seq_len=shape[6], sharding="ddp", precision="bf16")
-        config = atorch.estimate({**llama_config(shape), "model_type": "llama"}, f"1x{planner_device}", **args)
-        module = atorch.estimate(meta, f"1x{planner_device}", **args)
-        predicted = {"config": config.step_time_s * 1e3, "module": module.step_time_s * 1e3}
+        cluster = f"1x{planner_device}"
+        predicted = {
+            "config": atorch.estimate({**llama_config(shape), "model_type": "llama"}, cluster, **args).step_time_s,
+            "module": atorch.estimate(meta, cluster, **args).step_time_s,
+            "+AdamW": atorch.estimate(meta, cluster, optimizer_bytes_per_param=adamw, **args).step_time_s}
+        predicted = {key: value * 1e3 for key, value in predicted.items()}
         for key, value in predicted.items():
             errors[key].append(abs(value / measured - 1))
+        ratios = ", ".join(f"{value / measured:.2f}" for value in predicted.values())
         print(f"{shape[0]} x {shape[1]}, {shape[3]}, {shape[4]}".ljust(28) + f" {shape[5]:>5} x {shape[6]:<5}"
-              f" {measured:12.1f} {predicted['config']:10.1f} {predicted['module']:10.1f}"
-              f"   ({predicted['config'] / measured:.2f}, {predicted['module'] / measured:.2f})")
-    print("mean absolute error: config " + f"{statistics.mean(errors['config']):.1%}, module "
-          f"{statistics.mean(errors['module']):.1%}")
+              f" {measured:12.1f} {predicted['config']:10.1f} {predicted['module']:10.1f} {predicted['+AdamW']:10.1f}"
+              f"   ({ratios})")
+    print("mean absolute error: " + ", ".join(f"{key} {statistics.mean(v):.1%}" for key, v in errors.items())
+          + f" (torch's foreach AdamW counted at {adamw:.0f} bytes per parameter)")
 
 
 def main() -> int:

@@ -89,14 +89,16 @@ def plan(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
          cluster: Union[str, Mapping[str, Any], ClusterSpec], global_batch: int, seq_len: int,
          excluded: Iterable[str] = (), device: Optional[Union[str, Mapping[str, Any], DeviceSpec]] = None, *,
          attention_span: Optional[int] = None,
-         elementwise_bytes: Optional[tuple[float, float, float]] = None) -> Plan:
+         elementwise_bytes: Optional[tuple[float, float, float]] = None,
+         optimizer_bytes_per_param: Optional[float] = None) -> Plan:
     """Rank the candidate strategies for ``model`` on ``cluster`` (see the module doc).
 
     ``model``: a built-in name (``llama3-8b``, ...), a transformers config.json path or dict, or an
     ``nn.Module`` built on the meta device. ``cluster``: ``"8xH100-96GB"``, ``"4x8xA100-80GB"`` or a
     dict (its device may be a dict of your own numbers). ``excluded``: method names to leave out.
-    ``attention_span`` (packed documents attending within themselves) and ``elementwise_bytes`` (the
-    block's memory-bound traffic as your code writes it) as ``estimate`` takes them.
+    ``attention_span`` (packed documents attending within themselves), ``elementwise_bytes`` (the
+    block's memory-bound traffic as your code writes it) and ``optimizer_bytes_per_param`` (your
+    optimizer step's) as ``estimate`` takes them.
     """
     spec, cluster = model_spec(model), cluster_spec(cluster)
     if device is not None:
@@ -105,8 +107,10 @@ def plan(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     _check_positive("seq_len", seq_len)
     _check_attention_span(attention_span, seq_len, "flash")
     _check_elementwise_bytes(elementwise_bytes)
+    _check_optimizer_bytes(optimizer_bytes_per_param)
     work = Workload(global_batch, seq_len, attention_span=attention_span,
-                    elementwise_bytes=None if elementwise_bytes is None else tuple(elementwise_bytes))
+                    elementwise_bytes=None if elementwise_bytes is None else tuple(elementwise_bytes),
+                    optimizer_bytes_per_param=optimizer_bytes_per_param)
     world = cluster.world_size
     facts = keep_tensor_in_node(spec_layout_facts(spec, world), Topology(cluster.nodes, cluster.gpus_per_node))
     profile = _profile(spec, facts)
@@ -191,7 +195,8 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
              fused_swiglu: bool = False, grad_reduce_dtype: str = "fp32", attention: str = "flash",
              sequence_parallel: bool = True, half_grads_kept: bool = False, reduce_cast_copy: bool = False,
              stage_outputs_kept: bool = False, attention_span: Optional[int] = None,
-             elementwise_bytes: Optional[tuple[float, float, float]] = None) -> Prediction:
+             elementwise_bytes: Optional[tuple[float, float, float]] = None,
+             optimizer_bytes_per_param: Optional[float] = None) -> Prediction:
     """How fast and how big is the one configuration you name ("what I run today")?
 
     The same analytic model ``plan()`` ranks its candidates with, so a configuration that ``plan()``
@@ -247,6 +252,9 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     width: ``atorch.plan.elementwise.elementwise_bytes(YourBlock)`` counts it from the block's own ops (an
     eager fp32 RMSNorm and rotary move several times what fused kernels do); default None: fused kernels,
     or, for a model given as an ``nn.Module``, its own block's traffic counted on the meta device.
+    ``optimizer_bytes_per_param``: the optimizer step's traffic as your optimizer makes it, bytes per
+    parameter updated (``atorch.plan.elementwise.optimizer_step_bytes(lambda ps: torch.optim.AdamW(ps))``;
+    torch's foreach AdamW 56); default None: a fused Adam's (30 with fp32 states).
     ``sequence_parallel``: under tensor parallelism the norms, residual adds and dropout split over the
     sequence (default True, Megatron's --sequence-parallel, torchtitan); False runs and keeps them whole on
     every tensor rank (Megatron before sequence parallelism).
@@ -273,7 +281,8 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
         param_gather_overlap=param_gather_overlap, pipeline_p2p_overlap=pipeline_p2p_overlap,
         fused_swiglu=fused_swiglu, grad_reduce_dtype=grad_reduce_dtype, attention=attention,
         sequence_parallel=sequence_parallel, half_grads_kept=half_grads_kept, stage_outputs_kept=stage_outputs_kept,
-        reduce_cast_copy=reduce_cast_copy, attention_span=attention_span, elementwise_bytes=elementwise_bytes)
+        reduce_cast_copy=reduce_cast_copy, attention_span=attention_span, elementwise_bytes=elementwise_bytes,
+        optimizer_bytes_per_param=optimizer_bytes_per_param)
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 
@@ -306,6 +315,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                   grad_reduce_dtype: str = "fp32", attention: str = "flash", sequence_parallel: bool = True,
                   half_grads_kept: bool = False, stage_outputs_kept: bool = False, reduce_cast_copy: bool = False,
                   attention_span: Optional[int] = None, elementwise_bytes: Optional[tuple[float, float, float]] = None,
+                  optimizer_bytes_per_param: Optional[float] = None,
                   ) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
     """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
     callers that adjust the workload further, such as the published-runs benchmark)."""
@@ -321,6 +331,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     _check_choice("attention", attention, ATTENTIONS)
     _check_attention_span(attention_span, seq_len, attention)
     _check_elementwise_bytes(elementwise_bytes)
+    _check_optimizer_bytes(optimizer_bytes_per_param)
     for name, value in (("tp_comm_overlap", tp_comm_overlap), ("distributed_optimizer", distributed_optimizer),
                         ("pipeline_ends_as_layers", pipeline_ends_as_layers), ("fused_swiglu", fused_swiglu),
                         ("sequence_parallel", sequence_parallel), ("half_grads_kept", half_grads_kept),
@@ -372,8 +383,18 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                     grad_reduce_dtype=grad_reduce_dtype, attention=attention, sequence_parallel=sequence_parallel,
                     half_grads_kept=half_grads_kept, stage_outputs_kept=stage_outputs_kept,
                     reduce_cast_copy=reduce_cast_copy, attention_span=attention_span,
-                    elementwise_bytes=None if elementwise_bytes is None else tuple(elementwise_bytes))
+                    elementwise_bytes=None if elementwise_bytes is None else tuple(elementwise_bytes),
+                    optimizer_bytes_per_param=optimizer_bytes_per_param)
     return spec, cluster, candidate, work
+
+
+def _check_optimizer_bytes(value: Any) -> None:
+    if value is None:
+        return
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+        raise InputError(f"optimizer_bytes_per_param={value!r} is not valid: give a positive number, the bytes one "
+                         "optimizer step moves per parameter (atorch.plan.elementwise.optimizer_step_bytes counts "
+                         "it), or None for a fused Adam")
 
 
 def _check_elementwise_bytes(value: Any) -> None:

@@ -138,6 +138,10 @@ class Workload:
     # its ops (``atorch.plan.elementwise.elementwise_bytes``); None: the fused count (norms, rotary,
     # activation and residual adds each one kernel: ELEMENTWISE_HIDDEN_WIDTHS, ELEMENTWISE_FFN_WIDTHS)
     elementwise_bytes: Optional[tuple[float, float, float]] = None
+    # the optimizer step's traffic as the run's optimizer makes it, bytes per parameter updated
+    # (``atorch.plan.elementwise.optimizer_step_bytes``: torch's foreach AdamW 56, its for-loop one 84);
+    # None: a fused Adam's (OPTIMIZER_BYTES_PER_PARAM by the state dtypes)
+    optimizer_bytes_per_param: Optional[float] = None
 
     @property
     def tokens(self) -> int:
@@ -760,13 +764,16 @@ def fp8_cast_bytes(spec: TransformerSpec) -> float:
 
 def optimizer_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,
                       work: Optional[Workload] = None) -> float:
-    """Adam over the parameters this GPU updates (sharded ones: its shard), in the workload's state dtypes."""
+    """Adam over the parameters this GPU updates (sharded ones: its shard), in the workload's state dtypes
+    (a fused kernel's passes), or the bytes per parameter the workload counted from its optimizer."""
     hbm = cluster.device.hbm_bytes_per_s
     if not hbm:
         return 0.0
     params = spec.param_count / (candidate.tensor * candidate.pipeline)
     if candidate.sharding != "ddp":
         params /= shard_size(candidate, cluster.world_size)
+    if work is not None and work.optimizer_bytes_per_param is not None:
+        return work.optimizer_bytes_per_param * params / hbm
     states = "bf16" if candidate.precision == "half_bf16" else (work.optimizer_states if work else "fp32")
     return OPTIMIZER_BYTES_PER_PARAM[states] * params / hbm
 

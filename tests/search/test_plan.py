@@ -642,3 +642,25 @@ def test_a_module_that_cannot_run_on_meta_keeps_the_fused_count():
         model = _NeedsValues()
     assert model_spec(model).elementwise_bytes is None
     assert atorch.estimate(model, "1xA100-80GB", global_batch=8, seq_len=64).fits
+
+
+def test_an_optimizer_step_is_counted_per_parameter_and_priced_by_estimate():
+    """optimizer_step_bytes traces one step: SGD reads the parameter and its gradient and writes the
+    parameter (12 bytes in fp32, exactly); torch's AdamW moves more than a fused Adam's 30 and its
+    per-tensor loop more than its foreach path. estimate() charges the difference over the HBM bandwidth,
+    per parameter the GPU updates; a bad value is refused by name."""
+    from atorch.plan.elementwise import optimizer_step_bytes
+
+    assert optimizer_step_bytes(lambda ps: torch.optim.SGD(ps, lr=0.1)) == pytest.approx(12.0, abs=1e-3)
+    foreach = optimizer_step_bytes(lambda ps: torch.optim.AdamW(ps, foreach=True))
+    loop = optimizer_step_bytes(lambda ps: torch.optim.AdamW(ps, foreach=False))
+    assert 30 < foreach < loop
+    args = dict(global_batch=2, seq_len=2048, sharding="ddp")
+    fused = atorch.estimate("llama2-7b", "1xH200", **args)
+    counted = atorch.estimate("llama2-7b", "1xH200", optimizer_bytes_per_param=foreach, **args)
+    params = model_spec("llama2-7b").param_count
+    extra = (foreach - 30) * params / DEVICES["H200"].hbm_bytes_per_s
+    assert counted.step_time_s - fused.step_time_s == pytest.approx(extra, rel=1e-9)
+    assert counted.memory_bytes == fused.memory_bytes
+    with pytest.raises(InputError, match="optimizer_bytes_per_param=0"):
+        atorch.estimate("llama2-7b", "1xH200", optimizer_bytes_per_param=0, **args)
