@@ -106,10 +106,9 @@ def plan(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     _check_positive("global_batch", global_batch)
     _check_positive("seq_len", seq_len)
     _check_attention_span(attention_span, seq_len, "flash")
-    _check_elementwise_bytes(elementwise_bytes)
     _check_optimizer_bytes(optimizer_bytes_per_param)
     work = Workload(global_batch, seq_len, attention_span=attention_span,
-                    elementwise_bytes=None if elementwise_bytes is None else tuple(elementwise_bytes),
+                    elementwise_bytes=_elementwise_bytes(elementwise_bytes),
                     optimizer_bytes_per_param=optimizer_bytes_per_param)
     world = cluster.world_size
     facts = keep_tensor_in_node(spec_layout_facts(spec, world), Topology(cluster.nodes, cluster.gpus_per_node))
@@ -330,7 +329,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     _check_choice("grad_reduce_dtype", grad_reduce_dtype, GRAD_REDUCE_DTYPES)
     _check_choice("attention", attention, ATTENTIONS)
     _check_attention_span(attention_span, seq_len, attention)
-    _check_elementwise_bytes(elementwise_bytes)
+    elementwise_bytes = _elementwise_bytes(elementwise_bytes)
     _check_optimizer_bytes(optimizer_bytes_per_param)
     for name, value in (("tp_comm_overlap", tp_comm_overlap), ("distributed_optimizer", distributed_optimizer),
                         ("pipeline_ends_as_layers", pipeline_ends_as_layers), ("fused_swiglu", fused_swiglu),
@@ -383,8 +382,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                     grad_reduce_dtype=grad_reduce_dtype, attention=attention, sequence_parallel=sequence_parallel,
                     half_grads_kept=half_grads_kept, stage_outputs_kept=stage_outputs_kept,
                     reduce_cast_copy=reduce_cast_copy, attention_span=attention_span,
-                    elementwise_bytes=None if elementwise_bytes is None else tuple(elementwise_bytes),
-                    optimizer_bytes_per_param=optimizer_bytes_per_param)
+                    elementwise_bytes=elementwise_bytes, optimizer_bytes_per_param=optimizer_bytes_per_param)
     return spec, cluster, candidate, work
 
 
@@ -397,10 +395,10 @@ def _check_optimizer_bytes(value: Any) -> None:
                          "it), or None for a fused Adam")
 
 
-def _check_elementwise_bytes(value: Any) -> None:
-    """Three finite, non-negative byte counts (per hidden, MLP and key / value element), or None."""
+def _elementwise_bytes(value: Any) -> Optional[tuple[float, float, float]]:
+    """Three finite, non-negative byte counts (per hidden, MLP and key / value element) as a tuple, or None."""
     if value is None:
-        return
+        return None
     valid = (isinstance(value, (tuple, list)) and len(value) == 3
              and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
                      for v in value))
@@ -408,6 +406,7 @@ def _check_elementwise_bytes(value: Any) -> None:
         raise InputError(f"elementwise_bytes={value!r} is not valid: give three non-negative numbers, bytes per token "
                          "per element of the hidden size, the MLP's width and the key / value width (as "
                          "atorch.plan.elementwise.elementwise_bytes returns them), or None for fused kernels")
+    return tuple(value)
 
 
 def _check_attention_span(span: Optional[int], seq_len: int, attention: str) -> None:

@@ -107,7 +107,8 @@ def _in_dtype(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 def block_traffic(block: nn.Module, hidden: int, tokens: int = 512, seq_len: int = 128,
                   dtype: torch.dtype = torch.bfloat16) -> float:
     """Bytes per token the memory-bound kernels of ``block`` move in one forward and backward, with its
-    parameters and input in ``dtype`` (a 16-bit compute dtype, as FSDP's mixed precision runs it)."""
+    parameters (cast in place: pass a block built for counting) and input in ``dtype`` (a 16-bit compute
+    dtype, as FSDP's mixed precision runs it)."""
     block = _in_dtype(block, dtype)
     x = torch.randn(tokens // seq_len, seq_len, hidden, dtype=dtype, requires_grad=True)
     return _count(lambda: block(x)) / tokens
