@@ -664,3 +664,34 @@ def test_an_optimizer_step_is_counted_per_parameter_and_priced_by_estimate():
     assert counted.memory_bytes == fused.memory_bytes
     with pytest.raises(InputError, match="optimizer_bytes_per_param=0"):
         atorch.estimate("llama2-7b", "1xH200", optimizer_bytes_per_param=0, **args)
+
+
+class _EncoderLM(torch.nn.Module):
+    """A token model on PyTorch's nn.TransformerEncoder: blocks named layers.0.self_attn / linear1 / norm1."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(512, 64)
+        layer = torch.nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(64, 512)
+
+    def forward(self, ids):
+        return self.head(self.encoder(self.embed(ids)))
+
+
+def test_block_traffic_is_counted_on_models_named_unlike_the_zoo():
+    """The counted block comes from the module tree, not from names: nn.TransformerEncoder's layers and an
+    unnamed nn.Sequential of blocks are counted on meta like the zoo's; a flat Sequential mixing the blocks
+    with the embedding has no stack to cut, and keeps the fused count (None, no error)."""
+    from atorch.plan.elementwise import model_block_traffic
+
+    with torch.device("meta"):
+        encoder = _EncoderLM()
+        nested = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Sequential(*(_TinyBlock() for _ in range(3))),
+                                     torch.nn.Linear(32, 64))
+        flat = torch.nn.Sequential(torch.nn.Embedding(64, 32), *(_TinyBlock() for _ in range(3)),
+                                   torch.nn.Linear(32, 64))
+    assert model_block_traffic(encoder) > 0
+    assert model_block_traffic(nested) > 0
+    assert model_block_traffic(flat) is None
