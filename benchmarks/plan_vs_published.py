@@ -62,14 +62,18 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # 0446d2c0603733cb7252ff36999b32b76e7cf1c4): optim overlap_grad_sync and overlap_param_sync
                    # true, overlap_p2p_comm true; the 70B config lists a tensor-parallel overlap (userbuffers)
                    # configuration for H100, TP 4, sequence 4096 among its defaults (ub_tp_comm_overlap)
+                   # Megatron-Core lays ranks out tensor fastest, the pipeline outermost (its RankGenerator's
+                   # order "tp-cp-ep-dp-pp"), as Megatron-Bridge's runs and DeepSpeed's topology below do
                    "nemo": {"distributed_optimizer": True, "hopper_attention": True, "grad_reduce_overlap": True,
-                            "param_gather_overlap": True, "pipeline_p2p_overlap": True, "tp_comm_overlap": True},
+                            "param_gather_overlap": True, "pipeline_p2p_overlap": True, "tp_comm_overlap": True,
+                            "rank_order": "tensor-data-pipeline"},
                    # the pipeline split counts the embedding and the output layer + loss as a block each: one
                    # block fewer on the first and the last stage (the paper's section 3.3.2; 126 = 16 x 8 - 2).
                    # The same section runs the interleaved schedule and says the first stage's first model chunk
                    # then holds only the embedding (the last one's only the output layer and loss): one-block
                    # chunks, 128 / 16 = 8 a stage (the rows' virtual column, 1, was an assumption: the table read
-                   # does not give it); its point-to-point communication is asynchronous
+                   # does not give it); its point-to-point communication is asynchronous. Its rank order,
+                   # [TP, CP, PP, DP] (the paper's section 3.3), is the planner's default
                    "llama3": {"pipeline_ends_as_layers": True, "virtual_stages": 8, "pipeline_p2p_overlap": True},
                    # Megatron-DeepSpeed with DeepSpeed's BF16 optimizer (ZeRO-1: fp32 master weights and moments
                    # sharded); --pp-partition-method 'type:transformer|embedding' gives the embedding and the tied
@@ -85,7 +89,8 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # allreduce_bucket: communication_data_type is bf16 under bf16; ds_config sets none)
                    "bigscience": {"distributed_optimizer": True, "pipeline_ends_as_layers": True,
                                   "attention": "materialised", "sequence_parallel": False,
-                                  "half_grads_kept": True, "stage_outputs_kept": True, "reduce_cast_copy": True},
+                                  "half_grads_kept": True, "stage_outputs_kept": True, "reduce_cast_copy": True,
+                                  "rank_order": "tensor-data-pipeline"},
                    # Megatron-Core, as NeMo (recipes/llama/h100/llama3.py: use_distributed_optimizer). The
                    # perf recipes (perf_recipes/llama/h100/llama3.py, perf_recipes/_common.py @ 56ae11dff): the
                    # pretraining recipe builds on recipes/llama/h100/llama3.py's 70B config (overlap_grad_reduce,
@@ -96,7 +101,8 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # model provider sets bias_activation_fusion (models/llama/llama_bridge.py: fused SwiGLU)
                    "megatron-bridge": {"distributed_optimizer": True, "hopper_attention": True, "tp_comm_overlap": True,
                                        "grad_reduce_overlap": True, "param_gather_overlap": True,
-                                       "grad_reduce_dtype": "bf16", "fused_swiglu": True}}
+                                       "grad_reduce_dtype": "bf16", "fused_swiglu": True,
+                                       "rank_order": "tensor-data-pipeline"}}
 
 
 def load(path: Path = DATA) -> tuple[dict, list[dict]]:

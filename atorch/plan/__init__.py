@@ -39,6 +39,7 @@ from atorch.plan.analytic import (
     GRAD_REDUCE_DTYPES,
     GRAD_SYNCS,
     OPTIMIZER_STATES,
+    RANK_ORDERS,
     Prediction,
     Workload,
     predict,
@@ -195,7 +196,8 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
              sequence_parallel: bool = True, half_grads_kept: bool = False, reduce_cast_copy: bool = False,
              stage_outputs_kept: bool = False, attention_span: Optional[int] = None,
              elementwise_bytes: Optional[tuple[float, float, float]] = None,
-             optimizer_bytes_per_param: Optional[float] = None) -> Prediction:
+             optimizer_bytes_per_param: Optional[float] = None,
+             rank_order: str = "tensor-pipeline-data") -> Prediction:
     """How fast and how big is the one configuration you name ("what I run today")?
 
     The same analytic model ``plan()`` ranks its candidates with, so a configuration that ``plan()``
@@ -269,6 +271,11 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     (DeepSpeed's engine: ``communication_data_type`` is bf16 under bf16), 2 bytes per parameter on top
     of the peak, since the activations' blocks stay cached (the same optimizer and precision as
     ``half_grads_kept``, with ``grad_reduce_dtype="fp32"``).
+    ``rank_order``: how ranks are laid out over the dimensions, fastest-varying first (consecutive ranks
+    share a node): "tensor-pipeline-data" (default: atorch's own parallel_mode; Llama 3's [TP, CP, PP, DP])
+    or "tensor-data-pipeline" (Megatron-LM / Megatron-Core, DeepSpeed's pipeline topology, torchtitan:
+    the pipeline outermost). It decides which data groups and stage boundaries stay inside a node and
+    how many ranks share a node's network.
     Returns a ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``, ``memory_bytes``, ``fits`` and the
     time breakdown)."""
     spec, cluster, candidate, work = configuration(
@@ -281,7 +288,7 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
         fused_swiglu=fused_swiglu, grad_reduce_dtype=grad_reduce_dtype, attention=attention,
         sequence_parallel=sequence_parallel, half_grads_kept=half_grads_kept, stage_outputs_kept=stage_outputs_kept,
         reduce_cast_copy=reduce_cast_copy, attention_span=attention_span, elementwise_bytes=elementwise_bytes,
-        optimizer_bytes_per_param=optimizer_bytes_per_param)
+        optimizer_bytes_per_param=optimizer_bytes_per_param, rank_order=rank_order)
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 
@@ -314,7 +321,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                   grad_reduce_dtype: str = "fp32", attention: str = "flash", sequence_parallel: bool = True,
                   half_grads_kept: bool = False, stage_outputs_kept: bool = False, reduce_cast_copy: bool = False,
                   attention_span: Optional[int] = None, elementwise_bytes: Optional[tuple[float, float, float]] = None,
-                  optimizer_bytes_per_param: Optional[float] = None,
+                  optimizer_bytes_per_param: Optional[float] = None, rank_order: str = "tensor-pipeline-data",
                   ) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
     """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
     callers that adjust the workload further, such as the published-runs benchmark)."""
@@ -328,6 +335,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     _check_choice("grad_sync", grad_sync, GRAD_SYNCS)
     _check_choice("grad_reduce_dtype", grad_reduce_dtype, GRAD_REDUCE_DTYPES)
     _check_choice("attention", attention, ATTENTIONS)
+    _check_choice("rank_order", rank_order, RANK_ORDERS)
     _check_attention_span(attention_span, seq_len, attention)
     elementwise_bytes = _elementwise_bytes(elementwise_bytes)
     _check_optimizer_bytes(optimizer_bytes_per_param)
@@ -382,7 +390,8 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                     grad_reduce_dtype=grad_reduce_dtype, attention=attention, sequence_parallel=sequence_parallel,
                     half_grads_kept=half_grads_kept, stage_outputs_kept=stage_outputs_kept,
                     reduce_cast_copy=reduce_cast_copy, attention_span=attention_span,
-                    elementwise_bytes=elementwise_bytes, optimizer_bytes_per_param=optimizer_bytes_per_param)
+                    elementwise_bytes=elementwise_bytes, optimizer_bytes_per_param=optimizer_bytes_per_param,
+                    rank_order=rank_order)
     return spec, cluster, candidate, work
 
 

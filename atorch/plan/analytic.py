@@ -60,6 +60,11 @@ GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 # cuDNN); "materialised", the scores written per head as batched matmuls with a (fused) softmax between
 # them, as Megatron ran before flash attention (its fused scale-mask-softmax, then attention dropout)
 ATTENTIONS = ("flash", "materialised")
+# How ranks are laid out over the parallel dimensions, fastest-varying first (consecutive ranks share a
+# node). "tensor-pipeline-data": atorch's own parallel_mode as its search builds it, and Llama 3's
+# [TP, CP, PP, DP]; "tensor-data-pipeline": Megatron-LM / Megatron-Core ("tp-cp-ep-dp-pp"), DeepSpeed's
+# PipeModelDataParallelTopology (axes pipe, data, model) and torchtitan's mesh (pp outermost, tp innermost)
+RANK_ORDERS = ("tensor-pipeline-data", "tensor-data-pipeline")
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,9 @@ class Workload:
     # (``atorch.plan.elementwise.optimizer_step_bytes``: torch's foreach AdamW 56, its for-loop one 84);
     # None: a fused Adam's (OPTIMIZER_BYTES_PER_PARAM by the state dtypes)
     optimizer_bytes_per_param: Optional[float] = None
+    # one of RANK_ORDERS: which groups a node holds, so which collectives and sends stay on NVLink and how
+    # many of a group's ranks share a node's network
+    rank_order: str = "tensor-pipeline-data"
 
     @property
     def tokens(self) -> int:
@@ -165,6 +173,23 @@ class Workload:
     def syncs_each_micro_step(self, candidate: Candidate) -> bool:
         """Gradients reduced at every micro-step: the option, or the candidate's micro_batch grad_sync."""
         return self.sync_each_micro_step or candidate.grad_sync == "each_micro_step"
+
+
+def data_stride(candidate: Candidate, work: Optional[Workload]) -> int:
+    """Ranks between neighbours of a data group: the tensor group's size, times the pipeline's unless the
+    pipeline is the outermost dimension (``Workload.rank_order``)."""
+    if work is not None and work.rank_order == "tensor-data-pipeline":
+        return candidate.tensor
+    return candidate.tensor * candidate.pipeline
+
+
+def pipeline_stride(candidate: Candidate, work: Workload, data: int) -> int:
+    """Ranks between neighbouring pipeline stages: the tensor group's size, times the data dimension's
+    when the pipeline is the outermost dimension (then every rank of a node sits in the same stage, and
+    at each stage boundary they all send through the node's network at once)."""
+    if work.rank_order == "tensor-data-pipeline":
+        return candidate.tensor * data
+    return candidate.tensor
 
 
 def megatron_optimizer(candidate: Candidate, work: Workload) -> bool:
@@ -812,14 +837,15 @@ def data_comm_parts(candidate: Candidate, spec: TransformerSpec, cluster: Cluste
         # Megatron: reduce-scatter gradients (in the buffer's dtype), gather bf16 weights
         buffer = grad_buffer_bytes(candidate, work, G) if work is not None else G
         gathered, reduced = shed * compute_params, shed * buffer
-    link = cluster.link_bytes_per_s(shard, t * p)
+    stride = data_stride(candidate, work)
+    link = cluster.link_bytes_per_s(shard, stride)
     gathers = {"ddp": 0, "zero1": 1, "zero2": spec.layers, "fsdp": 2 * spec.layers}[candidate.sharding]
     reductions = {"ddp": 1, "zero1": 1, "zero2": spec.layers, "fsdp": spec.layers}[candidate.sharding]
     gather_s = gathered / link + steps * gathers * COLLECTIVE_LATENCY_S
     reduce_s = reduced / link + steps * reductions * COLLECTIVE_LATENCY_S
     if shard < data:  # hybrid: the shards' gradients are all-reduced across the replicas
         replicas = data // shard
-        reduce_s += 2 * (1 - 1 / replicas) * reduced_grads / shard / cluster.link_bytes_per_s(replicas, t * p * shard)
+        reduce_s += 2 * (1 - 1 / replicas) * reduced_grads / shard / cluster.link_bytes_per_s(replicas, stride * shard)
     return gather_s, reduce_s
 
 
@@ -846,7 +872,8 @@ def pipeline_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: 
     data = candidate.data_size(cluster.world_size)
     width = 4 if candidate.precision == "fp32" else 2
     activation = work.tokens / data * spec.hidden * width / t
-    return 2 * max(work.virtual_stages, 1) * activation / cluster.link_bytes_per_s(p, t)
+    link = cluster.link_bytes_per_s(p, pipeline_stride(candidate, work, data))
+    return 2 * max(work.virtual_stages, 1) * activation / link
 
 
 # --- layouts -----------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from atorch.auto import auto_accelerate
 from atorch.errors import InputError
 from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
 from atorch.plan import PRECISIONS
+from atorch.plan.analytic import COLLECTIVE_LATENCY_S
 from atorch.plan.hardware_specs import DEVICES, ClusterSpec, cluster_spec, device_spec
 from atorch.plan.model_specs import BUILTIN_CONFIGS, model_spec
 
@@ -487,6 +488,36 @@ def test_a_bad_attention_span_is_refused_by_name(bad, named):
     with pytest.raises(InputError, match="attention_span") as error:
         atorch.estimate("llama2-7b", "8xH100-80GB", global_batch=32, seq_len=4096, **bad)
     assert named in str(error.value)
+
+
+def test_the_rank_order_decides_which_groups_stay_inside_a_node():
+    """Two nodes of 8, pipeline 2 x data 8. atorch's order (tensor, pipeline, data) puts both stages of a
+    pipeline on one node (sends over NVLink) and spreads each data group over both nodes (4 ranks a node:
+    4 NICs); Megatron's and DeepSpeed's (the pipeline outermost) keep each data group on one node and send
+    every stage boundary over the network, one NIC a rank."""
+    from atorch.plan import configuration
+    from atorch.plan.analytic import data_comm_parts, pipeline_comm_seconds
+
+    args = dict(global_batch=64, seq_len=2048, pipeline=2, sharding="ddp")
+    spec, cluster, candidate, ours = configuration("llama2-7b", "2x8xA100-80GB", **args)
+    *_, pipeline_outer = configuration("llama2-7b", "2x8xA100-80GB", rank_order="tensor-data-pipeline", **args)
+    nvlink, nic = cluster.device.nvlink_bytes_per_s, cluster.device.network_bytes_per_s
+    sends = {order: pipeline_comm_seconds(candidate, spec, cluster, work)
+             for order, work in (("ours", ours), ("outer", pipeline_outer))}
+    assert sends["outer"] == pytest.approx(sends["ours"] * nvlink / nic, rel=1e-12)
+    reduce_ours = data_comm_parts(candidate, spec, cluster, None, ours)[1]
+    reduce_outer = data_comm_parts(candidate, spec, cluster, None, pipeline_outer)[1]
+    latency = COLLECTIVE_LATENCY_S  # one reduction a step either way
+    assert reduce_outer - latency == pytest.approx((reduce_ours - latency) * min(4 * nic, nvlink) / nvlink, rel=1e-9)
+    assert atorch.estimate("llama2-7b", "2x8xA100-80GB", **args) == atorch.estimate(
+        "llama2-7b", "2x8xA100-80GB", rank_order="tensor-pipeline-data", **args)
+
+
+def test_a_bad_rank_order_is_refused_by_name():
+    with pytest.raises(InputError, match="rank_order") as error:
+        atorch.estimate("llama2-7b", "2x8xA100-80GB", global_batch=64, seq_len=2048, pipeline=2,
+                        rank_order="pipeline-data-tensor")
+    assert "tensor-data-pipeline" in str(error.value)
 
 
 class _OneMultiply(torch.nn.Module):
