@@ -85,12 +85,15 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # DeepSpeed's pipeline engine keeps each micro-batch's bf16 gradients after adding them into the
                    # BF16 optimizer's fp32 buffer (update_hp_grads(clear_lp_grads=False) after every backward) and
                    # each in-flight micro-batch's stage output until its backward (pipe_buffers['outputs']);
-                   # its _bf16_reduce_grads all-reduces the fp32 buffer through a bf16 copy (engine.py
-                   # allreduce_bucket: communication_data_type is bf16 under bf16; ds_config sets none)
+                   # each update_hp_grads adds every bf16 gradient into the fp32 buffer through a new fp32 copy
+                   # of it (hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype)): 2 + 4 + 4 + 4 + 4 bytes a
+                   # parameter and micro-batch); its _bf16_reduce_grads all-reduces the fp32 buffer through a
+                   # bf16 copy (engine.py allreduce_bucket: communication_data_type is bf16 under bf16;
+                   # ds_config sets none)
                    "bigscience": {"distributed_optimizer": True, "pipeline_ends_as_layers": True,
                                   "attention": "materialised", "sequence_parallel": False,
                                   "half_grads_kept": True, "stage_outputs_kept": True, "reduce_cast_copy": True,
-                                  "rank_order": "tensor-data-pipeline"},
+                                  "grad_accumulation_bytes_per_param": 18, "rank_order": "tensor-data-pipeline"},
                    # Megatron-Core, as NeMo (recipes/llama/h100/llama3.py: use_distributed_optimizer). The
                    # perf recipes (perf_recipes/llama/h100/llama3.py, perf_recipes/_common.py @ 56ae11dff): the
                    # pretraining recipe builds on recipes/llama/h100/llama3.py's 70B config (overlap_grad_reduce,

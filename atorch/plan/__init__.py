@@ -196,7 +196,7 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
              sequence_parallel: bool = True, half_grads_kept: bool = False, reduce_cast_copy: bool = False,
              stage_outputs_kept: bool = False, attention_span: Optional[int] = None,
              elementwise_bytes: Optional[tuple[float, float, float]] = None,
-             optimizer_bytes_per_param: Optional[float] = None,
+             optimizer_bytes_per_param: Optional[float] = None, grad_accumulation_bytes_per_param: float = 0.0,
              rank_order: str = "tensor-pipeline-data") -> Prediction:
     """How fast and how big is the one configuration you name ("what I run today")?
 
@@ -271,6 +271,11 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     (DeepSpeed's engine: ``communication_data_type`` is bf16 under bf16), 2 bytes per parameter on top
     of the peak, since the activations' blocks stay cached (the same optimizer and precision as
     ``half_grads_kept``, with ``grad_reduce_dtype="fp32"``).
+    ``grad_accumulation_bytes_per_param``: bytes per parameter every micro-batch's backward moves to add its
+    gradients into the optimizer's buffer outside the weight-gradient matmuls, charged at HBM bandwidth once
+    per micro-step over the parameters a GPU holds (default 0: the matmul writes the gradient in place, a
+    fresh .grad or Megatron's gradient_accumulation_fusion; DeepSpeed's BF16 optimizer casts each bf16
+    gradient to a new fp32 tensor and adds it into its fp32 buffer after every backward: 18).
     ``rank_order``: how ranks are laid out over the dimensions, fastest-varying first (consecutive ranks
     share a node): "tensor-pipeline-data" (default: atorch's own parallel_mode; Llama 3's [TP, CP, PP, DP])
     or "tensor-data-pipeline" (Megatron-LM / Megatron-Core, DeepSpeed's pipeline topology, torchtitan:
@@ -288,7 +293,8 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
         fused_swiglu=fused_swiglu, grad_reduce_dtype=grad_reduce_dtype, attention=attention,
         sequence_parallel=sequence_parallel, half_grads_kept=half_grads_kept, stage_outputs_kept=stage_outputs_kept,
         reduce_cast_copy=reduce_cast_copy, attention_span=attention_span, elementwise_bytes=elementwise_bytes,
-        optimizer_bytes_per_param=optimizer_bytes_per_param, rank_order=rank_order)
+        optimizer_bytes_per_param=optimizer_bytes_per_param,
+        grad_accumulation_bytes_per_param=grad_accumulation_bytes_per_param, rank_order=rank_order)
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 
@@ -321,7 +327,8 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                   grad_reduce_dtype: str = "fp32", attention: str = "flash", sequence_parallel: bool = True,
                   half_grads_kept: bool = False, stage_outputs_kept: bool = False, reduce_cast_copy: bool = False,
                   attention_span: Optional[int] = None, elementwise_bytes: Optional[tuple[float, float, float]] = None,
-                  optimizer_bytes_per_param: Optional[float] = None, rank_order: str = "tensor-pipeline-data",
+                  optimizer_bytes_per_param: Optional[float] = None, grad_accumulation_bytes_per_param: float = 0.0,
+                  rank_order: str = "tensor-pipeline-data",
                   ) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
     """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
     callers that adjust the workload further, such as the published-runs benchmark)."""
@@ -339,6 +346,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     _check_attention_span(attention_span, seq_len, attention)
     elementwise_bytes = _elementwise_bytes(elementwise_bytes)
     _check_optimizer_bytes(optimizer_bytes_per_param)
+    _check_accumulation_bytes(grad_accumulation_bytes_per_param)
     for name, value in (("tp_comm_overlap", tp_comm_overlap), ("distributed_optimizer", distributed_optimizer),
                         ("pipeline_ends_as_layers", pipeline_ends_as_layers), ("fused_swiglu", fused_swiglu),
                         ("sequence_parallel", sequence_parallel), ("half_grads_kept", half_grads_kept),
@@ -391,6 +399,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                     half_grads_kept=half_grads_kept, stage_outputs_kept=stage_outputs_kept,
                     reduce_cast_copy=reduce_cast_copy, attention_span=attention_span,
                     elementwise_bytes=elementwise_bytes, optimizer_bytes_per_param=optimizer_bytes_per_param,
+                    grad_accumulation_bytes_per_param=float(grad_accumulation_bytes_per_param),
                     rank_order=rank_order)
     return spec, cluster, candidate, work
 
@@ -402,6 +411,13 @@ def _check_optimizer_bytes(value: Any) -> None:
         raise InputError(f"optimizer_bytes_per_param={value!r} is not valid: give a positive number, the bytes one "
                          "optimizer step moves per parameter (atorch.plan.elementwise.optimizer_step_bytes counts "
                          "it), or None for a fused Adam")
+
+
+def _check_accumulation_bytes(value: Any) -> None:
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0):
+        raise InputError(f"grad_accumulation_bytes_per_param={value!r} is not valid: give a number >= 0, the bytes "
+                         "per parameter each micro-batch's gradient accumulation moves outside the matmuls (0: "
+                         "accumulated in place; DeepSpeed's BF16 optimizer: 18)")
 
 
 def _elementwise_bytes(value: Any) -> Optional[tuple[float, float, float]]:

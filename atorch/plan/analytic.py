@@ -147,6 +147,12 @@ class Workload:
     # (``atorch.plan.elementwise.optimizer_step_bytes``: torch's foreach AdamW 56, its for-loop one 84);
     # None: a fused Adam's (OPTIMIZER_BYTES_PER_PARAM by the state dtypes)
     optimizer_bytes_per_param: Optional[float] = None
+    # bytes per parameter every micro-batch's backward moves to add its gradients into the optimizer's
+    # buffer outside the weight-gradient matmuls: 0 where the matmul writes the gradient in place (a fresh
+    # .grad, Megatron's gradient_accumulation_fusion into main_grad); DeepSpeed's BF16 optimizer calls
+    # update_hp_grads after every backward: each bf16 gradient cast to a new fp32 tensor (read 2, write 4)
+    # and added into the fp32 buffer (read 4 + 4, write 4), 18
+    grad_accumulation_bytes_per_param: float = 0.0
     # one of RANK_ORDERS: which groups a node holds, so which collectives and sends stay on NVLink and how
     # many of a group's ranks share a node's network
     rank_order: str = "tensor-pipeline-data"
@@ -631,7 +637,8 @@ def compute_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cluste
     tokens = work.tokens / data  # one data rank's tokens per step, shared by its t * p GPUs
     seconds = (matmul_seconds(candidate, spec, cluster, work) + attention_seconds(candidate, spec, cluster, work)
                + memory_bound_seconds(candidate, spec, cluster, work, tokens)
-               + optimizer_seconds(candidate, spec, cluster, work))
+               + optimizer_seconds(candidate, spec, cluster, work)
+               + accumulation_seconds(candidate, spec, cluster, work))
     # the host launches asynchronously: its per-block cost is a floor under the GPU's time, not added to it
     host = HOST_SECONDS_PER_BLOCK * max(stage_blocks(spec, p, work)) * micro_steps(candidate, work, data)
     host *= 1 + recomputed_share(candidate, work) / 3  # recompute launches the forward's kernels again
@@ -801,6 +808,18 @@ def optimizer_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
         return work.optimizer_bytes_per_param * params / hbm
     states = "bf16" if candidate.precision == "half_bf16" else (work.optimizer_states if work else "fp32")
     return OPTIMIZER_BYTES_PER_PARAM[states] * params / hbm
+
+
+def accumulation_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
+    """Adding each micro-batch's gradients into the optimizer's buffer outside the matmuls
+    (``Workload.grad_accumulation_bytes_per_param``), over the parameters this GPU holds whole (its tensor
+    and pipeline share; a distributed optimizer shards only its own states), once per micro-step."""
+    hbm = cluster.device.hbm_bytes_per_s
+    if not hbm or not work.grad_accumulation_bytes_per_param:
+        return 0.0
+    params = spec.param_count / (candidate.tensor * candidate.pipeline)
+    steps = micro_steps(candidate, work, candidate.data_size(cluster.world_size))
+    return work.grad_accumulation_bytes_per_param * params * steps / hbm
 
 
 def data_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,

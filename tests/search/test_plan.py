@@ -697,6 +697,30 @@ def test_an_optimizer_step_is_counted_per_parameter_and_priced_by_estimate():
         atorch.estimate("llama2-7b", "1xH200", optimizer_bytes_per_param=0, **args)
 
 
+def test_gradient_accumulation_traffic_is_charged_per_micro_step_on_the_parameters_a_gpu_holds():
+    """DeepSpeed's BF16 optimizer adds every micro-batch's bf16 gradients into an fp32 buffer through a new
+    fp32 copy: 18 bytes a parameter and micro-batch, over the tensor and pipeline share of the parameters a
+    GPU holds, once per micro-step, inside the pipeline's busy time (the bubble scales it too); memory is
+    unchanged; a negative or non-numeric value is refused by name."""
+    from atorch.plan import configuration
+    from atorch.plan.analytic import micro_steps, pipeline_bubble
+
+    args = dict(global_batch=64, seq_len=2048, tensor=2, pipeline=4, sharding="zero1", micro_batch_size=1)
+    plain = atorch.estimate("llama2-7b", "2x8xA100-80GB", **args)
+    charged = atorch.estimate("llama2-7b", "2x8xA100-80GB", grad_accumulation_bytes_per_param=18, **args)
+    spec, cluster, candidate, work = configuration("llama2-7b", "2x8xA100-80GB", **args)
+    data = candidate.data_size(cluster.world_size)
+    steps = micro_steps(candidate, work, data)
+    assert steps == 32  # 64 sequences over 2 data ranks, one a micro-batch
+    extra = 18 * spec.param_count / 8 * steps / DEVICES["A100-80GB"].hbm_bytes_per_s
+    extra *= 1 + pipeline_bubble(candidate, work, data)
+    assert charged.compute_s - plain.compute_s == pytest.approx(extra, rel=1e-9)
+    assert charged.memory_bytes == plain.memory_bytes
+    for bad in (-1, "18", True, float("nan")):
+        with pytest.raises(InputError, match="grad_accumulation_bytes_per_param"):
+            atorch.estimate("llama2-7b", "2x8xA100-80GB", grad_accumulation_bytes_per_param=bad, **args)
+
+
 class _EncoderLM(torch.nn.Module):
     """A token model on PyTorch's nn.TransformerEncoder: blocks named layers.0.self_attn / linear1 / norm1."""
 

@@ -95,9 +95,6 @@ KNOWN_MISSES = {
         "nemo": "11.6 % MAE, every row within 20 %: the pretraining rows at 0.84-0.91 and the SFT rows at 1.00, 0.81 "
                 "(13B: pipeline 4 without the virtual stages the SFT table does not give) and 0.85; Megatron-Core with "
                 "Transformer Engine runs fp8 faster than the efficiencies fitted on llm-foundry's rows",
-        "bigscience": "9.0 % MAE, 83 % within 20 %: the tensor-8 rows at micro-batch 2 (1.24, 1.30) and the "
-                      "104-head row (1.23: the fused-softmax kernel's shape constraints) are predicted fast; the "
-                      "micro-batch pairs put about 20 ms per block and micro-batch outside the model",
     },
     "memory": {},
     "fits": {
