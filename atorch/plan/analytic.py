@@ -450,17 +450,22 @@ def fp32_gather_bytes(candidate: Candidate, spec: TransformerSpec, work: Workloa
 def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, facts: Optional[LayoutFacts],
                   data: int, fp8: bool = False) -> float:
     """A tensor / pipeline rank's state (its share of the model) sharded over the data dimension as the
-    sharding says: fsdp all of it (plus two gathered blocks), zero1 as Megatron's distributed optimizer
-    (bf16 weights and fp32 gradients whole, fp32 master weights and Adam moments sharded), ddp none
-    (plus its gradient buckets); and the activations of the micro-batches the schedule keeps in flight
-    (1F1B: as many as stages on the first stage, plus one being received)."""
+    sharding says: fsdp all of it (plus two gathered blocks), zero2 all of it plus its share's parameters
+    and gradients whole in the compute dtype (FSDP2 without resharding after forward keeps the parameters
+    gathered through forward and backward, the gradients until they are reduce-scattered, as
+    ``cost_model.estimate``'s unsplit zero2; torchtitan's default under a pipeline), zero1 as Megatron's
+    distributed optimizer (bf16 weights and fp32 gradients whole, fp32 master weights and Adam moments
+    sharded), ddp none (plus its gradient buckets); and the activations of the micro-batches the
+    schedule keeps in flight (1F1B: as many as stages on the first stage, plus one being received)."""
     t, p = candidate.tensor, candidate.pipeline
     P, G, O = state_bytes(candidate, spec, work.optimizer_states)  # noqa: E741 (the docstring's P / G / O)
     share = facts.state_share[(t, p)] if facts and (t, p) in facts.state_share else 1.0 / (t * p)
     if work.pipeline_ends_as_layers and p > 1:
         share = _largest_stage(spec, t, p, stage_blocks(spec, p, work)) / spec.param_count
     amp = half_states(candidate, work).precision.startswith("amp")
-    if candidate.sharding in ("fsdp", "zero2", "hsdp") and data > 1:
+    if candidate.sharding == "zero2" and data > 1:
+        states = (P + G + O) * share / data + (0.5 if amp else 1.0) * (P + G) * share
+    elif candidate.sharding in ("fsdp", "hsdp") and data > 1:
         block = spec.block_params * (2 if amp else P / spec.param_count) / t
         states = (P + G + O) * share / data + 2 * block
     elif candidate.sharding == "zero1" and data > 1:

@@ -721,6 +721,29 @@ def test_gradient_accumulation_traffic_is_charged_per_micro_step_on_the_paramete
             atorch.estimate("llama2-7b", "2x8xA100-80GB", grad_accumulation_bytes_per_param=bad, **args)
 
 
+def test_zero2_under_a_pipeline_keeps_its_stage_gathered():
+    """zero2 is FSDP2 without resharding after forward (torchtitan's default when a pipeline runs): a
+    pipeline stage keeps its share of the parameters gathered in bf16 through forward and backward, and
+    its bf16 gradients until they are reduce-scattered, on top of its shard of the fp32 state, as the
+    unsplit zero2 formula of cost_model.estimate counts it (fsdp holds two gathered blocks instead). Against
+    ddp, whose activations the model counts alike, the difference is the state alone, to the byte."""
+    from atorch.plan import configuration
+    from atorch.plan.analytic import spec_layout_facts, state_bytes
+
+    args = dict(global_batch=32, seq_len=4096, pipeline=2, micro_batch_size=1)
+    ddp = atorch.estimate("llama2-7b", "2x8xA100-80GB", sharding="ddp", **args)
+    zero2 = atorch.estimate("llama2-7b", "2x8xA100-80GB", sharding="zero2", **args)
+    fsdp = atorch.estimate("llama2-7b", "2x8xA100-80GB", sharding="fsdp", **args)
+    spec, cluster, candidate, work = configuration("llama2-7b", "2x8xA100-80GB", sharding="zero2", **args)
+    params, grads, moments = state_bytes(candidate, spec)
+    share = spec_layout_facts(spec, cluster.world_size).state_share[(1, 2)]
+    data = 8
+    ddp_state = (params + grads + moments) * share + grads * share
+    zero2_state = (params + grads + moments) * share / data + 0.5 * (params + grads) * share
+    assert zero2.allocated_bytes - ddp.allocated_bytes == pytest.approx(zero2_state - ddp_state, rel=1e-6)
+    assert fsdp.allocated_bytes < zero2.allocated_bytes < ddp.allocated_bytes
+
+
 class _EncoderLM(torch.nn.Module):
     """A token model on PyTorch's nn.TransformerEncoder: blocks named layers.0.self_attn / linear1 / norm1."""
 
