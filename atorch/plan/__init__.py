@@ -404,17 +404,22 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     return spec, cluster, candidate, work
 
 
+def _is_finite_number(value: Any) -> bool:
+    """A real int or float (not a bool, which Python counts as an int) that is neither NaN nor infinite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _check_optimizer_bytes(value: Any) -> None:
     if value is None:
         return
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+    if not (_is_finite_number(value) and value > 0):
         raise InputError(f"optimizer_bytes_per_param={value!r} is not valid: give a positive number, the bytes one "
                          "optimizer step moves per parameter (atorch.plan.elementwise.optimizer_step_bytes counts "
                          "it), or None for a fused Adam")
 
 
 def _check_accumulation_bytes(value: Any) -> None:
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0):
+    if not (_is_finite_number(value) and value >= 0):
         raise InputError(f"grad_accumulation_bytes_per_param={value!r} is not valid: give a number >= 0, the bytes "
                          "per parameter each micro-batch's gradient accumulation moves outside the matmuls (0: "
                          "accumulated in place; DeepSpeed's BF16 optimizer: 18)")
@@ -425,8 +430,7 @@ def _elementwise_bytes(value: Any) -> Optional[tuple[float, float, float]]:
     if value is None:
         return None
     valid = (isinstance(value, (tuple, list)) and len(value) == 3
-             and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-                     for v in value))
+             and all(_is_finite_number(v) and v >= 0 for v in value))
     if not valid:
         raise InputError(f"elementwise_bytes={value!r} is not valid: give three non-negative numbers, bytes per token "
                          "per element of the hidden size, the MLP's width and the key / value width (as "
