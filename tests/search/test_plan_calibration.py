@@ -91,11 +91,7 @@ INDEPENDENT = sorted({row["source"] for row in ROWS}
 # Issue 32 (open): where the model misses a source's runs, and why, as far as it is understood. Strict: a
 # source that starts meeting its goal fails here until its entry is removed.
 KNOWN_MISSES = {
-    "throughput": {
-        "nemo": "11.6 % MAE, every row within 20 %: the pretraining rows at 0.84-0.91 and the SFT rows at 1.00, 0.81 "
-                "(13B: pipeline 4 without the virtual stages the SFT table does not give) and 0.85; Megatron-Core with "
-                "Transformer Engine runs fp8 faster than the efficiencies fitted on llm-foundry's rows",
-    },
+    "throughput": {},
     "memory": {},
     "fits": {
         "llama3": "interleaved one-block chunks on 8192 GPUs: 87 GiB predicted with eager SwiGLU's 4 MLP widths "
