@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from atorch.auto.opt_lib.pipeline_parallel import balance_stages, plan_stages
+from atorch.distributed import mesh
 from atorch.models import GPT, GPTConfig
 from atorch.testing import run_distributed
 from atorch.testing.training import relative_difference, train_gpt, weight_difference
@@ -268,8 +270,49 @@ def test_two_rank_methods_match_reference(two_ranks):
     _check([r["suite"] for r in two_ranks], CASES_2)
 
 
-def test_four_rank_mixed_layouts_match_reference():
-    _check(run_distributed(run_suite, 4, CASES_4, timeout_s=900), CASES_4)
+def data_group_traffic(steps: int = 2) -> dict:
+    """The all-reduces the data group runs while pp2 x data2 (1F1B, 4 micro-batches) trains ``steps``
+    steps: how many, and their bytes, beside this rank's stage's gradient bytes."""
+    sizes: list[int] = []
+    original = dist.all_reduce
+
+    def counting(tensor, *args, group=None, **kwargs):  # the loop's own loss mean (one scalar) left out
+        if group is not None and group == mesh.parallel_group("data_parallel") and tensor.numel() > 1:
+            sizes.append(tensor.numel() * tensor.element_size())
+        return original(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        run = train_gpt([("parallel_mode", ([("pipeline", 2), ("data", 2)], None)),
+                         ("pipeline_parallel", {"num_micro_batch": 4})], steps=steps)
+    finally:
+        dist.all_reduce = original
+    stage_grads = sum(p.numel() * p.element_size() for p in run["result"].model.parameters() if p.requires_grad)
+    return {"calls": len(sizes), "bytes": sum(sizes), "stage_grad_bytes": stage_grads, "steps": steps}
+
+
+def launch_4(cases: dict) -> dict:
+    return {"suite": run_suite(cases), "data_traffic": data_group_traffic()}
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_distributed(launch_4, 4, CASES_4, timeout_s=900)
+
+
+def test_four_rank_mixed_layouts_match_reference(four_ranks):
+    _check([r["suite"] for r in four_ranks], CASES_4)
+
+
+def test_pipeline_averages_gradients_over_the_data_group_once_a_step(four_ranks):
+    """A pipeline schedule runs every micro-batch's backward inside one forward: the data group must
+    average the stage's finished gradients once (bucketed), not each gradient once per micro-batch and
+    parameter (4 micro-batches: four times the bytes, one collective per parameter)."""
+    for rank, ranks in enumerate(four_ranks):
+        traffic = ranks["data_traffic"]
+        # the apply-time check (one forward and backward) and each step: one bucket each
+        assert traffic["calls"] <= traffic["steps"] + 1, (rank, traffic)
+        assert traffic["bytes"] <= (traffic["steps"] + 1) * traffic["stage_grad_bytes"], (rank, traffic)
 
 
 def test_llama_plan_splits_every_projection_in_half(two_ranks):

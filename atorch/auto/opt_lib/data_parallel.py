@@ -2,7 +2,9 @@
 
 Not a method users name: ``apply_strategy`` installs it when no method (fsdp, zero2, ...) has
 claimed the context's data-parallel slot. Model-parallel (DTensor) parameters cannot go through DDP,
-so for them each local shard's gradient is averaged over the data group by a hook instead.
+so for them each local shard's gradient is averaged over the data group by a hook instead; under a
+pipeline schedule (which runs every micro-batch's backward inside the model's forward) the gradients
+are averaged once, bucketed, when that forward returns, not once per micro-batch and parameter.
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from atorch.distributed import mesh
 NAME = "ddp"
 # its facts, as a method declares them (``base.Optimization``): the stage contract lists it
 STAGES = ("data_parallel",)
-READS = ("model", "device", "model_parallel", "find_unused_parameters")
+READS = ("model", "device", "model_parallel", "find_unused_parameters", "backward_in_forward")
+# the largest flat buffer one all-reduce of the deferred average carries (as DDP's default bucket)
+BUCKET_BYTES = 25 * 2**20
 WRITES = ("model", "sync_toggles", "args")
 
 
@@ -40,7 +44,9 @@ def wrap_data_parallel(ctx) -> None:
 
 def average_gradients_over(ctx, group) -> None:
     """Data parallelism for model-parallel parameters: each local shard's gradient is averaged
-    over the data group as soon as it is ready (hooks fire in the same order on every rank)."""
+    over the data group as soon as it is ready (hooks fire in the same order on every rank), or,
+    where backward runs inside forward (a pipeline schedule: ``backward_in_forward``), once when that
+    forward returns (``average_after_schedule``)."""
     size = dist.get_world_size(group)
     state = {"sync": True}
     ctx.add_sync_toggle(lambda on: state.__setitem__("sync", on))
@@ -49,6 +55,10 @@ def average_gradients_over(ctx, group) -> None:
         local = param.to_local() if isinstance(param, DTensor) else param
         with torch.no_grad():
             dist.broadcast(local, src=source, group=group)
+    if ctx.backward_in_forward:
+        average_after_schedule(ctx.model, group, state)
+        return
+    for param in ctx.model.parameters():
         if not param.requires_grad:
             continue
 
@@ -59,3 +69,49 @@ def average_gradients_over(ctx, group) -> None:
                 grad.div_(size)
 
         param.register_post_accumulate_grad_hook(average)
+
+
+def average_after_schedule(model: torch.nn.Module, group, state: dict) -> None:
+    """A pipeline schedule accumulates every micro-batch's gradients inside one call of the model: a
+    per-parameter hook would all-reduce each gradient once per micro-batch (that many times the
+    traffic, one collective per parameter). Instead the finished gradients are averaged once, in
+    buckets, when a training forward returns (skipped where sync is off: an accumulation micro-step)."""
+    def average(module: torch.nn.Module, args: object, output: object) -> None:
+        if state["sync"] and module.training and torch.is_grad_enabled():
+            grads = [p.grad for p in module.parameters() if p.requires_grad and p.grad is not None]
+            average_in_buckets([g.to_local() if isinstance(g, DTensor) else g for g in grads], group)
+
+    model.register_forward_hook(average)
+
+
+@torch.no_grad()
+def average_in_buckets(grads: list[torch.Tensor], group, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Average ``grads`` in place over ``group``: one all-reduce per flat bucket of one dtype and device
+    (every rank holds the same gradients in the same order, so the buckets match)."""
+    size = dist.get_world_size(group)
+    for bucket in _buckets(grads, bucket_bytes):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
+        offset = 0
+        for grad in bucket:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+
+def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of tensors of one dtype and device, each at most ``bucket_bytes`` (a larger
+    tensor alone)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        current = buckets[-1] if buckets else None
+        if (current is None or size + nbytes > bucket_bytes or current[0].dtype != tensor.dtype
+                or current[0].device != tensor.device):
+            buckets.append([tensor])
+            size = nbytes
+        else:
+            current.append(tensor)
+            size += nbytes
+    return buckets
