@@ -18,7 +18,8 @@ from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_cand
 from atorch.auto.search.layouts import layout_facts
 from atorch.auto.search.measure import HardwareProfile, VariantProfile, load_cached, store_cached
 from atorch.auto.search.options import SearchOptions
-from atorch.auto.search.strategy_search import StrategySearch
+from atorch.auto.search.pieces import extrapolate
+from atorch.auto.search.strategy_search import RECOMPUTED_FORWARD_SHARE, StrategySearch
 from atorch.auto.search.topology import Links, keep_tensor_in_node, topology_for
 from atorch.cost_model import (
     MICRO_STEP_OVERHEAD,
@@ -323,19 +324,41 @@ def test_checkpointing_is_measured_only_where_a_candidate_without_it_does_not_fi
 
 def test_a_checkpointed_setting_is_never_predicted_faster_than_the_same_without():
     """Pieces measured a checkpointed setting faster than its twin (noise in a difference of two pieces'
-    times): the search lifts it to the twin's, in every tensor split too, so a checkpointed candidate never
-    ranks ahead of the same one without checkpointing."""
+    times): the search lifts it to the twin's plus the forward it runs again (a share of the blocks' time
+    the twin's pieces measured), and every tensor split to the twin's, so a checkpointed candidate never
+    ranks ahead of, or level with, the same one without checkpointing."""
     search = _hand_made_search()
-    plain = dataclasses.replace(search.variants[("fp32", False)], tensor_step_times={2: 0.06})
+    plain = dataclasses.replace(search.variants[("fp32", False)], step_time_s=0.05, blocks_step_time_s=0.04,
+                                tensor_step_times={2: 0.06})
     search.variants = {("fp32", False): plain,
                        ("fp32", True): dataclasses.replace(plain, checkpoint=True, step_time_s=0.04,
                                                            peak_bytes=20 * MIB, tensor_step_times={2: 0.03})}
     search._bound_checkpointed_times()
     lifted = search.variants[("fp32", True)]
-    assert (lifted.step_time_s, lifted.tensor_step_times, lifted.peak_bytes) == (0.05, {2: 0.06}, 20 * MIB)
+    assert lifted.step_time_s == pytest.approx(0.05 + RECOMPUTED_FORWARD_SHARE * 0.04)
+    assert (lifted.tensor_step_times, lifted.peak_bytes) == ({2: 0.06}, 20 * MIB)
+    slower = dataclasses.replace(plain, checkpoint=True, step_time_s=0.07)  # measured above the floor: kept
+    search.variants[("fp32", True)] = slower
+    search._bound_checkpointed_times()
+    assert search.variants[("fp32", True)].step_time_s == 0.07
+    search.variants[("fp32", True)] = dataclasses.replace(plain, checkpoint=True, step_time_s=0.04)
+    search._bound_checkpointed_times()
     search.estimate()
     by_label = {c.label: r for c, r in zip(search.candidates, search.rows)}
     for candidate in search.candidates:
         if candidate.checkpoint:
             twin = by_label[dataclasses.replace(candidate, checkpoint=False).label]
             assert by_label[candidate.label].predicted_time_s >= twin.predicted_time_s, candidate.label
+
+
+def test_pieces_extrapolate_the_whole_step_and_keep_the_blocks_part():
+    """Two pieces one block apart give the whole model's step (the rest once, the block times the count)
+    and the blocks' part of it, which the checkpointed setting's floor is a share of."""
+    low = VariantProfile("fp32", False, 2, peak_bytes=10 * MIB, step_time_s=0.010)
+    high = VariantProfile("fp32", False, 2, peak_bytes=12 * MIB, step_time_s=0.012)
+    whole = extrapolate(low, high, 0, 12)
+    assert whole.step_time_s == pytest.approx(0.010 + 12 * 0.002)
+    assert whole.blocks_step_time_s == pytest.approx(12 * 0.002)
+    assert whole.peak_bytes == 10 * MIB + 12 * 2 * MIB
+    noisy = extrapolate(high, low, 1, 12)  # the larger piece measured faster: a block is never negative time
+    assert (noisy.step_time_s, noisy.blocks_step_time_s) == (0.012, 0.0)

@@ -59,6 +59,9 @@ class VariantProfile:
     # activations reach, which ``peak_bytes`` hides when the optimizer step's temporaries top it
     forward_backward_peak_bytes: int = 0
     forward_saved_bytes: int = 0  # what the forward left alive for backward: the activations (0: not measured)
+    # the repeated blocks' part of ``step_time_s``: their count times one block's time as the pieces measured it
+    # (0: the model was measured whole)
+    blocks_step_time_s: float = 0.0
     # tensor size -> the whole model's step time under ddp + that tensor split (pipeline 1, the rest data
     # parallel) on every rank, measured by pieces: what the split really costs on these process groups
     tensor_step_times: dict = field(default_factory=dict)

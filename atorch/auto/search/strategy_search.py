@@ -76,6 +76,11 @@ LEARNED_MARGIN_FLOOR = 0.05
 # a candidate predicted slower than the best measured, beyond the largest over-prediction seen in at least
 # this many successful dry runs, is not dry-run (``_cannot_win``)
 MIN_TIME_EVIDENCE = 2
+# Checkpointing runs each block's forward again in backward: at least this share of the blocks' forward and
+# backward time (the forward does a third of their matmul FLOPs, backward twice as many). A floor, not an
+# estimate: measured on CPU, one thread, one block of search_quality.py's HF Llama 12x256 and repo GPT 4x128
+# (fp32 and bf16 autocast), checkpointing added 0.40-0.51 of the block's time (a forward alone: 0.23-0.34).
+RECOMPUTED_FORWARD_SHARE = 0.25
 # the methods that make a setting (precision, checkpoint): what a rank training alone applies
 SETTING_METHODS = ("amp_native", "half", "checkpoint")
 PIECE_STEP_FACTOR = 2  # a cut model trains this many times the dry run's steps (see ``_train_alone``)
@@ -241,17 +246,20 @@ class StrategySearch:
         return True
 
     def _bound_checkpointed_times(self) -> None:
-        """A checkpointed setting's step times are at least those of the same precision without it
-        (recompute only adds work): where pieces measured it faster, that difference was noise, and left
-        in it would rank checkpointed candidates ahead of their twins."""
+        """A checkpointed setting's step times are at least those of the same precision without it plus
+        the forward it runs again (``RECOMPUTED_FORWARD_SHARE`` of the blocks' time the pieces measured
+        without it): where pieces measured it faster, that difference was noise (or the plain setting's
+        0- and 1-block pieces counting a first block's extra cost once per block), and left in it would rank
+        checkpointed candidates level with, or ahead of, their twins."""
         for (precision, checkpoint), variant in list(self.variants.items()):
             plain = self.variants.get((precision, False))
             if not checkpoint or plain is None or plain.error or variant.error:
                 continue
+            floor = plain.step_time_s + RECOMPUTED_FORWARD_SHARE * plain.blocks_step_time_s
             splits = {t: max(s, plain.tensor_step_times.get(t, 0.0)) for t, s in variant.tensor_step_times.items()}
             sharded = {k: max(s, plain.sharded_step_times.get(k, 0.0)) for k, s in variant.sharded_step_times.items()}
             self.variants[(precision, checkpoint)] = dataclasses.replace(
-                variant, step_time_s=max(variant.step_time_s, plain.step_time_s), tensor_step_times=splits,
+                variant, step_time_s=max(variant.step_time_s, floor), tensor_step_times=splits,
                 sharded_step_times=sharded)
 
     def _measure_tensor_splits(self, settings: set[Setting]) -> None:
