@@ -82,6 +82,13 @@ CASES_4 = {
     "mixed_zoo_gpt2_clip": {"strategy": MIXED_1F1B, "hf_model": "gpt2", "max_grad_norm": 0.5, **ZOO_KW},
 }
 
+# tensor x pipeline x data on 8 ranks: the DTensor stage's gradients averaged over the data group once a step
+THREE_D = ("parallel_mode", ([("tensor", 2), ("pipeline", 2), ("data", 2)], None))
+CASES_8 = {
+    "mixed_3d": [THREE_D, ("mixed_parallel", {"pipeline": {"num_micro_batch": 4}})],
+    "mixed_3d_zero1": [THREE_D, ("mixed_parallel", {"pipeline": {"num_micro_batch": 4}}), "zero1"],
+}
+
 _REFERENCES: dict = {}
 
 
@@ -302,6 +309,10 @@ def four_ranks():
 
 def test_four_rank_mixed_layouts_match_reference(four_ranks):
     _check([r["suite"] for r in four_ranks], CASES_4)
+
+
+def test_eight_rank_tensor_pipeline_data_layout_matches_reference():
+    _check(run_distributed(run_suite, 8, CASES_8, timeout_s=900), CASES_8)
 
 
 def test_pipeline_averages_gradients_over_the_data_group_once_a_step(four_ranks):
