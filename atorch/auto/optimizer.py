@@ -61,8 +61,9 @@ class AtorchOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Call with False before the backward of every micro-step but the last of an accumulation
-        window and with True before the last: gradients are then communicated once per window."""
+        """Call with False before every micro-step but the last of an accumulation window and with True
+        before the last, before the model call (a pipeline schedule runs backward inside it): gradients
+        are then communicated once per window."""
         self.is_gradient_accumulation_boundary = bool(is_boundary)
         if isinstance(self.optimizer, AtorchOptimizer):
             self.optimizer.set_gradient_accumulation_boundary(is_boundary)
