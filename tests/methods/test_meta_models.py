@@ -60,6 +60,9 @@ PRETRAINED_2 = {  # name -> (strategy, tied embeddings)
 PRETRAINED_4 = {
     "mixed": ([("parallel_mode", ([("tensor", 2), ("pipeline", 2)], None)), "mixed_parallel"], False),
     "fsdp": (["parallel_mode", "fsdp"], False),
+    # the stage's gradients averaged over the data group once a step
+    "pipeline_data": ([("parallel_mode", ([("pipeline", 2), ("data", 2)], None)),
+                       ("pipeline_parallel", {"num_micro_batch": 2})], False),
 }
 EXPORTED = ("fsdp", "tp", "pp", "fsdp_tied", "mixed")  # cases whose trained weights are exported and reloaded
 RANDOM_INIT_2 = {"fsdp": ["parallel_mode", "fsdp"], "tp": [TP2, "tensor_parallel"], "pp": PP2,
