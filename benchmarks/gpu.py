@@ -310,12 +310,13 @@ def run_auto(setup: Setup) -> tuple[float, str, SearchSummary]:
     if not status:
         raise RuntimeError("auto_accelerate found no strategy that trains within the limits")
     summary = summarize_search(result.args.extras.get("search"), search_s, strategy)
+    kernel = "fused" if all(g.get("fused") for g in result.optim.torch_optimizer.param_groups) else "torch's default"
     batches = [result.prepare_input(b) for b in result.dataloader]
     step = training_step(result, batches)
     seconds = time_steps(setup, step, setup.steps, setup.warmup)
     del result, step, batches
     release(setup)
-    return seconds, "chosen: " + "+".join(summary.strategy), summary
+    return seconds, "chosen: " + "+".join(summary.strategy) + f", {kernel} AdamW", summary
 
 
 def run_compile_scope(setup: Setup, scope: str) -> tuple[float, str]:

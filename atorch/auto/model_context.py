@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from atorch.auto.optimizer import AtorchOptimizer
+from atorch.auto.optimizer_kernels import optimizer_args
 from atorch.auto.stages import CONTEXT_WORK, STAGES
 from atorch.distributed import mesh
 from atorch.distributed.distributed import get_data_partition_rank_and_size  # noqa: F401  (ATorch's import path)
@@ -316,6 +317,12 @@ class ModelContext:
             return check_param_groups(self.optim_param_func(self.model))
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    def optim_args_for(self, params: Any) -> dict:
+        """The keyword arguments every method builds the user's optimizer with over ``params``: the
+        user's ``optim_args``, with torch's fused kernel chosen where it is the same update
+        (``atorch.auto.optimizer_kernels``)."""
+        return optimizer_args(self.optim_func, self.optim_args, params)
+
     def _build_optimizer(self) -> None:
         if self.optim_func is None:
             return
@@ -324,7 +331,7 @@ class ModelContext:
             if self.optimizer_factory is not None:
                 built = self.optimizer_factory(self, params)
             else:
-                built = self.optim_func(params, **self.optim_args)
+                built = self.optim_func(params, **self.optim_args_for(params))
         except (TypeError, ValueError) as error:  # e.g. a learning rate the optimizer refuses
             if isinstance(error, AtorchError):
                 raise

@@ -180,8 +180,9 @@ def use_foreach_optimizer(ctx) -> None:
 def _build_foreach_optimizer(ctx, params: Any) -> torch.optim.Optimizer:
     """The user's optimizer, stepping with foreach over CPU DTensors (``_ForeachSteps``)."""
     params = list(params)
-    optimizer = ctx.optim_func(params, **ctx.optim_args)
-    if _takes_foreach(ctx.optim_func) and "foreach" not in ctx.optim_args and not ctx.optim_args.get("fused"):
+    args = ctx.optim_args_for(params)
+    optimizer = ctx.optim_func(params, **args)
+    if _takes_foreach(ctx.optim_func) and "foreach" not in args and not args.get("fused"):
         steps = _ForeachSteps()
         optimizer.register_step_pre_hook(steps.before)
         optimizer.register_step_post_hook(steps.after)

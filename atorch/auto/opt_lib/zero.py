@@ -68,9 +68,9 @@ def _zero_redundancy_optimizer(ctx, params: Any):
     params = list(params)
     flat = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
     if any(isinstance(p, DTensor) for p in flat):  # tensor-parallel parameters: ZeRO cannot broadcast DTensors
-        return ShardedStateOptimizer(params, ctx.optim_func, group, **ctx.optim_args)
+        return ShardedStateOptimizer(params, ctx.optim_func, group, **ctx.optim_args_for(params))
     return ZeroRedundancyOptimizer(params, optimizer_class=ctx.optim_func, process_group=group,
-                                   parameters_as_bucket_view=BUCKET_VIEW, **ctx.optim_args)
+                                   parameters_as_bucket_view=BUCKET_VIEW, **ctx.optim_args_for(params))
 
 
 class ShardedStateOptimizer(torch.optim.Optimizer):

@@ -1,0 +1,95 @@
+"""Which kernel the user's optimizer steps with: torch's fused one where it is known to be the same update.
+
+PyTorch's Adam, AdamW and SGD step with ``foreach`` by default on a GPU: a dozen multi-tensor kernels a
+step, each reading and writing the parameters, gradients or moments again (56 bytes a parameter for
+AdamW with fp32 states). Their ``fused=True`` kernel does the same update in one pass (about 30 bytes a
+parameter): on the ~1B-parameter Llama of ``benchmarks/gpu.py`` the step is about 7 % of an H200's
+training step, the largest part of what a hand-tuned configuration gained over atorch. torchtitan and
+HF Trainer make the fused kernel their default for the same reason.
+
+atorch passes ``fused=True`` only where nothing about the result can change but rounding:
+
+- the optimizer is one of torch's own classes listed in ``FUSED_OPTIMIZERS`` (not a subclass, a
+  ``functools.partial`` or a user function: their step may do more than the class's);
+- the user set none of ``fused``, ``foreach`` or ``differentiable`` (an explicit choice is kept);
+- every parameter is a floating-point tensor on a device in ``FUSED_DEVICES``: CUDA, where the kernel
+  is the faster one. On CPU torch's per-parameter loop stays (the fsdp method makes CPU DTensor
+  shards step with foreach, see ``opt_lib/fsdp.py``);
+- where parameters are DTensors (fsdp, zero2, tensor parallelism), only for the optimizers whose fused
+  op DTensor shards pointwise (``FUSED_OVER_DTENSOR``: Adam and AdamW; DTensor has no sharding rule
+  for ``_fused_sgd_``, which raises NotImplementedError at the first step), and only where every
+  parameter is one (tensor parallelism leaves norms plain, fully_shard 0-dim scalars: the fused op
+  takes the device's tensors as one list and refuses plain and DTensor mixed).
+
+The choice is logged once per process and recorded on the returned optimizer's parameter groups
+(``fused: True``) like any optimizer argument, so a saved optimizer state says how it stepped.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+logger = logging.getLogger(__name__)
+
+FUSED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+FUSED_OVER_DTENSOR = (torch.optim.Adam, torch.optim.AdamW)
+FUSED_DEVICES = frozenset({"cuda"})
+USER_KERNEL_CHOICES = ("fused", "foreach", "differentiable")
+_logged: set = set()
+
+
+def optimizer_args(optim_func: Any, optim_args: dict, params: Iterable[Any]) -> dict:
+    """``optim_args`` with ``fused=True`` added where the fused kernel applies (see the module's
+    docstring), else ``optim_args`` unchanged. ``params`` is what the optimizer is built over:
+    tensors or parameter groups (dicts with ``"params"``)."""
+    reason = fused_kernel_refusal(optim_func, optim_args, params)
+    if reason is not None:
+        return optim_args
+    name = f"{optim_func.__module__}.{optim_func.__qualname__}"
+    if name not in _logged:
+        _logged.add(name)
+        logger.info("atorch: %s steps with fused=True (one kernel a step, the same update as torch's default "
+                    "foreach up to rounding); pass fused=False or foreach=True in optim_args to keep torch's own "
+                    "choice", name)
+    return {**optim_args, "fused": True}
+
+
+def fused_kernel_refusal(optim_func: Any, optim_args: dict, params: Iterable[Any]) -> str | None:
+    """Why the fused kernel is not used for this optimizer (None when it is)."""
+    if not (isinstance(optim_func, type) and optim_func in FUSED_OPTIMIZERS):
+        return f"{getattr(optim_func, '__name__', optim_func)!s} is not one of torch's {_names()}"
+    chosen = [key for key in USER_KERNEL_CHOICES if key in optim_args]
+    if chosen:
+        return f"optim_args set {', '.join(chosen)}: the user's choice is kept"
+    tensors = _tensors(params)
+    if not tensors:
+        return "no parameters"
+    devices = {t.device.type for t in tensors}
+    if not devices <= FUSED_DEVICES:
+        return f"parameters on {sorted(devices)}: the fused kernel is used on {sorted(FUSED_DEVICES)} only"
+    if not all(torch.is_floating_point(t) for t in tensors):
+        return "a parameter is not floating point"
+    shards = sum(isinstance(t, DTensor) for t in tensors)
+    if shards and optim_func not in FUSED_OVER_DTENSOR:
+        return f"{optim_func.__name__}'s fused op has no DTensor sharding rule (parameters are DTensors)"
+    if 0 < shards < len(tensors):
+        return (f"{shards} of {len(tensors)} parameters are DTensors: the fused op takes a device's tensors as one "
+                "list and refuses plain and DTensor mixed")
+    return None
+
+
+def _tensors(params: Iterable[Any]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for item in params:
+        if isinstance(item, dict):
+            out.extend(item["params"] if not isinstance(item["params"], torch.Tensor) else [item["params"]])
+        else:
+            out.append(item)
+    return out
+
+
+def _names() -> str:
+    return ", ".join(cls.__name__ for cls in FUSED_OPTIMIZERS)
