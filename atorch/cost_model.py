@@ -16,7 +16,16 @@ the per-rank batch, and each candidate is modelled from that:
     memory(candidate) = peak_alone(precision, checkpoint, batch)
                         - what the sharding removes from the rank   (params / grads / optimizer state)
                         + what the sharding adds while it works     (gathered units, comm buffers)
-    time(candidate)   = step_time_alone + communication bytes / measured bandwidth
+    time(candidate)   = step_time_alone - the optimizer update the rank does not own
+                        + communication bytes / measured bandwidth
+
+The alone step's optimizer update is measured apart (``optimizer_step_time_s``): zero1, zero2 and fsdp
+step 1/N of it on each rank, and a layout's rank steps its share of the parameters once a step, never
+scaled by the batch or the pipeline's bubble. (Measured on CPU, where torch's AdamW loops over the
+parameters, on the 9.7M-parameter Llama of ``benchmarks/search_quality.py --scale``: the update is 18 %
+of a one-thread step and 20 % of a ddp step on 4 ranks sharing 2 cores, 137 of 697 ms, which zero1 cut
+to 77 ms; an exhaustive pass measured zero1 17 % faster than ddp, which the model priced 5 % slower
+before the update was apart.)
 
 With ``micro_batch`` (k micro-steps per per-rank batch) the activations are a micro-batch's (1/k of
 the measured ones) and each extra micro-step adds ``MICRO_STEP_OVERHEAD`` of the step (``_split``).
@@ -33,7 +42,8 @@ own plan finders give (``search/layouts.py``: which sizes the model supports, ea
   stream and the loss do not; a pipeline stage keeps its own blocks' activations for the
   micro-batches in flight (1F1B: at most the number of stages on the first stage, plus one being
   received or recomputed). The two constants below were calibrated by measurement;
-- time: compute scales like the parameters it touches, a pipeline pays its bubble
+- time: compute (the alone step less its optimizer update) scales like the parameters it touches,
+  the update by the rank's share of them; a pipeline pays its bubble
   ``(M + p - 1) / M``, tensor parallelism pays four activation all-reduces per block per step,
   and the data dimension all-reduces the rank's gradients as DDP does.
 
@@ -140,9 +150,11 @@ def estimate(candidate: Candidate, variant: VariantProfile, world: int, profile:
     unsplit_comm_s = _comm_seconds(comm, collectives, hardware)
     if candidate.micro > 1:
         memory, comm, collectives = _split(candidate, memory, comm, collectives, act, P, G, n, units)
+    # a sharded optimizer state is stepped by its owner only: the rank skips the rest of the alone step's update
+    alone_s = variant.step_time_s - (1 - 1 / _optimizer_shards(candidate, n)) * _optimizer_seconds(variant)
     comm_s = _comm_seconds(comm, collectives, hardware)
-    comm_s = _measured_sharding_seconds(candidate, variant, n, unsplit_comm_s, comm_s)
-    time_s = variant.step_time_s * (1 + MICRO_STEP_OVERHEAD * (candidate.micro - 1)) + comm_s
+    comm_s = _measured_sharding_seconds(candidate, variant, n, unsplit_comm_s, comm_s, alone_s)
+    time_s = alone_s + variant.step_time_s * MICRO_STEP_OVERHEAD * (candidate.micro - 1) + comm_s
     detail = f"alone {variant.peak_bytes / 2**20:.1f} MiB, P/G/O {P / 2**20:.1f}/{G / 2**20:.1f}/{O / 2**20:.1f} MiB"
     return Estimate(int(memory), time_s, detail)
 
@@ -151,19 +163,33 @@ def _comm_seconds(comm_bytes: float, collectives: int, hardware: HardwareProfile
     return comm_bytes / max(hardware.bandwidth_bytes_per_s, 1.0) + collectives * hardware.latency_s
 
 
+def _optimizer_seconds(variant: VariantProfile) -> float:
+    """The alone step's optimizer update (0 where it was not measured: profiles from before it was)."""
+    return min(max(variant.optimizer_step_time_s, 0.0), variant.step_time_s)
+
+
+def _optimizer_shards(candidate: Candidate, data: int) -> int:
+    """Over how many ranks the optimizer state is split on the data dimension: zero1 / zero2 / fsdp over
+    the data ranks (hybrid sharding: over its shard group), ddp not at all."""
+    if candidate.sharding == "ddp" or data <= 1:
+        return 1
+    return candidate.shard or data
+
+
 def _measured_sharding_seconds(candidate: Candidate, variant: VariantProfile, world: int, unsplit_comm_s: float,
-                               comm_s: float) -> float:
-    """What the sharding adds to the alone step: the formula's ``comm_s``, or, where the search measured
-    the sharding over every rank (``variant.sharded_step_times``: the whole model's unsplit step, less the
-    alone step), that measured excess scaled as the formula scales with micro-steps (``comm_s`` over
-    ``unsplit_comm_s``). The measurement counts what the formula cannot: each collective's real cost on
-    these process groups (gloo's all-gather and reduce-scatter are not its all-reduce) and the sharding's
-    own per-unit work (FSDP's copy-in / copy-out and hooks). Hybrid sharding (``candidate.shard``) and
+                               comm_s: float, alone_s: float) -> float:
+    """What the sharding adds to the rank's own step (``alone_s``: the alone step less the optimizer update
+    the rank does not own): the formula's ``comm_s``, or, where the search measured the sharding over every
+    rank (``variant.sharded_step_times``: the whole model's unsplit step, less ``alone_s``), that measured
+    excess scaled as the formula scales with micro-steps (``comm_s`` over ``unsplit_comm_s``). The measurement
+    counts what the formula cannot: each collective's real cost on these process groups (gloo's all-gather
+    and reduce-scatter are not its all-reduce) and the sharding's own per-unit work (FSDP's copy-in /
+    copy-out and hooks). Hybrid sharding (``candidate.shard``) and
     other world sizes keep the formula: the measurement was over all ranks as one group."""
     measured = variant.sharded_step_times.get(candidate.sharding)
     if measured is None or candidate.shard or world != variant.sharded_world or unsplit_comm_s <= 0:
         return comm_s
-    return max(measured - variant.step_time_s, 0.0) * comm_s / unsplit_comm_s
+    return max(measured - alone_s, 0.0) * comm_s / unsplit_comm_s
 
 
 def _split(candidate: Candidate, memory: float, comm: float, collectives: int, act: float, P: float, G: float,
@@ -272,25 +298,30 @@ def estimate_layout_time(candidate: Candidate, variant: VariantProfile, world: i
                          hardware: HardwareProfile) -> float:
     """Step time of a tensor / pipeline layout (see the module doc): the rank's compute, the pipeline's
     bubble and sends and the data dimension's all-reduce, plus what the tensor split costs."""
-    return (_time_without_tensor_split(candidate.tensor, candidate.pipeline, variant, world, profile, hardware)
+    shards = _optimizer_shards(candidate, candidate.data_size(world))
+    return (_time_without_tensor_split(candidate.tensor, candidate.pipeline, variant, world, profile, hardware, shards)
             + _tensor_split_time(candidate, variant, world, profile, hardware))
 
 
 def _time_without_tensor_split(tensor: int, pipeline: int, variant: VariantProfile, world: int,
-                               profile: ModelProfile, hardware: HardwareProfile) -> float:
+                               profile: ModelProfile, hardware: HardwareProfile, optimizer_shards: int = 1) -> float:
     """The alone step time was measured at the pure-data-parallel per-rank batch; the layout's data rank
-    sees ``tensor * pipeline`` times more, of which the rank computes its share."""
+    sees ``tensor * pipeline`` times more, of which the rank computes its share. The optimizer update is
+    apart: it steps the rank's share of the parameters once a step, whatever the batch and the bubble
+    (divided again over ``optimizer_shards`` data ranks under zero1)."""
     facts = profile.layouts
     data, batch = world // (tensor * pipeline), variant.batch * tensor * pipeline  # per data rank
     dtype_bytes = 2 if variant.precision != "fp32" else 4
     share = facts.state_share[(tensor, pipeline)]
-    compute = variant.step_time_s * tensor * pipeline * share
+    optimizer_s = _optimizer_seconds(variant)
+    compute = (variant.step_time_s - optimizer_s) * tensor * pipeline * share
     comm, collectives = 0.0, 0
     if pipeline > 1:
         micro = micro_batches(pipeline, batch)
         compute *= (micro + pipeline - 1) / micro
         comm += 2 * batch * profile.tokens_per_sample * facts.hidden_size * dtype_bytes  # activations, gradients
         collectives += 2 * micro
+    compute += optimizer_s * share / optimizer_shards
     if data > 1:
         comm += 2 * (1 - 1 / data) * variant.grads * share
         collectives += 1

@@ -45,6 +45,9 @@ class DryRunResult:
     # activations' peak, which the overall peak hides when the optimizer step's temporaries top it
     forward_backward_peak_bytes: Optional[int] = None
     forward_saved_bytes: Optional[int] = None  # what the forward left alive for backward (max over ranks)
+    # the optimizer step's part of ``step_time_s`` (median of the timed steps, max over ranks): what sharding
+    # the optimizer state takes off a rank, which the cost model does not scale with the batch or the bubble
+    optimizer_step_time_s: Optional[float] = None
     extras: dict = field(default_factory=dict)  # the applied context's ``args.extras`` (what methods reported)
 
     def __str__(self) -> str:
@@ -97,14 +100,16 @@ def dry_run(ctx: ModelContext, warmup_steps: int = 1, timed_steps: int = DEFAULT
     if not outcome.ok:
         where = f" (rank {outcome.failed_rank})" if is_multi_rank() else ""
         return DryRunResult(False, error=f"{outcome.error}{where}")
-    step_time, peak, spread, forward_backward_peak, saved = max_over_ranks(outcome.value)
+    step_time, peak, spread, forward_backward_peak, saved, optimizer_time = max_over_ranks(outcome.value)
     return DryRunResult(True, step_time, int(peak), step_time_spread_s=spread, extras=dict(ctx.args.extras),
-                        forward_backward_peak_bytes=int(forward_backward_peak), forward_saved_bytes=int(saved))
+                        forward_backward_peak_bytes=int(forward_backward_peak), forward_saved_bytes=int(saved),
+                        optimizer_step_time_s=optimizer_time)
 
 
 def _timed_steps(ctx: ModelContext, warmup_steps: int, timed_steps: int) -> list[float]:
     """[median seconds per timed step, peak bytes, standard deviation of the timed steps, the steady step's
-    peak before its optimizer step, what its forward saved for backward] on this rank; raises on any failure.
+    peak before its optimizer step, what its forward saved for backward, median seconds of the timed steps'
+    optimizer steps] on this rank; raises on any failure.
     The spread is the noise a comparison of two step times must exceed.
 
     Memory is tracked over the warm-up steps and one steady step after them (the optimizer state then
@@ -124,6 +129,7 @@ def _timed_steps(ctx: ModelContext, warmup_steps: int, timed_steps: int) -> list
             steady_forward_backward_peak = tracker.phase_peak()
             optimizer_step(ctx)
     times: list[float] = []
+    optimizer_times: list[float] = []
     gc.collect()
     collecting = gc.isenabled()
     gc.disable()
@@ -133,15 +139,19 @@ def _timed_steps(ctx: ModelContext, warmup_steps: int, timed_steps: int) -> list
             _sync(ctx.device)
             start = time.perf_counter()
             forward_backward(ctx, batch)
+            _sync(ctx.device)
+            optimizer_start = time.perf_counter()
             optimizer_step(ctx)
             _sync(ctx.device)
-            times.append(time.perf_counter() - start)
+            end = time.perf_counter()
+            times.append(end - start)
+            optimizer_times.append(end - optimizer_start)
     finally:
         if collecting:
             gc.enable()
     spread = statistics.stdev(times) if len(times) > 1 else 0.0
     return [statistics.median(times), float(tracker.stats.peak_bytes), spread, float(steady_forward_backward_peak),
-            float(after[-1])]
+            float(after[-1]), statistics.median(optimizer_times)]
 
 
 def _batch_source(ctx: ModelContext, needed: int) -> Callable[[], Any]:

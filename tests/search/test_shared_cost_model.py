@@ -286,6 +286,8 @@ def test_the_planner_reproduces_a_search_in_one_process():
     found = _search(time_limit=60)
     assert found["measured"].world == 1
     _assert_the_planner_agrees(found)
+    variant = found["measured"].variants[("fp32", False)]  # the alone step's optimizer update, measured apart
+    assert 0 < variant.optimizer_step_time_s < variant.step_time_s, variant
 
 
 def _search_on_ranks() -> dict:
@@ -362,3 +364,38 @@ def test_pieces_extrapolate_the_whole_step_and_keep_the_blocks_part():
     assert whole.peak_bytes == 10 * MIB + 12 * 2 * MIB
     noisy = extrapolate(high, low, 1, 12)  # the larger piece measured faster: a block is never negative time
     assert (noisy.step_time_s, noisy.blocks_step_time_s) == (0.012, 0.0)
+
+
+def test_a_rank_pays_only_the_optimizer_update_it_owns():
+    """The alone step's optimizer update (measured apart) is what a sharded optimizer state takes off a
+    rank: zero1 / zero2 / fsdp step 1/N of it, ddp all of it; a pipeline or tensor layout's rank steps its
+    share of the parameters once a step, not scaled by the batch or the bubble (zero1 on the data
+    dimension divides it again). Everything else about the two profiles is equal."""
+    search = _hand_made_search(world=4, ranks_per_node=4)
+    plain = search.variants[("fp32", False)]
+    with_update = dataclasses.replace(plain, optimizer_step_time_s=0.02)
+    measured = MeasuredProfile(search.profile, search.hardware, {("fp32", False): plain}, 4, search.topology)
+    split = MeasuredProfile(search.profile, search.hardware, {("fp32", False): with_update}, 4, search.topology)
+    facts = search.profile.layouts
+    for candidate in search.candidates:
+        if candidate.checkpoint or candidate.precision != "fp32" or candidate.shard:
+            continue
+        saved = predict_measured(candidate, measured).step_time_s - predict_measured(candidate, split).step_time_s
+        data = candidate.data_size(4)
+        owned = 1 / data if candidate.sharding != "ddp" and data > 1 else 1.0
+        if candidate.tensor * candidate.pipeline == 1:
+            want = 0.02 * (1 - owned)
+        else:
+            share, t, p = facts.state_share[(candidate.tensor, candidate.pipeline)], candidate.tensor, candidate.pipeline
+            bubble = 1.0
+            if p > 1:
+                micro = min(2 * p, 2 * t * p)
+                bubble = (micro + p - 1) / micro
+            want = 0.02 * t * p * share * bubble - 0.02 * share * owned
+        assert saved == pytest.approx(want, abs=1e-9), candidate.label
+
+
+def test_pieces_extrapolate_the_optimizer_update():
+    low = VariantProfile("fp32", False, 2, step_time_s=0.010, optimizer_step_time_s=0.002)
+    high = VariantProfile("fp32", False, 2, step_time_s=0.012, optimizer_step_time_s=0.0025)
+    assert extrapolate(low, high, 0, 12).optimizer_step_time_s == pytest.approx(0.002 + 12 * 0.0005)

@@ -62,6 +62,9 @@ class VariantProfile:
     # the repeated blocks' part of ``step_time_s``: their count times one block's time as the pieces measured it
     # (0: the model was measured whole)
     blocks_step_time_s: float = 0.0
+    # the optimizer step's part of ``step_time_s`` (0: not measured): it scales with the parameters a rank
+    # steps (a sharded optimizer state, a pipeline stage's or tensor shard's share), not with the batch
+    optimizer_step_time_s: float = 0.0
     # tensor size -> the whole model's step time under ddp + that tensor split (pipeline 1, the rest data
     # parallel) on every rank, measured by pieces: what the split really costs on these process groups
     tensor_step_times: dict = field(default_factory=dict)
@@ -124,6 +127,7 @@ def measure_variant(run: Callable[[int], tuple], setting: Setting, batch: int) -
     variant.peak_bytes, variant.step_time_s = result.peak_memory_bytes, result.step_time_s
     variant.forward_backward_peak_bytes = result.forward_backward_peak_bytes or 0
     variant.forward_saved_bytes = result.forward_saved_bytes or 0
+    variant.optimizer_step_time_s = min(result.optimizer_step_time_s or 0.0, result.step_time_s)
     variant.params, variant.grads, variant.optim_state = state["params"], state["grads"], state["optim_state"]
     return variant
 

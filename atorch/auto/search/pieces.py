@@ -125,6 +125,7 @@ def extrapolate(low: VariantProfile, high: VariantProfile, low_blocks: int, tota
         forward_backward_peak_bytes=int(whole(low.forward_backward_peak_bytes, high.forward_backward_peak_bytes)),
         forward_saved_bytes=int(whole(low.forward_saved_bytes, high.forward_saved_bytes)),
         blocks_step_time_s=total_blocks * max(high.step_time_s - low.step_time_s, 0.0),
+        optimizer_step_time_s=whole(low.optimizer_step_time_s, high.optimizer_step_time_s),
     )
 
 
