@@ -18,7 +18,8 @@ a memory limit a split only adds overhead.
 
 4. A model only sharded or split candidates fit, built on the meta device (``--scale``; part of the
    default run): an HF Llama (12 blocks x 256) whose training state is 2.3 times a 64 MiB per-process
-   limit, on 4 CPU ranks. The search (which measures it by pieces, never whole) against an exhaustive
+   limit, on 4 CPU ranks (and again under 72 MiB, 2.1 times, where the best candidate is not at 98 % of the
+   limit: ``SCALE_LIMITS``). The search (which measures it by pieces, never whole) against an exhaustive
    dry run of every unsplit candidate, the best being the fastest that fits the limit as a memory
    cgroup would enforce it: its tracked peak and its processes' largest resident growth both within
    it (the best by the tracked peak alone is printed too where it differs; the 4 ranks start with
@@ -282,6 +283,11 @@ def print_split(r: dict) -> None:
 
 
 SCALE_LIMIT = 64 * 2**20
+# The same model under a second limit, 2.1x its training state: at 64 MiB the best candidate's processes grow
+# 62.6 MiB in a fresh process (98 % of the limit), which a search can only take by predicting memory within
+# 2 % and leaving nothing resident; at 72 MiB the same candidates fit with room, so the pick is judged on
+# the ranking, not on the memory model's last percent. Both are printed; the goal is read at 64 MiB.
+SCALE_LIMITS = (SCALE_LIMIT, 72 * 2**20)
 SCALE_BATCH, SCALE_SEQ, SCALE_VOCAB = 8, 64, 2048
 
 
@@ -298,7 +304,6 @@ def meta_llama():
 def sharded_only(scale: Scale) -> dict:
     """The search of a meta model only sharded or split candidates fit, against every unsplit candidate."""
     from atorch.auto.model_context import ModelContext
-    from atorch.auto.search.report import rank_correlation
 
     arguments = dict(optim_func=torch.optim.AdamW, loss_func=hf_loss, optim_args={"lr": 1e-3},
                      dataset=SyntheticTokenDataset(SCALE_BATCH * 16, SCALE_SEQ, SCALE_VOCAB),
@@ -310,41 +315,51 @@ def sharded_only(scale: Scale) -> dict:
     def make_context(target, local=False, batch_size=None):
         return ModelContext(target, **arguments, local=local, per_rank_batch_size=batch_size)
 
+    searches = {}
+    for limit in SCALE_LIMITS:
+        dist.barrier()
+        start = time.perf_counter()
+        _, result, _ = auto_accelerate(meta_llama(), **arguments, memory_limit=limit, excluded=excluded,
+                                       use_profile_cache=False)
+        searches[limit] = (result.args.extras["search"], time.perf_counter() - start)
+    found = searches[SCALE_LIMIT][0]
     dist.barrier()
     start = time.perf_counter()
-    _, result, _ = auto_accelerate(meta_llama(), **arguments, memory_limit=SCALE_LIMIT, excluded=excluded,
-                                   use_profile_cache=False)
-    search_s = time.perf_counter() - start
-    found = result.args.extras["search"]
-    chosen = next(r for r in found.rows if r.chosen)
-    dist.barrier()
-    start = time.perf_counter()
-    times, candidates, grown, ran, tracked = {}, {}, {}, {}, {}
+    candidates, grown, ran, peaks = {}, {}, {}, {}
     for candidate in found.candidates:
-        if candidate.micro > 1 or candidate.compute or candidate.label in times:
+        if candidate.micro > 1 or candidate.compute or candidate.label in ran:
             continue
         rss = RssGrowth()
         run = _dry_run_meta(model, make_context, candidate, scale.steps)
         grown[candidate.label] = _largest_over_ranks(rss.growth())
-        # on CPU the limit holds as an enforced one (a memory cgroup kills a process over it), on the resident
-        # size: a candidate fits when its tracked peak (what the search's memory model predicts) and its
-        # processes' resident growth are both within it (glibc keeps freed pages, so the second is larger:
-        # docs/search.md); the best by the tracked peak alone is printed beside
-        tracked_fits = run.ok and run.peak_memory_bytes <= SCALE_LIMIT
-        fits = tracked_fits and grown[candidate.label] <= SCALE_LIMIT
         ran[candidate.label] = run.step_time_s if run.ok else None  # fitting or not: the cost model's check
-        times[candidate.label], candidates[candidate.label] = (run.step_time_s if fits else None), candidate
-        tracked[candidate.label] = run.step_time_s if tracked_fits else None
+        peaks[candidate.label], candidates[candidate.label] = (run.peak_memory_bytes if run.ok else None), candidate
     exhaustive_s = time.perf_counter() - start
-    best_tracked = min((k for k, v in tracked.items() if v), key=lambda k: tracked[k])
+    per_limit = {limit: _judge(limit, searches[limit], ran, peaks, grown, candidates, model, make_context, scale)
+                 for limit in SCALE_LIMITS}
+    return {"state": state, "exhaustive_s": exhaustive_s, "rss": grown, "ran": ran, "limits": per_limit}
+
+
+def _judge(limit: int, search: tuple, ran: dict, peaks: dict, grown: dict, candidates: dict, model, make_context,
+           scale: Scale) -> dict:
+    """One limit's search against the exhaustive pass. On CPU the limit holds as an enforced one (a memory
+    cgroup kills a process over it), on the resident size: a candidate fits when its tracked peak (what the
+    search's memory model predicts) and its processes' resident growth are both within it (glibc keeps freed
+    pages, so the second is larger: docs/search.md); the best by the tracked peak alone is printed beside."""
+    from atorch.auto.search.report import rank_correlation
+
+    found, search_s = search
+    chosen = next(r for r in found.rows if r.chosen)
+    tracked = {k: t for k, t in ran.items() if t and peaks[k] <= limit}
+    times = {k: (t if k in tracked and grown[k] <= limit else None) for k, t in ran.items()}
+    best_tracked = min(tracked, key=lambda k: tracked[k])
     # where no candidate fits by both, the best by the tracked peak stands in (printed as such)
     best = min((k for k, v in times.items() if v), key=lambda k: times[k], default=best_tracked)
-    candidates.setdefault(chosen.label, found.candidate)
-    again = _alternate(model, make_context, {k: candidates[k] for k in sorted({chosen.label, best})}, scale)
-    return {"state": state, "chosen": chosen.label, "best": best, "times": times, "again": again,
-            "search_s": search_s, "exhaustive_s": exhaustive_s, "spearman": rank_correlation(found.rows),
-            "space_spearman": spearman_over_space(predictions(found.rows), ran), "table": found.table,
-            "rss": grown, "ran": ran, "best_tracked": best_tracked}
+    pair = {chosen.label: candidates.get(chosen.label, found.candidate), best: candidates[best]}
+    again = _alternate(model, make_context, {k: pair[k] for k in sorted(pair)}, scale)
+    return {"chosen": chosen.label, "best": best, "times": times, "again": again, "search_s": search_s,
+            "spearman": rank_correlation(found.rows), "table": found.table, "best_tracked": best_tracked,
+            "space_spearman": spearman_over_space(predictions(found.rows), ran)}
 
 
 def _largest_over_ranks(value: int) -> int:
@@ -370,11 +385,17 @@ def _alternate(model, make_context, candidates: dict, scale: Scale) -> dict:
     return {label: statistics.median(v) for label, v in times.items()}
 
 
-def print_sharded_only(r: dict) -> None:
+def print_sharded_only(result: dict) -> None:
+    for limit, r in result["limits"].items():
+        print_one_limit(limit, {**r, "state": result["state"], "exhaustive_s": result["exhaustive_s"],
+                                "rss": result["rss"], "ran": result["ran"]})
+
+
+def print_one_limit(limit: int, r: dict) -> None:
     ratio = r["again"][r["best"]] / r["again"][r["chosen"]]
-    print(f"\nsharded-only (meta HF Llama 12x256, 4 CPU ranks, limit {SCALE_LIMIT / 2**20:.0f} MiB/rank, training "
-          f"state {r['state'] / 2**20:.0f} MiB = {r['state'] / SCALE_LIMIT:.1f}x the limit): chosen {r['chosen']}, "
-          f"best fitting (exhaustive) {r['best']}")
+    print(f"\nsharded-only (meta HF Llama 12x256, 4 CPU ranks, limit {limit / 2**20:.0f} MiB/rank, training "
+          f"state {r['state'] / 2**20:.0f} MiB = {r['state'] / limit:.1f}x the limit): chosen {r['chosen']}, "
+          f"best fitting (exhaustive) {r['best']} ({r['rss'][r['best']] / limit:.0%} of the limit resident)")
     print(f"  throughput chosen / best side by side {ratio:.3f} (goal >= 0.95); search time / exhaustive "
           f"{r['search_s']:.1f} / {r['exhaustive_s']:.1f} s = {r['search_s'] / r['exhaustive_s']:.3f} (goal <= 0.25); "
           f"Spearman rank correlation predicted / measured step time "

@@ -386,7 +386,8 @@ def test_a_rank_pays_only_the_optimizer_update_it_owns():
         if candidate.tensor * candidate.pipeline == 1:
             want = 0.02 * (1 - owned)
         else:
-            share, t, p = facts.state_share[(candidate.tensor, candidate.pipeline)], candidate.tensor, candidate.pipeline
+            t, p = candidate.tensor, candidate.pipeline
+            share = facts.state_share[(t, p)]
             bubble = 1.0
             if p > 1:
                 micro = min(2 * p, 2 * t * p)
