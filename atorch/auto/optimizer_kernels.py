@@ -3,9 +3,9 @@
 PyTorch's Adam, AdamW and SGD step with ``foreach`` by default on a GPU: a dozen multi-tensor kernels a
 step, each reading and writing the parameters, gradients or moments again (56 bytes a parameter for
 AdamW with fp32 states). Their ``fused=True`` kernel does the same update in one pass (about 30 bytes a
-parameter): on the ~1B-parameter Llama of ``benchmarks/gpu.py`` the step is about 7 % of an H200's
-training step, the largest part of what a hand-tuned configuration gained over atorch. torchtitan and
-HF Trainer make the fused kernel their default for the same reason.
+parameter): on the ~1B-parameter Llama of ``benchmarks/gpu.py`` on an H200 it took the fully automatic
+mode's step from 205.8 to 196.3 ms, what was left between it and a hand-tuned configuration (195.5).
+torchtitan and HF Trainer make the fused kernel their default for the same reason.
 
 atorch passes ``fused=True`` only where nothing about the result can change but rounding:
 
