@@ -64,7 +64,7 @@ def fused_kernel_refusal(optim_func: Any, optim_args: dict, params: Iterable[Any
     chosen = [key for key in USER_KERNEL_CHOICES if key in optim_args]
     if chosen:
         return f"optim_args set {', '.join(chosen)}: the user's choice is kept"
-    tensors = _tensors(params)
+    tensors = param_tensors(params)
     if not tensors:
         return "no parameters"
     devices = {t.device.type for t in tensors}
@@ -81,11 +81,16 @@ def fused_kernel_refusal(optim_func: Any, optim_args: dict, params: Iterable[Any
     return None
 
 
-def _tensors(params: Iterable[Any]) -> list[torch.Tensor]:
+def param_tensors(params: Iterable[Any]) -> list[torch.Tensor]:
+    """The tensors of what an optimizer is built over, in every form torch takes: tensors, (name, tensor)
+    pairs, or param-group dicts whose "params" is a tensor or a list of either."""
     out: list[torch.Tensor] = []
     for item in params:
         if isinstance(item, dict):
-            out.extend(item["params"] if not isinstance(item["params"], torch.Tensor) else [item["params"]])
+            group = item["params"]
+            out.extend(param_tensors([group] if isinstance(group, torch.Tensor) else group))
+        elif isinstance(item, (tuple, list)):  # (name, tensor)
+            out.append(item[1])
         else:
             out.append(item)
     return out

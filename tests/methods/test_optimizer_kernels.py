@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from atorch.auto import optimizer_kernels
-from atorch.auto.optimizer_kernels import fused_kernel_refusal, optimizer_args
+from atorch.auto.optimizer_kernels import fused_kernel_refusal, optimizer_args, param_tensors
 from atorch.testing import run_distributed
 from atorch.testing.training import train_gpt
 from tests.parity import assert_matches
@@ -59,6 +59,19 @@ def test_the_fused_kernel_is_chosen_for_torchs_adam_adamw_sgd(cpu_fused):
     assert optimizer_args(torch.optim.AdamW, {}, groups) == {"fused": True}
     built = torch.optim.AdamW(groups, **optimizer_args(torch.optim.AdamW, {}, groups))
     assert all(group["fused"] for group in built.param_groups)
+
+
+def test_every_form_torch_builds_an_optimizer_over_is_read(cpu_fused):
+    """Tensors, (name, tensor) pairs (what ``optim_param_func`` may return) and groups of either."""
+    model = torch.nn.Linear(2, 2)
+    weight, bias = model.weight, model.bias
+    named = list(model.named_parameters())
+    forms = [[weight, bias], named, [{"params": named}], [{"params": weight}, {"params": [bias]}]]
+    for form in forms:
+        assert [id(t) for t in param_tensors(form)] == [id(weight), id(bias)], form
+        assert optimizer_args(torch.optim.AdamW, {}, form) == {"fused": True}
+    built = torch.optim.AdamW(named, **optimizer_args(torch.optim.AdamW, {}, named))
+    assert built.param_groups[0]["fused"]
 
 
 @pytest.mark.parametrize("optim_func, optim_args, says", [

@@ -25,6 +25,7 @@ from atorch.auto.gradients import scale_grads_to_norm, total_grad_norm
 from atorch.auto.opt_lib.base import SHARDED_STAGES, SHARDED_STAGES_WHY, Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason, use_deepspeed_zero
 from atorch.auto.opt_lib.fsdp import FSDPConfig, normalize_fsdp_config, shard_model, use_foreach_optimizer
+from atorch.auto.optimizer_kernels import param_tensors
 from atorch.checkpoint.adapters import register_optimizer_adapter
 from atorch.distributed import mesh
 from atorch.errors import MethodConfigError
@@ -66,8 +67,8 @@ class Zero1Optimization(Optimization):
 def _zero_redundancy_optimizer(ctx, params: Any):
     group = mesh.parallel_group("data_parallel")
     params = list(params)
-    flat = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
-    if any(isinstance(p, DTensor) for p in flat):  # tensor-parallel parameters: ZeRO cannot broadcast DTensors
+    # tensor-parallel parameters: ZeRO cannot broadcast DTensors
+    if any(isinstance(p, DTensor) for p in param_tensors(params)):
         return ShardedStateOptimizer(params, ctx.optim_func, group, **ctx.optim_args_for(params))
     return ZeroRedundancyOptimizer(params, optimizer_class=ctx.optim_func, process_group=group,
                                    parameters_as_bucket_view=BUCKET_VIEW, **ctx.optim_args_for(params))
