@@ -19,7 +19,7 @@ from atorch.auto.search.layouts import layout_facts
 from atorch.auto.search.measure import HardwareProfile, VariantProfile, load_cached, store_cached
 from atorch.auto.search.options import SearchOptions
 from atorch.auto.search.pieces import extrapolate
-from atorch.auto.search.strategy_search import RECOMPUTED_FORWARD_SHARE, StrategySearch
+from atorch.auto.search.strategy_search import MEASURED_SHARDINGS, RECOMPUTED_FORWARD_SHARE, StrategySearch
 from atorch.auto.search.topology import Links, keep_tensor_in_node, topology_for
 from atorch.cost_model import (
     MICRO_STEP_OVERHEAD,
@@ -176,40 +176,43 @@ def test_only_tensor_splits_that_could_be_dry_run_are_measured():
     assert search._measurements_that_matter([setting]) == {}
 
 
-def test_fsdp_is_measured_when_it_could_be_dry_run_and_then_costs_what_it_measured():
-    """FSDP's cost (``MEASURED_SHARDINGS``) is measured over every rank when an fsdp candidate is among the
-    fitting ``topk`` and more candidates fit than are dry-run (else its pieces would cost what its own dry
-    run does, to no end); once measured, its unsplit candidate costs exactly the measured step, and a
+@pytest.mark.parametrize("sharding", MEASURED_SHARDINGS)
+def test_a_sharding_is_measured_when_it_could_be_dry_run_and_then_costs_what_it_measured(sharding):
+    """FSDP's and zero2's cost (``MEASURED_SHARDINGS``) is measured over every rank when such a candidate is
+    among the fitting ``topk`` and more candidates fit than are dry-run (else its pieces would cost what its
+    own dry run does, to no end); once measured, its unsplit candidate costs exactly the measured step, and a
     micro-batched one the measured excess scaled as the formula scales it with micro-steps."""
     search = _hand_made_search()
     search.stack = None
     setting = ("fp32", False)
-    unsplit = Candidate("fsdp", "fp32", False, block="Block")
+    unsplit = Candidate(sharding, "fp32", False, block="Block")
     search.measured = search._measured()
     fitting = sorted((c for c in search.candidates if (c.precision, c.checkpoint) == setting and c.micro == 1
                       and fits_with_margin(search._estimate(c).memory_bytes, search.hardware.memory_limit)),
                      key=lambda c: search._estimate(c).step_time_s)
     place = [c.label for c in fitting].index(unsplit.label)
     assert place + 1 < len(fitting)
-    # fsdp among the top-k while more candidates fit than are dry-run: measured
+    # among the top-k while more candidates fit than are dry-run: measured
     search.options = dataclasses.replace(search.options, exhaustive=False, topk=place + 1)
-    assert _wanted(search, setting, str) == {(setting, "fsdp")}
+    assert (setting, sharding) in _wanted(search, setting, str)
     # outside the top-k, or every fitting candidate dry-run anyway (exhaustive): not worth its pieces
     search.options = dataclasses.replace(search.options, topk=place)
-    assert _wanted(search, setting, str) == set()
+    assert (setting, sharding) not in _wanted(search, setting, str)
     search.options = dataclasses.replace(search.options, exhaustive=True)
     assert _wanted(search, setting, str) == set()
     search.options = dataclasses.replace(search.options, exhaustive=False, topk=place + 1)
     variant = search.variants[setting]
     split = dataclasses.replace(unsplit, micro=2)
     formula = {c.label: search._estimate(c).step_time_s for c in (unsplit, split)}
-    variant.sharded_step_times["fsdp"], variant.sharded_world = variant.step_time_s + 1.0, search.world
-    assert _wanted(search, setting, str) == set()
+    variant.sharded_step_times[sharding], variant.sharded_world = variant.step_time_s + 1.0, search.world
+    assert (setting, sharding) not in _wanted(search, setting, str)
+    optimizer_owned = variant.step_time_s - (1 - 1 / search.world) * variant.optimizer_step_time_s
     assert search._estimate(unsplit).step_time_s == pytest.approx(variant.step_time_s + 1.0)
-    formula_excess = {label: t - variant.step_time_s * (1 + MICRO_STEP_OVERHEAD * (c.micro - 1))
+    formula_excess = {label: t - optimizer_owned - variant.step_time_s * MICRO_STEP_OVERHEAD * (c.micro - 1)
                       for (label, t), c in zip(formula.items(), (unsplit, split))}
-    expected = (variant.step_time_s * (1 + MICRO_STEP_OVERHEAD)
-                + 1.0 * formula_excess[split.label] / formula_excess[unsplit.label])
+    expected = (optimizer_owned + variant.step_time_s * MICRO_STEP_OVERHEAD
+                + (variant.step_time_s + 1.0 - optimizer_owned) * formula_excess[split.label]
+                / formula_excess[unsplit.label])
     assert search._estimate(split).step_time_s == pytest.approx(expected)
     # measured over another world size (a cached profile of another run), the formula stands
     variant.sharded_world = search.world * 2

@@ -86,8 +86,10 @@ SETTING_METHODS = ("amp_native", "half", "checkpoint")
 PIECE_STEP_FACTOR = 2  # a cut model trains this many times the dry run's steps (see ``_train_alone``)
 # the shardings whose cost the search measures on the real process group before dry-running them
 # (``_measure_sharding``): FSDP, whose per-unit gathers, reduce-scatters and copies the bandwidth formula
-# prices from an all-reduce and so under-prices (on 2 to 4 gloo ranks, 1.6 to 2 times)
-MEASURED_SHARDINGS = ("fsdp",)
+# prices from an all-reduce and so under-prices (on 2 to 4 gloo ranks, 1.6 to 2 times), and zero2, which is
+# FSDP2 keeping its parameters gathered through the step (the same per-unit work less backward's gathers:
+# on the repo GPT on 2 gloo ranks it ran 23 % slower than ddp, the formula priced it 1 % faster)
+MEASURED_SHARDINGS = ("fsdp", "zero2")
 
 
 @dataclass
