@@ -6,6 +6,7 @@ against DDP and checks that accumulation micro-steps send no gradient collective
 ZeRO-1/2 run on CPU ranks here through its CPU accelerator; those cases skip when it is absent."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -14,9 +15,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from atorch.auto import opt_lib
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason
-from atorch.auto.opt_lib.fsdp import FSDPConfig
+from atorch.auto.opt_lib.fsdp import FSDPConfig, units_keeping_ties
+from atorch.models import GPT
 from atorch.testing import run_distributed
-from atorch.testing.training import train_gpt
+from atorch.testing.hf_models import ZOO
+from atorch.testing.training import SMALL_GPT, train_gpt
 from tests.parity import BF16, CKPT, assert_matches, case_parts, run_suite
 
 pytestmark = pytest.mark.multirank
@@ -25,6 +28,7 @@ HAS_DEEPSPEED = deepspeed_unavailable_reason() is None
 CLIP = 0.5  # below the reference's gradient norms (0.56 .. 1.15), so clipping changes every step
 ACC_BATCH = 16  # accumulation 4 on 4 ranks needs micro-batches of at least 4 samples
 WRAP = {"atorch_wrap_cls": ("GPTBlock",)}
+TIED_GPT = dataclasses.replace(SMALL_GPT, tie_weights=True)
 METHODS = {
     "zero1": "zero1",
     "zero2": "zero2",
@@ -64,6 +68,12 @@ FSDP_OPTIONS = {
                                     "max_grad_norm": CLIP, "clip_via": "model"},
     "zero2_nofsdp_fp16_clip": {"strategy": ["parallel_mode", ("zero2", {"not_use_fsdp": True}), "amp_native"],
                                "max_grad_norm": CLIP},
+    # units holding a parameter tied to a module outside them (FSDP2 refuses to split a tied parameter):
+    # T5's stacks share their embedding with `shared`, the tied GPT's embedding is its output layer
+    "fsdp_tied_t5_stacks": {"strategy": ["parallel_mode", ("fsdp", {"atorch_wrap_cls": ("T5Stack",)})],
+                            "hf_model": "t5"},
+    "fsdp_tied_gpt_embedding": {"strategy": ["parallel_mode", ("fsdp", {"atorch_wrap_cls": ("Embedding", "GPTBlock")})],
+                                "config": TIED_GPT},
 }
 DEEPSPEED_CASES = {
     "ds_zero1": ["parallel_mode", ("zero1", {"use_ds_zero": True})],
@@ -83,7 +93,8 @@ GRADIENT_COLLECTIVES = ("allreduce", "all_reduce", "reduce_scatter", "gloo:reduc
 
 def _reference_key(case) -> tuple:
     _, kwargs = case_parts(case)
-    return kwargs.get("global_batch", 8), kwargs.get("max_grad_norm")
+    return (kwargs.get("global_batch", 8), kwargs.get("max_grad_norm"), kwargs.get("hf_model"),
+            repr(kwargs.get("config")))
 
 
 _REFERENCES: dict = {}
@@ -92,7 +103,8 @@ _REFERENCES: dict = {}
 def reference_for(case) -> dict:
     key = _reference_key(case)
     if key not in _REFERENCES:
-        _REFERENCES[key] = train_gpt([], global_batch=key[0], max_grad_norm=key[1])
+        _REFERENCES[key] = train_gpt([], global_batch=key[0], max_grad_norm=key[1], hf_model=key[2],
+                                     config=case_parts(case)[1].get("config"))
     return _REFERENCES[key]
 
 
@@ -185,6 +197,19 @@ def test_sharding_methods_match_reference_and_shard_state(world):
         assert error.startswith("RequirementError") and "DeepSpeed" in error and "zero1" in error, error
         returned = per_rank["fsdp"]["strategy"].get("fsdp")  # plain data after pickling: normalize it again
         assert opt_lib.get_optimization("fsdp").normalize(returned) == FSDPConfig(atorch_wrap_cls=("GPTBlock",))
+
+
+def test_a_unit_holding_a_tied_parameter_is_sharded_by_its_parts():
+    """A block whose parameter another module outside it also holds is replaced by its parts, down to
+    where none is tied outside; the tied leaf stays with the root (FSDP2 refuses a split tie)."""
+    t5 = ZOO["t5"].build()
+    stacks = [m for m in t5.modules() if type(m).__name__ == "T5Stack"]
+    units = units_keeping_ties(t5, stacks)
+    assert [type(u).__name__ for u in units] == ["T5Block"] * sum(type(m).__name__ == "T5Block" for m in t5.modules())
+    gpt = GPT(TIED_GPT)
+    assert units_keeping_ties(gpt, [gpt.wte, gpt.wpe, *gpt.blocks]) == [gpt.wpe, *gpt.blocks]
+    untied = GPT(SMALL_GPT)
+    assert units_keeping_ties(untied, [untied.wte, *untied.blocks]) == [untied.wte, *untied.blocks]
 
 
 def test_clipping_changes_the_reference():

@@ -5,7 +5,9 @@ follows (the README repeats this table):
 
 - ``atorch_wrap_cls``: module types / class names / qualified-name globs, each match gets its own
   ``fully_shard`` (its parameters are gathered just for its forward and backward); the root is
-  always sharded last.
+  always sharded last. A match holding a parameter tied to a module outside it (T5's stacks and their
+  shared embedding) is sharded by its parts instead, the tied parameter with the root
+  (``units_keeping_ties``): FSDP2 cannot split a tie between units.
 - ``atorch_size_based_min_num_params``: instead of classes, shard every submodule whose not yet
   sharded parameters reach this count (children first).
 - ``atorch_ignored_cls``: their parameters are not sharded; they stay replicated and their
@@ -256,7 +258,69 @@ def _blocks_to_shard(model: torch.nn.Module, config: FSDPConfig) -> list[torch.n
     if ignored_types:
         ignored_modules = set(matching_modules(model, ignored_types))
         blocks = [b for b in blocks if b not in ignored_modules]
-    return blocks
+    return units_keeping_ties(model, blocks)
+
+
+def units_keeping_ties(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The blocks to shard, with no tied parameter split between units: FSDP2 shards a parameter with the
+    one unit that holds it, and refuses a parameter also held by a module outside that unit (T5's encoder
+    and decoder stacks each hold the embedding they share with ``shared``; a GPT's embedding is its output
+    layer's weight). Such a block is replaced by its parts (its children, through ``ModuleList`` /
+    ``ModuleDict``, which are never called, and on down while a part still holds a tied parameter); its
+    leaves (the tied embedding itself, a final norm) stay with the root, which holds every user."""
+    holders = _parameter_holders(model)
+    paths = _module_paths(model)
+    units: list[torch.nn.Module] = []
+    for block in blocks:
+        parts = _parts_without_outside_ties(block, holders, paths)
+        if parts != [block]:
+            logger.info("fsdp: %s holds a parameter tied to a module outside it; sharding its %d part(s) apart "
+                        "instead, the tied parameter with the root", type(block).__name__, len(parts))
+        units.extend(p for p in parts if all(p is not u for u in units))
+    return units
+
+
+def _parameter_holders(model: torch.nn.Module) -> dict[int, set[str]]:
+    """id(parameter) -> the paths of every module that registers it directly."""
+    holders: dict[int, set[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for param in module._parameters.values():
+            if param is not None:
+                holders.setdefault(id(param), set()).add(path)
+    return holders
+
+
+def _module_paths(model: torch.nn.Module) -> dict[int, set[str]]:
+    paths: dict[int, set[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), set()).add(path)
+    return paths
+
+
+def _parts_without_outside_ties(module: torch.nn.Module, holders: dict[int, set[str]],
+                                paths: dict[int, set[str]], chosen: bool = True) -> list[torch.nn.Module]:
+    """``module`` (``chosen``: a block the configuration named), or its parts; the leaves of a split block
+    (its final norm, the tied embedding) stay with the root, as a block's unnamed remainder does."""
+    children = list(module.children())
+    if not any(True for _ in module.parameters()) or (not chosen and not children):
+        return []
+    containers = (torch.nn.ModuleList, torch.nn.ModuleDict)
+    if not isinstance(module, containers) and not _tied_outside(module, holders, paths):
+        return [module]
+    parts: list[torch.nn.Module] = []
+    for child in children:
+        parts.extend(_parts_without_outside_ties(child, holders, paths, chosen=False))
+    return parts
+
+
+def _tied_outside(module: torch.nn.Module, holders: dict[int, set[str]], paths: dict[int, set[str]]) -> bool:
+    """Whether a parameter of ``module`` is also registered by a module outside every place it sits."""
+    prefixes = paths.get(id(module), set())
+
+    def inside(path: str) -> bool:
+        return any(path == p or path.startswith(p + ".") for p in prefixes)
+
+    return any(not inside(holder) for param in module.parameters() for holder in holders.get(id(param), ()))
 
 
 def _size_based_blocks(model: torch.nn.Module, min_num_params: int) -> list[torch.nn.Module]:
