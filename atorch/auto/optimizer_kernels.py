@@ -96,5 +96,21 @@ def param_tensors(params: Iterable[Any]) -> list[torch.Tensor]:
     return out
 
 
+def without_names(params: Iterable[Any]) -> list[Any]:
+    """``params`` as optimizers that take tensors only accept them (``ZeroRedundancyOptimizer``, zero1's
+    sharded state over DTensors): (name, tensor) pairs, which torch's own optimizers also take (what
+    ``optim_param_func`` may return), become their tensors, in the same groups with the same options."""
+    out: list[Any] = []
+    for item in params:
+        if isinstance(item, dict):
+            group = item["params"]
+            out.append(dict(item, params=without_names([group] if isinstance(group, torch.Tensor) else group)))
+        elif isinstance(item, (tuple, list)):  # (name, tensor)
+            out.append(item[1])
+        else:
+            out.append(item)
+    return out
+
+
 def _names() -> str:
     return ", ".join(cls.__name__ for cls in FUSED_OPTIMIZERS)

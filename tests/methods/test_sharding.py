@@ -1,9 +1,11 @@
 """zero1, zero2 and fsdp on real gloo ranks (2 and 4) against the single-process fp32 reference with
 the same seed and global batch: each alone, with bf16 amp, with checkpoint, with gradient
 accumulation 4 and with clipping (fp32: relative difference < 1e-5 in losses and all final weights;
-bf16/fp16: < 2e-2). The same launch measures per-rank parameter / gradient / optimizer-state bytes
-against DDP and checks that accumulation micro-steps send no gradient collectives. DeepSpeed's
-ZeRO-1/2 run on CPU ranks here through its CPU accelerator; those cases skip when it is absent."""
+bf16/fp16: < 2e-2); with parameter groups of (name, parameter) pairs (weight decay on matrices only);
+FSDP units holding a tied parameter (T5's stacks, a tied GPT embedding). The same launch measures
+per-rank parameter / gradient / optimizer-state bytes against DDP and checks that accumulation
+micro-steps send no gradient collectives. DeepSpeed's ZeRO-1/2 run on CPU ranks here through its CPU
+accelerator; those cases skip when it is absent."""
 from __future__ import annotations
 
 import dataclasses
@@ -75,6 +77,29 @@ FSDP_OPTIONS = {
     "fsdp_tied_gpt_embedding": {"strategy": ["parallel_mode", ("fsdp", {"atorch_wrap_cls": ("Embedding", "GPTBlock")})],
                                 "config": TIED_GPT},
 }
+
+
+def named_decay_groups(model: torch.nn.Module) -> list[dict]:
+    """Parameter groups as users write them for AdamW-style decay, as (name, parameter) pairs (torch's
+    optimizers take them; ZeroRedundancyOptimizer does not): decay on matrices, none and another
+    learning rate on the rest."""
+    decay = [(n, p) for n, p in model.named_parameters() if p.ndim >= 2]
+    rest = [(n, p) for n, p in model.named_parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 0.05}]
+
+
+NAMED_GROUP_CASES = {
+    "zero1_named_groups": {"strategy": ["parallel_mode", "zero1"], "optim_param_func": named_decay_groups},
+    "zero2_nofsdp_named_groups": {"strategy": ["parallel_mode", ("zero2", {"not_use_fsdp": True})],
+                                  "optim_param_func": named_decay_groups},
+    "fsdp_named_groups": {"strategy": ["parallel_mode", ("fsdp", WRAP)], "optim_param_func": named_decay_groups},
+}
+# zero1 over tensor-parallel (DTensor) parameters steps them with its own sharded-state optimizer
+TENSOR_NAMED_GROUP_CASES = {
+    "tensor2_zero1_named_groups": {
+        "strategy": [("parallel_mode", ([("tensor", 2), ("data", 2)], None)), "tensor_parallel", "zero1"],
+        "optim_param_func": named_decay_groups},
+}
 DEEPSPEED_CASES = {
     "ds_zero1": ["parallel_mode", ("zero1", {"use_ds_zero": True})],
     "ds_zero1_bf16": ["parallel_mode", ("zero1", {"use_ds_zero": True}), BF16],
@@ -94,7 +119,7 @@ GRADIENT_COLLECTIVES = ("allreduce", "all_reduce", "reduce_scatter", "gloo:reduc
 def _reference_key(case) -> tuple:
     _, kwargs = case_parts(case)
     return (kwargs.get("global_batch", 8), kwargs.get("max_grad_norm"), kwargs.get("hf_model"),
-            repr(kwargs.get("config")))
+            repr(kwargs.get("config")), kwargs.get("optim_param_func"))
 
 
 _REFERENCES: dict = {}
@@ -104,7 +129,7 @@ def reference_for(case) -> dict:
     key = _reference_key(case)
     if key not in _REFERENCES:
         _REFERENCES[key] = train_gpt([], global_batch=key[0], max_grad_norm=key[1], hf_model=key[2],
-                                     config=case_parts(case)[1].get("config"))
+                                     config=case_parts(case)[1].get("config"), optim_param_func=key[4])
     return _REFERENCES[key]
 
 
@@ -177,6 +202,7 @@ def _check_collectives(results: list) -> None:
 
 def _cases(world: int) -> dict:
     cases = {**parity_cases(), **MEMORY_CASES}
+    cases.update(TENSOR_NAMED_GROUP_CASES if world == 4 else NAMED_GROUP_CASES)
     if world == 2:
         cases.update(FSDP_OPTIONS)
         if HAS_DEEPSPEED:

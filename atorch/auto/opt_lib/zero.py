@@ -25,7 +25,7 @@ from atorch.auto.gradients import scale_grads_to_norm, total_grad_norm
 from atorch.auto.opt_lib.base import SHARDED_STAGES, SHARDED_STAGES_WHY, Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason, use_deepspeed_zero
 from atorch.auto.opt_lib.fsdp import FSDPConfig, normalize_fsdp_config, shard_model, use_foreach_optimizer
-from atorch.auto.optimizer_kernels import param_tensors
+from atorch.auto.optimizer_kernels import param_tensors, without_names
 from atorch.checkpoint.adapters import register_optimizer_adapter
 from atorch.distributed import mesh
 from atorch.errors import MethodConfigError
@@ -66,7 +66,7 @@ class Zero1Optimization(Optimization):
 
 def _zero_redundancy_optimizer(ctx, params: Any):
     group = mesh.parallel_group("data_parallel")
-    params = list(params)
+    params = without_names(params)
     # tensor-parallel parameters: ZeRO cannot broadcast DTensors
     if any(isinstance(p, DTensor) for p in param_tensors(params)):
         return ShardedStateOptimizer(params, ctx.optim_func, group, **ctx.optim_args_for(params))
