@@ -17,9 +17,13 @@ PACKED_STATE_ATTR = "atorch_packed_state"
 
 def repeated_blocks(model: nn.Module) -> tuple[dict[str, int], dict[str, int]]:
     """Module classes that occur several times with parameters, outermost (largest) first: the
-    transformer layers in a transformer. Returns (class name -> count, class name -> bytes of one)."""
+    transformer layers in a transformer. A class each of whose instances is a stack of blocks (it holds
+    a list or sequence of two or more instances of one other repeating class: T5's encoder and decoder
+    stacks, CLIP's two encoders) comes after the blocks: the layer is the unit to checkpoint, shard and
+    count, not the stack. Returns (class name -> count, class name -> bytes of one)."""
     counts: Counter = Counter()
     sizes: dict[str, int] = {}
+    instances: dict[str, list[nn.Module]] = {}
     for module in model.modules():
         if module is model or isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
             continue
@@ -30,9 +34,39 @@ def repeated_blocks(model: nn.Module) -> tuple[dict[str, int], dict[str, int]]:
         name = type(module).__name__
         counts[name] += 1
         sizes[name] = size
+        instances.setdefault(name, []).append(module)
     repeated = {n: c for n, c in counts.items() if c > 1}
-    order = sorted(repeated, key=lambda n: -sizes[n])
+    stacks = {n for n in repeated if all(_stacks_blocks(m, n, repeated) for m in instances[n])}
+    order = sorted(repeated, key=lambda n: (n in stacks, -sizes[n]))
     return {n: repeated[n] for n in order}, {n: sizes[n] for n in order}
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def _stacks_blocks(module: nn.Module, name: str, repeated: dict[str, int]) -> bool:
+    """Whether ``module`` (of class ``name``) holds, as a direct child, a list or sequence of two or more
+    instances of one other repeating class that are layers: each made of sub-blocks (attention, MLP)
+    of its own, not of bare leaves. An MoE layer's list of experts (each its projections alone) does not
+    make the layer a stack."""
+    for child in module.children():
+        if isinstance(child, (nn.ModuleList, nn.Sequential)):
+            kinds = {type(k).__name__ for k in child.children()}
+            if (len(child) >= 2 and len(kinds) == 1 and next(iter(kinds)) in repeated and name not in kinds
+                    and all(_has_sub_blocks(k) for k in child.children())):
+                return True
+    return False
+
+
+def _has_sub_blocks(module: nn.Module) -> bool:
+    """Whether ``module`` holds, directly or through lists, a module with parameters and children of its own."""
+    for child in module.children():
+        if isinstance(child, _CONTAINERS):
+            if _has_sub_blocks(child):
+                return True
+        elif any(True for _ in child.children()) and any(True for _ in child.parameters()):
+            return True
+    return False
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

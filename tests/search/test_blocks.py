@@ -1,0 +1,71 @@
+"""The repeated block that the search, checkpointing, FSDP units, pipeline cuts and the planner's layer
+count all start from (``atorch.utils.modules.repeated_blocks``): derived from the module tree alone,
+never from a class name, it is the transformer layer of every zoo family; a stack of layers (T5's
+encoder and decoder, CLIP's two encoders) comes after its layers, and a list of experts inside a layer
+does not demote the layer."""
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from atorch.auto.search.analyser import analyse_model
+from atorch.testing.hf_models import ZOO
+from atorch.utils.modules import repeated_blocks
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_the_first_repeated_block_is_the_layer_of_every_zoo_family(name):
+    zoo = ZOO[name]
+    counts, _ = repeated_blocks(zoo.build())
+    assert next(iter(counts)) == zoo.block
+    assert analyse_model(zoo.build()).main_block == zoo.block
+
+
+class Mixer(nn.Module):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.q, self.o = nn.Linear(width, width), nn.Linear(width, width)
+
+
+class Layer(nn.Module):
+    """A layer made of sub-blocks (an attention-like mixer and an MLP)."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.norm, self.mix = nn.LayerNorm(width), Mixer(width)
+        self.mlp = nn.Sequential(nn.Linear(width, width), nn.Linear(width, width))
+
+
+class Tower(nn.Module):
+    """A stack of layers and its own embedding: larger than a layer, repeated twice."""
+
+    def __init__(self, depth: int):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.layers = nn.ModuleList(Layer() for _ in range(depth))
+
+
+class Expert(nn.Module):
+    """An expert: its projections alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)
+
+
+class ExpertLayer(nn.Module):
+    """A layer holding its experts' list directly: a layer, not a stack (its list is one part of it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = Layer()
+        self.experts = nn.ModuleList(Expert() for _ in range(4))
+
+
+def test_a_stack_of_layers_comes_after_its_layers_and_a_layer_of_experts_stays_first():
+    towers = nn.ModuleDict({"text": Tower(3), "image": Tower(2)})
+    counts, _ = repeated_blocks(nn.Sequential(towers))
+    assert list(counts)[:1] == ["Layer"] and list(counts)[-1] == "Tower"
+    experts = nn.ModuleList(ExpertLayer() for _ in range(3))
+    counts, _ = repeated_blocks(nn.Sequential(experts))
+    assert next(iter(counts)) == "ExpertLayer"
