@@ -1,13 +1,14 @@
-"""The repeated block that the search, checkpointing, FSDP units, pipeline cuts and the planner's layer
-count all start from (``atorch.utils.modules.repeated_blocks``): derived from the module tree alone,
-never from a class name, it is the transformer layer of every zoo family; a stack of layers (T5's
-encoder and decoder, CLIP's two encoders) comes after its layers, and a list of experts inside a layer
-does not demote the layer."""
+"""The repeated block that the search, checkpointing, FSDP units, pipeline cuts, native_dynamo's regional
+compilation and the planner's layer count all start from (``atorch.utils.modules.repeated_blocks``):
+derived from the module tree alone, never from a class name, it is the transformer layer of every zoo
+family; a stack of layers (T5's encoder and decoder, CLIP's two encoders) comes after its layers, and a
+list of experts inside a layer does not demote the layer."""
 from __future__ import annotations
 
 import pytest
 from torch import nn
 
+from atorch.auto.opt_lib.native_dynamo import compiled_blocks
 from atorch.auto.search.analyser import analyse_model
 from atorch.testing.hf_models import ZOO
 from atorch.utils.modules import repeated_blocks
@@ -19,6 +20,7 @@ def test_the_first_repeated_block_is_the_layer_of_every_zoo_family(name):
     counts, _ = repeated_blocks(zoo.build())
     assert next(iter(counts)) == zoo.block
     assert analyse_model(zoo.build()).main_block == zoo.block
+    assert {type(m).__name__ for m in compiled_blocks(zoo.build())} == {zoo.block}  # native_dynamo's "blocks"
 
 
 class Mixer(nn.Module):

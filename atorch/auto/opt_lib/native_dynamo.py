@@ -59,14 +59,15 @@ class NativeDynamoConfig(MethodConfig):
 
 
 def compiled_blocks(model: nn.Module) -> list[nn.Module]:
-    """The modules native_dynamo's ``"blocks"`` scope compiles: every instance of the largest module
-    class that repeats with parameters (the innermost of equal-sized classes, so a checkpoint or
-    FSDP2 wrapper's own class is not taken for the block). Empty where nothing repeats."""
+    """The modules native_dynamo's ``"blocks"`` scope compiles: every instance of the first repeated block
+    (the largest module class that repeats with parameters, a stack of layers ranked after its layers:
+    ``repeated_blocks``), the innermost of classes of its size, so a checkpoint or FSDP2 wrapper's own
+    class is not taken for the block. Empty where nothing repeats."""
     counts, sizes = repeated_blocks(model)
     names = list(counts)  # outermost first among equal sizes: a wrapper comes before the block it wraps
     if not names:
         return []
-    largest = max(sizes[name] for name in names)
+    largest = sizes[names[0]]
     chosen = [name for name in names if sizes[name] == largest][-1]
     return [m for m in model.modules() if type(m).__name__ == chosen and m is not model]
 
