@@ -85,14 +85,8 @@ def param_tensors(params: Iterable[Any]) -> list[torch.Tensor]:
     """The tensors of what an optimizer is built over, in every form torch takes: tensors, (name, tensor)
     pairs, or param-group dicts whose "params" is a tensor or a list of either."""
     out: list[torch.Tensor] = []
-    for item in params:
-        if isinstance(item, dict):
-            group = item["params"]
-            out.extend(param_tensors([group] if isinstance(group, torch.Tensor) else group))
-        elif isinstance(item, (tuple, list)):  # (name, tensor)
-            out.append(item[1])
-        else:
-            out.append(item)
+    for item in without_names(params):
+        out.extend(item["params"] if isinstance(item, dict) else [item])
     return out
 
 

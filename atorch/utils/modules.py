@@ -13,6 +13,7 @@ SAVED_ORDERS_ATTR = "atorch_saved_orders"
 # state_dict hook packs from several live parameters, concatenated along dimension 0 in that order
 # (tensor_parallel's split nn.MultiheadAttention saves its q, k, v projections as in_proj_weight)
 PACKED_STATE_ATTR = "atorch_packed_state"
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 def repeated_blocks(model: nn.Module) -> tuple[dict[str, int], dict[str, int]]:
@@ -25,7 +26,7 @@ def repeated_blocks(model: nn.Module) -> tuple[dict[str, int], dict[str, int]]:
     sizes: dict[str, int] = {}
     instances: dict[str, list[nn.Module]] = {}
     for module in model.modules():
-        if module is model or isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        if module is model or isinstance(module, _CONTAINERS):
             continue
         size = sum(p.numel() * p.element_size() for p in module.parameters())
         children = list(module.children())
@@ -39,9 +40,6 @@ def repeated_blocks(model: nn.Module) -> tuple[dict[str, int], dict[str, int]]:
     stacks = {n for n in repeated if all(_stacks_blocks(m, n, repeated) for m in instances[n])}
     order = sorted(repeated, key=lambda n: (n in stacks, -sizes[n]))
     return {n: repeated[n] for n in order}, {n: sizes[n] for n in order}
-
-
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 def _stacks_blocks(module: nn.Module, name: str, repeated: dict[str, int]) -> bool:
