@@ -79,6 +79,53 @@ def tiny_mistral() -> nn.Module:
     return transformers.MistralForCausalLM._from_config(_decoder_config("MistralConfig", sliding_window=None))
 
 
+def tiny_qwen3() -> nn.Module:
+    """Qwen3: an RMSNorm over each head's features on the query and key (tensor_parallel's per-head norms)."""
+    import transformers
+
+    return transformers.Qwen3ForCausalLM._from_config(_decoder_config("Qwen3Config", head_dim=8))
+
+
+def tiny_neox() -> nn.Module:
+    """GPT-NeoX (Pythia): one query_key_value projection laid out head by head, parallel attention and MLP,
+    rotary on a quarter of each head."""
+    import transformers
+
+    config = transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                        intermediate_size=64, max_position_embeddings=SEQ, hidden_dropout=0.0,
+                                        attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPTNeoXForCausalLM._from_config(config)
+
+
+def tiny_mixtral() -> nn.Module:
+    """Mixtral: a sparse MoE layer (router and experts held as 3-D parameters, left whole by tensor_parallel)."""
+    import transformers
+
+    return transformers.MixtralForCausalLM._from_config(
+        _decoder_config("MixtralConfig", num_local_experts=4, num_experts_per_tok=2, sliding_window=None))
+
+
+def tiny_bloom() -> nn.Module:
+    """BLOOM: ALiBi attention scores through baddbmm (an attention tensor_parallel leaves whole), which
+    adds the residual itself."""
+    import transformers
+
+    config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=4, n_head=4, hidden_dropout=0.0,
+                                      attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.BloomForCausalLM._from_config(config)
+
+
+def tiny_opt() -> nn.Module:
+    """OPT: learned positions, and its layers flatten the stream to [batch x tokens, hidden] around the MLP."""
+    import transformers
+
+    config = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, ffn_dim=64,
+                                    num_attention_heads=4, max_position_embeddings=SEQ, word_embed_proj_dim=32,
+                                    dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0,
+                                    bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.OPTForCausalLM._from_config(config)
+
+
 def tiny_bert() -> nn.Module:
     import transformers
 
@@ -274,6 +321,11 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in (
     ZooModel("llama", tiny_llama, token_dataset, hf_loss, "unpack_dict", "LlamaDecoderLayer", "decoder"),
     ZooModel("qwen2", tiny_qwen2, token_dataset, hf_loss, "unpack_dict", "Qwen2DecoderLayer", "decoder"),
     ZooModel("mistral", tiny_mistral, token_dataset, hf_loss, "unpack_dict", "MistralDecoderLayer", "decoder"),
+    ZooModel("qwen3", tiny_qwen3, token_dataset, hf_loss, "unpack_dict", "Qwen3DecoderLayer", "decoder"),
+    ZooModel("neox", tiny_neox, token_dataset, hf_loss, "unpack_dict", "GPTNeoXLayer", "decoder"),
+    ZooModel("mixtral", tiny_mixtral, token_dataset, hf_loss, "unpack_dict", "MixtralDecoderLayer", "decoder"),
+    ZooModel("bloom", tiny_bloom, token_dataset, hf_loss, "unpack_dict", "BloomBlock", "decoder"),
+    ZooModel("opt", tiny_opt, token_dataset, hf_loss, "unpack_dict", "OPTDecoderLayer", "decoder"),
     ZooModel("bert", tiny_bert, token_dataset, hf_loss, "unpack_dict", "BertLayer", "encoder"),
     ZooModel("t5", tiny_t5, t5_dataset, hf_loss, "unpack_dict", "T5Block", "encoder-decoder"),
     ZooModel("vit", tiny_vit, image_dataset, hf_loss, "unpack_dict", "ViTLayer", "vision"),

@@ -38,6 +38,9 @@ MATMUL = frozenset({"matmul", "__matmul__", "__rmatmul__", "bmm", "einsum"})
 LINEAR = frozenset({"linear", "addmm", "mm", "matmul", "__matmul__"})
 ATTENTION = frozenset({"scaled_dot_product_attention"})
 EMBEDDING = frozenset({"embedding"})
+# a parameter read through one of these (``self.weight.T``, ``weight.t()``) is still that parameter to
+# the op that consumes it: FalconLinear computes ``input @ self.weight.T``
+WEIGHT_VIEWS = frozenset({"__get__", "t", "transpose", "permute", "mT"})
 
 
 @dataclass
@@ -149,11 +152,26 @@ class _Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", str(func))
+        if name in WEIGHT_VIEWS and self._tag_weight_view(args, out):
+            return out
         if name in ("size", "dim", "numel", "__len__", "__format__", "__repr__", "item", "tolist", "data_ptr",
                     "__get__", "__set__", "shape", "is_floating_point", "requires_grad_", "__bool__"):
             return out
         self._record(name, args, kwargs, out)
         return out
+
+    def _tag_weight_view(self, args: tuple, out: Any) -> bool:
+        """A view of a parameter (``weight.T``) is owned by that parameter while it lives, so the op
+        consuming it is a Linear of that module. True when ``out`` was tagged (nothing is recorded)."""
+        if not (args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor)):
+            return False
+        owner = self.owners.get(tensor_key(args[0]))
+        if owner is None or out is args[0]:
+            return False
+        key = id(out)
+        self.owners[key] = owner
+        self.forgetters.append(weakref.finalize(out, self.owners.pop, key, None))
+        return True
 
     def _record(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         op = Op(len(self.flow.ops), name, "other")

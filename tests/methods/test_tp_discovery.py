@@ -4,6 +4,7 @@ MultiheadAttention stand-in, and (on 2 gloo ranks) a plan the check refuses at a
 plus the plan reported in ``result.args.extras``."""
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from atorch.auto.opt_lib.sequence_parallel import plan_sequence_parallel
 from atorch.auto.opt_lib.tensor_parallel import find_tp_plan
 from atorch.auto.opt_lib.tp_mha import SeparateProjectionAttention, split_mha
 from atorch.auto.opt_lib.tp_shapes import local_split_size, local_view_shape
@@ -47,6 +49,10 @@ EXPECTED = {  # a few modules per family and the role the structure gives them
                  "blocks.0.mlp.fc2": "rowwise"},
     "nanogpt": {"transformer.h.0.attn.c_attn": "colwise", "transformer.h.0.attn.c_proj": "rowwise"},
     "mlp_updown": {"blocks.0.up": "colwise", "blocks.0.down": "rowwise"},
+    "qwen3": {"model.layers.0.self_attn.q_proj": "colwise", "model.layers.0.self_attn.k_proj": "colwise",
+              "model.layers.0.self_attn.o_proj": "rowwise", "model.layers.0.mlp.down_proj": "rowwise"},
+    "neox": {"gpt_neox.layers.0.attention.query_key_value": "colwise", "gpt_neox.layers.0.attention.dense": "rowwise",
+             "gpt_neox.layers.0.mlp.dense_h_to_4h": "colwise", "gpt_neox.layers.0.mlp.dense_4h_to_h": "rowwise"},
     "t5": {"encoder.block.0.layer.0.SelfAttention.q": "colwise", "encoder.block.0.layer.0.SelfAttention.o": "rowwise",
            "encoder.block.0.layer.0.SelfAttention.relative_attention_bias": "head",
            "encoder.block.0.layer.1.DenseReluDense.wi": "colwise"},
@@ -60,6 +66,88 @@ def test_roles_come_from_the_structure(name):
     assert plan.found_by == "structure"
     for module, role in EXPECTED[name].items():
         assert roles.get(module) == role, f"{name}: {module} is {roles.get(module)}, expected {role}"
+
+
+def test_a_norm_over_each_head_runs_on_the_local_heads_and_does_not_stop_the_split():
+    """Qwen3 normalises each head's query and key (RMSNorm over head_dim): a per-head reduction, so the
+    attention is still split; the norms are named with the dimension their heads are on."""
+    plan = _plan("qwen3")
+    assert plan.head_norms == {f"model.layers.{i}.self_attn.{n}_norm": -2 for i in range(4) for n in "qk"}
+    assert not any("norm" in name for name in plan.styles) and "model.layers.0.self_attn.q_norm" not in plan.replicated
+
+
+def test_a_projection_fused_head_by_head_is_split_as_it_is():
+    """GPT-NeoX's query_key_value is laid out [h0: q k v | h1: q k v | ...]: a contiguous column split already
+    gives each rank whole heads, so it is not reordered as GPT-2's [q | k | v] c_attn is."""
+    neox, gpt2 = _plan("neox"), _plan("gpt2")
+    assert "gpt_neox.layers.0.attention.query_key_value" not in neox.fused
+    assert neox.styles["gpt_neox.layers.0.attention.query_key_value"] == "colwise"
+    assert gpt2.fused["transformer.h.0.attn.c_attn"] == [32, 32, 32]
+
+
+def test_multi_query_parts_are_counted_from_the_operands_and_refused_naming_them():
+    """Falcon-7B's fused [q | k | v] holds 4 query heads and one key / value head: its parts are read
+    from the attention operands' head counts (not three equal thirds), and one key head does not split."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.FalconForCausalLM._from_config(config)
+    batch = {"input_ids": torch.randint(0, 64, (1, 16))}
+    flow = record_dataflow(model, lambda m: m(**batch))
+    with pytest.raises(MethodConfigError, match=r"query_key_value computes 1 heads .*\[32, 8, 8\]"):
+        find_tp_plan(model, 2, flow)
+
+
+def test_a_weight_read_through_its_transpose_is_a_linear_of_its_module():
+    """FalconLinear computes ``input @ self.weight.T``: the matmul is that module's Linear, not a product
+    of two activations (which would look like attention)."""
+    class TransposedLinear(nn.Linear):
+        def forward(self, x):
+            return x @ self.weight.T + self.bias
+
+    model = nn.Sequential(TransposedLinear(8, 16), nn.GELU(), TransposedLinear(16, 8))
+    flow = record_dataflow(model, lambda m: m(torch.randn(2, 8)))
+    assert [(op.kind, op.module) for op in flow.ops if op.kind != "other"] == [("linear", "0"), ("linear", "2")]
+    assert find_tp_plan(model, 2, flow).styles == {"0": "colwise", "2": "rowwise"}
+
+
+def _sequence_plan(name: str):
+    zoo = ZOO[name]
+    torch.manual_seed(0)
+    model = zoo.build()
+    batch = torch.utils.data.default_collate([zoo.make_dataset(2, 0)[0]])
+    flow = record_dataflow(model, lambda m: call_with_batch(m, batch, zoo.input_format))
+    return plan_sequence_parallel(model, find_tp_plan(model, 2, flow).styles, flow)
+
+
+@pytest.mark.parametrize("name, whole", [("mixtral", "model.layers.0.mlp"),
+                                         ("bloom", "transformer.h.0.self_attention")])
+def test_a_layer_with_nothing_split_runs_whole_on_the_gathered_sequence(name, whole):
+    """Under sequence_parallel a layer on the residual stream holding parameters with nothing split inside
+    (Mixtral's MoE layer, its experts left whole; BLOOM's ALiBi attention, left whole) gathers the sequence,
+    runs as in one process and is cut back: it may mix tokens, so it never runs on a shard."""
+    plan = _sequence_plan(name)
+    assert whole in plan.whole and whole in plan.reshard and whole in plan.plain_gathers
+    assert not any(n.startswith(whole + ".") for n in plan.norms)  # its Linears do not run on the shard
+
+
+def test_a_convolution_on_the_stream_runs_whole_and_norms_stay_on_the_shard():
+    class ConvBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(16)
+            self.mix = nn.Conv1d(16, 16, 3, padding=1)  # mixes neighbouring tokens
+            self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, x):
+            x = x + self.mix(self.norm(x).transpose(1, 2)).transpose(1, 2)
+            return x + self.down(torch.relu(self.up(x)))
+
+    model = nn.Sequential(*[ConvBlock() for _ in range(2)])
+    flow = record_dataflow(model, lambda m: m(torch.randn(2, 8, 16)))
+    plan = plan_sequence_parallel(model, find_tp_plan(model, 2, flow).styles, flow)
+    assert plan.whole == {"0.mix", "1.mix"} and {"0.norm", "1.norm"} <= set(plan.norms)
 
 
 def test_fused_projections_are_split_by_part():
@@ -135,17 +223,51 @@ class GainedMLP(nn.Module):
         return x + self.down(torch.relu(self.up(x)) * self.gain)
 
 
+class GroupedQKV(nn.Module):
+    """Falcon-40B's fused layout: one projection holding, for each of 2 key / value groups, its 2 query
+    heads, its key and its value ([.., groups, 4, head size]); attention with grouped keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 32), nn.Linear(16, 16)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        t = self.qkv(x).view(b, s, -1, 4, 4)
+        q = t[..., :2, :].reshape(b, s, -1, 4).transpose(1, 2)
+        k, v = t[..., 2, :].transpose(1, 2), t[..., 3, :].transpose(1, 2)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return x + self.out(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_a_projection_fused_group_by_group_is_split_as_it_is():
+    """Parts of unequal widths (4 query heads, 2 key and 2 value heads) are read from the operands; laid
+    out key / value group by group, a contiguous split gives each rank whole groups: no reordering."""
+    model = GroupedQKV()
+    flow = record_dataflow(model, lambda m: m(torch.randn(2, 8, 16)))
+    plan = find_tp_plan(model, 2, flow)
+    assert plan.styles == {"qkv": "colwise", "out": "rowwise"} and plan.fused == {}
+
+
 def _vectors(n: int):
     return [torch.randn(16, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+
+
+def _sequences(n: int):
+    return [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+
+
+CUSTOM = {"gained": (GainedMLP, _vectors), "grouped": (GroupedQKV, _sequences)}
 
 
 def _tp_run(model_name: str) -> dict:
     from atorch.auto.accelerate import auto_accelerate
 
     torch.manual_seed(0)
-    model = GainedMLP() if model_name == "gained" else ZOO[model_name].build()
-    dataset = _vectors(16) if model_name == "gained" else ZOO[model_name].make_dataset(16, 0)
-    loss = (lambda batch, out: out.pow(2).mean()) if model_name == "gained" else ZOO[model_name].loss_func
+    custom = model_name in CUSTOM
+    model = CUSTOM[model_name][0]() if custom else ZOO[model_name].build()
+    dataset = CUSTOM[model_name][1](16) if custom else ZOO[model_name].make_dataset(16, 0)
+    loss = (lambda batch, out: out.pow(2).mean()) if custom else ZOO[model_name].loss_func
     try:
         status, result, _ = auto_accelerate(model, torch.optim.SGD, dataset, loss, optim_args={"lr": 0.01},
                                             dataloader_args={"batch_size": 4},
@@ -191,8 +313,36 @@ def _rank_local_fault() -> dict:
     return {"outcome": outcome, "seconds": seconds, "all_reduce": value.item()}
 
 
+def _head_norm_grads() -> dict:
+    """Qwen3 split over 2 ranks: the gradients of its per-head q / k norms (each rank sees its own heads)
+    and of its other replicated norms against one process's, after one backward on the same batch."""
+    from atorch.auto.accelerate import auto_accelerate
+
+    zoo = ZOO["qwen3"]
+    torch.manual_seed(0)
+    model = zoo.build()
+    reference = copy.deepcopy(model)
+    dataset = zoo.make_dataset(16, 0)
+    batch = torch.utils.data.default_collate([dataset[i] for i in range(4)])
+    zoo.loss_func(batch, reference(**batch)).backward()
+    expected = {n: p.grad for n, p in reference.named_parameters() if "norm" in n}
+    _, result, _ = auto_accelerate(model, torch.optim.SGD, dataset, zoo.loss_func, optim_args={"lr": 0.01},
+                                   dataloader_args={"batch_size": 4}, model_input_format=zoo.input_format,
+                                   load_strategy=[("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"],
+                                   ignore_dryrun_on_load_strategy=True)
+    zoo.loss_func(batch, result.model(**batch)).backward()
+    got = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+           for n, p in result.model.named_parameters()}
+    diffs = {}
+    for name, grad in expected.items():
+        mine = next(g for n, g in got.items() if n.endswith(name))
+        diffs[name] = ((mine - grad).abs().max() / grad.abs().max()).item()
+    return {"diffs": diffs, "head_norms": result.args.extras["tensor_parallel"]["per_head_norms"]}
+
+
 def _both() -> dict:
-    return {**{name: _tp_run(name) for name in ("gained", "titan_llama")}, "fault": _rank_local_fault()}
+    return {**{name: _tp_run(name) for name in ("gained", "grouped", "titan_llama")}, "fault": _rank_local_fault(),
+            "head_norms": _head_norm_grads()}
 
 
 @pytest.mark.multirank
@@ -200,6 +350,8 @@ def test_on_two_ranks_a_wrong_plan_is_refused_up_front_and_a_good_one_is_reporte
     for per_rank in run_distributed(_both, 2):
         refused = per_rank["gained"].get("refused", "")
         assert "does not reproduce the unsplit model" in refused and "up" in refused, per_rank["gained"]
+        grouped = per_rank["grouped"]["extras"]  # accepted: the split reproduced the unsplit model on 2 ranks
+        assert grouped["colwise"] == ["qkv"] and grouped["fused"] == {}, grouped
         report = per_rank["titan_llama"]["extras"]
         assert report["found_by"] == "structure"
         assert "layers.0.attention.wq" in report["colwise"] and "layers.0.feed_forward.w2" in report["rowwise"]
@@ -208,3 +360,7 @@ def test_on_two_ranks_a_wrong_plan_is_refused_up_front_and_a_good_one_is_reporte
         fault = per_rank["fault"]
         assert "injected fault on rank 1" in fault["outcome"], fault
         assert fault["seconds"] < 60 and fault["all_reduce"] == 2.0, fault
+        norms = per_rank["head_norms"]
+        assert "model.layers.0.self_attn.q_norm" in norms["head_norms"], norms
+        # without summing over the ranks each q / k norm gradient would hold only this rank's heads' part
+        assert max(norms["diffs"].values()) < 1e-5 and len(norms["diffs"]) == 4 * 4 + 1, norms["diffs"]

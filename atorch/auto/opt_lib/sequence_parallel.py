@@ -24,6 +24,10 @@ blocks as plain attributes, T5's encoder and decoder ``block`` lists, CLIP's tex
 - row-split projections reduce-scatter their output to a sequence shard;
 - LayerNorm / RMSNorm modules, and Linears left whole, on the residual stream run on the shard with
   replicated weights (their gradients are summed over the ranks by DTensor): they act per token;
+- any other module on the residual stream holding parameters with nothing split inside (an MoE layer
+  whose experts tensor_parallel leaves whole, Mixtral's; an attention it leaves whole, BLOOM's; a
+  convolution) runs whole: it gathers the sequence, computes as in one process and its output is cut
+  back to this rank's tokens;
 - a split group whose projections see only some tokens (the experts of a Mixture-of-Experts, fed the
   tokens their router picked) is gathered where its input is still the whole stream (the MoE layer,
   so its router runs whole too); its row-wise projections then all-reduce, and the layer's output is
@@ -33,14 +37,14 @@ blocks as plain attributes, T5's encoder and decoder ``block`` lists, CLIP's tex
 Sequence lengths that do not divide by the tensor size are sharded unevenly (ViT's 5 tokens: 3 + 2).
 
 Refused (MethodConfigError, with the reason): a model without repeated blocks; a split projection
-outside those blocks (its output would leave the sharded region); a module on the residual stream
-with parameters that is neither a norm, a Linear nor a split projection (a convolution would mix
-tokens across the shard boundary); hidden states with a single dimension (no tokens).
+outside those blocks (its output would leave the sharded region); hidden states with a single
+dimension (no tokens).
 The token dimension is the one before the features: the sequence of [batch, sequence, hidden], the
 rows of [rows, features] (a plain residual MLP called as ``model(x)`` shards its rows).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional
@@ -55,6 +59,7 @@ from atorch.utils.config import MethodConfig
 from atorch.utils.dataflow import Dataflow
 from atorch.utils.modules import repeated_blocks
 
+logger = logging.getLogger(__name__)
 NORM_SUFFIXES = ("LayerNorm", "RMSNorm")
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -89,6 +94,7 @@ class SequenceRegion:
     blocks: list[str]
     length: int = 0
     dim: int = 1  # the token dimension: -2 of the hidden states, set at the first forward
+    ndim: int = 3  # the hidden states' dimensions
 
 
 @dataclass
@@ -99,6 +105,7 @@ class SequencePlan:
     reshard: dict[str, SequenceRegion] = field(default_factory=dict)   # gather point whose output is cut back
     replicated_rows: set = field(default_factory=set)                  # row-wise projections that all-reduce
     plain_gathers: set = field(default_factory=set)                    # gather points holding whole parameters
+    whole: set = field(default_factory=set)                            # modules with nothing split, run whole
 
 
 def plan_sequence_parallel(model: nn.Module, split: dict[str, str], flow: Optional[Dataflow] = None) -> SequencePlan:
@@ -184,21 +191,36 @@ def block_regions(model: nn.Module, flow: Optional[Dataflow] = None) -> list[Seq
 
 
 def _classify(module: nn.Module, name: str, region: SequenceRegion, split: dict[str, str], plan: SequencePlan) -> None:
-    """Walk a block's residual stream (not into gather points): norms run on the shard, split
-    projections are handled by their styles, anything else holding parameters is refused."""
+    """Walk a block's residual stream (not into gather points): norms and Linears run on the shard,
+    split projections are handled by their styles, containers and modules holding a split projection
+    are walked into, and any other module holding parameters with nothing split inside (an MoE layer
+    whose experts stay whole, an attention tensor_parallel left whole, a convolution) runs whole: it
+    gathers the whole sequence, computes as in one process (its parameters' gradients alike on every
+    rank) and its output is cut back to this rank's tokens, since it may mix tokens across the shard
+    boundary. Modules without parameters (dropout, activations) run on the shard as they are."""
     for child_name, child in module.named_children():
         full = f"{name}.{child_name}"
         if full in plan.gathers or full in split:
             continue
-        if type(child).__name__.endswith(NORM_SUFFIXES) or isinstance(child, nn.Linear):
+        if _per_token(child):
             plan.norms[full] = region
-        elif any(True for _ in child.parameters(recurse=False)):
-            raise MethodConfigError(
-                "sequence_parallel", f"{full} ({type(child).__name__}) holds parameters on the sequence-sharded "
-                "residual stream but is neither a LayerNorm / RMSNorm, a Linear nor a projection tensor_parallel "
-                "splits: it may mix tokens across the shard boundary")
-        else:
+        elif isinstance(child, CONTAINERS) or _holds_split(full, split, plan):
             _classify(child, full, region, split, plan)
+        elif any(True for _ in child.parameters()):
+            plan.gathers[full] = plan.reshard[full] = region
+            plan.plain_gathers.add(full)
+            plan.whole.add(full)
+            logger.info("sequence_parallel: %s (%s) holds parameters and nothing split; it runs on the whole "
+                        "sequence", full, type(child).__name__)
+
+
+def _per_token(module: nn.Module) -> bool:
+    return type(module).__name__.endswith(NORM_SUFFIXES) or isinstance(module, nn.Linear)
+
+
+def _holds_split(name: str, split: dict[str, str], plan: SequencePlan) -> bool:
+    """Whether a split projection or a gather point lies at or below ``name``."""
+    return any(n == name or n.startswith(name + ".") for n in [*split, *plan.gathers])
 
 
 def _summary(region_of: dict) -> str:
@@ -218,7 +240,8 @@ def apply_sequence_parallel(model: nn.Module, plan: SequencePlan, device_mesh) -
     for name, region in plan.gathers.items():
         gather = _gather_plain if name in plan.plain_gathers else _gather
         model.get_submodule(name).register_forward_pre_hook(
-            partial(_map_hidden, partial(gather, device_mesh, region), name), with_kwargs=True, prepend=True)
+            partial(_map_hidden, partial(gather, device_mesh, region), name, alike=name in plan.whole),
+            with_kwargs=True, prepend=True)
     for name, region in plan.reshard.items():
         model.get_submodule(name).register_forward_hook(partial(_reshard_output, device_mesh, region, name))
     for name, region in plan.norms.items():
@@ -226,17 +249,30 @@ def apply_sequence_parallel(model: nn.Module, plan: SequencePlan, device_mesh) -
                           _norm_output)
 
 
-def _map_hidden(fn: Callable, where: str, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _map_hidden(fn: Callable, where: str, module: nn.Module, args: tuple, kwargs: dict,
+                alike: bool = False) -> tuple[tuple, dict]:
     """Apply ``fn`` to the hidden states only (first positional argument, or the ``hidden_states``
-    keyword HF attention modules are called with); every other input passes untouched."""
-    if args and isinstance(args[0], torch.Tensor):  # self-attention called as (x, x, x): every copy of x
-        hidden, mapped = args[0], fn(args[0], where)
-        return (tuple(mapped if a is hidden else a for a in args),
-                {k: mapped if v is hidden else v for k, v in kwargs.items()})
-    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"], where)}
-    raise MethodConfigError("sequence_parallel", f"{where} ({type(module).__name__}) was called without hidden states "
-                            f"(a tensor as first argument or hidden_states=); keywords given: {sorted(kwargs)}")
+    keyword HF attention modules are called with); every other input passes untouched. With ``alike``
+    (a module run whole), also to every other input of the hidden states' shape: more of the sharded
+    stream (BLOOM's attention takes the residual and adds it itself)."""
+    if args and isinstance(args[0], torch.Tensor):
+        hidden = args[0]
+    elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        hidden = kwargs["hidden_states"]
+    else:
+        raise MethodConfigError("sequence_parallel", f"{where} ({type(module).__name__}) was called without hidden "
+                                f"states (a tensor as first argument or hidden_states=); keywords given: "
+                                f"{sorted(kwargs)}")
+    mapped = fn(hidden, where)
+
+    def swap(value: Any) -> Any:  # self-attention called as (x, x, x): every copy of x
+        if value is hidden:
+            return mapped
+        if alike and isinstance(value, torch.Tensor) and value.shape == hidden.shape:
+            return fn(value, where)
+        return value
+
+    return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
 
 
 def _shard(device_mesh, region: SequenceRegion, hidden: torch.Tensor, where: str) -> torch.Tensor:
@@ -247,13 +283,21 @@ def _shard(device_mesh, region: SequenceRegion, hidden: torch.Tensor, where: str
         raise MethodConfigError("sequence_parallel", f"{where} receives a {list(hidden.shape)} tensor: there is no "
                                 "token dimension to shard (sequence_parallel shards the dimension before the "
                                 "features); use tensor_parallel alone")
-    region.dim, region.length = hidden.dim() - 2, hidden.shape[-2]
+    region.dim, region.length, region.ndim = hidden.dim() - 2, hidden.shape[-2], hidden.dim()
     replicated = DTensor.from_local(hidden, device_mesh, [Replicate()], run_check=False)
     return replicated.redistribute(device_mesh, [Shard(region.dim)]).to_local()
 
 
 def _sharded(device_mesh, region: SequenceRegion, local: torch.Tensor) -> DTensor:
-    """A local chunk of tokens as a DTensor with the true global shape (chunks may be uneven)."""
+    """A local chunk of tokens as a DTensor with the true global shape (chunks may be uneven). A block
+    that flattened its stream to rows (OPT: [batch x tokens, hidden] around its MLP) hands [rows,
+    features]: its rows are this rank's tokens of every sample, even chunks only."""
+    if local.dim() != region.ndim:
+        if region.length % device_mesh.size():
+            raise MethodConfigError("sequence_parallel", f"the block reshapes its {region.ndim}-dimensional hidden "
+                                    f"states to {local.dim()} dimensions, which needs a sequence length dividing by "
+                                    f"{device_mesh.size()} (got {region.length})")
+        return DTensor.from_local(local, device_mesh, [Shard(local.dim() - 2)], run_check=False)
     shape = list(local.shape)
     shape[region.dim] = region.length
     shape = torch.Size(shape)

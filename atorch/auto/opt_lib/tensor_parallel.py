@@ -5,10 +5,12 @@ is recorded (``atorch.utils.dataflow``) and read by ``tp_discovery``: MLP pairs 
 other Linears only through activations, gates and dropout: column then row), attention (projections
 feeding ``scaled_dot_product_attention`` or a matmul-softmax-matmul: column; the projection its
 result reaches: row; fused q|k|v and k|v projections reordered so every rank holds its heads of
-each part; head counts from the projection widths and the operands' head size), and per-head score
-biases (T5). Names play no part; ``nn.MultiheadAttention`` is first swapped for an equivalent with
-separate projections (``tp_mha``). Without a sample to run (no dataset) the older name lists serve
-as a fast path. A user's ``{"plan": ...}`` replaces both.
+each part; head counts from the projection widths and the operands' head size), per-head score
+biases (T5) and per-head norms (Qwen3's q / k norms: their parameters replicated, their input this
+rank's heads, so DTensor sums their gradients over the ranks). Names play no part;
+``nn.MultiheadAttention`` is first swapped for an equivalent with separate projections (``tp_mha``).
+Without a sample to run (no dataset) the older name lists serve as a fast path.
+A user's ``{"plan": ...}`` replaces both.
 
 Around that, as before: the token embedding is split on the vocabulary (each rank looks up its
 rows, one all-reduce) and so is the LM head (column-wise, its logits all-gathered, so any loss_func
@@ -231,6 +233,7 @@ def _apply_to_stage(stage: nn.Module, whole: TPPlan, config: TensorParallelConfi
     plan = dataclasses.replace(whole, styles=_on_stage(stage, whole.styles), fused=_on_stage(stage, whole.fused),
                                vocab=vocab, tied_head=tied if tied and set(tied) <= set(vocab) else None,
                                head_bias=list(_on_stage(stage, whole.head_bias)),
+                               head_norms=_on_stage(stage, whole.head_norms, linear=False),
                                regions=_on_stage(stage, whole.regions, linear=False),
                                region_heads=_on_stage(stage, whole.region_heads, linear=False), replicated=[])
     return _parallelize(stage, config, tp, tp_mesh, sequence, None, given=plan)
@@ -290,6 +293,8 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
     if plan.tied_head:  # both sides are sharded Shard(0) on the vocabulary: tie the DTensor again
         head, embedding = (model.get_submodule(n) for n in plan.tied_head)
         head.weight = embedding.weight
+    for name, heads_dim in plan.head_norms.items():
+        _run_on_local_heads(model.get_submodule(name), tp_mesh, heads_dim)
     if sequence_plan is not None:
         apply_sequence_parallel(model, sequence_plan, tp_mesh)
     regions = {name: model.get_submodule(name) for name in plan.regions}
@@ -305,6 +310,22 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
                 plan.found_by, len(plan.styles), list(plan.vocab) or "nothing", tp,
                 ", ".join(plan.replicated) or "nothing")
     return plan
+
+
+def _run_on_local_heads(module: nn.Module, tp_mesh, heads_dim: int) -> None:
+    """A per-head norm: its parameters become replicated DTensors and its input this rank's heads
+    (sharded on ``heads_dim``, counted from the end), so it computes as in one process on those heads
+    and its parameters' gradients, partial on each rank, are summed over the tensor group."""
+    def replicate(name: str, mod: nn.Module, device_mesh) -> None:
+        for pname, param in list(mod.named_parameters(recurse=False)):
+            mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, device_mesh, [Replicate()]),
+                                                       requires_grad=param.requires_grad))
+
+    def heads_in(mod: nn.Module, inputs: tuple, device_mesh) -> tuple:
+        local = inputs[0]
+        return (DTensor.from_local(local, device_mesh, [Shard(local.dim() + heads_dim)], run_check=False), *inputs[1:])
+
+    distribute_module(module, tp_mesh, replicate, heads_in, lambda mod, output, device_mesh: output.to_local())
 
 
 def _record(model: nn.Module, probe: Probe):

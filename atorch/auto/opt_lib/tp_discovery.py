@@ -14,7 +14,9 @@ One forward of a sample batch is recorded (``atorch.utils.dataflow``). In that g
   its output reaches are split row-wise. The head size is the operands' last dimension, the head
   counts follow from the projection widths; both must divide by the tensor size. An embedding whose
   rows are added to the attention scores with one column per head (T5's relative position bias) is
-  split with the heads;
+  split with the heads. A norm over each head's features on the way to the operands (Qwen3's and
+  Gemma 3's q / k norms: a reduction over a last dimension of the head size, with the heads before it)
+  stays inside a head, so it does not stop the split (``tp_plan``'s ``head_norms`` run on this rank's heads);
 - everything else (norms, routers, position embeddings, heads of a classifier) stays whole.
 
 A Linear whose column split would leak, because its output also reaches a norm, a residual sum, a
@@ -24,6 +26,7 @@ stays whole. The plan is a proposal: ``tensor_parallel`` applies it and checks i
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -41,6 +44,7 @@ class FoundAttention:
     head_dim: int = 0
     heads: dict[str, int] = field(default_factory=dict)            # projection -> heads it computes (all parts)
     parts: dict[str, list[int]] = field(default_factory=dict)      # fused projection -> widths of its parts
+    parts_within_heads: set = field(default_factory=set)           # fused per head ([h0: q k v | h1: ...])
     head_bias: list[str] = field(default_factory=list)             # per-head embeddings added to the scores
 
 
@@ -52,6 +56,7 @@ class Discovery:
     rowwise: list[str] = field(default_factory=list)
     attentions: list[FoundAttention] = field(default_factory=list)
     fused: dict[str, list[int]] = field(default_factory=dict)
+    parts_within_heads: set = field(default_factory=set)   # fused projections laid out head by head: no reordering
     head_bias: list[str] = field(default_factory=list)
     groups: list[tuple[list[str], list[str]]] = field(default_factory=list)  # (colwise, rowwise) that belong together
     why_whole: dict[str, str] = field(default_factory=dict)
@@ -59,6 +64,35 @@ class Discovery:
 
 def _passes(op: Op) -> bool:
     return is_transparent(op)
+
+
+# reductions that keep the input's shape but for the dimensions they reduce (or normalise over)
+HEAD_LOCAL_REDUCTIONS = frozenset({"mean", "sum", "var", "std", "amax", "norm", "layer_norm", "rms_norm",
+                                   "var_mean", "std_mean", "logsumexp"})
+
+
+def _within_head(flow: Dataflow, head_dim: int):
+    """``_passes``, and also a reduction or norm over only the last dimension of a tensor whose last
+    dimension is one head's features with a heads dimension before it: per head, so a split of whole
+    heads passes through it (Qwen3's q / k RMSNorm over ``head_dim``)."""
+    def passes(op: Op) -> bool:
+        if is_transparent(op):
+            return True
+        if op.kind != "other" or op.name not in HEAD_LOCAL_REDUCTIONS or not op.operands or op.operands[0] is None:
+            return False
+        shape = flow.shapes.get(op.operands[0], ())
+        return len(shape) >= 3 and shape[-1] == head_dim and _reduces_last_only(op, len(shape), head_dim)
+    return passes
+
+
+def _reduces_last_only(op: Op, ndim: int, head_dim: int) -> bool:
+    """Whether ``op`` reduces (normalises) over the last dimension alone, from its recorded arguments."""
+    if op.name in ("layer_norm", "rms_norm"):
+        shape = op.args[0] if op.args else None
+        return isinstance(shape, (list, tuple)) and list(shape) == [head_dim]
+    dims = op.args[0] if op.args else None
+    dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
+    return dims != [None] and all(isinstance(d, int) and d % ndim == ndim - 1 for d in dims)
 
 
 def _scores_pass(op: Op) -> bool:
@@ -96,6 +130,7 @@ def discover(model: nn.Module, flow: Dataflow) -> Discovery:
     found.attentions = kept_attention
     for attention in kept_attention:
         found.fused.update(attention.parts)
+        found.parts_within_heads |= attention.parts_within_heads
         found.head_bias += [b for b in attention.head_bias if b not in found.head_bias]
     for name in linear_modules - set(found.colwise) - set(found.rowwise):
         found.why_whole.setdefault(name, "its output reaches a norm, a reduction, a residual sum or the model's output "
@@ -192,11 +227,13 @@ def _attentions(flow: Dataflow, found: Discovery) -> list[FoundAttention]:
     out = []
     for slots, outputs, core, score_ops in _cores(flow):
         attention = FoundAttention()
+        q_shape = flow.shapes.get(slots["q"], ())
+        within_head = _within_head(flow, q_shape[-1] if len(q_shape) >= 3 else -1)
         ok = True
         for slot, node in slots.items():
             # side inputs mixed in on the way (rotary cos / sin) are not sources; the check confirms
-            linears = [s.module for s in flow.backward_sources(node, _passes) if s.kind == "linear"]
-            if not linears or any(not _feeds_attention_only(flow, n) for n in linears):
+            linears = [s.module for s in flow.backward_sources(node, within_head) if s.kind == "linear"]
+            if not linears or any(not _feeds_attention_only(flow, n, within_head) for n in linears):
                 ok = False  # an operand made by something else (a cache, a norm): nothing to split here
                 break
             attention.inputs[slot] = list(dict.fromkeys(linears))
@@ -217,10 +254,10 @@ def _attentions(flow: Dataflow, found: Discovery) -> list[FoundAttention]:
     return _merge_calls(out)
 
 
-def _feeds_attention_only(flow: Dataflow, name: str) -> bool:
+def _feeds_attention_only(flow: Dataflow, name: str, passes=_passes) -> bool:
     """Every call of ``name`` reaches attention operands only (a split would not leak elsewhere)."""
     for call in flow.calls_of(name):
-        _, sinks = flow.forward_closure(call.outputs, _passes)
+        _, sinks = flow.forward_closure(call.outputs, passes)
         if not sinks or any(op.kind not in ("attention", "matmul") for op, _ in sinks):
             return False
     return True
@@ -239,14 +276,51 @@ def _heads(flow: Dataflow, slots: dict[str, int], attention: FoundAttention, fou
             owners.setdefault(name, []).append(slot)
     for name, parts in owners.items():
         width = _width(flow, name)
-        if width % (len(parts) * attention.head_dim):
+        widths = _part_widths(flow, [slots[p] for p in parts], attention.head_dim, width)
+        if widths is None:
             found.why_whole.setdefault(
                 name, f"its {width} outputs do not make whole heads of size {attention.head_dim}")
             return False
         attention.heads[name] = width // attention.head_dim
         if len(parts) > 1:
-            attention.parts[name] = [width // len(parts)] * len(parts)
+            attention.parts[name] = widths
+            if _parts_within_heads(flow, name, attention.head_dim, [w // attention.head_dim for w in widths]):
+                attention.parts_within_heads.add(name)
     return True
+
+
+def _part_widths(flow: Dataflow, operands: list[int], head_dim: int, width: int) -> Optional[list[int]]:
+    """The widths of a projection's parts, one per attention operand it makes: from the operands' head
+    counts ([.., heads, tokens, head size]) where they add up to its width (Falcon's multi-query
+    [q | k | v] with one key / value head), else equal parts of whole heads; None when neither holds."""
+    shapes = [flow.shapes.get(node, ()) for node in operands]
+    if len(operands) > 1 and all(len(shape) >= 4 for shape in shapes):
+        counted = [shape[-3] * head_dim for shape in shapes]
+        if sum(counted) == width:
+            return counted
+    if width % (len(operands) * head_dim):
+        return None
+    return [width // len(operands)] * len(operands)
+
+
+def _parts_within_heads(flow: Dataflow, name: str, head_dim: int, part_heads: list[int]) -> bool:
+    """Whether a fused projection's output is laid out head by head (GPT-NeoX's and BLOOM's
+    query_key_value: viewed as [.., heads, parts x head size] or [.., heads, parts, head size] before
+    its parts are taken) or key / value group by group (Falcon-40B's: [.., groups, queries per group
+    + 2, head size]), rather than part by part ([q | k | v], GPT-2's c_attn). A contiguous column split
+    of such a layout already gives each rank whole heads (groups) of every part."""
+    groups = math.gcd(*part_heads)
+    per_group = sum(part_heads) // groups
+    for call in flow.calls_of(name):
+        seen, _ = flow.forward_closure(call.outputs, _passes)
+        for node in seen:
+            shape = flow.shapes.get(node, ())
+            # [.., groups, per group, head size] reads the same both ways when the two counts are equal
+            # (timm's [.., 3 parts, 3 heads, head size]): then the part-by-part default stands
+            if groups > 1 and (shape[-2:] == (groups, per_group * head_dim)
+                               or (shape[-3:] == (groups, per_group, head_dim) and groups != per_group)):
+                return True
+    return False
 
 
 def _width(flow: Dataflow, name: str) -> int:

@@ -14,7 +14,7 @@ from typing import Optional
 
 from torch import nn
 
-from atorch.auto.opt_lib.tp_discovery import Discovery, discover
+from atorch.auto.opt_lib.tp_discovery import Discovery, FoundAttention, discover
 from atorch.errors import MethodConfigError
 from atorch.utils.dataflow import Dataflow
 from atorch.utils.modules import repeated_blocks
@@ -38,6 +38,7 @@ class TPPlan:
     vocab: dict[str, str] = field(default_factory=dict)         # module name -> "embedding" / "head" (vocab split)
     tied_head: Optional[tuple[str, str]] = None                 # (head, embedding) sharing one weight
     head_bias: list[str] = field(default_factory=list)          # per-head embeddings (T5 relative bias): column split
+    head_norms: dict[str, int] = field(default_factory=dict)    # per-head norms (Qwen3 q / k norm) -> their heads dim
     regions: dict[str, set] = field(default_factory=dict)       # module holding a split group -> its full sizes
     region_heads: dict[str, set] = field(default_factory=dict)  # the same -> its full head counts
     found_by: str = "structure"                                 # structure / names / plan
@@ -51,6 +52,7 @@ class TPPlan:
                 "colwise": [n for n, s in self.styles.items() if s == "colwise"],
                 "rowwise": [n for n, s in self.styles.items() if s == "rowwise"],
                 "vocabulary": dict(self.vocab), "per_head": list(self.head_bias), "fused": dict(self.fused),
+                "per_head_norms": list(self.head_norms),
                 "replicated": list(self.replicated), "why_whole": dict(self.why_whole), "run_time_shapes": self.shapes,
                 "split_share": round(self.share, 4)}
 
@@ -87,7 +89,8 @@ def find_tp_plan(model: nn.Module, tp: int, flow: Optional[Dataflow] = None) -> 
     plan.why_whole = {n: why for n, why in plan.why_whole.items() if n not in split}
     for name, module in model.named_modules():
         leaf = not list(module.children())
-        if leaf and any(True for _ in module.parameters(recurse=False)) and name not in split:
+        if (leaf and any(True for _ in module.parameters(recurse=False)) and name not in split
+                and name not in plan.head_norms):
             plan.replicated.append(name)
     return plan
 
@@ -100,8 +103,10 @@ def plan_from_structure(model: nn.Module, flow: Dataflow, tp: int) -> TPPlan:
         plan.styles[name] = "colwise"
     for name in found.rowwise:
         plan.styles[name] = "rowwise"
-    plan.fused = {n: parts for n, parts in found.fused.items()}
+    # only a part-by-part layout ([q | k | v]) is reordered; a head-by-head one splits as it is
+    plan.fused = {n: parts for n, parts in found.fused.items() if n not in found.parts_within_heads}
     plan.head_bias = list(found.head_bias)
+    plan.head_norms = _head_norms(model, flow, found)
     sizes = _full_sizes(model, found)
     widths = {n: {_out_features(model.get_submodule(n)), *found.fused.get(n, [])} for n in found.colwise}
     for cols, rows in found.groups:
@@ -112,6 +117,30 @@ def plan_from_structure(model: nn.Module, flow: Dataflow, tp: int) -> TPPlan:
     return plan
 
 
+def _head_norms(model: nn.Module, flow: Dataflow, found: Discovery) -> dict[str, int]:
+    """Modules inside a split attention that normalise each head's features (Qwen3's, Gemma 3's q / k
+    norms): they hold parameters of one head's size only and were called on a tensor whose last
+    dimension is the head size with a heads dimension before it (returned, counted from the end). They
+    run on this rank's heads with their parameters replicated, so their gradients are summed over
+    the ranks."""
+    norms: dict[str, int] = {}
+    for attention in found.attentions:
+        names = [n for names in attention.inputs.values() for n in names] + attention.outputs
+        region = _common_parent(names)
+        heads = {h for n in attention.heads for h in part_heads(attention, n)}
+        prefix = f"{region}." if region else ""
+        for name, module in model.named_modules():
+            params = list(module.parameters(recurse=False))
+            shape = flow.module_inputs.get(name, ())
+            if (not name.startswith(prefix) or name in names or not params or _is_linear(module) or len(shape) < 3
+                    or shape[-1] != attention.head_dim or any(p.numel() != attention.head_dim for p in params)):
+                continue
+            dim = next((d for d in range(-2, -len(shape) - 1, -1) if shape[d] in heads), None)
+            if dim is not None:
+                norms[name] = dim
+    return norms
+
+
 def _full_sizes(model: nn.Module, found: Discovery) -> dict[str, set[int]]:
     """Per column-split Linear, the sizes that become 1/tp on a rank: its width, its parts' widths,
     and the head counts of each part."""
@@ -120,21 +149,28 @@ def _full_sizes(model: nn.Module, found: Discovery) -> dict[str, set[int]]:
         width = _out_features(model.get_submodule(name))
         sizes[name] = {width, *found.fused.get(name, [])}
     for attention in found.attentions:
-        for name, heads in attention.heads.items():
-            parts = len(found.fused.get(name, [1]))
-            sizes[name] |= {heads // parts}
+        for name in attention.heads:
+            sizes[name] |= set(part_heads(attention, name))
     return sizes
+
+
+def part_heads(attention: FoundAttention, name: str) -> list[int]:
+    """The head count of each part of ``name`` (one entry when it is not fused)."""
+    widths = attention.parts.get(name)
+    return [w // attention.head_dim for w in widths] if widths else [attention.heads[name]]
 
 
 def _check_divisible(model: nn.Module, found: Discovery, sizes: dict[str, set[int]], tp: int) -> None:
     """Every split width and head count must divide by ``tp``: a rank holds whole heads."""
     for attention in found.attentions:
-        for name, heads in attention.heads.items():
-            per_part = heads // len(found.fused.get(name, [1]))
-            if per_part % tp:
-                raise MethodConfigError(
-                    "tensor_parallel", f"{name} computes {per_part} heads of size {attention.head_dim} "
-                    f"({_out_features(model.get_submodule(name))} features), which do not divide over tensor size {tp}")
+        for name in attention.heads:
+            for per_part in part_heads(attention, name):
+                if per_part % tp:
+                    raise MethodConfigError(
+                        "tensor_parallel", f"{name} computes {per_part} heads of size {attention.head_dim}"
+                        f"{' in one of its parts ' + str(attention.parts[name]) if name in attention.parts else ''} "
+                        f"({_out_features(model.get_submodule(name))} features), which do not divide over tensor "
+                        f"size {tp}")
     for name in found.colwise:
         width = _out_features(model.get_submodule(name))
         if width % tp:
