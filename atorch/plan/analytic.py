@@ -698,10 +698,10 @@ def _peak(candidate: Candidate, cluster: ClusterSpec) -> float:
 def matmul_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
     """Weight matmuls: 6 FLOPs per non-embedding parameter and token (the head included), one more
     forward of the blocks under full recompute (or of their matmul-free parts under selective: none)."""
-    flops = 6.0 * (spec.param_count - spec.embedding_params - (spec.head_params if spec.tied else 0))
+    flops = 6.0 * (spec.active_param_count - spec.embedding_params - (spec.head_params if spec.tied else 0))
     if spec.tied:
         flops += 6.0 * spec.embedding_params  # the tied head is still a matmul
-    flops += 2.0 * spec.layers * spec.block_params * recomputed_share(candidate, work)
+    flops += 2.0 * spec.layers * spec.active_block_params * recomputed_share(candidate, work)
     per_gpu = work.tokens * flops / cluster.world_size
     fp8 = candidate.precision == "fp8" and cluster.device.fp8_flops
     peak = cluster.device.fp8_flops if fp8 else None
@@ -725,13 +725,13 @@ def attention_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
     the whole s x s square (the causal mask skips nothing): 4 s d FLOPs per token, layer and head forward,
     8 backward, 4 more under full recompute, at the matmul efficiency of a matmul as wide as a head."""
     if work.attention == "materialised":
-        per_token = (12.0 + 4.0 * (checkpointing(candidate, work) == "full")) * spec.layers * spec.hidden * work.seq_len
+        per_token = (12.0 + 4.0 * (checkpointing(candidate, work) == "full")) * spec.layers * spec.q_dim * work.seq_len
         peak = cluster.device.fp32_flops if candidate.precision == "fp32" else cluster.device.bf16_flops
         efficiency = width_efficiency(spec.head_dim, cluster)
         return work.tokens * per_token / cluster.world_size / (peak * efficiency)
-    per_token = ATTENTION_FLOPS_PER_SEQ_DIM * spec.layers * spec.hidden * work.attended
+    per_token = ATTENTION_FLOPS_PER_SEQ_DIM * spec.layers * spec.q_dim * work.attended
     if checkpointing(candidate, work) == "full":
-        per_token += 2.0 * spec.layers * spec.hidden * work.attended
+        per_token += 2.0 * spec.layers * spec.q_dim * work.attended
     peak = cluster.device.fp32_flops if candidate.precision == "fp32" else cluster.device.bf16_flops
     family = attention_family(cluster)
     efficiency = matmul_efficiency(candidate, spec, cluster) * calibration.value(f"{family} attention efficiency")

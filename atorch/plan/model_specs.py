@@ -38,7 +38,9 @@ BUILTIN_CONFIGS["llama3.1-8b"] = BUILTIN_CONFIGS["llama3-8b"]    # same shape, l
 BUILTIN_CONFIGS["llama3.1-70b"] = BUILTIN_CONFIGS["llama3-70b"]
 
 # model types whose MLP is gated (gate, up, down: three matrices)
-GATED_MODEL_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo", "olmo2"}
+GATED_MODEL_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo",
+                     "olmo2", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "granite", "granitemoe"}
+_EXPERT_KEYS = ("num_local_experts", "num_experts")
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 _ALIASES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
             "n_inner": "intermediate_size"}
@@ -62,19 +64,51 @@ class TransformerSpec:
     # a module's own block traffic (``elementwise.model_block_traffic``, bytes per token and hidden element,
     # forward and backward), in ``Workload.elementwise_bytes``' form; None: fused kernels are assumed
     elementwise_bytes: Optional[tuple[float, float, float]] = None
+    head_size: int = 0              # each head's size where the config gives it (Qwen3, Gemma); 0: hidden / heads
+    # a Mixture-of-Experts MLP (0 experts: dense): ``ffn`` is then the MLP width each token runs through
+    # (its experts_per_token experts and the shared experts), the parameters count every expert
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn: int = 0             # one routed expert's width
+    shared_ffn: int = 0             # the shared (always-on) experts' total width
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """The width of the queries and of the attention output: heads x head size."""
+        return self.heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
     @property
+    def _matrices(self) -> int:
+        return 3 if self.gated else 2
+
+    @property
+    def mlp_params(self) -> int:
+        """Every expert's weights (and the router's) in an MoE block; the MLP's in a dense one."""
+        if not self.experts:
+            return self._matrices * self.hidden * self.ffn
+        router = self.hidden * self.experts
+        return self._matrices * self.hidden * (self.experts * self.expert_ffn + self.shared_ffn) + router
+
+    @property
     def block_params(self) -> int:
-        attention = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_dim
-        return attention + (3 if self.gated else 2) * self.hidden * self.ffn + 2 * self.hidden
+        attention = 2 * self.hidden * self.q_dim + 2 * self.hidden * self.kv_dim
+        return attention + self.mlp_params + 2 * self.hidden
+
+    @property
+    def active_block_params(self) -> int:
+        """The parameters one token's forward multiplies with: its routed experts, not all of them."""
+        if not self.experts:
+            return self.block_params
+        routed = self._matrices * self.hidden * self.ffn + self.hidden * self.experts
+        return self.block_params - self.mlp_params + routed
 
     @property
     def embedding_params(self) -> int:
@@ -90,25 +124,30 @@ class TransformerSpec:
             return self.param_count_override
         return self.layers * self.block_params + self.embedding_params + self.head_params + self.hidden
 
+    @property
+    def active_param_count(self) -> int:
+        """The parameters one token meets: all of a dense model's, the routed experts only of an MoE's."""
+        return self.param_count - self.layers * (self.block_params - self.active_block_params)
+
     def model_flops_per_token(self, seq_len: int) -> float:
         """Forward + backward FLOPs per token as MFU is usually counted (torchtitan, PaLM): 6 per
-        non-embedding parameter plus attention's 12 * layers * hidden * sequence."""
-        return 6.0 * (self.param_count - self.embedding_params) + 12.0 * self.layers * self.hidden * seq_len
+        non-embedding parameter a token meets plus attention's 12 * layers * (heads x head size) * sequence."""
+        return 6.0 * (self.active_param_count - self.embedding_params) + 12.0 * self.layers * self.q_dim * seq_len
 
     def recompute_flops_per_token(self, seq_len: int) -> float:
         """One more forward of every block (full activation checkpointing)."""
-        return 2.0 * self.layers * self.block_params + 4.0 * self.layers * self.hidden * seq_len
+        return 2.0 * self.layers * self.active_block_params + 4.0 * self.layers * self.q_dim * seq_len
 
     def block_activation_elements(self) -> int:
         """Elements a block saves for backward, per token, with fused (flash / SDPA) attention: norm
         inputs and outputs, q / k / v, the attention output, and the MLP's intermediate tensors."""
         mlp = (4 if self.gated else 2) * self.ffn
-        return 6 * self.hidden + 2 * self.kv_dim + mlp
+        return 4 * self.hidden + 2 * self.q_dim + 2 * self.kv_dim + mlp
 
     def split_activation_elements(self) -> int:
         """The part of ``block_activation_elements`` that tensor parallelism splits (heads, MLP width)."""
         mlp = (4 if self.gated else 2) * self.ffn
-        return 2 * self.hidden + 2 * self.kv_dim + mlp
+        return 2 * self.q_dim + 2 * self.kv_dim + mlp
 
 
 def model_spec(value: Union[str, Mapping[str, Any], nn.Module, TransformerSpec]) -> TransformerSpec:
@@ -147,13 +186,32 @@ def from_hf_config(config: Mapping[str, Any], name: str = "") -> TransformerSpec
     hidden, model_type = data["hidden_size"], str(data.get("model_type", ""))
     arch = (data.get("architectures") or [""])[0]
     gated = model_type in GATED_MODEL_TYPES
+    head_size = data.get("head_dim")
+    mlp = {"ffn": data.get("intermediate_size") or 4 * hidden, **_experts(data)}
     return TransformerSpec(
         name=name or data.get("_name_or_path") or model_type or "model", hidden=hidden,
         layers=data["num_hidden_layers"], heads=data["num_attention_heads"],
-        kv_heads=data.get("num_key_value_heads") or data["num_attention_heads"],
-        ffn=data.get("intermediate_size") or 4 * hidden, vocab=data["vocab_size"],
+        kv_heads=data.get("num_key_value_heads") or data["num_attention_heads"], vocab=data["vocab_size"],
         tied=bool(data.get("tie_word_embeddings", not gated)), gated=gated,
-        block=arch.replace("ForCausalLM", "DecoderLayer") if arch.endswith("ForCausalLM") else "Block")
+        block=arch.replace("ForCausalLM", "DecoderLayer") if arch.endswith("ForCausalLM") else "Block",
+        head_size=head_size if isinstance(head_size, int) else 0, **mlp)
+
+
+def _experts(data: Mapping[str, Any]) -> dict[str, int]:
+    """A Mixture-of-Experts MLP's shape (Mixtral's num_local_experts, Qwen-MoE's and OLMoE's num_experts;
+    moe_intermediate_size or intermediate_size per expert; Qwen-MoE's shared expert), with ``ffn`` set
+    to the width a token runs through; {} for a dense model."""
+    experts = next((data[k] for k in _EXPERT_KEYS if isinstance(data.get(k), int) and data[k] > 1), 0)
+    if not experts:
+        return {}
+    per_token = data.get("num_experts_per_tok")
+    if not isinstance(per_token, int) or per_token < 1:
+        raise InputError(f"model config: {experts} experts but no integer num_experts_per_tok (the experts each token "
+                         "is routed to)")
+    expert_ffn = data.get("moe_intermediate_size") or data.get("intermediate_size") or 4 * data["hidden_size"]
+    shared = data.get("shared_expert_intermediate_size") or 0
+    return {"experts": experts, "experts_per_token": per_token, "expert_ffn": expert_ffn, "shared_ffn": shared,
+            "ffn": per_token * expert_ffn + shared}
 
 
 def from_module(model: nn.Module) -> TransformerSpec:

@@ -62,6 +62,56 @@ def test_builtin_shapes_have_their_published_parameter_counts():
     assert counts["llama3-70b"] == pytest.approx(70.55, abs=0.05)
 
 
+# config.json shape keys of published models (their model cards give the parameter counts checked below)
+MIXTRAL_8X7B = {"model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000, "num_local_experts": 8,
+                "num_experts_per_tok": 2, "tie_word_embeddings": False}
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+                 "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                 "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936, "tie_word_embeddings": False}
+QWEN15_MOE = {"model_type": "qwen2_moe", "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 16,
+              "num_key_value_heads": 16, "intermediate_size": 5632, "moe_intermediate_size": 1408,
+              "shared_expert_intermediate_size": 5632, "num_experts": 60, "num_experts_per_tok": 4,
+              "vocab_size": 151936, "tie_word_embeddings": False}
+QWEN3_32B = {"model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 64,
+             "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 25600, "vocab_size": 151936,
+             "tie_word_embeddings": False}
+GEMMA_7B = {"model_type": "gemma", "hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+            "num_key_value_heads": 16, "head_dim": 256, "intermediate_size": 24576, "vocab_size": 256000,
+            "tie_word_embeddings": True}
+
+
+@pytest.mark.parametrize("config, total, active", [
+    (MIXTRAL_8X7B, 46.70, 12.88), (QWEN3_30B_A3B, 30.53, 3.35), (QWEN15_MOE, 14.32, 2.69), (QWEN3_32B, 32.76, 32.76),
+    (GEMMA_7B, 8.54, 8.54)])
+def test_experts_and_head_sizes_from_the_config_give_the_published_parameter_counts(config, total, active):
+    """A Mixture-of-Experts model holds every expert (its memory) but each token meets only its routed ones
+    (its FLOPs); Qwen3's and Gemma's heads are wider than hidden / heads."""
+    spec = model_spec(config)
+    assert spec.param_count / 1e9 == pytest.approx(total, abs=0.01)
+    assert spec.active_param_count / 1e9 == pytest.approx(active, abs=0.01)
+    attention = 12.0 * spec.layers * spec.heads * spec.head_dim * 4096
+    assert spec.model_flops_per_token(4096) == pytest.approx(6.0 * (spec.active_param_count - spec.embedding_params)
+                                                             + attention)
+
+
+def test_an_moe_model_is_planned_with_all_its_experts_in_memory_and_its_routed_ones_in_time():
+    """Mixtral against the dense model of the same shape that runs one expert's MLP twice as wide (the same
+    FLOPs per token): the same compute, but FSDP gathers and reduces every expert (no expert parallelism),
+    and every expert's state is held."""
+    dense = {**MIXTRAL_8X7B, "model_type": "mistral", "num_local_experts": 0, "intermediate_size": 2 * 14336}
+    kwargs = dict(global_batch=64, seq_len=4096, sharding="fsdp", precision="bf16")
+    moe, same_flops = (atorch.estimate(c, "8x8xH100-80GB", **kwargs) for c in (MIXTRAL_8X7B, dense))
+    assert moe.compute_s == pytest.approx(same_flops.compute_s, rel=0.02)
+    assert moe.comm_s > 2.5 * same_flops.comm_s  # 46.7 B parameters gathered against 14.2 B
+    # the experts' extra state (bf16 weights, fp32 gradients, master weights and Adam moments: 16 bytes a parameter,
+    # sharded over 64), and more for the larger gathered blocks
+    extra = (model_spec(MIXTRAL_8X7B).param_count - model_spec(dense).param_count) * 16 / 64
+    assert moe.memory_bytes - same_flops.memory_bytes > extra > 8e9
+    with pytest.raises(InputError, match="num_experts_per_tok"):
+        model_spec({**MIXTRAL_8X7B, "num_experts_per_tok": None})
+
+
 def test_plan_ranks_fitting_plans_by_throughput_and_reports_memory():
     result = atorch.plan("llama3-8b", "8xH100-96GB", global_batch=16, seq_len=8192)
     fitting = [p for p in result.predictions if p.fits]
