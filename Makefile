@@ -38,7 +38,7 @@ demo: $(STAMP)
 # ruff (lint and import order; config in pyproject.toml) first: a finding fails the target
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -rs tests
+	$(PY) -m pytest -q -rs --durations=25 tests
 
 # the two halves of the suite (tests/README.md): one process each, and the tests that launch ranks
 test-unit: $(STAMP)

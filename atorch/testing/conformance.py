@@ -16,9 +16,10 @@ Rows ``<family>@meta`` (``META_FAMILIES``) run the same cell on the model built 
 its weights (the reference's initial ones, written once by the parent) streamed in with
 ``atorch.load_pretrained``: the large-model path, judged against the same reference.
 
-One launch per column covers every model (process start-up is most of a small cell's cost); inside
-it each cell runs under ``run_isolated`` so that a cell failing on one rank fails on all of them and
-the next cell starts on a healthy process group. ``python -m atorch.testing.conformance`` runs the
+The columns of one and of two processes share one launch per world size, the four-process ones
+run one launch each (process start-up is most of a small cell's cost); inside a launch each cell runs
+under ``run_isolated`` so that a cell failing on one rank fails on all of them and the next cell starts
+on a healthy process group. ``python -m atorch.testing.conformance`` runs the
 matrix and prints it; ``--write docs/models.md`` regenerates the page (``make conformance``).
 """
 from __future__ import annotations
@@ -132,6 +133,10 @@ COLUMNS: list[Column] = [
            _fixed(_mode(("pipeline", 2), ("data", 2)), ("pipeline_parallel", {"schedule": "GPipe"})), MP_TOL, 2),
 ]
 COLUMN_BY_KEY = {c.key: c for c in COLUMNS}
+# world sizes whose columns share one launch. Four-process columns run one launch each: after the mixed
+# tensor x pipeline column, a tensor x data cell following a refusal (which rebuilds the process group)
+# failed in the same process with "Could not resolve the process group registered under the name 8"
+SHARED_LAUNCH_WORLDS = (1, 2)
 
 
 @dataclass
@@ -154,6 +159,12 @@ def _typed_error_names() -> set[str]:
         return {cls.__name__}.union(*(subclasses(c) for c in cls.__subclasses__()))
 
     return subclasses(errors.AtorchError)
+
+
+def run_columns(column_keys: list[str], models: list[str], progress: Optional[str] = None,
+                pretrained: Optional[dict[str, str]] = None) -> dict:
+    """On every rank of one launch: ``run_column`` for each column of one world size, by column key."""
+    return {key: run_column(key, models, progress, pretrained) for key in column_keys}
 
 
 def run_column(column_key: str, models: list[str], progress: Optional[str] = None,
@@ -253,14 +264,21 @@ def _comparable(weights: dict, name: str) -> dict:
 
 def run_matrix(columns: Optional[list[str]] = None, models: Optional[list[str]] = None,
                timeout_s: float = 900.0, verbose: bool = True) -> dict[tuple[str, str], Cell]:
-    """Every cell of the matrix (one launch per column), judged against the references."""
+    """Every cell of the matrix, judged against the references: the columns of one and of two processes
+    one launch per world size, one after another (starting processes and importing torch and
+    transformers costs more than most cells; a launch that dies ends only its remaining cells, which are
+    reported as not run); the four-process columns one launch each (``SHARED_LAUNCH_WORLDS``)."""
     models = models or all_rows()
     typed = _typed_error_names()
     cells: dict[tuple[str, str], Cell] = {}
+    chosen = [COLUMN_BY_KEY[k] for k in (columns or [c.key for c in COLUMNS])]
+    groups: dict = {}
+    for column in chosen:
+        groups.setdefault(column.world if column.world in SHARED_LAUNCH_WORLDS else column.key, []).append(column)
     with tempfile.TemporaryDirectory(prefix="atorch-conformance-") as root:
         pretrained = {name: write_pretrained(family(name), f"{root}/{name}") for name in models if name.endswith(META)}
-        for column in [COLUMN_BY_KEY[k] for k in (columns or [c.key for c in COLUMNS])]:
-            _run_matrix_column(column, models, pretrained, typed, cells, timeout_s, verbose)
+        for group in groups.values():
+            _run_matrix_columns(group, models, pretrained, typed, cells, timeout_s * len(group), verbose)
     return cells
 
 
@@ -284,39 +302,45 @@ def write_pretrained(name: str, directory: str) -> str:
     return directory
 
 
-def _run_matrix_column(column: Column, models: list[str], pretrained: dict, typed: set[str], cells: dict,
-                       timeout_s: float, verbose: bool) -> None:
-    """One launch for the column's cells, judged into ``cells``."""
+def _run_matrix_columns(columns: list[Column], models: list[str], pretrained: dict, typed: set[str], cells: dict,
+                        timeout_s: float, verbose: bool) -> None:
+    """One launch for the cells of ``columns`` (all of one world size), judged into ``cells``."""
     started = time.monotonic()
+    keys = [c.key for c in columns]
     with tempfile.NamedTemporaryFile("r", suffix=".progress") as progress:
         try:
-            per_rank = run_distributed(run_column, column.world, column.key, models, progress.name, pretrained,
+            per_rank = run_distributed(run_columns, columns[0].world, keys, models, progress.name, pretrained,
                                        timeout_s=timeout_s)
             ran = per_rank[0]
         except DistributedRunError as error:
-            ran = _partial_after_crash(progress.name, models, error)
-    for name in models:
-        cells[(column.key, name)] = judge(column, name, ran[name], typed)
+            ran = _partial_after_crash(progress.name, keys, models, error)
+    for column in columns:
+        for name in models:
+            cells[(column.key, name)] = judge(column, name, ran[column.key][name], typed)
     if verbose:
-        summary = ", ".join(f"{n} {_symbol(cells[(column.key, n)])}" for n in models)
-        print(f"[conformance] {column.label} ({time.monotonic() - started:.0f}s): {summary}", file=sys.stderr,
-              flush=True)
+        for column in columns:
+            summary = ", ".join(f"{n} {_symbol(cells[(column.key, n)])}" for n in models)
+            print(f"[conformance] {column.label}: {summary}", file=sys.stderr, flush=True)
+        print(f"[conformance] {len(columns)} column(s) on {columns[0].world} process(es): "
+              f"{time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
 
 
-def _partial_after_crash(progress: str, models: list[str], error: Exception) -> dict:
+def _partial_after_crash(progress: str, keys: list[str], models: list[str], error: Exception) -> dict:
     """A launch that died or hung: the cell it was in fails with the launcher's reason; later cells
     did not run."""
     with open(progress) as handle:
-        started = [line for line in handle.read().splitlines() if line.endswith(" start")]
-    current = started[-1].split()[1] if started else models[0]
-    out = {}
-    for name in models:
-        if name == current:
-            out[name] = {"ok": False, "error": f"launch died or hung: {str(error)[-300:]}", "seconds": 0.0}
-        elif models.index(name) > models.index(current):
-            out[name] = {"ok": False, "error": f"not run: the launch ended in {current}", "seconds": 0.0}
+        started = [line.split() for line in handle.read().splitlines() if line.endswith(" start")]
+    order = [(key, name) for key in keys for name in models]
+    current = (started[-1][0], started[-1][1]) if started else order[0]
+    out: dict = {key: {} for key in keys}
+    for key, name in order:
+        if (key, name) == current:
+            out[key][name] = {"ok": False, "error": f"launch died or hung: {str(error)[-300:]}", "seconds": 0.0}
+        elif order.index((key, name)) > order.index(current):
+            out[key][name] = {"ok": False, "error": f"not run: the launch ended in {current[0]} x {current[1]}",
+                              "seconds": 0.0}
         else:
-            out[name] = {"ok": False, "error": "result lost with the launch", "seconds": 0.0}
+            out[key][name] = {"ok": False, "error": "result lost with the launch", "seconds": 0.0}
     return out
 
 

@@ -27,6 +27,7 @@ TRANSPARENT = frozenset({
     "view", "reshape", "view_as", "reshape_as", "transpose", "permute", "contiguous", "split", "chunk", "unbind",
     "__getitem__", "flatten", "unflatten", "squeeze", "unsqueeze", "expand", "expand_as", "repeat", "repeat_interleave",
     "movedim", "swapaxes", "narrow", "select", "index_select", "clone", "float", "half", "bfloat16", "to", "type",
+    "broadcast_to",
     "type_as", "dropout", "gelu", "silu", "relu", "tanh", "sigmoid", "mish", "leaky_relu", "elu", "selu", "softplus",
     "relu6", "hardswish", "hardtanh", "glu", "mul", "__mul__", "__rmul__", "mul_", "__imul__", "add", "__add__",
     "__radd__", "add_", "__iadd__", "sub", "__sub__", "__rsub__", "sub_", "div", "__truediv__", "div_", "neg",

@@ -85,9 +85,9 @@ def test_a_projection_fused_head_by_head_is_split_as_it_is():
     assert gpt2.fused["transformer.h.0.attn.c_attn"] == [32, 32, 32]
 
 
-def test_multi_query_parts_are_counted_from_the_operands_and_refused_naming_them():
-    """Falcon-7B's fused [q | k | v] holds 4 query heads and one key / value head: its parts are read
-    from the attention operands' head counts (not three equal thirds), and one key head does not split."""
+def test_multi_query_parts_are_read_where_they_are_cut_and_refused_naming_them():
+    """Falcon-7B's fused [q | k | v] holds 4 query heads and one key / value head: its parts are read where
+    they are cut from the projection's output (not three equal thirds), and one key head does not split."""
     transformers = pytest.importorskip("transformers")
     config = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                        hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
@@ -241,7 +241,7 @@ class GroupedQKV(nn.Module):
 
 
 def test_a_projection_fused_group_by_group_is_split_as_it_is():
-    """Parts of unequal widths (4 query heads, 2 key and 2 value heads) are read from the operands; laid
+    """Parts of unequal widths (4 query heads, 2 key and 2 value heads) are read where they are cut; laid
     out key / value group by group, a contiguous split gives each rank whole groups: no reordering."""
     model = GroupedQKV()
     flow = record_dataflow(model, lambda m: m(torch.randn(2, 8, 16)))

@@ -276,7 +276,7 @@ def _heads(flow: Dataflow, slots: dict[str, int], attention: FoundAttention, fou
             owners.setdefault(name, []).append(slot)
     for name, parts in owners.items():
         width = _width(flow, name)
-        widths = _part_widths(flow, [slots[p] for p in parts], attention.head_dim, width)
+        widths = _part_widths(flow, name, [slots[p] for p in parts], attention.head_dim, width)
         if widths is None:
             found.why_whole.setdefault(
                 name, f"its {width} outputs do not make whole heads of size {attention.head_dim}")
@@ -289,18 +289,62 @@ def _heads(flow: Dataflow, slots: dict[str, int], attention: FoundAttention, fou
     return True
 
 
-def _part_widths(flow: Dataflow, operands: list[int], head_dim: int, width: int) -> Optional[list[int]]:
-    """The widths of a projection's parts, one per attention operand it makes: from the operands' head
-    counts ([.., heads, tokens, head size]) where they add up to its width (Falcon's multi-query
-    [q | k | v] with one key / value head), else equal parts of whole heads; None when neither holds."""
-    shapes = [flow.shapes.get(node, ()) for node in operands]
-    if len(operands) > 1 and all(len(shape) >= 4 for shape in shapes):
-        counted = [shape[-3] * head_dim for shape in shapes]
-        if sum(counted) == width:
+def _part_widths(flow: Dataflow, name: str, operands: list[int], head_dim: int, width: int) -> Optional[list[int]]:
+    """The widths of a projection's parts, one per attention operand it makes: each part as it was cut
+    from the projection's output (the first narrower tensor on the way to its operand, before any
+    expansion of grouped keys and values), where those add up to its width (Falcon's multi-query
+    [q | k | v] with one key / value head, or its key / value groups), else equal parts of whole heads;
+    None when neither holds."""
+    if len(operands) > 1:
+        output = flow.calls_of(name)[0].outputs[0]
+        counted = [_cut_width(flow, output, node, width) for node in operands]
+        if sum(counted) == width and all(w % head_dim == 0 for w in counted):
             return counted
     if width % (len(operands) * head_dim):
         return None
     return [width // len(operands)] * len(operands)
+
+
+def _cut_width(flow: Dataflow, output: int, operand: int, width: int) -> int:
+    """Elements per token of the first tensor narrower than ``output`` (``width`` per token) on the
+    way from ``output`` to ``operand``, walking forward breadth first through column-local ops."""
+    tokens = _numel(flow, output) // width
+    ancestors = {operand} | {n for op in _ops_back(flow, operand) for n in op.inputs}
+    frontier, seen = [output], {output}
+    while frontier:
+        following = []
+        for node in frontier:
+            for index in flow.consumers.get(node, ()):
+                op = flow.ops[index]
+                if not _passes(op):
+                    continue
+                for out in op.outputs:
+                    if out in ancestors and out not in seen:
+                        if _numel(flow, out) < _numel(flow, output):
+                            return _numel(flow, out) // tokens
+                        seen.add(out)
+                        following.append(out)
+        frontier = following
+    return 0
+
+
+def _ops_back(flow: Dataflow, node: int) -> list[Op]:
+    """The column-local ops ``node`` was made by, back to the first op that is not one."""
+    ops, stack, seen = [], [node], {node}
+    while stack:
+        index = flow.producer.get(stack.pop())
+        if index is None or not _passes(flow.ops[index]):
+            continue
+        ops.append(flow.ops[index])
+        for parent in flow.ops[index].inputs:
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return ops
+
+
+def _numel(flow: Dataflow, node: int) -> int:
+    return math.prod(flow.shapes.get(node, ()))
 
 
 def _parts_within_heads(flow: Dataflow, name: str, head_dim: int, part_heads: list[int]) -> bool:
