@@ -245,7 +245,7 @@ def apply_sequence_parallel(model: nn.Module, plan: SequencePlan, device_mesh) -
     for name, region in plan.reshard.items():
         model.get_submodule(name).register_forward_hook(partial(_reshard_output, device_mesh, region, name))
     for name, region in plan.norms.items():
-        distribute_module(model.get_submodule(name), device_mesh, _replicate_params, partial(_norm_input, region),
+        distribute_module(model.get_submodule(name), device_mesh, replicate_params, partial(_norm_input, region),
                           _norm_output)
 
 
@@ -353,7 +353,9 @@ def _norm_output(module: nn.Module, output: DTensor, device_mesh) -> torch.Tenso
     return output.to_local()
 
 
-def _replicate_params(name: str, module: nn.Module, device_mesh) -> None:
+def replicate_params(name: str, module: nn.Module, device_mesh) -> None:
+    """``distribute_module``'s partition function for a module that computes on sharded inputs with whole
+    weights: its own parameters become replicated DTensors, whose partial gradients DTensor sums."""
     for pname, param in list(module.named_parameters(recurse=False)):
         module.register_parameter(pname, nn.Parameter(distribute_tensor(param, device_mesh, [Replicate()]),
                                                       requires_grad=param.requires_grad))

@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from atorch.auto.opt_lib.base import Optimization
-from atorch.auto.opt_lib.sequence_parallel import apply_sequence_parallel, plan_sequence_parallel
+from atorch.auto.opt_lib.sequence_parallel import apply_sequence_parallel, plan_sequence_parallel, replicate_params
 from atorch.auto.opt_lib.tp_check import Probe, check_plan, probe_from_context
 from atorch.auto.opt_lib.tp_mha import split_mha
 from atorch.auto.opt_lib.tp_plan import TPPlan, _is_linear, find_tp_plan, plan_from_patterns, split_share
@@ -316,16 +316,11 @@ def _run_on_local_heads(module: nn.Module, tp_mesh, heads_dim: int) -> None:
     """A per-head norm: its parameters become replicated DTensors and its input this rank's heads
     (sharded on ``heads_dim``, counted from the end), so it computes as in one process on those heads
     and its parameters' gradients, partial on each rank, are summed over the tensor group."""
-    def replicate(name: str, mod: nn.Module, device_mesh) -> None:
-        for pname, param in list(mod.named_parameters(recurse=False)):
-            mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, device_mesh, [Replicate()]),
-                                                       requires_grad=param.requires_grad))
-
     def heads_in(mod: nn.Module, inputs: tuple, device_mesh) -> tuple:
         local = inputs[0]
         return (DTensor.from_local(local, device_mesh, [Shard(local.dim() + heads_dim)], run_check=False), *inputs[1:])
 
-    distribute_module(module, tp_mesh, replicate, heads_in, lambda mod, output, device_mesh: output.to_local())
+    distribute_module(module, tp_mesh, replicate_params, heads_in, lambda mod, output, device_mesh: output.to_local())
 
 
 def _record(model: nn.Module, probe: Probe):
