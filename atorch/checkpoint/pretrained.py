@@ -22,6 +22,13 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from atorch.checkpoint.agreement import gather, on_every_rank
 from atorch.checkpoint.files import check_path
+from atorch.checkpoint.hf_conversion import (
+    ComposedHandle,
+    ComposedSource,
+    SavedFiles,
+    composed_sources,
+    hf_checkpoint_names,
+)
 from atorch.checkpoint.optimizer_state import OptimizerView
 from atorch.checkpoint.tensors import (
     SavedOrder,
@@ -81,15 +88,16 @@ def load_pretrained(path: str | os.PathLike, result: "AutoAccelerateResult", *, 
     on_every_rank(lambda: refuse_computed(result.model, model, packed))
     names = on_every_rank(lambda: with_hf_renames(accepted_names(result.model, model),
                                                   hf_checkpoint_names(result.model, weight_map)))
-    sources = {key: _source(candidates, weight_map) for key, candidates in names.items()}
-    loaded = _agreed_key_lists(names, sources, weight_map)
+    composed = on_every_rank(lambda: composed_sources(result.model, weight_map))
+    sources = {key: _source(candidates, weight_map, composed) for key, candidates in names.items()}
+    loaded = _agreed_key_lists(names, sources, weight_map, composed)
     if strict:
         _refuse_key_mismatch(loaded, target)
     sources = {key: source for key, source in sources.items() if source is not None}
-    on_every_rank(lambda: check_fit(model, sources, weight_map))
+    on_every_rank(lambda: check_fit(model, sources, weight_map, composed))
     view = on_every_rank(lambda: OptimizerView(result.optim) if result.optim is not None else None)
     orders = saved_orders(result.model)
-    on_every_rank(lambda: copy_in(model, sources, weight_map, orders, packed))
+    on_every_rank(lambda: copy_in(model, sources, weight_map, orders, packed, composed))
     if view is not None and view.partitions is not None:
         view.partitions.sync_master_weights()  # DeepSpeed ZeRO steps from its own fp32 copy
     return loaded
@@ -194,30 +202,6 @@ def accepted_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[s
     return {key: [key] + sorted(groups.get(key, set()) - {key}) for key in tensors}
 
 
-def hf_checkpoint_names(model: nn.Module, file_keys: Iterable[str]) -> dict[str, str]:
-    """``{model key: file key}`` for the keys transformers renames when it loads this model
-    (transformers 5's conversion mapping: a ViT's ``attention.attention.query`` is its
-    ``attention.q_proj``), so ``load_pretrained`` reads what ``save_pretrained`` wrote. Renamings only:
-    a key a converter would merge or split keeps its name (and is then reported, not guessed)."""
-    root = model_roots(model)[0]
-    if not (hasattr(root, "config") and hasattr(root, "post_init")):
-        return {}
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-    except ImportError:  # transformers < 5 renames nothing on load
-        return {}
-    transforms = get_model_conversion_mapping(root)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    out = {}
-    for file_key in file_keys:
-        renamed, converter = rename_source_key(file_key, renamings, converters)
-        if converter is None and renamed != file_key:
-            out[renamed] = file_key
-    return out
-
-
 def with_hf_renames(names: dict[str, list[str]], renames: dict[str, str]) -> dict[str, list[str]]:
     """Each key's accepted names, plus the file's name for it where transformers renames it."""
     return {key: candidates + [renames[key]] if key in renames else candidates for key, candidates in names.items()}
@@ -232,17 +216,20 @@ def _join(groups: dict[str, set[str]], names: Iterable[str]) -> None:
         groups[name] = merged
 
 
-def _source(candidates: list[str], weight_map: dict[str, str]) -> Optional[str]:
-    """The first of a key's names the file has, or ``None``."""
-    return next((name for name in candidates if name in weight_map), None)
+def _source(candidates: list[str], weight_map: dict[str, str], composed: dict[str, ComposedSource]) -> Optional[str]:
+    """The first of a key's names the file has, else the first transformers builds from the file's
+    tensors (``composed``), or ``None``."""
+    return next((name for name in candidates if name in weight_map),
+                next((name for name in candidates if name in composed), None))
 
 
 def _agreed_key_lists(names: dict[str, list[str]], sources: dict[str, Optional[str]],
-                      weight_map: dict[str, str]) -> LoadResult:
+                      weight_map: dict[str, str], composed: dict[str, ComposedSource]) -> LoadResult:
     """Missing and unexpected keys over every process (collective): a pipeline stage lacks the other
-    stages' keys, which are not unexpected."""
+    stages' keys, which are not unexpected; the saved tensors a composed key is built from are known."""
     missing = [key for key, source in sources.items() if source is None]
     known = {name for candidates in names.values() for name in candidates}
+    known |= {key for source in sources.values() if source in composed for key in composed[source].keys}
     parts = gather((missing, known))
     all_missing = sorted({key for mine, _ in parts for key in mine})
     all_known = set().union(*(mine for _, mine in parts))
@@ -261,16 +248,31 @@ def _refuse_key_mismatch(loaded: LoadResult, target: str) -> None:
 
 # --- checks from the headers -------------------------------------------------------------------------------
 def _by_file(sources: dict[str, str], weight_map: dict[str, str]) -> dict[str, dict[str, str]]:
-    """``{file: {model key: file key}}``: the files this process needs, nothing else."""
+    """``{file: {model key: file key}}``: the files this process needs, nothing else (composed keys
+    are read by ``_composed``)."""
     out: dict[str, dict[str, str]] = {}
     for key, source in sources.items():
-        out.setdefault(weight_map[source], {})[key] = source
+        if source in weight_map:
+            out.setdefault(weight_map[source], {})[key] = source
     return out
 
 
-def check_fit(model: dict[str, torch.Tensor], sources: dict[str, str], weight_map: dict[str, str]) -> None:
+def _composed(sources: dict[str, str], weight_map: dict[str, str], composed: dict[str, ComposedSource],
+              ) -> tuple[dict[str, str], ComposedHandle, SavedFiles]:
+    """This process's composed keys (``{model key: composed name}``) and a handle that reads them."""
+    mine = {key: source for key, source in sources.items() if source not in weight_map}
+    files = SavedFiles(weight_map, _open)
+    return mine, ComposedHandle({source: composed[source] for source in mine.values()}, files), files
+
+
+def check_fit(model: dict[str, torch.Tensor], sources: dict[str, str], weight_map: dict[str, str],
+              composed: Optional[dict[str, ComposedSource]] = None) -> None:
     """Every tensor this process loads is in its file with the model's (global) shape and a dtype
     that casts to the model's; CheckpointError naming the first that is not."""
+    mine, handle, files = _composed(sources, weight_map, composed or {})
+    with files:
+        for key, source in sorted(mine.items()):
+            _check_tensor(key, source, handle.get_slice(source), model[key], "the tensors it is built from")
     for file, keys in sorted(_by_file(sources, weight_map).items()):
         with _open(file) as handle:
             present = set(handle.keys())
@@ -301,19 +303,27 @@ def _dtype_fits(stored: str, live: torch.dtype) -> bool:
 
 # --- copying each process's part ---------------------------------------------------------------------------
 def copy_in(model: dict[str, torch.Tensor], sources: dict[str, str], weight_map: dict[str, str],
-            orders: dict[str, SavedOrder], packed: dict[str, list[torch.Tensor]]) -> None:
-    """Read this process's part of every tensor it loads, one file open at a time, into the live
-    tensors (in place)."""
+            orders: dict[str, SavedOrder], packed: dict[str, list[torch.Tensor]],
+            composed: Optional[dict[str, ComposedSource]] = None) -> None:
+    """Read this process's part of every tensor it loads, one file open at a time (a composed key's
+    files together), into the live tensors (in place)."""
+    mine, handle, files = _composed(sources, weight_map, composed or {})
+    with files, torch.no_grad():
+        for key, source in sorted(mine.items()):
+            _copy_one(handle, key, source, model[key], orders.get(key))
     for file, keys in sorted(_by_file(sources, weight_map).items()):
         with _open(file) as handle, torch.no_grad():
             for key, source in sorted(keys.items()):
                 if key in packed:
                     _copy_packed(handle, source, packed[key])
                     continue
-                live = model[key]
-                local = live.to_local() if isinstance(live, DTensor) else live
-                if local.numel():
-                    local.copy_(_local_part(handle, source, live, orders.get(key)))
+                _copy_one(handle, key, source, model[key], orders.get(key))
+
+
+def _copy_one(handle: Any, key: str, source: str, live: torch.Tensor, order: Optional[SavedOrder]) -> None:
+    local = live.to_local() if isinstance(live, DTensor) else live
+    if local.numel():
+        local.copy_(_local_part(handle, source, live, order))
 
 
 def _copy_packed(handle: Any, source: str, parts: list[torch.Tensor]) -> None:

@@ -57,7 +57,7 @@ BF16 = ("amp_native", {"dtype": torch.bfloat16})
 # families also run built on the meta device: tied weights and a fused q|k|v (gpt2), RoPE buffers
 # (llama), a torchtitan init_weights (titan_llama), nn.MultiheadAttention (torch_encoder), routing
 # that depends on values (moe)
-META_FAMILIES = ("gpt2", "llama", "titan_llama", "torch_encoder", "moe")
+META_FAMILIES = ("gpt2", "llama", "titan_llama", "torch_encoder", "moe", "mixtral")
 META = "@meta"
 
 

@@ -54,6 +54,10 @@ CASES = {  # name -> (strategy, model: a key of FAMILIES)
     # GPT-2's fused q|k|v (c_attn) is kept in a permuted order under tensor_parallel
     "tp_gpt2": ([TP2, "tensor_parallel"], "gpt2"),
     "fsdp_activation_checkpoint": (["parallel_mode", ("checkpoint", ("LlamaDecoderLayer",)), "fsdp"], "llama"),
+    # Mixture of experts: each stacked expert parameter built from the per-expert tensors of the file
+    "fsdp_mixtral": (["parallel_mode", "fsdp"], "mixtral"),
+    "tp_mixtral": ([TP2, "tensor_parallel"], "mixtral"),
+    "pp_mixtral": (PP2, "mixtral"),
 }
 if deepspeed_unavailable_reason() is None:  # DeepSpeed ZeRO steps from its fp32 copy, which loading must refresh
     CASES["ds_zero2"] = (["parallel_mode", ("zero2", {"use_ds_zero": True})], "llama")
@@ -76,7 +80,19 @@ def gpt2(seed: int) -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(config)
 
 
-FAMILIES = {"llama": lambda seed: llama(False, seed), "llama_tied": lambda seed: llama(True, seed), "gpt2": gpt2}
+def mixtral(seed: int) -> torch.nn.Module:
+    """Experts held stacked (``mlp.experts.gate_up_proj``: 4 x 2 ffn x hidden), saved one by one
+    (``block_sparse_moe.experts.3.w1.weight``): transformers builds the first from the second on load."""
+    config = transformers.MixtralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                        vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
+                                        pad_token_id=0)
+    torch.manual_seed(seed)
+    return transformers.MixtralForCausalLM(config)
+
+
+FAMILIES = {"llama": lambda seed: llama(False, seed), "llama_tied": lambda seed: llama(True, seed), "gpt2": gpt2,
+            "mixtral": mixtral}
 
 
 def save_model(directory: str, family: str) -> None:
@@ -288,6 +304,15 @@ def test_each_fsdp_rank_reads_half_of_the_model(two_ranks, files):
 
 
 @pytest.mark.multirank
+def test_each_fsdp_rank_reads_only_its_experts(two_ranks, files):
+    """A stacked expert parameter sharded on its experts' dimension: a rank reads its experts' saved
+    tensors, not the others' (each rank about half of the model's elements)."""
+    total = sum(p.numel() for p in transformers.MixtralForCausalLM.from_pretrained(files["mixtral"]).parameters())
+    fsdp = [runs["fsdp_mixtral"]["elements"] for runs in two_ranks]
+    assert sum(fsdp) == total and all(abs(n - total / 2) < 0.05 * total for n in fsdp), (fsdp, total)
+
+
+@pytest.mark.multirank
 def test_each_pipeline_stage_opens_only_the_files_of_its_keys(two_ranks, files):
     index = read_index(files["llama"])
     for runs in two_ranks:
@@ -341,6 +366,30 @@ def test_keys_transformers_renames_on_load_are_found(tmp_path):
     expected = transformers.AutoModelForImageClassification.from_pretrained(tmp_path).state_dict()
     for name, value in result.model.state_dict().items():
         assert torch.equal(value, expected[name]), name
+
+
+def test_stacked_experts_are_built_from_the_per_expert_tensors_saved(files):
+    """Mixtral's checkpoint holds one tensor per expert and projection; the model one stacked tensor
+    per layer (w1 | w3 concatenated): loaded, every tensor equals ``from_pretrained``'s."""
+    result = accelerate(mixtral(1), [])
+    assert atorch.load_pretrained(files["mixtral"], result) == atorch.LoadResult([], [])
+    expected = transformers.MixtralForCausalLM.from_pretrained(files["mixtral"]).state_dict()
+    assert any(value.dim() == 3 for value in expected.values())
+    for name, value in result.model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+
+
+def test_a_misshapen_expert_names_the_stacked_parameter(files, tmp_path):
+    directory = copy_dir(files["mixtral"], str(tmp_path / "misshapen_expert"))
+    key = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    rewrite_key(os.path.join(directory, read_index(directory)[key]), key, torch.zeros(3, 3))
+    result = accelerate(mixtral(1), [])
+    before = local_weights(result)
+    with pytest.raises(CheckpointError, match=r"experts\.gate_up_proj.*\[3, 3\]") as raised:
+        atorch.load_pretrained(directory, result)
+    assert raised.value.key == "model.layers.1.mlp.experts.gate_up_proj"
+    after = local_weights(result)
+    assert all(torch.equal(after[k], before[k]) for k in after)
 
 
 def test_wrappers_keep_the_user_names(files):
