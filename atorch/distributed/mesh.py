@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, _redistribute
 
 from atorch.distributed.timeouts import apply_cap_to_new_groups
 from atorch.errors import ParallelModeError
@@ -182,8 +183,30 @@ def create_parallel_group(config: ParallelModeConfig, device_type: Optional[str]
 
 
 def destroy_parallel_group() -> None:
+    """Forget the mesh; called where its process groups are destroyed (a failure's rebuild,
+    ``reset_distributed``), so DTensor's caches of meshes are dropped with it (``forget_cached_meshes``)."""
     global _STATE
     _STATE = None
+    forget_cached_meshes()
+
+
+def forget_cached_meshes() -> None:
+    """Drop DTensor's sharding-propagation and redistribution caches. Their entries hold the DeviceMesh
+    of the op they were computed for, and meshes compare equal by shape, ranks and names, not by their
+    process groups: after the groups are destroyed and rebuilt (a rank's failure in a dry run), a new
+    mesh of the same shape would be served an old entry, and the old mesh's collectives would name a
+    process group that no longer exists ("Could not resolve the process group registered under the
+    name 8", seen on 4 ranks after a refused candidate)."""
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_fast_path is not None:
+        clear_fast_path()
+    for name in ("_gen_transform_infos", "_planner_cache"):  # private, and moving between releases
+        cached = getattr(_redistribute, name, None)
+        if cached is not None and hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+        elif isinstance(cached, dict):
+            cached.clear()
 
 
 def parallel_state() -> Optional[ParallelState]:

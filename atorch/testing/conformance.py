@@ -16,8 +16,8 @@ Rows ``<family>@meta`` (``META_FAMILIES``) run the same cell on the model built 
 its weights (the reference's initial ones, written once by the parent) streamed in with
 ``atorch.load_pretrained``: the large-model path, judged against the same reference.
 
-The columns of one and of two processes share one launch per world size, the four-process ones
-run one launch each (process start-up is most of a small cell's cost); inside a launch each cell runs
+The columns of each world size (one, two and four processes) share one launch (process start-up is
+most of a small cell's cost); inside a launch each cell runs
 under ``run_isolated`` so that a cell failing on one rank fails on all of them and the next cell starts
 on a healthy process group. ``python -m atorch.testing.conformance`` runs the
 matrix and prints it; ``--write docs/models.md`` regenerates the page (``make conformance``).
@@ -133,10 +133,11 @@ COLUMNS: list[Column] = [
            _fixed(_mode(("pipeline", 2), ("data", 2)), ("pipeline_parallel", {"schedule": "GPipe"})), MP_TOL, 2),
 ]
 COLUMN_BY_KEY = {c.key: c for c in COLUMNS}
-# world sizes whose columns share one launch. Four-process columns run one launch each: after the mixed
-# tensor x pipeline column, a tensor x data cell following a refusal (which rebuilds the process group)
-# failed in the same process with "Could not resolve the process group registered under the name 8"
-SHARED_LAUNCH_WORLDS = (1, 2)
+# world sizes whose columns share one launch. The four-process ones share it since a refusal's rebuilt
+# process group drops DTensor's caches of meshes (``mesh.forget_cached_meshes``): before, a tensor x data
+# cell after a refusal was served a mesh of the old groups ("Could not resolve the process group
+# registered under the name 8"), a bug every later cell of the launch now checks again
+SHARED_LAUNCH_WORLDS = (1, 2, 4)
 
 
 @dataclass
@@ -264,10 +265,10 @@ def _comparable(weights: dict, name: str) -> dict:
 
 def run_matrix(columns: Optional[list[str]] = None, models: Optional[list[str]] = None,
                timeout_s: float = 900.0, verbose: bool = True) -> dict[tuple[str, str], Cell]:
-    """Every cell of the matrix, judged against the references: the columns of one and of two processes
-    one launch per world size, one after another (starting processes and importing torch and
+    """Every cell of the matrix, judged against the references: the columns of each world size in one
+    launch (``SHARED_LAUNCH_WORLDS``), one after another (starting processes and importing torch and
     transformers costs more than most cells; a launch that dies ends only its remaining cells, which are
-    reported as not run); the four-process columns one launch each (``SHARED_LAUNCH_WORLDS``)."""
+    reported as not run)."""
     models = models or all_rows()
     typed = _typed_error_names()
     cells: dict[tuple[str, str], Cell] = {}

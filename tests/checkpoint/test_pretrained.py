@@ -83,8 +83,9 @@ def gpt2(seed: int) -> torch.nn.Module:
 def mixtral(seed: int) -> torch.nn.Module:
     """Experts held stacked (``mlp.experts.gate_up_proj``: 4 x 2 ffn x hidden), saved one by one
     (``block_sparse_moe.experts.3.w1.weight``): transformers builds the first from the second on load."""
-    config = transformers.MixtralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
-                                        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+    config = transformers.MixtralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2,
                                         vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
                                         pad_token_id=0)
     torch.manual_seed(seed)
