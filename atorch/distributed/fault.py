@@ -8,8 +8,9 @@ both ranks wait until the collective timeout.
 How: ``run_isolated(fn)`` runs ``fn`` on every rank with every collective's timeout capped
 (``atorch.distributed.timeouts``). A rank whose ``fn`` raises records why in the rendezvous store
 (the first record wins) and aborts the process group (NCCL stops at once; gloo keeps its
-connections while wrappers hold the group, so its peers give up when the capped timeout ends, or
-at once when the failed rank's process is gone). The peers' failed collectives send them down the
+connections while wrappers hold the group, so its peers give up when the capped timeout ends, also
+in a point-to-point wait, which the cap bounds too, or at once when the failed rank's process is gone).
+The peers' failed collectives send them down the
 same path. Every rank then waits, bounded, for all ranks to reach this point (a rank that never
 does was lost: killed or hung, and ``RankLostError`` names it), rebuilds the default process group
 on the same store under a new prefix, and returns the first failure's reason. When ``fn``
@@ -61,7 +62,13 @@ class Outcome:
 
 
 def describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
+    """``Type: message``, with the error it was raised from where a wrapper's message leaves that out
+    (``torch.distributed.pipelining`` re-raises a stage's error as "[Stage 1] failed to run forward")."""
+    text = f"{type(error).__name__}: {error}"
+    cause = error.__cause__
+    if cause is not None and str(cause) not in text:
+        text += f" (raised from {describe(cause)})"
+    return text
 
 
 def run_isolated(fn: Callable[[], Any], collective_timeout_s: float = DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S) -> Outcome:

@@ -59,8 +59,33 @@ def collective_timeout_cap(seconds: float) -> Iterator[None]:
     _cap["value"] = datetime.timedelta(seconds=seconds)
     _set_all(_cap["value"])
     try:
-        yield
+        with _bounded_waits(dist.get_backend() == "gloo"):
+            yield
     finally:
         _cap["value"] = None
         if dist.is_initialized():
             _set_all(restore)
+
+
+@contextlib.contextmanager
+def _bounded_waits(active: bool) -> Iterator[None]:
+    """``Work.wait()`` without a timeout waits at most the cap. On gloo such a wait has no bound at all
+    (a group's timeout covers its collectives, not a point-to-point ``wait()``): a pipeline stage whose
+    peer failed would wait in ``torch.distributed.pipelining``'s receive forever and never reach the
+    recovery. Only for gloo: a timeout makes NCCL's wait block the CPU (its own abort ends NCCL's)."""
+    if not active:
+        yield
+        return
+    work = dist.distributed_c10d.Work
+    unbounded = work.wait
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        if not timeout and _cap["value"] is not None:
+            timeout = _cap["value"]
+        return unbounded(self, timeout)
+
+    work.wait = wait
+    try:
+        yield
+    finally:
+        work.wait = unbounded

@@ -7,8 +7,10 @@ trained the same way in one process (fp32, relative difference < 1e-5), under dd
 DeepSpeed ZeRO-2 (when installed), fsdp, tensor_parallel, pipeline_parallel and fsdp with activation
 checkpointing on 2 ranks (one launch), with tied embeddings under fsdp and pipeline_parallel (whose
 two stages each hold a copy: both must equal the file's tensor), a GPT-2 under tensor_parallel (its
-fused q|k|v kept in a permuted order), and in one plain process; torch.compile and checkpoint_wrapper
-names.
+fused q|k|v kept in a permuted order), a Mixtral under fsdp, tensor_parallel and pipeline_parallel (its
+experts held stacked in 3-D parameters, saved one tensor per expert: each fsdp rank reads only its own
+experts), Qwen2-MoE, Qwen3-MoE and OLMoE in one process, and in one plain process; torch.compile and
+checkpoint_wrapper names.
 
 What is read: every rank counts the elements ``safe_open`` hands it and the files it opens; under fsdp
 each rank reads half of the model's elements, under pipeline_parallel each stage opens only files
@@ -376,6 +378,30 @@ def test_stacked_experts_are_built_from_the_per_expert_tensors_saved(files):
     assert atorch.load_pretrained(files["mixtral"], result) == atorch.LoadResult([], [])
     expected = transformers.MixtralForCausalLM.from_pretrained(files["mixtral"]).state_dict()
     assert any(value.dim() == 3 for value in expected.values())
+    for name, value in result.model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+
+
+def _other_moe(kind: str, seed: int) -> torch.nn.Module:
+    shape = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, vocab_size=VOCAB)
+    torch.manual_seed(seed)
+    if kind == "qwen2_moe":  # a shared expert beside the routed ones
+        return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            moe_intermediate_size=24, shared_expert_intermediate_size=32, **shape))
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(moe_intermediate_size=24, head_dim=8,
+                                                                            **shape))
+    return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**shape))
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe", "olmoe"])
+def test_other_moe_families_load_their_per_expert_checkpoints(kind, tmp_path):
+    _other_moe(kind, 0).save_pretrained(tmp_path)
+    expected = type(_other_moe(kind, 0)).from_pretrained(tmp_path).state_dict()
+    _, result, _ = atorch.auto_accelerate(_other_moe(kind, 1), torch.optim.SGD, optim_args={"lr": 0.1},
+                                          load_strategy=[])
+    assert atorch.load_pretrained(tmp_path, result) == atorch.LoadResult([], [])
     for name, value in result.model.state_dict().items():
         assert torch.equal(value, expected[name]), name
 

@@ -3,7 +3,8 @@ a collective, ends the dry run on every rank with DryRunError within seconds, an
 stays usable for the next case (all cases share one launch, so every later case proves it).
 
 Matrix: where the fault is raised (loss_func, the model's forward at its second block, the user's
-prepare_input) × when (first call, third call) × the data-parallel method (DDP, zero1, zero2, fsdp).
+prepare_input) × when (first call, third call) × the method (DDP, zero1, zero2, fsdp, tensor_parallel,
+pipeline_parallel: rank 0 then waits in a point-to-point receive, not a collective).
 The same three places inside the fully automatic search (the sharded candidates fail on rank 1: the
 search completes without them), and a rank killed with SIGKILL during a dry run (the survivor ends
 with RankLostError naming it). Each case's wall time is printed and must stay under 30 s.
@@ -32,7 +33,12 @@ from atorch.utils.batch import move_to_device
 
 pytestmark = pytest.mark.multirank
 
-METHODS = {"ddp": ["parallel_mode"], "zero1": ["zero1"], "zero2": ["zero2"], "fsdp": ["fsdp"]}
+METHODS = {"ddp": ["parallel_mode"], "zero1": ["zero1"], "zero2": ["zero2"], "fsdp": ["fsdp"],
+           # rank 1 holds the second half of each weight (its collectives wait for rank 0's), or the second
+           # pipeline stage (block 1, the loss: rank 0 waits for its gradients in a point-to-point receive)
+           "tensor_parallel": [("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"],
+           "pipeline_parallel": [("parallel_mode", ([("pipeline", 2)], None)),
+                                 ("pipeline_parallel", {"num_micro_batch": 2})]}
 PLACES = ("loss_func", "forward", "prepare_input")
 CALLS = (1, 3)
 CASE_LIMIT_S = 30.0

@@ -3,7 +3,10 @@ whose training state (parameters, gradients and AdamW's two moments, fp32) is mo
 per-process ``memory_limit``, searched on 4 CPU processes.
 
 The search must return a strategy that trains (its losses fall and are finite), and it must itself stay
-within the limit: each process's peak RSS growth during the search is at most ``memory_limit``, and its
+within the limit: each process searches inside a memory cgroup of ``memory_limit`` (``MemoryCage``: over
+it the kernel kills the process, as a device runs out; where the machine has no cgroup v1 memory
+controller that test is skipped), each process's peak RSS growth during the search is at most
+``memory_limit``, and its
 own record (``SearchResult.pieces``) shows that it never measured the whole model: every alone measurement
 trained the model cut to at most one block (two under checkpointing, where backward's recompute of one
 block must be told apart from a block's share, and two split over the processes of a tensor split, which
@@ -17,6 +20,8 @@ would not count.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -24,6 +29,7 @@ import atorch
 from atorch.models import SyntheticTokenDataset
 from atorch.testing import run_distributed
 from atorch.testing.hf_models import RowsDataset
+from atorch.testing.memory_cage import MemoryCage, cage_unavailable
 from atorch.testing.rss import RssGrowth
 from atorch.testing.training import train_returned
 
@@ -72,11 +78,14 @@ def search_and_train() -> dict:
     model = meta_llama()
     state = training_state_bytes(model)
     rss = RssGrowth()
-    status, result, strategy = search(model, memory_limit=MEMORY_LIMIT)
+    unenforced = cage_unavailable()
+    with contextlib.nullcontext() if unenforced else MemoryCage(MEMORY_LIMIT) as cage:
+        status, result, strategy = search(model, memory_limit=MEMORY_LIMIT)
     search_growth = rss.growth()
     found = result.args.extras["search"] if status else None
     losses = train_returned(result, STEPS) if status else []
-    return {"status": status, "state": state, "search_growth": search_growth,
+    return {"status": status, "state": state, "search_growth": search_growth, "unenforced": unenforced,
+            "cage_peak": cage.peak_bytes if cage else None,
             "strategy": strategy.names() if strategy else None,
             "pieces": [vars(p) | {"label": p.label} for p in found.pieces] if found else [],
             "rows": [vars(r) for r in found.rows] if found else [], "table": found.table if found else "",
@@ -113,6 +122,17 @@ def test_the_search_returns_a_strategy_that_trains(searched):
 def test_no_process_grew_by_more_than_the_limit_while_searching(searched):
     growths = [r["search_growth"] for r in searched]
     assert max(growths) <= MEMORY_LIMIT, ([f"{g / MIB:.1f} MiB" for g in growths], searched[0]["table"])
+
+
+def test_the_limit_held_as_an_enforced_one(searched):
+    """Each process searched inside a memory cgroup of ``MEMORY_LIMIT`` (a process over it is killed, as a
+    device runs out: the launch would have failed); skipped where the machine has no such controller."""
+    reason = searched[0]["unenforced"]
+    if reason:
+        pytest.skip(f"the limit was not enforced: {reason}; the resident growth above still bounds it")
+    peaks = [r["cage_peak"] for r in searched]
+    print("memory cgroup peaks:", [f"{p / MIB:.1f} MiB" for p in peaks])
+    assert all(0 < p <= MEMORY_LIMIT for p in peaks), peaks
 
 
 def test_the_search_measured_pieces_never_the_whole_model(searched):

@@ -58,6 +58,7 @@ from atorch.auto.opt_lib.tp_plan import TPPlan, _is_linear, find_tp_plan, plan_f
 from atorch.auto.opt_lib.tp_shapes import install_localizer, localize_attributes
 from atorch.checkpoint.tensors import SAVED_ORDERS_ATTR
 from atorch.distributed import mesh
+from atorch.distributed.agreement import max_over_ranks
 from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, option
 
@@ -325,13 +326,25 @@ def _run_on_local_heads(module: nn.Module, tp_mesh, heads_dim: int) -> None:
 
 def _record(model: nn.Module, probe: Probe):
     """The sample forward's dataflow and output; (None, None) when the sample does not run on the
-    model as it is (then the name lists serve, unchecked, and the log says so)."""
+    model as it is (then the name lists serve, unchecked, and the log says so). Every rank takes the same
+    path: a sample that fails on some ranks only (a fault of that rank, not of the model) fails the
+    method on every rank, its own error the reason, rather than leave the ranks with different plans,
+    whose collectives would then wait for each other until they time out."""
     try:
-        return probe.record(model)
-    except Exception as error:
+        recorded, error = probe.record(model), None
+    except Exception as raised:
+        recorded, error = (None, None), raised
+    failed = error is not None
+    some_failed, some_ran = max_over_ranks([1.0 if failed else 0.0, 0.0 if failed else 1.0])  # one collective
+    if failed and some_ran:
+        raise MethodConfigError("tensor_parallel", f"the sample row failed on this rank only, so the ranks would "
+                                f"split the model differently: {type(error).__name__}: {error}") from error
+    if some_failed and not failed:
+        raise RuntimeError("tensor_parallel: the sample row failed on another rank (its reason is reported)")
+    if failed:
         logger.warning("tensor_parallel: the sample row did not run through the model (%s: %s); the plan is taken "
                        "from projection names and cannot be checked before training", type(error).__name__, error)
-        return None, None
+    return recorded
 
 
 def _describe(plan: TPPlan) -> str:
