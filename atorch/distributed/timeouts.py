@@ -51,18 +51,20 @@ def apply_cap_to_new_groups() -> None:
 
 @contextlib.contextmanager
 def collective_timeout_cap(seconds: float) -> Iterator[None]:
-    """Every collective started inside the block gives up after ``seconds``."""
+    """Every collective started inside the block gives up after ``seconds``. A nested block (a dry run
+    inside a conformance cell) leaves the outer cap in force when it ends, not the normal timeout."""
     if not dist.is_initialized():
         yield
         return
-    restore = normal_timeout()
+    outer = _cap["value"]
+    restore = outer if outer is not None else normal_timeout()
     _cap["value"] = datetime.timedelta(seconds=seconds)
     _set_all(_cap["value"])
     try:
         with _bounded_waits(dist.get_backend() == "gloo"):
             yield
     finally:
-        _cap["value"] = None
+        _cap["value"] = outer
         if dist.is_initialized():
             _set_all(restore)
 

@@ -11,7 +11,8 @@ with RankLostError naming it). Each case's wall time is printed and must stay un
 
 On 4 ranks: after a rank's failure rebuilt the process group, a tensor x data model whose mesh equals
 one built before the failure trains as that one did (DTensor's caches would otherwise serve it the old
-mesh, whose groups are gone).
+mesh, whose groups are gone). In one process: a cap nested in another (a dry run inside a conformance
+cell) leaves the outer one in force when it ends.
 """
 from __future__ import annotations
 
@@ -253,3 +254,21 @@ def test_a_mesh_built_after_a_rank_failure_uses_its_own_groups():
     for rank, out in enumerate(run_distributed(_tensor_parallel_after_a_rebuild, 4, timeout_s=300)):
         assert out["failed"], rank
         assert out["after"] == out["before"], f"rank {rank}: {out['after']}"
+
+
+def _caps_seen() -> list:
+    from atorch.distributed.timeouts import collective_timeout_cap, current_timeout, normal_timeout
+
+    seen = []
+    with collective_timeout_cap(7.0):
+        with collective_timeout_cap(3.0):
+            seen.append(current_timeout().total_seconds())
+        seen.append(current_timeout().total_seconds())  # the outer cap is back
+    seen.append(current_timeout() == normal_timeout())
+    return seen
+
+
+def test_a_nested_cap_leaves_the_outer_one_in_force():
+    """A dry run's cap inside a conformance cell's (or a search candidate's): when the dry run ends, the
+    cell's remaining collectives still give up after the cell's cap, not after the normal 10 minutes."""
+    assert run_distributed(_caps_seen, 1, timeout_s=120)[0] == [3.0, 7.0, True]
