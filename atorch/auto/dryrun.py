@@ -19,7 +19,7 @@ from torch import nn
 
 from atorch.auto.model_context import ModelContext
 from atorch.distributed.agreement import is_multi_rank, max_over_ranks
-from atorch.distributed.fault import run_isolated
+from atorch.distributed.fault import run_here, run_isolated
 from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.errors import InputError
 from atorch.utils.batch import loss_value
@@ -84,10 +84,12 @@ def optimizer_step(ctx: ModelContext) -> None:
 
 def dry_run(ctx: ModelContext, warmup_steps: int = 1, timed_steps: int = DEFAULT_DRYRUN_STEPS,
             setup: Optional[Callable[[], None]] = None,
-            collective_timeout_s: float = DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S) -> DryRunResult:
+            collective_timeout_s: float = DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S, alone: bool = False) -> DryRunResult:
     """``setup()`` (e.g. applying the strategy), then warm-up + timed steps; a failure on any rank
     fails every rank with the first failure's reason. Each collective inside gives up after
-    ``collective_timeout_s`` (how long a rank waits for a peer that failed)."""
+    ``collective_timeout_s`` (how long a rank waits for a peer that failed). ``alone``: a context with no
+    process group (``local``) run by this rank only, while its peers do other work: no collective at
+    all, and the result is this rank's."""
     if ctx.dataset is None or ctx.optim_func is None or ctx.loss_func is None:
         raise InputError("a dry run needs dataset, loss_func and optim_func")
 
@@ -96,11 +98,12 @@ def dry_run(ctx: ModelContext, warmup_steps: int = 1, timed_steps: int = DEFAULT
             setup()
         return _timed_steps(ctx, warmup_steps, timed_steps)
 
-    outcome = run_isolated(work, collective_timeout_s)
+    outcome = run_here(work) if alone else run_isolated(work, collective_timeout_s)
     if not outcome.ok:
-        where = f" (rank {outcome.failed_rank})" if is_multi_rank() else ""
+        where = f" (rank {outcome.failed_rank})" if is_multi_rank() and not alone else ""
         return DryRunResult(False, error=f"{outcome.error}{where}")
-    step_time, peak, spread, forward_backward_peak, saved, optimizer_time = max_over_ranks(outcome.value)
+    values = outcome.value if alone else max_over_ranks(outcome.value)
+    step_time, peak, spread, forward_backward_peak, saved, optimizer_time = values
     return DryRunResult(True, step_time, int(peak), step_time_spread_s=spread, extras=dict(ctx.args.extras),
                         forward_backward_peak_bytes=int(forward_backward_peak), forward_saved_bytes=int(saved),
                         optimizer_step_time_s=optimizer_time)

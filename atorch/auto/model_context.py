@@ -303,8 +303,9 @@ class ModelContext:
 
     def _materialize(self) -> None:
         """Methods may have cut the model since the initialisers were found (a pipeline stage keeps
-        its own layers): find them again on what this process holds."""
-        self.materialized = materialize(self.model, self.device)
+        its own layers): find them again on what this process holds. A local context (a process training
+        alone while its peers do other work) draws from its own seed: there is nothing to agree with."""
+        self.materialized = materialize(self.model, self.device, seed=torch.initial_seed() if self.local else None)
         self.meta_init = None
 
     def add_sync_toggle(self, toggle: Callable[[bool], None]) -> None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from atorch.distributed.timeouts import current_timeout
 
-_store_rounds: dict[tuple[int, ...], itertools.count] = {}
+_store_rounds: dict[tuple, itertools.count] = {}
 
 
 def is_multi_rank() -> bool:
@@ -77,9 +77,8 @@ def exchange_outside_collectives(value: str, group: Optional[dist.ProcessGroup] 
     if not is_multi_rank():
         return [value]
     ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world_size()))
-    round_ = next(_store_rounds.setdefault(ranks, itertools.count()))
     store = dist.distributed_c10d._get_default_store()
-    key = f"atorch/exchange/{'-'.join(map(str, ranks))}/{round_}"
+    key = next_store_key("atorch/exchange", ranks)
     store.set(f"{key}/{dist.get_rank()}", value)
     keys = [f"{key}/{rank}" for rank in ranks]
     try:
@@ -88,6 +87,14 @@ def exchange_outside_collectives(value: str, group: Optional[dist.ProcessGroup] 
         raise TimeoutError(f"ranks {list(ranks)} did not all reach the exchange within "
                            f"{2 * current_timeout().total_seconds():.0f} s ({type(error).__name__})") from error
     return [store.get(k).decode() for k in keys]
+
+
+def next_store_key(prefix: str, ranks: Optional[tuple[int, ...]] = None) -> str:
+    """A fresh rendezvous-store key for one exchange among ``ranks`` (default: all): every rank that takes
+    part gets the same key, as long as they take part in the same exchanges in the same order."""
+    ranks = ranks if ranks is not None else tuple(range(world_size()))
+    round_ = next(_store_rounds.setdefault((prefix, *ranks), itertools.count()))
+    return f"{prefix}/{'-'.join(map(str, ranks))}/{round_}"
 
 
 def forget_store_rounds() -> None:

@@ -77,11 +77,7 @@ def run_isolated(fn: Callable[[], Any], collective_timeout_s: float = DEFAULT_DR
     ``collective_timeout_s`` bounds every collective inside ``fn``: a healthy collective must finish
     within it, and a rank whose peer failed waits at most that long."""
     if not is_multi_rank():
-        try:
-            return Outcome(True, fn())
-        except Exception as error:
-            logger.info("isolated work failed: %s", describe(error), exc_info=True)
-            return Outcome(False, error=describe(error), failed_rank=0)
+        return run_here(fn)
     _remember_root_store()
     wait_s = collective_timeout_s + RANKS_REACH_RECOVERY_S
     with collective_timeout_cap(collective_timeout_s):
@@ -95,6 +91,16 @@ def run_isolated(fn: Callable[[], Any], collective_timeout_s: float = DEFAULT_DR
         except Exception as error:
             return _recover(error, wait_s)
     return Outcome(True, value)
+
+
+def run_here(fn: Callable[[], Any]) -> Outcome:
+    """Run ``fn()`` on this rank alone, with no collective inside it: its failure is its own ``Outcome``,
+    and nothing is aborted (no peer waits on this rank while it runs)."""
+    try:
+        return Outcome(True, fn())
+    except Exception as error:
+        logger.info("work on this rank alone failed: %s", describe(error), exc_info=True)
+        return Outcome(False, error=describe(error), failed_rank=dist.get_rank() if is_multi_rank() else 0)
 
 
 def forget_process_group() -> None:

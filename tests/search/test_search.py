@@ -30,8 +30,9 @@ def _search(report_dir: str, **kargs):
     )
     found = result.args.extras["search"] if status else None
     rows = [dict(vars(r), memory_error=r.memory_error) for r in found.rows] if found else []
+    pieces = [(p.setting, p.label, p.error, p.step_time_s, p.peak_bytes) for p in found.pieces] if found else []
     return {"status": status, "strategy": strategy, "rows": rows, "table": found.table if found else "",
-            "limit": found.hardware.memory_limit if found else None}
+            "limit": found.hardware.memory_limit if found else None, "pieces": pieces}
 
 
 def _explode_zero2_on_rank_1():
@@ -87,6 +88,28 @@ def test_every_rank_ends_with_the_same_strategy(searched):
         assert searched[0][case]["status"], f"{case}: {searched[0][case]['table']}"
         assert searched[0][case]["strategy"] == searched[1][case]["strategy"], case
         assert any(r["chosen"] for r in searched[0][case]["rows"]), case
+
+
+def test_each_setting_is_measured_alone_on_one_rank_and_every_rank_has_its_record(searched):
+    """The settings are spread over the ranks (``_measure_settings``): every rank holds the same record of
+    what was measured, to the same step times and peaks (one measurement each, exchanged; two ranks timing the
+    same piece would differ), and no piece was measured twice but for the retry of a negative block time."""
+    for case in searched[0]:
+        pieces = searched[0][case]["pieces"]
+        assert pieces == searched[1][case]["pieces"], case
+        alone = [(setting, label) for setting, label, *_ in pieces if not _split_piece(setting)]
+        assert alone, case
+        for entry in set(alone):
+            assert alone.count(entry) <= 2, (case, entry, alone)
+    # the exhaustive search measures fp32 with and without checkpointing: one setting on each rank
+    exhaustive = {setting for setting, *_ in searched[0]["one_rank_fails"]["pieces"] if not _split_piece(setting)}
+    assert exhaustive == {"fp32", "checkpoint"}, exhaustive
+
+
+def _split_piece(setting: str) -> bool:
+    """Whether a piece's record is a tensor split's or a sharding's dry run on the real groups, not an alone run."""
+    last = setting.split("+")[-1]
+    return last in ("fsdp", "zero2") or (last.startswith("tp") and last[2:].isdigit())
 
 
 def test_excluded_and_included_are_honoured(searched):

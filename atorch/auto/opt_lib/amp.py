@@ -76,7 +76,8 @@ class AmpNativeOptimization(Optimization):
             scaler = None
             if dtype == torch.float16:
                 scaler = torch.amp.GradScaler(device_type, **{k: getattr(config, k) for k in SCALER_KEYS})
-            ctx.optim = AmpOptimizer(ctx.optim, scaler, check_nonfinite=config.skip_if_nonfinite)
+            ctx.optim = AmpOptimizer(ctx.optim, scaler, check_nonfinite=config.skip_if_nonfinite,
+                                     agree=not ctx.local)
             ctx.args.use_optim_backward = True
 
         ctx.add_wrapper("amp", self.name, wrap)
@@ -137,12 +138,15 @@ def _unscale_dtensor_and_plain_apart(scaler: torch.amp.GradScaler, optimizer: to
 class AmpOptimizer(AtorchOptimizer):
     """Mixed precision on top of the strategy's optimizer: ``backward`` scales the loss, ``step``
     unscales, skips non-finite steps (agreed over all ranks, so sharded gradients cannot make ranks
-    disagree) and updates the scale. ``clip_grad_norm_`` unscales before clipping."""
+    disagree; ``agree`` False: a process training alone, whose peers are doing other work) and updates the
+    scale. ``clip_grad_norm_`` unscales before clipping."""
 
-    def __init__(self, optimizer: AtorchOptimizer, scaler: Optional[torch.amp.GradScaler], check_nonfinite: bool):
+    def __init__(self, optimizer: AtorchOptimizer, scaler: Optional[torch.amp.GradScaler], check_nonfinite: bool,
+                 agree: bool = True):
         super().__init__(optimizer)
         self.scaler = scaler
         self.check_nonfinite = check_nonfinite
+        self.agree = agree
         self.skipped_steps = 0
         self.last_step_skipped = False
 
@@ -158,7 +162,7 @@ class AmpOptimizer(AtorchOptimizer):
             self.scaler.update()
             self._record(self.scaler.get_scale() < scale_before)
             return result
-        if self.check_nonfinite and not grads_are_finite(self.torch_optimizer):
+        if self.check_nonfinite and not grads_are_finite(self.torch_optimizer, self.agree):
             self._record(True)
             return None
         self._record(False)
@@ -180,7 +184,7 @@ class AmpOptimizer(AtorchOptimizer):
                 _unscale_dtensor_and_plain_apart(self.scaler, target, state)
             else:
                 self.scaler.unscale_(target)
-            if dist.is_initialized() and dist.get_world_size() > 1:
+            if self.agree and dist.is_initialized() and dist.get_world_size() > 1:
                 for found_inf in state["found_inf_per_device"].values():
                     dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
 
@@ -204,13 +208,14 @@ class AmpOptimizer(AtorchOptimizer):
 register_optimizer_adapter(AmpOptimizer, scaler=lambda optim: optim.scaler)
 
 
-def grads_are_finite(optimizer: torch.optim.Optimizer) -> bool:
-    """True when every gradient on every rank is finite (one scalar all-reduce when distributed)."""
+def grads_are_finite(optimizer: torch.optim.Optimizer, agree: bool = True) -> bool:
+    """True when every gradient on every rank is finite (one scalar all-reduce when distributed; with
+    ``agree`` False, on this rank)."""
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     bad = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
     for grad in grads:
         local = grad.to_local() if hasattr(grad, "to_local") else grad
         bad = torch.maximum(bad, (~torch.isfinite(local)).any().float())
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if agree and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return bool(bad.item() == 0)

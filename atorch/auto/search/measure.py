@@ -132,16 +132,19 @@ def measure_variant(run: Callable[[int], tuple], setting: Setting, batch: int) -
     return variant
 
 
-def train_alone(ctx: ModelContext, strategy: Strategy, steps: int) -> tuple[DryRunResult, Optional[dict]]:
+def train_alone(ctx: ModelContext, strategy: Strategy, steps: int,
+                agree: bool = True) -> tuple[DryRunResult, Optional[dict]]:
     """Apply ``strategy`` to a local context (no process group) and train ``steps`` steps, the first
-    a warm-up; returns the agreed dry run and the agreed state bytes (parameters, gradients,
-    optimizer state) that the cost formulas subtract and scale."""
-    result = dry_run(ctx, warmup_steps=1, timed_steps=max(steps - 1, 1), setup=lambda: apply_strategy(ctx, strategy))
+    a warm-up; returns the dry run and the state bytes (parameters, gradients, optimizer state) that the
+    cost formulas subtract and scale: agreed over every rank, each training the same, or, with ``agree``
+    False, this rank's alone (its peers are measuring other things: ``spread_over_ranks``)."""
+    result = dry_run(ctx, warmup_steps=1, timed_steps=max(steps - 1, 1), setup=lambda: apply_strategy(ctx, strategy),
+                     alone=not agree)
     state = None
     if result.ok:  # the steps cleared the gradients: count them as the trainable bytes they fill
         state = state_bytes(ctx.model, ctx.raw_optim)
         state["grads"] = sum(p.numel() * p.element_size() for p in ctx.model.parameters() if p.requires_grad)
-    return result, _agree_state(state)
+    return result, _agree_state(state) if agree else state
 
 
 def _agree_state(state: Optional[dict]) -> Optional[dict]:
@@ -272,10 +275,15 @@ def load_cached(key: str) -> Optional[VariantProfile]:
         stored = json.loads(path.read_text())
         if set(stored) != {f.name for f in fields(VariantProfile)}:  # written before a field was measured
             return None
-        stored["tensor_step_times"] = {int(size): t for size, t in stored["tensor_step_times"].items()}
-        return VariantProfile(**stored)
+        return variant_from_dict(stored)
     except (ValueError, TypeError):
         return None
+
+
+def variant_from_dict(stored: dict) -> VariantProfile:
+    """A profile from its ``asdict`` form, as JSON gives it back (the tensor sizes as strings)."""
+    return VariantProfile(**{**stored, "tensor_step_times": {int(size): t
+                                                             for size, t in stored["tensor_step_times"].items()}})
 
 
 def store_cached(key: str, variant: VariantProfile) -> None:

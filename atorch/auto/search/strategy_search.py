@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import json
 import logging
 import statistics
 import time
@@ -40,6 +41,7 @@ from atorch.auto.search.measure import (
     measure_variant,
     store_cached,
     train_alone,
+    variant_from_dict,
 )
 from atorch.auto.search.options import SearchOptions
 from atorch.auto.search.pieces import (
@@ -57,6 +59,7 @@ from atorch.auto.search.topology import Links, keep_tensor_in_node, topology_for
 from atorch.auto.strategy import Strategy, StrategyItem
 from atorch.cost_model import MEMORY_MODEL_ERROR, Estimate, MeasuredProfile, fits_with_margin, predict_measured
 from atorch.distributed.agreement import all_ranks_true, broadcast_flag, is_main_rank, world_size
+from atorch.distributed.spread import spread_over_ranks
 from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.errors import InputError
 from atorch.utils.batch import first_tensor, loss_value
@@ -90,6 +93,8 @@ PIECE_STEP_FACTOR = 2  # a cut model trains this many times the dry run's steps 
 # FSDP2 keeping its parameters gathered through the step (the same per-unit work less backward's gathers:
 # on the repo GPT on 2 gloo ranks it ran 23 % slower than ddp, the formula priced it 1 % faster)
 MEASURED_SHARDINGS = ("fsdp", "zero2")
+# a rank measuring its settings alone whose heartbeat stops this long is reported lost (``spread_over_ranks``)
+SPREAD_LOST_AFTER_S = 60.0
 
 
 @dataclass
@@ -203,21 +208,26 @@ class StrategySearch:
 
     def measure(self) -> None:
         """One rank alone per setting the candidates use, from the profile cache when every rank has it;
-        measured by pieces (``pieces.py``) where the model has a block stack."""
+        measured by pieces (``pieces.py``) where the model has a block stack, the settings spread over the
+        ranks (``_measure_settings``)."""
         batch = self.per_rank_batch
         self.stack = find_block_stack(self.model)
         fresh: dict[Setting, str] = {}
+        settings = sorted({(c.precision, c.checkpoint) for c in self.candidates})
         # without checkpointing first: whether a checkpointed setting is needed at all depends on them
-        for setting in sorted({(c.precision, c.checkpoint) for c in self.candidates}, key=lambda s: (s[1], s)):
-            if setting[1] and self._checkpointing_dominated(setting):
-                continue
-            key = cache_key(self.profile, self.hardware, batch, setting)
-            cached = load_cached(key) if self.options.use_cache else None
-            if all_ranks_true(cached is not None):
-                self.variants[setting] = cached
-                continue
-            self.variants[setting] = self._measure_setting(setting, self._setting_strategy(setting), batch)
-            fresh[setting] = key
+        for checkpointed in (False, True):
+            todo = []
+            for setting in (s for s in settings if s[1] == checkpointed):
+                if checkpointed and self._checkpointing_dominated(setting):
+                    continue
+                key = cache_key(self.profile, self.hardware, batch, setting)
+                cached = load_cached(key) if self.options.use_cache else None
+                if all_ranks_true(cached is not None):
+                    self.variants[setting] = cached
+                    continue
+                todo.append(setting)
+                fresh[setting] = key
+            self._measure_settings(todo)
         self._measure_tensor_splits(set(fresh))
         if is_main_rank():
             for setting, key in fresh.items():
@@ -322,6 +332,31 @@ class StrategySearch:
             if key is not None:
                 wanted[key] = min(wanted.get(key, float("inf")), time_s)
         return wanted
+
+    def _measure_settings(self, settings: list[Setting]) -> None:
+        """Each setting measured alone on one rank, the settings spread over the ranks (``spread_over_ranks``:
+        rank i measures settings i, i + N, ...; N settings on N ranks take the time of one), then every rank
+        has every profile and every piece's record. A rank's setting that fails alone is that setting's
+        error, as when every rank measured it; a rank that raises outside a measurement fails every rank."""
+        if not settings:
+            return
+        if self.world > 1 and len(settings) > 1:
+            share = "; ".join(f"{_setting_label(self._setting_strategy(s))} on rank {i % self.world}"
+                              for i, s in enumerate(settings))
+            self._say(f"search: measuring {len(settings)} settings alone, spread over the ranks: {share}")
+
+        def measure_one(setting: Setting) -> str:
+            first = len(self.pieces)
+            variant = self._measure_setting(setting, self._setting_strategy(setting), self.per_rank_batch)
+            runs = self.pieces[first:]
+            del self.pieces[first:]  # every rank adds every setting's records below, in the settings' order
+            return json.dumps({"variant": dataclasses.asdict(variant), "pieces": [dataclasses.asdict(r) for r in runs]})
+
+        records = spread_over_ranks(settings, measure_one, lost_after_s=SPREAD_LOST_AFTER_S, describe=_setting_text)
+        for setting, text in zip(settings, records):
+            record = json.loads(text)
+            self.variants[setting] = variant_from_dict(record["variant"])
+            self.pieces.extend(PieceRun(**run) for run in record["pieces"])
 
     def _measure_setting(self, setting: Setting, strategy: Strategy, batch: int) -> VariantProfile:
         """The whole model's alone profile under ``setting``: extrapolated from the model cut to 0 and 1
@@ -732,7 +767,7 @@ class StrategySearch:
             # a piece is small, and its block's share is a difference of two pieces' times, which doubles
             # their noise, so pieces train more steps than a dry run
             steps = self.options.dryrun_steps if kept is None else PIECE_STEP_FACTOR * self.options.dryrun_steps
-            return train_alone(ctx, strategy, steps)
+            return train_alone(ctx, strategy, steps, agree=False)  # this rank's own setting (``_measure_settings``)
         finally:
             del ctx
             release_host_memory()
@@ -773,6 +808,11 @@ def dry_run_candidate(model: torch.nn.Module, make_context: ContextFactory, cand
     del ctx, setup  # free this candidate's model and optimizer before the next one is built
     release_host_memory()
     return result
+
+
+def _setting_text(setting: Setting) -> str:
+    precision, checkpoint = setting
+    return f"the {precision}{' checkpointed' if checkpoint else ''} setting alone"
 
 
 def _setting_label(strategy: Strategy) -> str:
