@@ -45,7 +45,7 @@ class AmpNativeOptimization(Optimization):
     name = "amp_native"
     config_class = AmpNativeConfig
     stages = ("amp",)
-    reads = ("model", "loss_func", "optim", "device")
+    reads = ("model", "loss_func", "optim", "device", "local")  # local: a rank alone agrees with no peer
     writes = ("model", "loss_func", "optim", "args")
     record_writes = ("amp_dtype",)  # sharding wrappers pick their mixed-precision policy from it
 

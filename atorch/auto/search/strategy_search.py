@@ -1,9 +1,9 @@
 """The fully automatic search: analyse → candidates → measure alone → estimate → prune → dry-run
 the most promising within the time limit → confirm close finalists → refine → report.
 
-Every rank runs the same loop on the same numbers (measurements are agreed across ranks and
-time-limit decisions are broadcast from rank 0, see ``atorch.distributed.agreement``), so every rank
-ends with the same strategy. A candidate that fails on any rank (while being applied or while
+Every rank runs the same loop on the same numbers (measurements are agreed across ranks, or made by one
+rank and exchanged: ``atorch.distributed.spread``; time-limit decisions are broadcast from rank 0, see
+``atorch.distributed.agreement``), so every rank ends with the same strategy. A candidate that fails on any rank (while being applied or while
 training) is marked failed on every rank and the loop goes on.
 
 ``StrategySearch`` holds one search's state (the model, the context factory, the options, the profiles,
