@@ -2,15 +2,21 @@
 
 Why: the search measures each (precision, checkpoint) setting on one rank training alone. Every rank used to
 measure every setting, the same work on each; spread, N ranks measure N settings at once, so measuring takes
-the time of the slowest rank's share instead of the sum of all settings.
+the time of ceil(settings / N) settings instead of all of them.
 
-How: item ``i`` goes to rank ``i % world``. The work is local (no collective inside it), so an item that raises
-is that rank's result, an error, and no process group is aborted. The ranks then wait for each other's results
-through the rendezvous store, not a collective: a collective's timeout would have to cover the longest share,
-and a rank still working is not a rank lost. A rank that dies is noticed instead by its heartbeat: a thread
-counts up a store key every ``HEARTBEAT_S`` while the rank works, and a peer whose count has not moved for
-``lost_after_s`` is reported with ``RankLostError``. A share that raised is raised again on every rank, naming
-the rank and the item, after every rank has its results: no rank is left waiting.
+How: the items go out in rounds of N, one to each rank; in a round with fewer items than ranks, the ranks left
+over do the round's items again (round robin), so every rank is busy in every round. On a device per rank that
+costs nothing; on CPU cores that the ranks share, a rank measuring while the others sleep would have the cores
+to itself and time a step faster than training, where every rank computes at once, will run it (measured on
+4 ranks sharing 2 cores: half the step time). Each item's results come back from every rank that did it.
+
+The work is local (no collective inside it), so an item that raises is that rank's result, an error, and no
+process group is aborted. The ranks then wait for each other's results through the rendezvous store, not a
+collective: a collective's timeout would have to cover the longest share, and a rank still working is not a
+rank lost. A rank that dies is noticed instead by its heartbeat: a thread counts up a store key every
+``HEARTBEAT_S`` while the rank works, and a peer whose count has not moved for ``lost_after_s`` is reported
+with ``RankLostError``. A share that raised is raised again on every rank, naming the rank and the item, after
+every rank has its results: no rank is left waiting.
 """
 from __future__ import annotations
 
@@ -35,18 +41,18 @@ class ShareFailedError(RuntimeError):
 
 
 def spread_over_ranks(items: Sequence[Item], work: Callable[[Item], str], lost_after_s: float,
-                      describe: Callable[[Item], str] = str) -> list[str]:
-    """``work(item)`` for every item, each on one rank (item ``i`` on rank ``i % world``); every rank gets
-    every result, in the order of ``items``. ``work`` must not run collectives (its peers are doing other
-    items). In one process: ``work`` on each item in turn."""
+                      describe: Callable[[Item], str] = str) -> list[list[str]]:
+    """``work(item)`` for every item on the ranks ``assignment`` gives it; every rank gets, for each item in
+    the order of ``items``, the results of the ranks that did it (in rank order). ``work`` must not run
+    collectives (its peers are doing other items). In one process: ``work`` on each item in turn."""
     if not is_multi_rank():
-        return [work(item) for item in items]
+        return [[work(item)] for item in items]
     rank, world = dist.get_rank(), world_size()
     store, key = dist.distributed_c10d._get_default_store(), next_store_key("atorch/spread")
     mine: dict[int, str] = {}
     failure: Optional[dict] = None
     with _Heartbeat(store, f"{key}/alive/{rank}"):
-        for index in range(rank, len(items), world):
+        for index in assignment(len(items), world)[rank]:
             try:
                 mine[index] = work(items[index])
             except Exception as error:  # the share's own failure: reported to every rank below
@@ -58,10 +64,22 @@ def spread_over_ranks(items: Sequence[Item], work: Callable[[Item], str], lost_a
     if failures:
         first = failures[0]
         raise ShareFailedError(f"rank {first['rank']} failed on {first['item']}: {first['error']}")
-    results: dict[int, str] = {}
+    results: list[list[str]] = [[] for _ in items]
     for record in records:
-        results.update({int(index): text for index, text in record["results"].items()})
-    return [results[index] for index in range(len(items))]
+        for index, text in record["results"].items():
+            results[int(index)].append(text)
+    return results
+
+
+def assignment(count: int, world: int) -> list[list[int]]:
+    """The item indices each rank does: round k gives items kN .. kN + N - 1 to ranks 0 .. N - 1, and a round
+    with m < N items gives rank r item kN + r % m, so that no rank is idle while the others work."""
+    shares: list[list[int]] = [[] for _ in range(world)]
+    for start in range(0, count, world):
+        in_round = min(world, count - start)
+        for rank in range(world):
+            shares[rank].append(start + rank % in_round)
+    return shares
 
 
 def _wait_for_results(store, key: str, world: int, lost_after_s: float) -> list[dict]:

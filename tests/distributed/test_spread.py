@@ -22,7 +22,7 @@ from atorch.auto import opt_lib
 from atorch.auto.model_context import ModelContext
 from atorch.auto.search.measure import train_alone
 from atorch.auto.strategy import Strategy, StrategyItem
-from atorch.distributed.spread import ShareFailedError, spread_over_ranks
+from atorch.distributed.spread import ShareFailedError, assignment, spread_over_ranks
 from atorch.distributed.timeouts import collective_timeout_cap
 from atorch.errors import RankLostError
 from atorch.models import SyntheticTokenDataset, gpt_loss
@@ -37,7 +37,8 @@ LOST_AFTER_S = 2.0
 def _cases() -> dict:
     out = {}
     rank = dist.get_rank()
-    # 5 items on 2 ranks: rank 0 does 0, 2, 4 and rank 1 does 1, 3 (rank 1 slower: the others wait for it)
+    # 5 items on 2 ranks: rank 0 does 0, 2, 4 and rank 1 does 1, 3 and, so as not to idle while rank 0 does
+    # the last round's one item, 4 again (rank 1 slower: the others wait for it)
     def work(item: int) -> str:
         time.sleep(0.3 if rank == 1 else 0.0)
         return f"{item} on rank {rank}"
@@ -114,7 +115,7 @@ def _train_alone_on_rank_1() -> dict:
     placed = [entry for item in items for entry in (("rank 0", False), item)]
     with collective_timeout_cap(5.0):
         results = spread_over_ranks(placed, work, LOST_AFTER_S * 30)
-    return {f"{name}{' (meta)' if meta else ''}": results[2 * i + 1] for i, (name, meta) in enumerate(items)}
+    return {f"{name}{' (meta)' if meta else ''}": results[2 * i + 1][0] for i, (name, meta) in enumerate(items)}
 
 
 def test_training_alone_runs_no_collective_under_any_setting():
@@ -123,10 +124,19 @@ def test_training_alone_runs_no_collective_under_any_setting():
     assert outcome and all(value == "ok" for value in outcome.values()), outcome
 
 
+def test_the_assignment_keeps_every_rank_busy_in_every_round():
+    assert assignment(4, 2) == [[0, 2], [1, 3]]
+    assert assignment(3, 2) == [[0, 2], [1, 2]]
+    assert assignment(1, 4) == [[0], [0], [0], [0]]  # one setting on 4 ranks: measured on each, as before
+    assert assignment(6, 4) == [[0, 4], [1, 5], [2, 4], [3, 5]]
+    assert assignment(0, 2) == [[], []]
+
+
 def test_every_rank_gets_every_result_in_order_and_a_failing_share_fails_every_rank():
     for rank, out in enumerate(run_distributed(_cases, 2, timeout_s=120)):
         print(f"rank {rank}: {out}")
-        assert out["results"] == ["0 on rank 0", "1 on rank 1", "2 on rank 0", "3 on rank 1", "4 on rank 0"]
+        assert out["results"] == [["0 on rank 0"], ["1 on rank 1"], ["2 on rank 0"], ["3 on rank 1"],
+                                  ["4 on rank 0", "4 on rank 1"]]
         assert out["failure"] == "rank 1 failed on item 1: ValueError: no such setting", out["failure"]
         assert out["failure_s"] < 10.0
         assert out["after"] == 2.0

@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -284,6 +284,20 @@ def variant_from_dict(stored: dict) -> VariantProfile:
     """A profile from its ``asdict`` form, as JSON gives it back (the tensor sizes as strings)."""
     return VariantProfile(**{**stored, "tensor_step_times": {int(size): t
                                                              for size, t in stored["tensor_step_times"].items()}})
+
+
+MEASURED_FIELDS = ("peak_bytes", "step_time_s", "params", "grads", "optim_state", "forward_backward_peak_bytes",
+                   "forward_saved_bytes", "blocks_step_time_s", "optimizer_step_time_s")
+
+
+def slowest_of(variants: list[VariantProfile]) -> VariantProfile:
+    """One profile from the same setting measured on several ranks at once: each measured quantity's largest
+    (training runs at its slowest rank's pace and must fit on its fullest), as agreeing the ranks' own
+    measurements over all ranks does; the first error where any rank's measurement failed."""
+    failed = [v for v in variants if v.error]
+    if failed:
+        return failed[0]
+    return replace(variants[0], **{name: max(getattr(v, name) for v in variants) for name in MEASURED_FIELDS})
 
 
 def store_cached(key: str, variant: VariantProfile) -> None:

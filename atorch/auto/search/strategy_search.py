@@ -1,10 +1,10 @@
 """The fully automatic search: analyse → candidates → measure alone → estimate → prune → dry-run
 the most promising within the time limit → confirm close finalists → refine → report.
 
-Every rank runs the same loop on the same numbers (measurements are agreed across ranks, or made by one
-rank and exchanged: ``atorch.distributed.spread``; time-limit decisions are broadcast from rank 0, see
-``atorch.distributed.agreement``), so every rank ends with the same strategy. A candidate that fails on any rank (while being applied or while
-training) is marked failed on every rank and the loop goes on.
+Every rank runs the same loop on the same numbers (measurements are agreed across ranks, or made on some
+ranks and exchanged: ``atorch.distributed.spread``; time-limit decisions are broadcast from rank 0, see
+``atorch.distributed.agreement``), so every rank ends with the same strategy. A candidate that fails on any
+rank (while being applied or while training) is marked failed on every rank and the loop goes on.
 
 ``StrategySearch`` holds one search's state (the model, the context factory, the options, the profiles,
 the candidates and their report rows, the start time) so each step is a short method reading the
@@ -39,6 +39,7 @@ from atorch.auto.search.measure import (
     load_cached,
     measure_hardware,
     measure_variant,
+    slowest_of,
     store_cached,
     train_alone,
     variant_from_dict,
@@ -59,7 +60,7 @@ from atorch.auto.search.topology import Links, keep_tensor_in_node, topology_for
 from atorch.auto.strategy import Strategy, StrategyItem
 from atorch.cost_model import MEMORY_MODEL_ERROR, Estimate, MeasuredProfile, fits_with_margin, predict_measured
 from atorch.distributed.agreement import all_ranks_true, broadcast_flag, is_main_rank, world_size
-from atorch.distributed.spread import spread_over_ranks
+from atorch.distributed.spread import assignment, spread_over_ranks
 from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.errors import InputError
 from atorch.utils.batch import first_tensor, loss_value
@@ -334,14 +335,18 @@ class StrategySearch:
         return wanted
 
     def _measure_settings(self, settings: list[Setting]) -> None:
-        """Each setting measured alone on one rank, the settings spread over the ranks (``spread_over_ranks``:
-        rank i measures settings i, i + N, ...; N settings on N ranks take the time of one), then every rank
-        has every profile and every piece's record. A rank's setting that fails alone is that setting's
-        error, as when every rank measured it; a rank that raises outside a measurement fails every rank."""
+        """Each setting measured alone, the settings spread over the ranks (``spread_over_ranks``: N at a
+        time on N ranks, a round with fewer settings than ranks measuring them on several, so that every
+        rank works while the others do, as in training), then every rank has every profile (the slowest of
+        a setting's ranks: ``slowest_of``) and every piece's record (its first rank's). A setting that fails
+        alone is that setting's error, as when every rank measured it; a rank that raises outside a
+        measurement fails every rank."""
         if not settings:
             return
         if self.world > 1 and len(settings) > 1:
-            share = "; ".join(f"{_setting_label(self._setting_strategy(s))} on rank {i % self.world}"
+            ranks = assignment(len(settings), self.world)
+            share = "; ".join(f"{_setting_label(self._setting_strategy(s))} on rank(s) "
+                              f"{', '.join(str(r) for r in range(self.world) if i in ranks[r])}"
                               for i, s in enumerate(settings))
             self._say(f"search: measuring {len(settings)} settings alone, spread over the ranks: {share}")
 
@@ -352,11 +357,11 @@ class StrategySearch:
             del self.pieces[first:]  # every rank adds every setting's records below, in the settings' order
             return json.dumps({"variant": dataclasses.asdict(variant), "pieces": [dataclasses.asdict(r) for r in runs]})
 
-        records = spread_over_ranks(settings, measure_one, lost_after_s=SPREAD_LOST_AFTER_S, describe=_setting_text)
-        for setting, text in zip(settings, records):
-            record = json.loads(text)
-            self.variants[setting] = variant_from_dict(record["variant"])
-            self.pieces.extend(PieceRun(**run) for run in record["pieces"])
+        results = spread_over_ranks(settings, measure_one, lost_after_s=SPREAD_LOST_AFTER_S, describe=_setting_text)
+        for setting, texts in zip(settings, results):
+            records = [json.loads(text) for text in texts]
+            self.variants[setting] = slowest_of([variant_from_dict(record["variant"]) for record in records])
+            self.pieces.extend(PieceRun(**run) for run in records[0]["pieces"])
 
     def _measure_setting(self, setting: Setting, strategy: Strategy, batch: int) -> VariantProfile:
         """The whole model's alone profile under ``setting``: extrapolated from the model cut to 0 and 1
