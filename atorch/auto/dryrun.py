@@ -98,7 +98,7 @@ def dry_run(ctx: ModelContext, warmup_steps: int = 1, timed_steps: int = DEFAULT
             setup()
         return _timed_steps(ctx, warmup_steps, timed_steps)
 
-    outcome = run_here(work) if alone else run_isolated(work, collective_timeout_s)
+    outcome = run_here(work) if alone else run_isolated(work, collective_timeout_s, ctx.release_training_objects)
     if not outcome.ok:
         where = f" (rank {outcome.failed_rank})" if is_multi_rank() and not alone else ""
         return DryRunResult(False, error=f"{outcome.error}{where}")

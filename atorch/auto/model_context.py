@@ -171,6 +171,16 @@ class ModelContext:
         self.lr_scheduler: Any = None
         self.check_inputs()
 
+    def release_training_objects(self) -> None:
+        """Drop the model, optimizer, data loader and the wrappers' hooks this context built, after work
+        on it failed: they hold the process group (DDP's reducer, FSDP's and DTensor's groups), and while
+        anything holds it gloo keeps its connections open, so a peer blocked in a collective with this rank
+        would wait for the collective timeout instead of failing at once. The context is not usable after."""
+        self.model = self.optim = self.raw_optim = self.dataloader = self.lr_scheduler = None
+        self.wrappers.clear()
+        self.data_parallel_wrapper = self.grad_partition_group = self.optimizer_factory = None
+        self.sync_toggles = []
+
     # --- input checks ------------------------------------------------------------------------
     def check_inputs(self) -> None:
         """Everything that can be checked without a training step, before anything is applied: each

@@ -7,9 +7,11 @@ both ranks wait until the collective timeout.
 
 How: ``run_isolated(fn)`` runs ``fn`` on every rank with every collective's timeout capped
 (``atorch.distributed.timeouts``). A rank whose ``fn`` raises records why in the rendezvous store
-(the first record wins) and aborts the process group (NCCL stops at once; gloo keeps its
-connections while wrappers hold the group, so its peers give up when the capped timeout ends, also
-in a point-to-point wait, which the cap bounds too, or at once when the failed rank's process is gone).
+(the first record wins), drops what the work built (the frames its exception kept, and the caller's
+``release``: the wrapped model and optimizer hold the group) and aborts the process group. NCCL stops
+at once; gloo closes a group's connections only once nothing holds it, and then its peers' collectives
+fail at once; where something still holds it (the user's own model, wrapped in place), its peers give up
+when the capped timeout ends, also in a point-to-point wait, which the cap bounds too.
 The peers' failed collectives send them down the
 same path. Every rank then waits, bounded, for all ranks to reach this point (a rank that never
 does was lost: killed or hung, and ``RankLostError`` names it), rebuilds the default process group
@@ -20,9 +22,11 @@ with the next strategy it applies.
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -71,11 +75,15 @@ def describe(error: BaseException) -> str:
     return text
 
 
-def run_isolated(fn: Callable[[], Any], collective_timeout_s: float = DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S) -> Outcome:
+def run_isolated(fn: Callable[[], Any], collective_timeout_s: float = DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S,
+                 release: Optional[Callable[[], None]] = None) -> Outcome:
     """Run ``fn()`` on every rank; all ranks get the same ``Outcome`` and a usable process group.
 
     ``collective_timeout_s`` bounds every collective inside ``fn``: a healthy collective must finish
-    within it, and a rank whose peer failed waits at most that long."""
+    within it, and a rank whose peer failed waits at most that long (on gloo, only while the failed
+    rank's process group stays referenced: ``release()``, called on a failure before the group is
+    destroyed, drops what ``fn`` built outside its own frames, so the failed rank's connections close and
+    its peers' collectives fail at once)."""
     if not is_multi_rank():
         return run_here(fn)
     _remember_root_store()
@@ -85,11 +93,11 @@ def run_isolated(fn: Callable[[], Any], collective_timeout_s: float = DEFAULT_DR
             value = fn()
         except Exception as error:
             logger.info("isolated work failed on this rank: %s", describe(error), exc_info=True)
-            return _recover(error, wait_s)
+            return _recover(error, wait_s, release)
         try:
             all_ranks_true(True)  # completes only if no rank failed
         except Exception as error:
-            return _recover(error, wait_s)
+            return _recover(error, wait_s, release)
     return Outcome(True, value)
 
 
@@ -117,7 +125,7 @@ def _remember_root_store() -> None:
         _state["timeout"] = normal_timeout()
 
 
-def _recover(error: BaseException, timeout_s: float) -> Outcome:
+def _recover(error: BaseException, timeout_s: float, release: Optional[Callable[[], None]] = None) -> Outcome:
     store, rank, world = _state["root_store"], dist.get_rank(), dist.get_world_size()
     generation = _state["generation"]
     _state["generation"] += 1
@@ -126,7 +134,9 @@ def _recover(error: BaseException, timeout_s: float) -> Outcome:
     try:
         store.compare_set(f"{key}/first", "", record)  # the first failing rank wins; later ones are echoes
         store.set(f"{key}/error/{rank}", record)
+        _release_failed_work(error, release)
         _abort_process_group()
+        gc.collect()  # the wrappers' reference cycles: the group's last holders
         store.set(f"{key}/reached/{rank}", "1")
         _wait_for_every_rank(store, key, world, timeout_s)
         first = _the_reason(store, key, world)
@@ -140,6 +150,21 @@ def _recover(error: BaseException, timeout_s: float) -> Outcome:
     logger.warning("rank %d failed (%s); every rank stopped that work and the process group was rebuilt",
                    first["rank"], first["error"])
     return Outcome(False, error=first["error"], failed_rank=first["rank"])
+
+
+def _release_failed_work(error: Optional[BaseException], release: Optional[Callable[[], None]]) -> None:
+    """Drop what the failed work still holds (its wrapped model, optimizer, pipeline stages: in the
+    frames its exception kept, and through ``release``): they hold the process group, and gloo closes a
+    group's connections only when nothing does, so until then a peer blocked in a collective with this
+    rank waits for the collective timeout; once the group is destroyed and unheld, the peer's collective
+    fails at once."""
+    if release is not None:
+        release()
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 def _the_reason(store: Any, key: str, world: int) -> dict:
