@@ -186,10 +186,22 @@ def _measured_sharding_seconds(candidate: Candidate, variant: VariantProfile, wo
     and reduce-scatter are not its all-reduce) and the sharding's own per-unit work (FSDP's copy-in /
     copy-out and hooks). Hybrid sharding (``candidate.shard``) and
     other world sizes keep the formula: the measurement was over all ranks as one group."""
-    measured = variant.sharded_step_times.get(candidate.sharding)
-    if measured is None or candidate.shard or world != variant.sharded_world or unsplit_comm_s <= 0:
+    if candidate.shard or world != variant.sharded_world or unsplit_comm_s <= 0:
         return comm_s
-    return max(measured - alone_s, 0.0) * comm_s / unsplit_comm_s
+    measured = variant.sharded_step_times.get(candidate.sharding)
+    added = max(measured - alone_s, 0.0) if measured is not None else variant.sharded_overhead_s.get(candidate.sharding)
+    return comm_s if added is None else added * comm_s / unsplit_comm_s
+
+
+def sharding_overhead_s(sharding: str, variant: VariantProfile) -> Optional[float]:
+    """What ``sharding``, measured over every rank (``variant.sharded_step_times``), adds to the step of an
+    unsplit candidate under it: the measured step less the alone step the rank still runs (its shard of
+    the optimizer update). None where it was not measured."""
+    measured = variant.sharded_step_times.get(sharding)
+    if measured is None:
+        return None
+    alone_s = variant.step_time_s - (1 - 1 / max(variant.sharded_world, 1)) * _optimizer_seconds(variant)
+    return max(measured - alone_s, 0.0)
 
 
 def _split(candidate: Candidate, memory: float, comm: float, collectives: int, act: float, P: float, G: float,
@@ -342,14 +354,26 @@ def _tensor_split_time(candidate: Candidate, variant: VariantProfile, world: int
     if pipeline > 1:
         micro = micro_batches(pipeline, variant.batch * tensor * pipeline)
         along = pipeline * facts.stage_block_share[pipeline] * (micro + pipeline - 1) / micro
-    measured = variant.tensor_step_times.get(tensor)
-    if measured:
-        return max(measured - _time_without_tensor_split(tensor, 1, variant, world, profile, hardware), 0.0) * along
+    added = tensor_split_overhead_s(tensor, variant, world, profile, hardware)
+    if added is None:
+        added = variant.tensor_overhead_s.get(tensor)
+    if added is not None:
+        return added * along
     dtype_bytes = 2 if candidate.precision != "fp32" else 4
     activation_bytes = variant.batch * tensor * pipeline * profile.tokens_per_sample * facts.hidden_size * dtype_bytes
     blocks_here = max(facts.blocks, 1) * (facts.stage_block_share.get(pipeline, 1.0) if pipeline > 1 else 1.0)
     comm = 4 * blocks_here * 2 * (1 - 1 / tensor) * activation_bytes
     return _comm_seconds(comm, int(4 * blocks_here), hardware)
+
+
+def tensor_split_overhead_s(tensor: int, variant: VariantProfile, world: int, profile: ModelProfile,
+                            hardware: HardwareProfile) -> Optional[float]:
+    """What a ``tensor``-way split, measured (``variant.tensor_step_times``: the whole model under ddp +
+    the split), adds to the same layout without it; None where it was not measured."""
+    measured = variant.tensor_step_times.get(tensor)
+    if not measured:
+        return None
+    return max(measured - _time_without_tensor_split(tensor, 1, variant, world, profile, hardware), 0.0)
 
 
 # --- the links a collective crosses ----------------------------------------------------------------

@@ -176,6 +176,50 @@ def test_only_tensor_splits_that_could_be_dry_run_are_measured():
     assert search._measurements_that_matter([setting]) == {}
 
 
+def test_each_split_beyond_the_top_k_is_measured_once_and_what_it_adds_carried_to_the_other_settings():
+    """Where more candidates fit than are dry-run, every tensor size and measured sharding the fitting
+    candidates use is measured once (at the setting of its fastest candidate) and what it adds is carried to
+    the settings that did not measure it, so the candidates beyond the top-k are priced from a measurement,
+    not from the formula's optimistic cost; where every fitting candidate is dry-run, nothing is."""
+    search = _hand_made_search()
+    search.stack = None
+    plain, ckpt = ("fp32", False), ("fp32", True)
+    search.variants[ckpt] = dataclasses.replace(search.variants[plain], checkpoint=True, step_time_s=0.07,
+                                                tensor_step_times={}, sharded_step_times={})
+    measured = []
+
+    def measure(setting, kind):  # what the pieces would have measured: far over the formula
+        measured.append((setting, kind))
+        variant = search.variants[setting]
+        if isinstance(kind, int):
+            variant.tensor_step_times[kind] = 1.0
+        else:
+            variant.sharded_step_times[kind], variant.sharded_world = variant.step_time_s + 0.5, search.world
+
+    search._measure_split = measure
+    search.options = dataclasses.replace(search.options, exhaustive=False, topk=10**6)
+    assert not search._carry_split_overheads({plain, ckpt}) and not measured
+    search.options = dataclasses.replace(search.options, topk=1)
+    search.measured = search._measured()
+    fitting = [c for c in search.candidates if search.measured.predictable(c)
+               and fits_with_margin(search._estimate(c).memory_bytes, search.hardware.memory_limit)]
+    kinds = {search._split_kind(c) for c in fitting} - {None}
+    assert {k for k in kinds if isinstance(k, int)} and {k for k in kinds if isinstance(k, str)}
+    tp = next(c for c in fitting if c.tensor > 1)
+    tp_other = dataclasses.replace(tp, checkpoint=not tp.checkpoint)
+    formula = search._estimate(tp_other).step_time_s
+    assert search._carry_split_overheads({plain, ckpt})
+    assert len(measured) == len(kinds) and {kind for _, kind in measured} == kinds  # each once
+    for setting, kind in measured:
+        other = search.variants[ckpt if setting == plain else plain]
+        carried = (other.tensor_overhead_s if isinstance(kind, int) else other.sharded_overhead_s)[kind]
+        assert carried == pytest.approx(search._split_added_s(kind, search.variants[setting])) and carried > 0
+        if isinstance(kind, str):  # the unsplit candidate at the other setting: its alone step + the carried excess
+            candidate = Candidate(kind, "fp32", other.checkpoint, block="Block")
+            assert search._estimate(candidate).step_time_s == pytest.approx(other.step_time_s + 0.5)
+    assert search._estimate(tp_other).step_time_s > formula
+
+
 @pytest.mark.parametrize("sharding", MEASURED_SHARDINGS)
 def test_a_sharding_is_measured_when_it_could_be_dry_run_and_then_costs_what_it_measured(sharding):
     """FSDP's and zero2's cost (``MEASURED_SHARDINGS``) is measured over every rank when such a candidate is

@@ -73,6 +73,11 @@ class VariantProfile:
     # per-unit work really cost, which the bandwidth formula prices from an all-reduce
     sharded_step_times: dict = field(default_factory=dict)
     sharded_world: int = 0
+    # what a tensor split (size -> seconds) or a sharding (name -> seconds, over ``sharded_world`` ranks) adds
+    # to a step, carried from another setting's measurement where this one's was not measured: the split's
+    # collectives and its layers' own work, which the precision changes little (``carry_split_overheads``)
+    tensor_overhead_s: dict = field(default_factory=dict)
+    sharded_overhead_s: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -282,8 +287,8 @@ def load_cached(key: str) -> Optional[VariantProfile]:
 
 def variant_from_dict(stored: dict) -> VariantProfile:
     """A profile from its ``asdict`` form, as JSON gives it back (the tensor sizes as strings)."""
-    return VariantProfile(**{**stored, "tensor_step_times": {int(size): t
-                                                             for size, t in stored["tensor_step_times"].items()}})
+    return VariantProfile(**{**stored, **{name: {int(size): t for size, t in stored[name].items()}
+                                          for name in ("tensor_step_times", "tensor_overhead_s")}})
 
 
 MEASURED_FIELDS = ("peak_bytes", "step_time_s", "params", "grads", "optim_state", "forward_backward_peak_bytes",
