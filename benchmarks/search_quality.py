@@ -55,6 +55,7 @@ from atorch.models import GPTConfig, SyntheticTokenDataset, gpt_loss
 from atorch.testing import run_distributed
 from atorch.testing.rss import RssGrowth
 from atorch.testing.training import build_gpt
+from atorch.utils.memory import collecting_only_new_objects
 
 if TYPE_CHECKING:
     from atorch.auto.search.candidates import Candidate
@@ -173,9 +174,12 @@ def _dry_run(model, arguments: dict, candidate, steps: int):
     return dry_run_candidate(model, make_context, candidate, steps)
 
 
+@collecting_only_new_objects
 def run_exhaustive(name: str, scale: Scale) -> tuple[dict, float, list]:
     """Every candidate's step time (the median of ``scale.exhaustive_passes`` passes, alternating their
-    order; None where one failed), the first pass's wall time, and each pass's times."""
+    order; None where one failed), the first pass's wall time, and each pass's times. Python's collector
+    skips the objects alive at its start, as inside ``auto_accelerate``: an exhaustive search there would
+    collect as cheaply as the search it is timed against."""
     import statistics
 
     dist.barrier()
@@ -353,8 +357,19 @@ def sharded_only(scale: Scale) -> dict:
     found = searches[SCALE_LIMIT][0]
     dist.barrier()
     start = time.perf_counter()
+    candidates, grown, ran, peaks = _run_every_unsplit(found.candidates, model, make_context, scale)
+    exhaustive_s = time.perf_counter() - start
+    per_limit = {limit: _judge(limit, searches[limit], ran, peaks, grown, candidates, model, make_context, scale)
+                 for limit in SCALE_LIMITS}
+    return {"state": state, "exhaustive_s": exhaustive_s, "rss": grown, "ran": ran, "limits": per_limit}
+
+
+@collecting_only_new_objects  # as inside auto_accelerate: see run_exhaustive
+def _run_every_unsplit(every: list, model, make_context, scale: Scale) -> tuple[dict, dict, dict, dict]:
+    """The scale line's exhaustive pass: every candidate without micro-batching or compute methods, its
+    step time, tracked peak and resident growth (the largest over the ranks)."""
     candidates, grown, ran, peaks = {}, {}, {}, {}
-    for candidate in found.candidates:
+    for candidate in every:
         if candidate.micro > 1 or candidate.compute or candidate.label in ran:
             continue
         rss = RssGrowth()
@@ -362,10 +377,7 @@ def sharded_only(scale: Scale) -> dict:
         grown[candidate.label] = _largest_over_ranks(rss.growth())
         ran[candidate.label] = run.step_time_s if run.ok else None  # fitting or not: the cost model's check
         peaks[candidate.label], candidates[candidate.label] = (run.peak_memory_bytes if run.ok else None), candidate
-    exhaustive_s = time.perf_counter() - start
-    per_limit = {limit: _judge(limit, searches[limit], ran, peaks, grown, candidates, model, make_context, scale)
-                 for limit in SCALE_LIMITS}
-    return {"state": state, "exhaustive_s": exhaustive_s, "rss": grown, "ran": ran, "limits": per_limit}
+    return candidates, grown, ran, peaks
 
 
 def _judge(limit: int, search: tuple, ran: dict, peaks: dict, grown: dict, candidates: dict, model, make_context,

@@ -19,6 +19,7 @@ from atorch.distributed.agreement import is_main_rank
 from atorch.distributed.init import init_from_launcher
 from atorch.errors import DryRunError, InputError, StrategyFileError, nearest_name
 from atorch.utils.batch import SampleRowsDataset, batch_size_of, loss_value
+from atorch.utils.memory import collecting_only_new_objects
 
 logger = logging.getLogger("atorch")
 
@@ -35,6 +36,7 @@ SEARCH_ONLY_KARGS = ("time_limit", "search_topk", "report_dir", "use_profile_cac
 DRY_RUN_KARGS = ("dryrun_steps", "dryrun_collective_timeout", "memory_limit", "sample_batch", "batch_size")
 
 
+@collecting_only_new_objects
 def auto_accelerate(
     model: torch.nn.Module,
     optim_func: Optional[Callable] = None,

@@ -40,7 +40,8 @@ try:  # DTensor is optional (torch built without distributed)
 except ImportError:  # pragma: no cover
     DTensor = None  # type: ignore[assignment,misc]
 
-__all__ = ["MemoryStats", "PeakMemoryTracker", "measure_peak_memory", "release_host_memory", "state_bytes"]
+__all__ = ["MemoryStats", "PeakMemoryTracker", "collecting_only_new_objects", "measure_peak_memory",
+           "release_host_memory", "state_bytes"]
 
 
 def release_host_memory() -> None:
@@ -52,6 +53,28 @@ def release_host_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def collecting_only_new_objects(fn: Callable) -> Callable:
+    """``fn`` runs with the objects alive when it starts frozen (``gc.freeze``): Python's collector skips
+    them, so each full collection inside scans only what ``fn`` made. A search and its dry runs collect
+    after every candidate (``release_host_memory``, and before each run's timed steps) to free the copy
+    they dropped; with transformers, dynamo and the user's objects in the heap, one such collection took
+    0.43 s, 23 s of a 4-process search's 80. Garbage is collected first, so none is frozen; everything is
+    unfrozen when ``fn`` returns. A caller that froze objects itself keeps its own arrangement."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if gc.get_freeze_count() or not gc.isenabled():
+            return fn(*args, **kwargs)
+        gc.collect()
+        gc.freeze()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.unfreeze()
+
+    return wrapper
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,14 +1,16 @@
 """Tests for atorch.utils.memory (CPU; one CUDA test skips without a GPU)."""
 
+import gc
 import os
 import socket
+import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from atorch.utils.memory import PeakMemoryTracker, measure_peak_memory, state_bytes
+from atorch.utils.memory import PeakMemoryTracker, collecting_only_new_objects, measure_peak_memory, state_bytes
 
 MIB = 1 << 20
 F32 = 4
@@ -227,3 +229,38 @@ def test_cuda_peak_leaves_out_memory_the_region_does_not_hold():
     assert 64 * MIB <= s.delta_bytes < 65 * MIB
     assert s.peak_bytes < 100 * MIB and s.end_bytes == s.baseline_bytes
     del held_elsewhere
+
+
+class _Cycle:
+    """An object in a reference cycle: only the collector frees it."""
+
+    def __init__(self):
+        self.me = self
+
+
+def test_inside_auto_accelerate_the_collector_frees_what_it_made_and_skips_what_was_alive():
+    """``collecting_only_new_objects``: garbage from before is collected on entry (none is frozen), a cycle
+    made inside is freed by a collection inside, the objects alive at entry are frozen (skipped) until it
+    returns, and a caller that froze objects itself keeps that arrangement."""
+    before = _Cycle()
+    dropped = weakref.ref(before)
+    del before
+
+    @collecting_only_new_objects
+    def inside():
+        assert dropped() is None  # collected on entry, not frozen
+        frozen = gc.get_freeze_count()
+        made = _Cycle()
+        made_ref = weakref.ref(made)
+        del made
+        gc.collect()
+        return frozen, made_ref() is None
+
+    frozen, freed = inside()
+    assert frozen > 0 and freed and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        held = gc.get_freeze_count()
+        assert inside()[0] == held and gc.get_freeze_count() == held
+    finally:
+        gc.unfreeze()
