@@ -178,8 +178,8 @@ def _dry_run(model, arguments: dict, candidate, steps: int):
 def run_exhaustive(name: str, scale: Scale) -> tuple[dict, float, list]:
     """Every candidate's step time (the median of ``scale.exhaustive_passes`` passes, alternating their
     order; None where one failed), the first pass's wall time, and each pass's times. Python's collector
-    skips the objects alive at its start, as inside ``auto_accelerate``: an exhaustive search there would
-    collect as cheaply as the search it is timed against."""
+    skips the objects alive at its start, as inside the search (``collecting_only_new_objects``): an
+    exhaustive search would collect as cheaply as the search it is timed against."""
     import statistics
 
     dist.barrier()
@@ -364,7 +364,7 @@ def sharded_only(scale: Scale) -> dict:
     return {"state": state, "exhaustive_s": exhaustive_s, "rss": grown, "ran": ran, "limits": per_limit}
 
 
-@collecting_only_new_objects  # as inside auto_accelerate: see run_exhaustive
+@collecting_only_new_objects  # as inside the search: see run_exhaustive
 def _run_every_unsplit(every: list, model, make_context, scale: Scale) -> tuple[dict, dict, dict, dict]:
     """The scale line's exhaustive pass: every candidate without micro-batching or compute methods, its
     step time, tracked peak and resident growth (the largest over the ranks)."""

@@ -36,7 +36,6 @@ SEARCH_ONLY_KARGS = ("time_limit", "search_topk", "report_dir", "use_profile_cac
 DRY_RUN_KARGS = ("dryrun_steps", "dryrun_collective_timeout", "memory_limit", "sample_batch", "batch_size")
 
 
-@collecting_only_new_objects
 def auto_accelerate(
     model: torch.nn.Module,
     optim_func: Optional[Callable] = None,
@@ -237,6 +236,7 @@ class LossCheckedOnce:
         return value
 
 
+@collecting_only_new_objects
 def _search(model, make_context, load_strategy, finetune_strategy, excluded, included, kargs):
     """Fully automatic mode; with finetune_strategy, the search is limited to the loaded strategy's
     non-tunable items (kept in every candidate) plus the searched dimensions for the tunable ones."""

@@ -25,6 +25,7 @@ from atorch.distributed.fault import run_isolated
 from atorch.distributed.shutdown import register_gil_release_at_exit
 from atorch.distributed.timeouts import DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S
 from atorch.errors import AtorchError, InputError, MethodConfigError, PeerRankError, RequirementError
+from atorch.utils.memory import collecting_only_new_objects
 
 logger = logging.getLogger("atorch")
 
@@ -135,6 +136,7 @@ def apply_strategy_together(ctx: ModelContext, strategy: Strategy,
                         failed_rank=outcome.failed_rank)
 
 
+@collecting_only_new_objects
 def dry_run_strategy(make_context: Callable[[], ModelContext], strategy: Strategy, steps: int,
                      collective_timeout_s: float = DEFAULT_DRYRUN_COLLECTIVE_TIMEOUT_S) -> DryRunResult:
     """Dry-run on a fresh context (a copy of the model) so the user's model and optimizer stay

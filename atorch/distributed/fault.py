@@ -136,7 +136,8 @@ def _recover(error: BaseException, timeout_s: float, release: Optional[Callable[
         store.set(f"{key}/error/{rank}", record)
         _release_failed_work(error, release)
         _abort_process_group()
-        gc.collect()  # the wrappers' reference cycles: the group's last holders
+        if release is not None:  # the caller asked for it: the wrappers' reference cycles hold the group last
+            gc.collect()
         store.set(f"{key}/reached/{rank}", "1")
         _wait_for_every_rank(store, key, world, timeout_s)
         first = _the_reason(store, key, world)

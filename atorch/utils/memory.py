@@ -57,11 +57,13 @@ def release_host_memory() -> None:
 
 def collecting_only_new_objects(fn: Callable) -> Callable:
     """``fn`` runs with the objects alive when it starts frozen (``gc.freeze``): Python's collector skips
-    them, so each full collection inside scans only what ``fn`` made. A search and its dry runs collect
-    after every candidate (``release_host_memory``, and before each run's timed steps) to free the copy
-    they dropped; with transformers, dynamo and the user's objects in the heap, one such collection took
-    0.43 s, 23 s of a 4-process search's 80. Garbage is collected first, so none is frozen; everything is
-    unfrozen when ``fn`` returns. A caller that froze objects itself keeps its own arrangement."""
+    them, so each full collection inside scans only what ``fn`` made. The search and a loaded strategy's
+    dry run (what wraps it) collect after every candidate (``release_host_memory``, before each run's timed
+    steps, after a failure) to free the copy they dropped; with transformers, dynamo and the user's objects
+    in the heap, one such collection took 0.43 s, 23 s of a 4-process search's 80. Garbage is collected
+    first, so none is frozen (that one collection is the cost: nothing that collects once or never, such as
+    ``auto_accelerate`` without a dry run, is wrapped); everything is unfrozen when ``fn`` returns. A caller
+    that froze objects itself keeps its own arrangement."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -238,7 +238,7 @@ class _Cycle:
         self.me = self
 
 
-def test_inside_auto_accelerate_the_collector_frees_what_it_made_and_skips_what_was_alive():
+def test_inside_a_search_the_collector_frees_what_it_made_and_skips_what_was_alive():
     """``collecting_only_new_objects``: garbage from before is collected on entry (none is frozen), a cycle
     made inside is freed by a collection inside, the objects alive at entry are frozen (skipped) until it
     returns, and a caller that froze objects itself keeps that arrangement."""
