@@ -136,7 +136,7 @@ def _recover(error: BaseException, timeout_s: float, release: Optional[Callable[
         store.set(f"{key}/error/{rank}", record)
         _release_failed_work(error, release)
         _abort_process_group()
-        if release is not None:  # the caller asked for it: the wrappers' reference cycles hold the group last
+        if release is not None:  # the wrappers' reference cycles hold the group last
             gc.collect()
         store.set(f"{key}/reached/{rank}", "1")
         _wait_for_every_rank(store, key, world, timeout_s)
@@ -158,9 +158,11 @@ def _release_failed_work(error: Optional[BaseException], release: Optional[Calla
     frames its exception kept, and through ``release``): they hold the process group, and gloo closes a
     group's connections only when nothing does, so until then a peer blocked in a collective with this
     rank waits for the collective timeout; once the group is destroyed and unheld, the peer's collective
-    fails at once."""
-    if release is not None:
-        release()
+    fails at once. Only where the caller asked (``release`` given: a dry run, whose error is reported as
+    text): an error re-raised to the user keeps its frames' locals for their debugger."""
+    if release is None:
+        return
+    release()
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
