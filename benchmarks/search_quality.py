@@ -245,7 +245,8 @@ def measure(scale: Scale) -> dict:
         again = side_by_side(name, sorted({chosen, best}), scale, chosen_candidate)
         out[name] = {"chosen": chosen, "search_s": search_s, "table": table, "times": times,
                      "exhaustive_s": exhaustive_s, "best": best, "again": again,
-                     "space_spearman": spearman_over_space(predicted, times), "pass_to_pass": pass_to_pass(passes)}
+                     "space_spearman": spearman_over_space(predicted, times), "pass_to_pass": pass_to_pass(passes),
+                     "predicted": predicted}
     return out
 
 
@@ -467,8 +468,17 @@ def main() -> None:
     parser.add_argument("--scale", action="store_true", help="only the sharded-only meta model (4 ranks)")
     parser.add_argument("--tiny", action="store_true", help="a 2-block model, two exhaustive candidates, one "
                         "round: checks the script")
+    parser.add_argument("--zoo-only", action="store_true", help="only the zoo line (the search against the "
+                        "exhaustive pass), without the memory-limited and --scale lines")
+    parser.add_argument("--model", action="append", choices=sorted(MODELS),
+                        help="a zoo model to run (repeatable; default: every one)")
     args = parser.parse_args()
     scale = TINY if args.tiny else Scale(steps=args.steps)
+    if args.model:
+        scale = dataclasses.replace(scale, models=tuple(args.model))
+    if args.zoo_only:
+        print_zoo(run_distributed(measure, 2, scale, timeout_s=3000)[0], scale)
+        return
     if args.split_only:
         print_split(run_distributed(memory_limited_split, 2, scale, timeout_s=3000)[0])
         return
@@ -477,6 +487,13 @@ def main() -> None:
         return
     results, split = zip(*run_distributed(_both, 2, scale, timeout_s=3000))
     results, split = results[0], split[0]
+    print_zoo(results, scale)
+    print_split(split)
+    if not args.tiny:  # 4 ranks and a few minutes: the smallest mode checks the rest of the script
+        print_sharded_only(run_scale(scale))
+
+
+def print_zoo(results: dict, scale: Scale) -> None:
     print(f"models {scale.shape.n_layer}x{scale.shape.n_embd}, 2 CPU ranks, global batch {GLOBAL_BATCH}")
     print(f"{'model':<18}{'chosen':<30}{'best (exhaustive)':<30}{'exhaustive':>12}{'side by side':>13}"
           f"{'rounds range':>14}{'search s':>10}{'exh. s':>9}{'time ratio':>11}")
@@ -496,13 +513,12 @@ def main() -> None:
         print(f"{name}: {_space_spearman(r)} (the median of {scale.exhaustive_passes} passes; its first two "
               "passes against each other: " + ("n/a" if ceiling is None else f"{ceiling[0]:.2f}") + ")")
     for name, r in results.items():
-        print(f"\n{name}: exhaustive step times (ms)")
+        print(f"\n{name}: exhaustive step times (ms), beside the search's prediction where it priced the candidate")
         for label, t in sorted(r["times"].items(), key=lambda kv: kv[1] or float("inf")):
-            print(f"  {label:<40}{t * 1000 if t else float('nan'):>9.1f}")
+            guess = r.get("predicted", {}).get(label)
+            print(f"  {label:<40}{t * 1000 if t else float('nan'):>9.1f}"
+                  + (f"{guess * 1000:>11.1f} predicted" if guess else ""))
         print(f"\n{name}: the search's report\n{r['table']}")
-    print_split(split)
-    if not args.tiny:  # 4 ranks and a few minutes: the smallest mode checks the rest of the script
-        print_sharded_only(run_scale(scale))
 
 
 def run_scale(scale: Scale) -> dict:

@@ -308,21 +308,14 @@ class StrategySearch:
         1.4x, so the candidates beyond the top-k were ranked among the fastest. Returns whether anything
         was carried. Where no more candidates fit than are dry-run, each is dry-run anyway and nothing is
         measured here (a split's pieces cost about what its candidate's dry run does)."""
-        self.measured = self._measured()
+        fitting = self._fitting_candidates()
+        if self.options.exhaustive or len(fitting) <= self.options.topk:  # each is dry-run: its own run prices it
+            return False
         firsts: dict[Any, tuple[float, Setting]] = {}
-        fitting = 0
-        for candidate in self.candidates:
-            if not self.measured.predictable(candidate):
-                continue
-            guess = self._estimate(candidate)
-            if not fits_with_margin(guess.memory_bytes, self.hardware.memory_limit):
-                continue
-            fitting += 1
+        for time_s, candidate in fitting:
             setting, kind = (candidate.precision, candidate.checkpoint), self._split_kind(candidate)
             if kind is not None and setting in settings:
-                firsts[kind] = min(firsts.get(kind, (float("inf"), setting)), (guess.step_time_s, setting))
-        if self.options.exhaustive or fitting <= self.options.topk:  # each is dry-run: its own run prices it
-            return False
+                firsts[kind] = min(firsts.get(kind, (float("inf"), setting)), (time_s, setting))
         carried = False
         for kind, (_, setting) in sorted(firsts.items(), key=lambda item: str(item[0])):
             source = next((v for v in self.variants.values() if self._split_added_s(kind, v) is not None), None)
@@ -364,6 +357,20 @@ class StrategySearch:
         else:
             self._measure_sharding(setting, kind, self.variants[setting])
 
+    def _fitting_candidates(self) -> list[tuple[float, Candidate]]:
+        """Every candidate the current measurements can predict (its setting measured and not failed alone)
+        that is predicted to fit with the memory model's margin, with its predicted step time, in the
+        candidates' order. Re-reads the measurements first: each split measured moves its candidates."""
+        self.measured = self._measured()
+        fitting = []
+        for candidate in self.candidates:
+            if not self.measured.predictable(candidate):
+                continue
+            guess = self._estimate(candidate)
+            if fits_with_margin(guess.memory_bytes, self.hardware.memory_limit):
+                fitting.append((guess.step_time_s, candidate))
+        return fitting
+
     def _measurements_that_matter(self, settings: Iterable[Setting]) -> dict[tuple[Setting, Any], float]:
         """The (setting, tensor size) and (setting, sharding) pairs among ``settings`` not measured yet that
         some candidate the search would dry-run uses, each with that candidate's predicted step time: among
@@ -373,15 +380,7 @@ class StrategySearch:
         is never dry-run). A sharding is measured where ``MEASURED_SHARDINGS`` names it, unsplit over all
         ranks (what ``sharded_step_times`` holds)."""
         settings = set(settings)
-        self.measured = self._measured()
-        limit = self.hardware.memory_limit
-        fitting = []
-        for candidate in self.candidates:
-            if not self.measured.predictable(candidate):  # its setting failed alone, or was not measured
-                continue
-            guess = self._estimate(candidate)
-            if fits_with_margin(guess.memory_bytes, limit):
-                fitting.append((guess.step_time_s, candidate))
+        fitting = self._fitting_candidates()
         # the splits the search would not dry-run (``_skip_needless_splits``) take no place in the top-k
         labels = {candidate.label for _, candidate in fitting}
         fitting = [(t, c) for t, c in fitting if c.micro == 1 or not needless_split(c, lambda x: x.label in labels)]
