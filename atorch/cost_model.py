@@ -168,6 +168,24 @@ def _optimizer_seconds(variant: VariantProfile) -> float:
     return min(max(variant.optimizer_step_time_s, 0.0), variant.step_time_s)
 
 
+def pass_seconds(variant: VariantProfile, samples: float) -> float:
+    """One forward and backward of ``samples`` samples through the whole model alone (the alone step less
+    its optimizer update). Proportional to the batch unless the step was also measured at a pipeline's
+    micro-batch (``VariantProfile.micro_step_time_s``): then the straight line through the two
+    measurements, whose part that does not shrink with the batch (each op's own overhead, autocast's
+    weight casts) a pipeline pays once per micro-batch. The line's slope is bounded between flat and
+    proportional, so noise that made the small batch slower than the large one cannot price a pass
+    below either reading."""
+    optimizer_s = _optimizer_seconds(variant)
+    full = max(variant.step_time_s - optimizer_s, 0.0)
+    if not (variant.micro_step_time_s and 0 < variant.micro_batch < variant.batch):
+        return full * samples / variant.batch
+    small = max(variant.micro_step_time_s - optimizer_s, 0.0)
+    slope = (full - small) / (variant.batch - variant.micro_batch)
+    slope = min(max(slope, 0.0), full / variant.batch)
+    return full - slope * variant.batch + slope * samples
+
+
 def _optimizer_shards(candidate: Candidate, data: int) -> int:
     """Over how many ranks the optimizer state is split on the data dimension: zero1 / zero2 / fsdp over
     the data ranks (hybrid sharding: over its shard group), ddp not at all."""
@@ -330,7 +348,8 @@ def _time_without_tensor_split(tensor: int, pipeline: int, variant: VariantProfi
     comm, collectives = 0.0, 0
     if pipeline > 1:
         micro = micro_batches(pipeline, batch)
-        compute *= (micro + pipeline - 1) / micro
+        # each stage runs its share of every micro-batch's pass, through the bubble
+        compute = pass_seconds(variant, batch / micro) * share * (micro + pipeline - 1)
         comm += 2 * batch * profile.tokens_per_sample * facts.hidden_size * dtype_bytes  # activations, gradients
         collectives += 2 * micro
     compute += optimizer_s * share / optimizer_shards

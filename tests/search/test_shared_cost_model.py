@@ -26,6 +26,7 @@ from atorch.cost_model import (
     MeasuredProfile,
     estimate_layout_memory,
     fits_with_margin,
+    pass_seconds,
     predict_measured,
     topology_estimate,
 )
@@ -447,3 +448,64 @@ def test_pieces_extrapolate_the_optimizer_update():
     low = VariantProfile("fp32", False, 2, step_time_s=0.010, optimizer_step_time_s=0.002)
     high = VariantProfile("fp32", False, 2, step_time_s=0.012, optimizer_step_time_s=0.0025)
     assert extrapolate(low, high, 0, 12).optimizer_step_time_s == pytest.approx(0.002 + 12 * 0.0005)
+
+
+def test_a_pipeline_stage_pays_the_fixed_part_of_a_pass_once_per_micro_batch():
+    """Measured alone also at a pipeline's micro-batch (half the per-rank batch), a pass costs the straight
+    line through the two measurements: a stage pays its part that does not shrink with the batch once per
+    micro-batch, so the pipeline is priced above the batch-proportional price, by exactly that part; the
+    line's slope stays between flat and proportional whatever the noise."""
+    search = _hand_made_search(world=4, ranks_per_node=4)
+    plain = dataclasses.replace(search.variants[("fp32", False)], step_time_s=0.05, optimizer_step_time_s=0.01)
+    # full batch 2: 0.04 s forward + backward; batch 1: 0.03 s -> 0.02 s fixed, 0.01 s a sample
+    micro = dataclasses.replace(plain, micro_step_time_s=0.04, micro_batch=1)
+    assert pass_seconds(plain, 1) == pytest.approx(0.02)  # unmeasured: proportional
+    assert pass_seconds(micro, 1) == pytest.approx(0.03) and pass_seconds(micro, 2) == pytest.approx(0.04)
+    assert pass_seconds(micro, 4) == pytest.approx(0.06)
+    slower = dataclasses.replace(plain, micro_step_time_s=0.07, micro_batch=1)  # noise: the half batch slower
+    assert pass_seconds(slower, 1) == pytest.approx(0.04)  # flat, never above the full batch's pass
+    faster = dataclasses.replace(plain, micro_step_time_s=0.015, micro_batch=1)  # below proportional
+    assert pass_seconds(faster, 1) == pytest.approx(0.02)  # proportional, never below
+    facts = search.profile.layouts
+    before = MeasuredProfile(search.profile, search.hardware, {("fp32", False): plain}, 4, search.topology)
+    after = MeasuredProfile(search.profile, search.hardware, {("fp32", False): micro}, 4, search.topology)
+    compared = 0
+    for candidate in search.candidates:
+        if candidate.checkpoint or candidate.precision != "fp32" or candidate.shard or candidate.micro > 1:
+            continue
+        added = predict_measured(candidate, after).step_time_s - predict_measured(candidate, before).step_time_s
+        if candidate.pipeline == 1:
+            assert added == 0, candidate.label
+            continue
+        t, p = candidate.tensor, candidate.pipeline
+        batch = 2 * t * p
+        micro_batches = min(2 * p, batch)
+        samples = batch / micro_batches
+        want = (pass_seconds(micro, samples) - pass_seconds(plain, samples)) * facts.state_share[(t, p)]
+        assert added == pytest.approx(want * (micro_batches + p - 1), abs=1e-9), candidate.label
+        # a micro-batch as large as the measured batch (tensor x pipeline) costs what it did
+        assert (added > 0) == (samples < plain.batch), candidate.label
+        compared += samples < plain.batch
+    assert compared
+
+
+def test_the_search_measures_a_pipeline_micro_batch_only_for_settings_a_fitting_pipeline_uses():
+    search = _hand_made_search(world=4, ranks_per_node=4)
+    plain = ("fp32", False)
+    asked = []
+
+    def measured_alone(settings, batch):
+        asked.append((list(settings), batch))
+        return {s: dataclasses.replace(search.variants[s], step_time_s=0.04, batch=batch) for s in settings}
+
+    search._measured_alone = measured_alone
+    search._measure_pipeline_micro_steps({plain, ("fp32", True)})
+    assert asked == [([plain], 1)]  # the checkpointed setting failed alone: not measured again
+    variant = search.variants[plain]
+    assert (variant.micro_step_time_s, variant.micro_batch) == (0.04, 1)
+    search._measure_pipeline_micro_steps({plain})
+    assert len(asked) == 1  # measured once
+    search.variants[plain] = dataclasses.replace(variant, micro_step_time_s=0.0, micro_batch=0)
+    search.candidates = [c for c in search.candidates if c.pipeline == 1]
+    search._measure_pipeline_micro_steps({plain})
+    assert len(asked) == 1  # no pipeline candidate: nothing to measure

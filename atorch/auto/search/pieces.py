@@ -59,6 +59,7 @@ class PieceRun:
     peak_bytes: int = 0
     step_time_s: float = 0.0
     error: Optional[str] = None
+    batch: int = 0  # the per-rank batch it trained (0: not recorded)
 
     @property
     def label(self) -> str:
@@ -141,9 +142,13 @@ def _param_bytes(module: nn.Module) -> int:
 def describe_pieces(runs: list[PieceRun]) -> str:
     """One report line: what each setting's alone measurement trained (so a reader sees that no step held
     the whole model), e.g. ``measured alone: fp32 on 0 and 1 of 12 blocks``."""
+    batches: dict[str, set] = {}
+    for run in runs:
+        batches.setdefault(run.setting, set()).add(run.batch)
     by_setting: dict[str, list[str]] = {}
     for run in runs:
         text = run.label if run.error is None else f"{run.label} (failed)"
-        by_setting.setdefault(run.setting, []).append(text)
+        key = run.setting if len(batches[run.setting]) == 1 else f"{run.setting} at batch {run.batch}"
+        by_setting.setdefault(key, []).append(text)
     parts = [f"{setting} on {', '.join(labels)}" for setting, labels in by_setting.items()]
     return "measured alone: " + "; ".join(parts) if parts else ""

@@ -240,6 +240,7 @@ class StrategySearch:
         self._measure_tensor_splits(set(fresh))
         if self._carry_split_overheads(set(fresh)):
             self._measure_tensor_splits(set(fresh))  # a carried overhead may have moved a split into the top-k
+        self._measure_pipeline_micro_steps(set(fresh))
         if is_main_rank():
             for setting, key in fresh.items():
                 store_cached(key, self.variants[setting])
@@ -407,33 +408,60 @@ class StrategySearch:
         return wanted
 
     def _measure_settings(self, settings: list[Setting]) -> None:
-        """Each setting measured alone, the settings spread over the ranks (``spread_over_ranks``: N at a
-        time on N ranks, a round with fewer settings than ranks measuring them on several, so that every
-        rank works while the others do, as in training), then every rank has every profile (the slowest of
-        a setting's ranks: ``slowest_of``) and every piece's record (its first rank's). A setting that fails
-        alone is that setting's error, as when every rank measured it; a rank that raises outside a
-        measurement fails every rank."""
+        """Each setting measured alone at the per-rank batch (``_measured_alone``)."""
+        self.variants.update(self._measured_alone(settings, self.per_rank_batch))
+
+    def _measured_alone(self, settings: list[Setting], batch: int) -> dict[Setting, VariantProfile]:
+        """Each setting measured alone at ``batch``, the settings spread over the ranks (``spread_over_ranks``:
+        N at a time on N ranks, a round with fewer settings than ranks measuring them on several, so that
+        every rank works while the others do, as in training), then every rank has every profile (the
+        slowest of a setting's ranks: ``slowest_of``) and every piece's record (its first rank's). A setting
+        that fails alone is that setting's error, as when every rank measured it; a rank that raises outside
+        a measurement fails every rank."""
         if not settings:
-            return
+            return {}
         if self.world > 1 and len(settings) > 1:
             ranks = assignment(len(settings), self.world)
             share = "; ".join(f"{_setting_label(self._setting_strategy(s))} on rank(s) "
                               f"{', '.join(str(r) for r in range(self.world) if i in ranks[r])}"
                               for i, s in enumerate(settings))
-            self._say(f"search: measuring {len(settings)} settings alone, spread over the ranks: {share}")
+            self._say(f"search: measuring {len(settings)} settings alone at batch {batch}, spread over the ranks: "
+                      f"{share}")
 
         def measure_one(setting: Setting) -> str:
             first = len(self.pieces)
-            variant = self._measure_setting(setting, self._setting_strategy(setting), self.per_rank_batch)
+            variant = self._measure_setting(setting, self._setting_strategy(setting), batch)
             runs = self.pieces[first:]
             del self.pieces[first:]  # every rank adds every setting's records below, in the settings' order
             return json.dumps({"variant": dataclasses.asdict(variant), "pieces": [dataclasses.asdict(r) for r in runs]})
 
         results = spread_over_ranks(settings, measure_one, lost_after_s=SPREAD_LOST_AFTER_S, describe=_setting_text)
+        measured = {}
         for setting, texts in zip(settings, results):
             records = [json.loads(text) for text in texts]
-            self.variants[setting] = slowest_of([variant_from_dict(record["variant"]) for record in records])
+            measured[setting] = slowest_of([variant_from_dict(record["variant"]) for record in records])
             self.pieces.extend(PieceRun(**run) for run in records[0]["pieces"])
+        return measured
+
+    def _measure_pipeline_micro_steps(self, settings: set[Setting]) -> None:
+        """Each setting among ``settings`` that a pipeline candidate predicted to fit uses, measured alone once
+        more at half the per-rank batch: a pipeline's micro-batch (``layouts.micro_batches``: 2 per stage,
+        so a micro-batch holds half the per-rank batch whatever the stage count). The cost model then prices
+        a stage's pass per micro-batch from the two measurements (``cost_model.pass_seconds``) instead of
+        scaling the full batch's: on 2 CPU ranks the repo GPT's 2-stage pipeline ran 1.3-1.7x the step the
+        scaled price gave it (bf16 autocast casting the stage's weights again for every micro-batch)."""
+        micro = self.per_rank_batch // 2
+        if micro < 1:
+            return
+        wanted = sorted({(c.precision, c.checkpoint) for _, c in self._fitting_candidates() if c.pipeline > 1}
+                        & settings)
+        wanted = [s for s in wanted if not self.variants[s].error and not self.variants[s].micro_step_time_s]
+        if not wanted:
+            return
+        for setting, variant in self._measured_alone(wanted, micro).items():
+            if not variant.error:
+                self.variants[setting] = dataclasses.replace(
+                    self.variants[setting], micro_step_time_s=variant.step_time_s, micro_batch=micro)
 
     def _measure_setting(self, setting: Setting, strategy: Strategy, batch: int) -> VariantProfile:
         """The whole model's alone profile under ``setting``: extrapolated from the model cut to 0 and 1
@@ -463,7 +491,7 @@ class StrategySearch:
         """Train the model cut to ``kept`` blocks (None: whole) alone, unless its training state alone is
         predicted over the memory limit; every run is recorded in ``self.pieces``."""
         held = self.stack.param_bytes(kept) if kept is not None else self.profile.param_bytes
-        run = PieceRun(label, kept, self.stack.blocks if self.stack else 0, held)
+        run = PieceRun(label, kept, self.stack.blocks if self.stack else 0, held, batch=batch)
         self.pieces.append(run)
         needed = state_bytes_needed(held)
         if needed > self.hardware.memory_limit:
