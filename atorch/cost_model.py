@@ -43,9 +43,10 @@ own plan finders give (``search/layouts.py``: which sizes the model supports, ea
   micro-batches in flight (1F1B: at most the number of stages on the first stage, plus one being
   received or recomputed). The two constants below were calibrated by measurement;
 - time: compute (the alone step less its optimizer update) scales like the parameters it touches,
-  the update by the rank's share of them; a pipeline pays its bubble
-  ``(M + p - 1) / M``, tensor parallelism pays four activation all-reduces per block per step,
-  and the data dimension all-reduces the rank's gradients as DDP does.
+  the update by the rank's share of them; a pipeline stage pays its share of one micro-batch's pass
+  (``pass_seconds``: its fixed part from the alone step measured also at a micro-batch) for each
+  of the schedule's ``M + p - 1`` slots, the bubble included, tensor parallelism pays four activation
+  all-reduces per block per step, and the data dimension all-reduces the rank's gradients as DDP does.
 
 With several nodes each collective runs on the link it crosses (``topology_estimate``: the bandwidth
 inside a node or between nodes; hybrid sharding pays both).
@@ -170,20 +171,26 @@ def _optimizer_seconds(variant: VariantProfile) -> float:
 
 def pass_seconds(variant: VariantProfile, samples: float) -> float:
     """One forward and backward of ``samples`` samples through the whole model alone (the alone step less
-    its optimizer update). Proportional to the batch unless the step was also measured at a pipeline's
-    micro-batch (``VariantProfile.micro_step_time_s``): then the straight line through the two
-    measurements, whose part that does not shrink with the batch (each op's own overhead, autocast's
-    weight casts) a pipeline pays once per micro-batch. The line's slope is bounded between flat and
-    proportional, so noise that made the small batch slower than the large one cannot price a pass
-    below either reading."""
+    its optimizer update): its fixed part (``VariantProfile.pass_fixed_share``, which a pipeline pays once
+    per micro-batch) plus the rest in proportion to the batch; all of it in proportion where the fixed
+    part was not measured."""
+    full = max(variant.step_time_s - _optimizer_seconds(variant), 0.0)
+    fixed = min(max(variant.pass_fixed_share, 0.0), 1.0) * full
+    return fixed + (full - fixed) * samples / variant.batch
+
+
+def fixed_pass_share(variant: VariantProfile, small_step_time_s: float, small_batch: int) -> float:
+    """The share of ``variant``'s pass that does not shrink with the batch, from the straight line through
+    its step and the same step measured at ``small_batch`` samples (both less the optimizer update). The
+    line's slope is bounded between flat and proportional, so noise that made the small batch slower than
+    the large one cannot price a pass above the full batch's, nor one that made it faster below its share."""
     optimizer_s = _optimizer_seconds(variant)
     full = max(variant.step_time_s - optimizer_s, 0.0)
-    if not (variant.micro_step_time_s and 0 < variant.micro_batch < variant.batch):
-        return full * samples / variant.batch
-    small = max(variant.micro_step_time_s - optimizer_s, 0.0)
-    slope = (full - small) / (variant.batch - variant.micro_batch)
-    slope = min(max(slope, 0.0), full / variant.batch)
-    return full - slope * variant.batch + slope * samples
+    if not (full > 0 and 0 < small_batch < variant.batch):
+        return 0.0
+    small = max(small_step_time_s - optimizer_s, 0.0)
+    slope = min(max((full - small) / (variant.batch - small_batch), 0.0), full / variant.batch)
+    return (full - slope * variant.batch) / full
 
 
 def _optimizer_shards(candidate: Candidate, data: int) -> int:

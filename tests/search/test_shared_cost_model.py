@@ -26,6 +26,7 @@ from atorch.cost_model import (
     MeasuredProfile,
     estimate_layout_memory,
     fits_with_margin,
+    fixed_pass_share,
     pass_seconds,
     predict_measured,
     topology_estimate,
@@ -219,6 +220,40 @@ def test_each_split_beyond_the_top_k_is_measured_once_and_what_it_adds_carried_t
             candidate = Candidate(kind, "fp32", other.checkpoint, block="Block")
             assert search._estimate(candidate).step_time_s == pytest.approx(other.step_time_s + 0.5)
     assert search._estimate(tp_other).step_time_s > formula
+
+
+def test_a_split_the_top_k_uses_at_two_settings_is_measured_at_one_and_carried_to_the_other():
+    """Among the candidates that could be dry-run too, each tensor size and measured sharding is measured at
+    one setting only: what it added there is carried at once to the settings that have not measured it,
+    which then want no measurement of their own."""
+    search = _hand_made_search()
+    search.stack = None
+    plain, ckpt = ("fp32", False), ("fp32", True)
+    search.variants[ckpt] = dataclasses.replace(search.variants[plain], checkpoint=True, step_time_s=0.07,
+                                                tensor_step_times={}, sharded_step_times={})
+    measured = []
+
+    def measure(setting, kind):
+        measured.append((setting, kind))
+        variant = search.variants[setting]
+        if isinstance(kind, int):
+            variant.tensor_step_times[kind] = 1.0
+        else:
+            variant.sharded_step_times[kind], variant.sharded_world = variant.step_time_s + 0.5, search.world
+
+    search._measure_split = measure
+    search.options = dataclasses.replace(search.options, exhaustive=False, topk=10**6)
+    wanted = search._measurements_that_matter({plain, ckpt})
+    kinds = {kind for _, kind in wanted}
+    assert {setting for setting, _ in wanted} == {plain, ckpt} and any(isinstance(k, int) for k in kinds)
+    search._measure_tensor_splits({plain, ckpt})
+    assert measured and {kind for _, kind in measured} <= kinds
+    assert len({kind for _, kind in measured}) == len(measured)  # each kind once, at one setting
+    for setting, kind in measured:
+        other = search.variants[ckpt if setting == plain else plain]
+        carried = (other.tensor_overhead_s if isinstance(kind, int) else other.sharded_overhead_s)[kind]
+        assert carried == pytest.approx(search._split_added_s(kind, search.variants[setting]))
+    assert search._measurements_that_matter({plain, ckpt}) == {}
 
 
 @pytest.mark.parametrize("sharding", MEASURED_SHARDINGS)
@@ -458,14 +493,14 @@ def test_a_pipeline_stage_pays_the_fixed_part_of_a_pass_once_per_micro_batch():
     search = _hand_made_search(world=4, ranks_per_node=4)
     plain = dataclasses.replace(search.variants[("fp32", False)], step_time_s=0.05, optimizer_step_time_s=0.01)
     # full batch 2: 0.04 s forward + backward; batch 1: 0.03 s -> 0.02 s fixed, 0.01 s a sample
-    micro = dataclasses.replace(plain, micro_step_time_s=0.04, micro_batch=1)
+    assert fixed_pass_share(plain, 0.04, 1) == pytest.approx(0.5)
+    assert fixed_pass_share(plain, 0.07, 1) == pytest.approx(1.0)  # noise: the half batch slower: flat
+    assert fixed_pass_share(plain, 0.015, 1) == pytest.approx(0.0)  # below proportional: proportional
+    assert fixed_pass_share(plain, 0.04, 2) == 0.0  # not a smaller batch: nothing learnt
+    micro = dataclasses.replace(plain, pass_fixed_share=0.5)
     assert pass_seconds(plain, 1) == pytest.approx(0.02)  # unmeasured: proportional
     assert pass_seconds(micro, 1) == pytest.approx(0.03) and pass_seconds(micro, 2) == pytest.approx(0.04)
     assert pass_seconds(micro, 4) == pytest.approx(0.06)
-    slower = dataclasses.replace(plain, micro_step_time_s=0.07, micro_batch=1)  # noise: the half batch slower
-    assert pass_seconds(slower, 1) == pytest.approx(0.04)  # flat, never above the full batch's pass
-    faster = dataclasses.replace(plain, micro_step_time_s=0.015, micro_batch=1)  # below proportional
-    assert pass_seconds(faster, 1) == pytest.approx(0.02)  # proportional, never below
     facts = search.profile.layouts
     before = MeasuredProfile(search.profile, search.hardware, {("fp32", False): plain}, 4, search.topology)
     after = MeasuredProfile(search.profile, search.hardware, {("fp32", False): micro}, 4, search.topology)
@@ -489,9 +524,13 @@ def test_a_pipeline_stage_pays_the_fixed_part_of_a_pass_once_per_micro_batch():
     assert compared
 
 
-def test_the_search_measures_a_pipeline_micro_batch_only_for_settings_a_fitting_pipeline_uses():
+def test_the_search_measures_a_pipeline_micro_batch_only_for_precisions_a_fitting_pipeline_uses():
+    """Once per precision, without checkpointing, at half the per-rank batch; the share carried to the same
+    precision with checkpointing; nothing where no pipeline candidate fits."""
     search = _hand_made_search(world=4, ranks_per_node=4)
-    plain = ("fp32", False)
+    plain, ckpt = ("fp32", False), ("fp32", True)
+    search.variants[plain] = dataclasses.replace(search.variants[plain], step_time_s=0.05)
+    search.variants[ckpt] = dataclasses.replace(search.variants[plain], checkpoint=True, step_time_s=0.07)
     asked = []
 
     def measured_alone(settings, batch):
@@ -499,13 +538,14 @@ def test_the_search_measures_a_pipeline_micro_batch_only_for_settings_a_fitting_
         return {s: dataclasses.replace(search.variants[s], step_time_s=0.04, batch=batch) for s in settings}
 
     search._measured_alone = measured_alone
-    search._measure_pipeline_micro_steps({plain, ("fp32", True)})
-    assert asked == [([plain], 1)]  # the checkpointed setting failed alone: not measured again
-    variant = search.variants[plain]
-    assert (variant.micro_step_time_s, variant.micro_batch) == (0.04, 1)
-    search._measure_pipeline_micro_steps({plain})
+    search._measure_pipeline_micro_steps({plain, ckpt})
+    assert asked == [([plain], 1)]
+    share = fixed_pass_share(dataclasses.replace(search.variants[plain], pass_fixed_share=0.0), 0.04, 1)
+    assert share > 0
+    assert search.variants[plain].pass_fixed_share == search.variants[ckpt].pass_fixed_share == share
+    search._measure_pipeline_micro_steps({plain, ckpt})
     assert len(asked) == 1  # measured once
-    search.variants[plain] = dataclasses.replace(variant, micro_step_time_s=0.0, micro_batch=0)
+    search.variants[plain] = dataclasses.replace(search.variants[plain], pass_fixed_share=0.0)
     search.candidates = [c for c in search.candidates if c.pipeline == 1]
     search._measure_pipeline_micro_steps({plain})
     assert len(asked) == 1  # no pipeline candidate: nothing to measure

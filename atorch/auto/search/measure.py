@@ -78,12 +78,11 @@ class VariantProfile:
     # collectives and its layers' own work, which the precision changes little (``carry_split_overheads``)
     tensor_overhead_s: dict = field(default_factory=dict)
     sharded_overhead_s: dict = field(default_factory=dict)
-    # the whole model's alone step at a pipeline's micro-batch (``micro_batch`` samples; 0: not measured):
-    # a stage runs each micro-batch's forward and backward apart, and a small pass costs more than its
-    # share of the batch (each op's own overhead, autocast's weight casts once a forward), which scaling
-    # ``step_time_s`` by the batch leaves out
-    micro_step_time_s: float = 0.0
-    micro_batch: int = 0
+    # the share of a forward + backward pass's time that does not shrink with the batch (each op's own
+    # overhead, autocast's weight casts once a forward): measured alone again at a pipeline's micro-batch
+    # (``cost_model.fixed_pass_share``) or carried from the same precision without checkpointing; 0: not
+    # measured (a pass is priced in proportion to its batch). A pipeline stage pays it once per micro-batch.
+    pass_fixed_share: float = 0.0
 
 
 @dataclass

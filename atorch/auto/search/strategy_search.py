@@ -63,6 +63,7 @@ from atorch.cost_model import (
     Estimate,
     MeasuredProfile,
     fits_with_margin,
+    fixed_pass_share,
     predict_measured,
     sharding_overhead_s,
     tensor_split_overhead_s,
@@ -298,6 +299,7 @@ class StrategySearch:
             setting, what = min(wanted, key=lambda key: (wanted[key], str(key)))
             self._measure_split(setting, what)
             tried.add((setting, what))
+            self._carry_split(what, self.variants[setting])
 
     def _carry_split_overheads(self, settings: set[Setting]) -> bool:
         """Price every split the candidates use from a measurement, not only those that could be dry-run:
@@ -323,17 +325,27 @@ class StrategySearch:
             if source is None:
                 self._measure_split(setting, kind)
                 source = self.variants[setting]
-            added = self._split_added_s(kind, source)
-            if added is None:
+            carried = self._carry_split(kind, source) or carried
+        return carried
+
+    def _carry_split(self, kind: Any, source: VariantProfile) -> bool:
+        """What the split ``kind`` added to ``source``'s step as measured, carried to every setting that has
+        not measured it (``VariantProfile.tensor_overhead_s``, ``sharded_overhead_s``); returns whether any
+        took it. Such a setting then wants no measurement of its own (``_measurements_that_matter``): the
+        split's collectives and its layers' own work change little with the precision, and a candidate that
+        stays among the fastest by the carried cost is dry-run, which prices it on its own."""
+        added = self._split_added_s(kind, source)
+        if added is None:
+            return False
+        carried = False
+        for variant in self.variants.values():
+            if variant.error or self._split_added_s(kind, variant) is not None:
                 continue
-            for variant in self.variants.values():
-                if variant.error or self._split_added_s(kind, variant) is not None:
-                    continue
-                if isinstance(kind, int):
-                    variant.tensor_overhead_s[kind] = added
-                else:
-                    variant.sharded_overhead_s[kind], variant.sharded_world = added, self.world
-                carried = True
+            if isinstance(kind, int):
+                variant.tensor_overhead_s[kind] = added
+            else:
+                variant.sharded_overhead_s[kind], variant.sharded_world = added, self.world
+            carried = True
         return carried
 
     def _split_kind(self, candidate: Candidate) -> Any:
@@ -373,13 +385,14 @@ class StrategySearch:
         return fitting
 
     def _measurements_that_matter(self, settings: Iterable[Setting]) -> dict[tuple[Setting, Any], float]:
-        """The (setting, tensor size) and (setting, sharding) pairs among ``settings`` not measured yet that
-        some candidate the search would dry-run uses, each with that candidate's predicted step time: among
-        the ``topk`` fastest candidates predicted to fit (every fitting one with ``exhaustive``), unmeasured
-        splits and shardings costed by the formula, which leaves out the split layers' and the sharding's own
-        overheads (the optimistic cost: a candidate beyond the ``topk`` by it stays beyond once measured, and
-        is never dry-run). A sharding is measured where ``MEASURED_SHARDINGS`` names it, unsplit over all
-        ranks (what ``sharded_step_times`` holds)."""
+        """The (setting, tensor size) and (setting, sharding) pairs among ``settings`` neither measured yet
+        nor carried from another setting (``_carry_split``) that some candidate the search would dry-run
+        uses, each with that candidate's predicted step time: among the ``topk`` fastest candidates
+        predicted to fit (every fitting one with ``exhaustive``), unmeasured splits and shardings costed by
+        the formula, which leaves out the split layers' and the sharding's own overheads (the optimistic
+        cost: a candidate beyond the ``topk`` by it stays beyond once measured, and is never dry-run). A
+        sharding is measured where ``MEASURED_SHARDINGS`` names it, unsplit over all ranks (what
+        ``sharded_step_times`` holds)."""
         settings = set(settings)
         fitting = self._fitting_candidates()
         # the splits the search would not dry-run (``_skip_needless_splits``) take no place in the top-k
@@ -398,10 +411,12 @@ class StrategySearch:
             if setting not in settings:
                 continue
             variant = self.variants[setting]
-            key = None
-            if candidate.tensor > 1 and candidate.tensor not in variant.tensor_step_times:
+            key = None  # neither measured at this setting nor carried from another (``_carry_split``)
+            if (candidate.tensor > 1 and candidate.tensor not in variant.tensor_step_times
+                    and candidate.tensor not in variant.tensor_overhead_s):
                 key = (setting, candidate.tensor)
-            elif shardings_matter and self._unmeasured_sharding(candidate, variant):
+            elif (shardings_matter and self._unmeasured_sharding(candidate, variant)
+                  and candidate.sharding not in variant.sharded_overhead_s):
                 key = (setting, candidate.sharding)
             if key is not None:
                 wanted[key] = min(wanted.get(key, float("inf")), time_s)
@@ -444,24 +459,34 @@ class StrategySearch:
         return measured
 
     def _measure_pipeline_micro_steps(self, settings: set[Setting]) -> None:
-        """Each setting among ``settings`` that a pipeline candidate predicted to fit uses, measured alone once
-        more at half the per-rank batch: a pipeline's micro-batch (``layouts.micro_batches``: 2 per stage,
-        so a micro-batch holds half the per-rank batch whatever the stage count). The cost model then prices
-        a stage's pass per micro-batch from the two measurements (``cost_model.pass_seconds``) instead of
-        scaling the full batch's: on 2 CPU ranks the repo GPT's 2-stage pipeline ran 1.3-1.7x the step the
-        scaled price gave it (bf16 autocast casting the stage's weights again for every micro-batch)."""
+        """The fixed part of a pass (``VariantProfile.pass_fixed_share``) for each precision a pipeline
+        candidate predicted to fit uses: its setting without checkpointing measured alone once more at a
+        pipeline's micro-batch (``layouts.micro_batches``: 2 per stage, so a micro-batch holds half the
+        per-rank batch whatever the stage count), the share carried to the same precision with
+        checkpointing (recompute runs the same ops again: fixed and batch-bound parts alike). On 2 CPU ranks
+        the repo GPT's 2-stage pipeline ran 1.2-1.7x the step a price in proportion to the batch gave it, bf16
+        autocast most (it casts the stage's weights again for every micro-batch); a device's small kernels
+        lose efficiency the same way."""
         micro = self.per_rank_batch // 2
         if micro < 1:
             return
-        wanted = sorted({(c.precision, c.checkpoint) for _, c in self._fitting_candidates() if c.pipeline > 1}
-                        & settings)
-        wanted = [s for s in wanted if not self.variants[s].error and not self.variants[s].micro_step_time_s]
-        if not wanted:
-            return
-        for setting, variant in self._measured_alone(wanted, micro).items():
-            if not variant.error:
-                self.variants[setting] = dataclasses.replace(
-                    self.variants[setting], micro_step_time_s=variant.step_time_s, micro_batch=micro)
+        precisions = {c.precision for _, c in self._fitting_candidates() if c.pipeline > 1}
+        wanted = [(p, False) for p in sorted(precisions) if (p, False) in settings and (p, False) in self.variants
+                  and not self.variants[(p, False)].error and not self.variants[(p, False)].pass_fixed_share]
+        for (precision, _), small in (self._measured_alone(wanted, micro) if wanted else {}).items():
+            if small.error:
+                continue
+            share = fixed_pass_share(self.variants[(precision, False)], small.step_time_s, micro)
+            self.variants[(precision, False)] = dataclasses.replace(self.variants[(precision, False)],
+                                                                    pass_fixed_share=share)
+            self._say(f"search: {precision}: {share:.0%} of a forward and backward pass does not shrink with the "
+                      f"batch (measured alone at batch {micro} and {self.per_rank_batch}); a pipeline stage pays it "
+                      "once per micro-batch")
+        for (precision, checkpoint), variant in list(self.variants.items()):
+            plain = self.variants.get((precision, False))
+            if checkpoint and plain is not None and not variant.error and not variant.pass_fixed_share:
+                self.variants[(precision, checkpoint)] = dataclasses.replace(
+                    variant, pass_fixed_share=plain.pass_fixed_share)
 
     def _measure_setting(self, setting: Setting, strategy: Strategy, batch: int) -> VariantProfile:
         """The whole model's alone profile under ``setting``: extrapolated from the model cut to 0 and 1
