@@ -178,11 +178,9 @@ def test_only_tensor_splits_that_could_be_dry_run_are_measured():
     assert search._measurements_that_matter([setting]) == {}
 
 
-def test_each_split_beyond_the_top_k_is_measured_once_and_what_it_adds_carried_to_the_other_settings():
-    """Where more candidates fit than are dry-run, every tensor size and measured sharding the fitting
-    candidates use is measured once (at the setting of its fastest candidate) and what it adds is carried to
-    the settings that did not measure it, so the candidates beyond the top-k are priced from a measurement,
-    not from the formula's optimistic cost; where every fitting candidate is dry-run, nothing is."""
+def _two_settings_with_recorded_splits():
+    """A hand-made search with fp32 measured with and without checkpointing, whose split measurements are
+    recorded instead of run (each costing what the pieces would have measured: far over the formula)."""
     search = _hand_made_search()
     search.stack = None
     plain, ckpt = ("fp32", False), ("fp32", True)
@@ -190,7 +188,7 @@ def test_each_split_beyond_the_top_k_is_measured_once_and_what_it_adds_carried_t
                                                 tensor_step_times={}, sharded_step_times={})
     measured = []
 
-    def measure(setting, kind):  # what the pieces would have measured: far over the formula
+    def measure(setting, kind):
         measured.append((setting, kind))
         variant = search.variants[setting]
         if isinstance(kind, int):
@@ -199,6 +197,15 @@ def test_each_split_beyond_the_top_k_is_measured_once_and_what_it_adds_carried_t
             variant.sharded_step_times[kind], variant.sharded_world = variant.step_time_s + 0.5, search.world
 
     search._measure_split = measure
+    return search, plain, ckpt, measured
+
+
+def test_each_split_beyond_the_top_k_is_measured_once_and_what_it_adds_carried_to_the_other_settings():
+    """Where more candidates fit than are dry-run, every tensor size and measured sharding the fitting
+    candidates use is measured once (at the setting of its fastest candidate) and what it adds is carried to
+    the settings that did not measure it, so the candidates beyond the top-k are priced from a measurement,
+    not from the formula's optimistic cost; where every fitting candidate is dry-run, nothing is."""
+    search, plain, ckpt, measured = _two_settings_with_recorded_splits()
     search.options = dataclasses.replace(search.options, exhaustive=False, topk=10**6)
     assert not search._carry_split_overheads({plain, ckpt}) and not measured
     search.options = dataclasses.replace(search.options, topk=1)
@@ -226,22 +233,7 @@ def test_a_split_the_top_k_uses_at_two_settings_is_measured_at_one_and_carried_t
     """Among the candidates that could be dry-run too, each tensor size and measured sharding is measured at
     one setting only: what it added there is carried at once to the settings that have not measured it,
     which then want no measurement of their own."""
-    search = _hand_made_search()
-    search.stack = None
-    plain, ckpt = ("fp32", False), ("fp32", True)
-    search.variants[ckpt] = dataclasses.replace(search.variants[plain], checkpoint=True, step_time_s=0.07,
-                                                tensor_step_times={}, sharded_step_times={})
-    measured = []
-
-    def measure(setting, kind):
-        measured.append((setting, kind))
-        variant = search.variants[setting]
-        if isinstance(kind, int):
-            variant.tensor_step_times[kind] = 1.0
-        else:
-            variant.sharded_step_times[kind], variant.sharded_world = variant.step_time_s + 0.5, search.world
-
-    search._measure_split = measure
+    search, plain, ckpt, measured = _two_settings_with_recorded_splits()
     search.options = dataclasses.replace(search.options, exhaustive=False, topk=10**6)
     wanted = search._measurements_that_matter({plain, ckpt})
     kinds = {kind for _, kind in wanted}
