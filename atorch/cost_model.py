@@ -28,7 +28,8 @@ to 77 ms; an exhaustive pass measured zero1 17 % faster than ddp, which the mode
 before the update was apart.)
 
 With ``micro_batch`` (k micro-steps per per-rank batch) the activations are a micro-batch's (1/k of
-the measured ones) and each extra micro-step adds ``MICRO_STEP_OVERHEAD`` of the step (``_split``).
+the measured ones) and each extra micro-step adds its pass's fixed part where the search measured it
+(``micro_step_overhead_s``), else ``MICRO_STEP_OVERHEAD`` of the step (``_split``).
 
 Parameters, gradients and optimizer state are measured too (``state_bytes`` after a step), so the
 optimizer's state coefficient (AutoDist's ``opt_resident_coef``) is observed, not assumed.
@@ -155,7 +156,7 @@ def estimate(candidate: Candidate, variant: VariantProfile, world: int, profile:
     alone_s = variant.step_time_s - (1 - 1 / _optimizer_shards(candidate, n)) * _optimizer_seconds(variant)
     comm_s = _comm_seconds(comm, collectives, hardware)
     comm_s = _measured_sharding_seconds(candidate, variant, n, unsplit_comm_s, comm_s, alone_s)
-    time_s = alone_s + variant.step_time_s * MICRO_STEP_OVERHEAD * (candidate.micro - 1) + comm_s
+    time_s = alone_s + micro_step_overhead_s(variant) * (candidate.micro - 1) + comm_s
     detail = f"alone {variant.peak_bytes / 2**20:.1f} MiB, P/G/O {P / 2**20:.1f}/{G / 2**20:.1f}/{O / 2**20:.1f} MiB"
     return Estimate(int(memory), time_s, detail)
 
@@ -175,8 +176,17 @@ def pass_seconds(variant: VariantProfile, samples: float) -> float:
     per micro-batch) plus the rest in proportion to the batch; all of it in proportion where the fixed
     part was not measured."""
     full = max(variant.step_time_s - _optimizer_seconds(variant), 0.0)
-    fixed = min(max(variant.pass_fixed_share, 0.0), 1.0) * full
+    fixed = min(max(variant.pass_fixed_share or 0.0, 0.0), 1.0) * full
     return fixed + (full - fixed) * samples / variant.batch
+
+
+def micro_step_overhead_s(variant: VariantProfile) -> float:
+    """What each micro-step beyond the first adds to an unsplit step: its pass's fixed part where the search
+    measured it (k micro-batches of 1/k run the batch-bound part once in all, the fixed part k times),
+    else ``MICRO_STEP_OVERHEAD`` of the step."""
+    if variant.pass_fixed_share is None:
+        return variant.step_time_s * MICRO_STEP_OVERHEAD
+    return pass_seconds(variant, 0.0)
 
 
 def fixed_pass_share(variant: VariantProfile, small_step_time_s: float, small_batch: int) -> float:

@@ -16,7 +16,8 @@ a memory limit a split only adds overhead.
 3. Under a memory limit the unsplit batch exceeds (between the predicted peaks of the whole batch and
    of 2 micro-batches), with checkpointing allowed: what the search picks, its measured peak, and its
    step time beside the unsplit batch and beside checkpointing (side by side, alternating rounds);
-   the measured cost of one extra micro-step next to the cost model's ``MICRO_STEP_OVERHEAD``.
+   the measured cost of one extra micro-step next to the search's price of it (the fixed share of a pass
+   it measured, or the cost model's ``MICRO_STEP_OVERHEAD``).
 
 4. A model only sharded or split candidates fit, built on the meta device (``--scale``; part of the
    default run): an HF Llama (12 blocks x 256) whose training state is 2.3 times a 64 MiB per-process
@@ -261,7 +262,7 @@ def memory_limited_split(scale: Scale) -> dict:
     from atorch.auto.search.candidates import Candidate
     from atorch.auto.search.options import SearchOptions
     from atorch.auto.search.strategy_search import StrategySearch, dry_run_candidate
-    from atorch.cost_model import estimate
+    from atorch.cost_model import estimate, micro_step_overhead_s
 
     shape = scale.shape
     arguments = {**_arguments("repo GPT", scale), "dataloader_args": {"batch_size": SPLIT_BATCH},
@@ -295,14 +296,15 @@ def memory_limited_split(scale: Scale) -> dict:
             times[label].append(run.step_time_s if run.ok else float("inf"))
             if not run.ok and dist.get_rank() == 0:
                 print(f"{label}: {run}", flush=True)
+    searched = found.measured.variants[("fp32", False)]
     return {"shape": f"{shape.n_layer}x{shape.n_embd}", "limit": limit, "chosen": chosen.label,
             "chosen_peak": chosen.measured_memory, "table": found.table,
+            "priced_micro_step": micro_step_overhead_s(searched) / searched.step_time_s,
+            "fixed_share_measured": searched.pass_fixed_share is not None,
             "times": {label: statistics.median(v) for label, v in times.items()}}
 
 
 def print_split(r: dict) -> None:
-    from atorch.cost_model import MICRO_STEP_OVERHEAD
-
     t = r["times"]
     overhead = [(t[f"ddp+fp32+mb{k}"] / t["ddp+fp32"] - 1) / (k - 1) for k in (2, 4)]
     print(f"\nmemory-limited (repo GPT {r['shape']}, global batch {SPLIT_BATCH}, "
@@ -311,7 +313,9 @@ def print_split(r: dict) -> None:
           + ", ".join(f"{label} {v * 1000:.1f}" for label, v in t.items()))
     print(f"  ddp+fp32+ckpt / chosen step time {t['ddp+fp32+ckpt'] / t[r['chosen']]:.3f} (> 1: the chosen is faster); "
           f"measured overhead per extra micro-step: mb2 {overhead[0]:+.3f}, mb4 {overhead[1]:+.3f} of the unsplit step "
-          f"(cost model: MICRO_STEP_OVERHEAD {MICRO_STEP_OVERHEAD:.3f})")
+          f"(the search priced it at {r['priced_micro_step']:.3f}: "
+          + ("its measured fixed share of a pass)" if r["fixed_share_measured"]
+             else "MICRO_STEP_OVERHEAD, not measured)"))
     print(r["table"])
 
 

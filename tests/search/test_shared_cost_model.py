@@ -27,6 +27,7 @@ from atorch.cost_model import (
     estimate_layout_memory,
     fits_with_margin,
     fixed_pass_share,
+    micro_step_overhead_s,
     pass_seconds,
     predict_measured,
     topology_estimate,
@@ -493,6 +494,10 @@ def test_a_pipeline_stage_pays_the_fixed_part_of_a_pass_once_per_micro_batch():
     assert pass_seconds(plain, 1) == pytest.approx(0.02)  # unmeasured: proportional
     assert pass_seconds(micro, 1) == pytest.approx(0.03) and pass_seconds(micro, 2) == pytest.approx(0.04)
     assert pass_seconds(micro, 4) == pytest.approx(0.06)
+    # an extra micro-step runs the fixed part again; unmeasured, MICRO_STEP_OVERHEAD of the step
+    assert micro_step_overhead_s(micro) == pytest.approx(0.02)
+    assert micro_step_overhead_s(plain) == pytest.approx(0.05 * MICRO_STEP_OVERHEAD)
+    assert micro_step_overhead_s(dataclasses.replace(plain, pass_fixed_share=0.0)) == 0.0  # measured: none
     facts = search.profile.layouts
     before = MeasuredProfile(search.profile, search.hardware, {("fp32", False): plain}, 4, search.topology)
     after = MeasuredProfile(search.profile, search.hardware, {("fp32", False): micro}, 4, search.topology)
@@ -530,14 +535,14 @@ def test_the_search_measures_a_pipeline_micro_batch_only_for_precisions_a_fittin
         return {s: dataclasses.replace(search.variants[s], step_time_s=0.04, batch=batch) for s in settings}
 
     search._measured_alone = measured_alone
-    search._measure_pipeline_micro_steps({plain, ckpt})
+    search._measure_fixed_pass_shares({plain, ckpt})
     assert asked == [([plain], 1)]
-    share = fixed_pass_share(dataclasses.replace(search.variants[plain], pass_fixed_share=0.0), 0.04, 1)
+    share = fixed_pass_share(dataclasses.replace(search.variants[plain], pass_fixed_share=None), 0.04, 1)
     assert share > 0
     assert search.variants[plain].pass_fixed_share == search.variants[ckpt].pass_fixed_share == share
-    search._measure_pipeline_micro_steps({plain, ckpt})
+    search._measure_fixed_pass_shares({plain, ckpt})
     assert len(asked) == 1  # measured once
-    search.variants[plain] = dataclasses.replace(search.variants[plain], pass_fixed_share=0.0)
-    search.candidates = [c for c in search.candidates if c.pipeline == 1]
-    search._measure_pipeline_micro_steps({plain})
-    assert len(asked) == 1  # no pipeline candidate: nothing to measure
+    search.variants[plain] = dataclasses.replace(search.variants[plain], pass_fixed_share=None)
+    search.candidates = [c for c in search.candidates if c.pipeline == 1 and c.micro == 1]
+    search._measure_fixed_pass_shares({plain})
+    assert len(asked) == 1  # no pipeline and no micro-batched candidate: nothing to measure

@@ -80,9 +80,10 @@ class VariantProfile:
     sharded_overhead_s: dict = field(default_factory=dict)
     # the share of a forward + backward pass's time that does not shrink with the batch (each op's own
     # overhead, autocast's weight casts once a forward): measured alone again at a pipeline's micro-batch
-    # (``cost_model.fixed_pass_share``) or carried from the same precision without checkpointing; 0: not
-    # measured (a pass is priced in proportion to its batch). A pipeline stage pays it once per micro-batch.
-    pass_fixed_share: float = 0.0
+    # (``cost_model.fixed_pass_share``) or carried from the same precision without checkpointing (None: not
+    # measured: a pass is priced in proportion to its batch, a micro-step at ``MICRO_STEP_OVERHEAD``). A
+    # pipeline stage pays it once per micro-batch, micro_batch once per extra micro-step.
+    pass_fixed_share: Optional[float] = None
 
 
 @dataclass

@@ -241,7 +241,7 @@ class StrategySearch:
         self._measure_tensor_splits(set(fresh))
         if self._carry_split_overheads(set(fresh)):
             self._measure_tensor_splits(set(fresh))  # a carried overhead may have moved a split into the top-k
-        self._measure_pipeline_micro_steps(set(fresh))
+        self._measure_fixed_pass_shares(set(fresh))
         if is_main_rank():
             for setting, key in fresh.items():
                 store_cached(key, self.variants[setting])
@@ -458,21 +458,26 @@ class StrategySearch:
             self.pieces.extend(PieceRun(**run) for run in records[0]["pieces"])
         return measured
 
-    def _measure_pipeline_micro_steps(self, settings: set[Setting]) -> None:
-        """The fixed part of a pass (``VariantProfile.pass_fixed_share``) for each precision a pipeline
-        candidate predicted to fit uses: its setting without checkpointing measured alone once more at a
-        pipeline's micro-batch (``layouts.micro_batches``: 2 per stage, so a micro-batch holds half the
-        per-rank batch whatever the stage count), the share carried to the same precision with
+    def _measure_fixed_pass_shares(self, settings: set[Setting]) -> None:
+        """The fixed part of a pass (``VariantProfile.pass_fixed_share``) for each precision that a pipeline
+        candidate, or a micro-batched one whose batch does not fit unsplit, predicted to fit uses: its setting
+        without checkpointing measured alone once more at half the per-rank batch (a pipeline's micro-batch:
+        ``layouts.micro_batches`` runs 2 per stage, so a micro-batch holds half the per-rank batch whatever
+        the stage count; and 2 micro-steps' micro-batch), the share carried to the same precision with
         checkpointing (recompute runs the same ops again: fixed and batch-bound parts alike). On 2 CPU ranks
         the repo GPT's 2-stage pipeline ran 1.2-1.7x the step a price in proportion to the batch gave it, bf16
-        autocast most (it casts the stage's weights again for every micro-batch); a device's small kernels
-        lose efficiency the same way."""
+        autocast most (it casts the stage's weights again for every micro-batch), where a micro-step cost
+        0.03-0.04 of the step, not the 0.2 ``MICRO_STEP_OVERHEAD`` assumes; a device's small kernels lose
+        efficiency the same way."""
         micro = self.per_rank_batch // 2
         if micro < 1:
             return
-        precisions = {c.precision for _, c in self._fitting_candidates() if c.pipeline > 1}
+        fitting = self._fitting_candidates()
+        labels = {c.label for _, c in fitting}
+        precisions = {c.precision for _, c in fitting
+                      if c.pipeline > 1 or (c.micro > 1 and not needless_split(c, lambda x: x.label in labels))}
         wanted = [(p, False) for p in sorted(precisions) if (p, False) in settings and (p, False) in self.variants
-                  and not self.variants[(p, False)].error and not self.variants[(p, False)].pass_fixed_share]
+                  and not self.variants[(p, False)].error and self.variants[(p, False)].pass_fixed_share is None]
         for (precision, _), small in (self._measured_alone(wanted, micro) if wanted else {}).items():
             if small.error:
                 continue
@@ -481,10 +486,10 @@ class StrategySearch:
                                                                     pass_fixed_share=share)
             self._say(f"search: {precision}: {share:.0%} of a forward and backward pass does not shrink with the "
                       f"batch (measured alone at batch {micro} and {self.per_rank_batch}); a pipeline stage pays it "
-                      "once per micro-batch")
+                      "once per micro-batch, micro-batching once per extra micro-step")
         for (precision, checkpoint), variant in list(self.variants.items()):
             plain = self.variants.get((precision, False))
-            if checkpoint and plain is not None and not variant.error and not variant.pass_fixed_share:
+            if checkpoint and plain is not None and not variant.error and variant.pass_fixed_share is None:
                 self.variants[(precision, checkpoint)] = dataclasses.replace(
                     variant, pass_fixed_share=plain.pass_fixed_share)
 
