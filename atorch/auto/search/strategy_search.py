@@ -384,6 +384,13 @@ class StrategySearch:
                 fitting.append((guess.step_time_s, candidate))
         return fitting
 
+    @staticmethod
+    def _dry_runnable(fitting: list[tuple[float, Candidate]]) -> list[tuple[float, Candidate]]:
+        """``fitting`` less the splits the search would not dry-run (``_skip_needless_splits``: the same
+        candidate with fewer micro-batches, or synchronising at the last micro-step, also fits)."""
+        labels = {candidate.label for _, candidate in fitting}
+        return [(t, c) for t, c in fitting if c.micro == 1 or not needless_split(c, lambda x: x.label in labels)]
+
     def _measurements_that_matter(self, settings: Iterable[Setting]) -> dict[tuple[Setting, Any], float]:
         """The (setting, tensor size) and (setting, sharding) pairs among ``settings`` neither measured yet
         nor carried from another setting (``_carry_split``) that some candidate the search would dry-run
@@ -394,10 +401,7 @@ class StrategySearch:
         sharding is measured where ``MEASURED_SHARDINGS`` names it, unsplit over all ranks (what
         ``sharded_step_times`` holds)."""
         settings = set(settings)
-        fitting = self._fitting_candidates()
-        # the splits the search would not dry-run (``_skip_needless_splits``) take no place in the top-k
-        labels = {candidate.label for _, candidate in fitting}
-        fitting = [(t, c) for t, c in fitting if c.micro == 1 or not needless_split(c, lambda x: x.label in labels)]
+        fitting = self._dry_runnable(self._fitting_candidates())
         fitting.sort(key=lambda pair: pair[0])
         # a sharding's pieces cost about what its candidate's own dry run costs (every rank's collectives
         # run on both), so it is measured only where its candidate could then be left out: where more
@@ -472,10 +476,8 @@ class StrategySearch:
         micro = self.per_rank_batch // 2
         if micro < 1:
             return
-        fitting = self._fitting_candidates()
-        labels = {c.label for _, c in fitting}
-        precisions = {c.precision for _, c in fitting
-                      if c.pipeline > 1 or (c.micro > 1 and not needless_split(c, lambda x: x.label in labels))}
+        precisions = {c.precision for _, c in self._dry_runnable(self._fitting_candidates())
+                      if c.pipeline > 1 or c.micro > 1}
         wanted = [(p, False) for p in sorted(precisions) if (p, False) in settings and (p, False) in self.variants
                   and not self.variants[(p, False)].error and self.variants[(p, False)].pass_fixed_share is None]
         for (precision, _), small in (self._measured_alone(wanted, micro) if wanted else {}).items():
