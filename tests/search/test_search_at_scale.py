@@ -145,6 +145,8 @@ def test_the_search_measured_pieces_never_the_whole_model(searched):
         assert piece["kept_blocks"] <= (2 if two else 1), piece
         assert piece["total_blocks"] == 12
     assert any("+tp" in piece["setting"] for piece in pieces), "the tensor split was not measured"
+    # the pipeline's micro-batch (half the per-rank batch) measured by the same pieces, not the whole model
+    assert len({piece["batch"] for piece in pieces if "+" not in piece["setting"]}) == 2, "no micro-batch measured"
 
 
 def test_no_dry_run_was_predicted_over_the_limit(searched):
