@@ -546,3 +546,28 @@ def test_the_search_measures_a_pipeline_micro_batch_only_for_precisions_a_fittin
     search.candidates = [c for c in search.candidates if c.pipeline == 1 and c.micro == 1]
     search._measure_fixed_pass_shares({plain})
     assert len(asked) == 1  # no pipeline and no micro-batched candidate: nothing to measure
+
+
+def test_a_pipeline_beyond_the_top_k_at_its_lowest_price_is_not_measured_for_its_fixed_share():
+    """An unmeasured fixed share prices a pipeline's micro-batches in proportion to the batch, the lowest
+    price a measurement could give it: a pipeline beyond the ``topk`` fastest by that price is never dry-run,
+    so its precision is not measured again at the small batch; one inside the top-k is."""
+    search = _hand_made_search(world=4, ranks_per_node=4)
+    plain = ("fp32", False)
+    asked = []
+
+    def measured_alone(settings, batch):
+        asked.append((list(settings), batch))
+        return {s: dataclasses.replace(search.variants[s], step_time_s=0.04, batch=batch) for s in settings}
+
+    search._measured_alone = measured_alone
+    unsplit = [c for c in search.candidates if c.pipeline == 1 and c.micro == 1 and c.tensor == 1 and not c.checkpoint]
+    pipeline = next(c for c in search.candidates if c.pipeline > 1 and c.micro == 1 and not c.checkpoint)
+    k = search.options.topk
+    assert len(unsplit) >= k
+    search._fitting_candidates = lambda: [(0.01 * (i + 1), c) for i, c in enumerate(unsplit[:k])] + [(1.0, pipeline)]
+    search._measure_fixed_pass_shares({plain})
+    assert asked == [] and search.variants[plain].pass_fixed_share is None
+    search._fitting_candidates = lambda: [(0.001, pipeline)] + [(0.01 * (i + 1), c) for i, c in enumerate(unsplit)]
+    search._measure_fixed_pass_shares({plain})
+    assert asked == [([plain], 1)] and search.variants[plain].pass_fixed_share is not None
