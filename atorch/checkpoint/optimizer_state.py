@@ -53,6 +53,19 @@ class OptimizerView:
             self.partitions = adapter.partitions(layer)
 
 
+def partitions_of(optim: Any) -> Optional[PartitionedState]:
+    """The partitions holding ``optim``'s state outside torch's (DeepSpeed ZeRO's flat buffers), or None.
+    Unlike ``OptimizerView`` it does not refuse an optimizer checkpoints cannot hold: loading pretrained
+    weights into the model needs only to update such a copy of them (ds_3d_parallel's engine keeps none)."""
+    layer = optim
+    while isinstance(layer, AtorchOptimizer):
+        adapter = adapter_for(layer)
+        if adapter.partitions is not None:
+            return adapter.partitions(layer)
+        layer = layer.optimizer
+    return None
+
+
 def name_of(param: torch.Tensor, names: dict[int, str]) -> str:
     name = names.get(id(param))
     if name is None:

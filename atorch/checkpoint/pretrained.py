@@ -29,7 +29,7 @@ from atorch.checkpoint.hf_conversion import (
     composed_sources,
     hf_checkpoint_names,
 )
-from atorch.checkpoint.optimizer_state import OptimizerView
+from atorch.checkpoint.optimizer_state import partitions_of
 from atorch.checkpoint.tensors import (
     SavedOrder,
     canonical_name,
@@ -95,11 +95,11 @@ def load_pretrained(path: str | os.PathLike, result: "AutoAccelerateResult", *, 
         _refuse_key_mismatch(loaded, target)
     sources = {key: source for key, source in sources.items() if source is not None}
     on_every_rank(lambda: check_fit(model, sources, weight_map, composed))
-    view = on_every_rank(lambda: OptimizerView(result.optim) if result.optim is not None else None)
+    partitions = on_every_rank(lambda: partitions_of(result.optim) if result.optim is not None else None)
     orders = saved_orders(result.model)
     on_every_rank(lambda: copy_in(model, sources, weight_map, orders, packed, composed))
-    if view is not None and view.partitions is not None:
-        view.partitions.sync_master_weights()  # DeepSpeed ZeRO steps from its own fp32 copy
+    if partitions is not None:
+        partitions.sync_master_weights()  # DeepSpeed ZeRO steps from its own fp32 copy
     return loaded
 
 

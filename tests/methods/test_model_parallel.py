@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason
 from atorch.auto.opt_lib.pipeline_parallel import balance_stages, plan_stages
 from atorch.distributed import mesh
 from atorch.models import GPT, GPTConfig
@@ -23,6 +24,8 @@ pytest.importorskip("transformers", reason="transformers is a test extra")
 TOL = 1e-4
 TP2 = ("parallel_mode", ([("tensor", 2)], None))
 PP2 = ("parallel_mode", ([("pipeline", 2)], None))
+DS_3D = [PP2, ("ds_3d_parallel", {"num_micro_batch": 4})]
+DEEPSPEED = deepspeed_unavailable_reason() is None
 MIXED = ("parallel_mode", ([("tensor", 2), ("pipeline", 2)], None))
 FOUR_BLOCKS = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
 SP = [TP2, "tensor_parallel", "sequence_parallel"]
@@ -54,6 +57,11 @@ CASES_2 = {
                        "config": FOUR_BLOCKS},
     "pp_pivots": {"strategy": [PP2, ("pipeline_parallel", {"pivots": ["blocks.3"], "num_micro_batch": 2})],
                   "config": FOUR_BLOCKS},
+    # DeepSpeed's pipeline engine on models that are not an nn.Sequential, cut as pipeline_parallel cuts
+    # them (gpt2: the embedding and the head tied across the two stages)
+    **({"ds_3d_gpt": DS_3D,
+        **{f"ds_3d_hf_{m}": {"strategy": DS_3D, "hf_model": m, "steps": 3, "lr": 0.05} for m in ("gpt2", "llama")}}
+       if DEEPSPEED else {}),
     **{f"zoo_tp_{m}": {"strategy": [TP2, "tensor_parallel"], "hf_model": m, "steps": 3, "lr": 0.05} for m in ZOO_TP},
     **{f"zoo_sp_{m}": {"strategy": SP, "hf_model": m, "steps": 3, "lr": 0.05} for m in ZOO_SP},
 }
@@ -78,6 +86,12 @@ CASES_4 = {
     "tp2_data2_zero1": [("parallel_mode", ([("tensor", 2), ("data", 2)], None)), "tensor_parallel", "zero1"],
     "pp2_data2_gpipe": [("parallel_mode", ([("pipeline", 2), ("data", 2)], None)),
                         ("pipeline_parallel", {"schedule": "GPipe"})],
+    # DeepSpeed's grid laid out as the mesh is, either order: its pipelines are atorch's pipeline groups, so
+    # both stages of a pipeline train on the same data shard
+    **({"ds_3d_pp2_data2": [("parallel_mode", ([("pipeline", 2), ("data", 2)], None)),
+                            ("ds_3d_parallel", {"num_micro_batch": 2})],
+        "ds_3d_data2_pp2": [("parallel_mode", ([("data", 2), ("pipeline", 2)], None)),
+                            ("ds_3d_parallel", {"num_micro_batch": 2})]} if DEEPSPEED else {}),
     **{f"mixed_zoo_{name}": {"strategy": MIXED_1F1B, "hf_model": name, **ZOO_KW} for name in ("gpt2", "llama", "bert")},
     "mixed_zoo_gpt2_clip": {"strategy": MIXED_1F1B, "hf_model": "gpt2", "max_grad_norm": 0.5, **ZOO_KW},
 }
@@ -220,23 +234,18 @@ def residual_blocks_on_sequences(steps: int = 3) -> dict:
             "norm_input": tuple(seen[0])}
 
 
-DS_3D = [PP2, ("ds_3d_parallel", {"num_micro_batch": 4})]
-
-
 def deepspeed_pipeline() -> dict:
     """DeepSpeed's pipeline engine on an nn.Sequential model, then the error users get without DeepSpeed."""
     import sys
 
-    from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason
     from atorch.testing.sequential import train_sequential
 
     out = {}
     if deepspeed_unavailable_reason() is None:
         out["run"] = train_sequential(DS_3D)
-        try:
-            train_gpt([PP2, "ds_3d_parallel"], steps=1)
-        except Exception as error:
-            out["not_sequential"] = f"{type(error).__name__}: {error}"
+        result = train_gpt(DS_3D, steps=1)["result"]
+        out["extras"] = result.args.extras.get("ds_3d_parallel")
+        out["clipping"] = result.model.engine.gradient_clipping()
     sys.modules["deepspeed"] = None
     deepspeed_unavailable_reason.cache_clear()
     try:
@@ -440,4 +449,7 @@ def test_ds_3d_parallel_pipeline_matches_reference_or_reports_deepspeed_missing(
         reference = train_sequential([])
         assert relative_difference(got["run"]["losses"], reference["losses"]) < TOL, (rank, got["run"]["losses"])
         assert weight_difference(got["run"]["weights"], reference["weights"]) < TOL
-        assert "nn.Sequential" in got["not_sequential"], got["not_sequential"]
+        # a model that is not an nn.Sequential is cut at its blocks, one DeepSpeed layer per stage
+        assert got["extras"]["stages"] == 2 and sum(got["extras"]["blocks_per_stage"]) == 2, got["extras"]
+        # DeepSpeed clips at a global norm of 1.0 unless told not to: atorch tells it (clipping is the user's)
+        assert got["clipping"] == 0.0, got["clipping"]

@@ -1,19 +1,33 @@
 """ds_3d_parallel: DeepSpeed's pipeline engine (pipeline × data) — optional.
 
-DeepSpeed pipelines a list of layers, so this method takes models given as ``nn.Sequential`` (the
-layers in order; the first receives the whole input) and ``model_input_format`` None. The stages are
-partitioned by DeepSpeed (``partition_method``: "parameters" by default, "uniform", or
-"type:<regex>"); ``num_micro_batch`` micro-batches run per step. Tensor parallelism inside DeepSpeed
-needs a Megatron model, so a ``tensor`` dimension above 1 is refused; use ``mixed_parallel`` for
-tensor × pipeline on any model. As with pipeline_parallel, ``model(batch)`` runs the whole step and
-returns a ``PipelineOutput``, ``loss_func`` returns its loss, ``optim.backward`` is a no-op and
-``optim.step`` does nothing further (DeepSpeed stepped inside ``train_batch``).
+DeepSpeed pipelines a list of layers, each taking the previous one's output. Two ways in:
+
+- A model given as ``nn.Sequential`` with ``model_input_format`` None: its layers are DeepSpeed's
+  layers (the first receives the whole input), partitioned by DeepSpeed (``partition_method``:
+  "parameters" by default, "uniform", or "type:<regex>").
+- Any other model (an HF transformer, nn.TransformerEncoder, a torchtitan-, timm- or nanoGPT-style
+  model), ``model_input_format`` "unpack_dict" or None: cut at its repeated blocks exactly as
+  pipeline_parallel cuts it (``pipeline_parallel.cut_stages``: the block chain read from a traced
+  forward, balanced by matmul parameters), one DeepSpeed layer per stage, each built only on its own
+  ranks (a ``LayerSpec``). A stage runs the user's unchanged model with the other stages' blocks as
+  pass-throughs (``pipeline_parallel.StageModule``); what crosses a stage is the hidden state and the
+  micro-batch's row indices, from which every stage rebuilds its rows of the batch (masks, positions).
+  Weights tied across stages (GPT-2's embedding and head) have their copies' gradients summed over
+  the pipeline at DeepSpeed's tied-gradient reduction, before the data-parallel reduce.
+  ``partition_method`` applies to ``nn.Sequential`` only.
+
+``num_micro_batch`` micro-batches run per step. Tensor parallelism inside DeepSpeed needs a Megatron
+model, so a ``tensor`` dimension above 1 is refused; use ``mixed_parallel`` for tensor × pipeline on
+any model. As with pipeline_parallel, ``model(batch)`` runs the whole step and returns a
+``PipelineOutput``, ``loss_func`` returns its loss, ``optim.backward`` is a no-op and ``optim.step``
+does nothing further (DeepSpeed stepped inside ``train_batch``).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,13 +35,20 @@ from torch import nn
 
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason
-from atorch.auto.opt_lib.pipeline_parallel import PipelineOutput, pipeline_loss
+from atorch.auto.opt_lib.pipeline_parallel import (
+    PipelineOutput,
+    SharedWeights,
+    StageModule,
+    cut_stages,
+    pipeline_loss,
+)
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.checkpoint.adapters import register_optimizer_adapter
 from atorch.distributed import mesh
 from atorch.errors import CheckpointError, MethodConfigError, RequirementError
-from atorch.utils.batch import batch_size_of, loss_value, select_rows
+from atorch.utils.batch import batch_of_call, batch_size_of, loss_value, select_rows
 from atorch.utils.config import MethodConfig, option
+from atorch.utils.modules import full_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +66,8 @@ class DS3DParallelOptimization(Optimization):
     config_class = DS3DParallelConfig
     stages = ("data_parallel", "optimizer")  # the engine (built by the optimizer factory) is the data-parallel wrapper
     reads = {"optimizer": ("model", "loss_func", "model_input_format", "per_rank_batch_size", "optim_func",
-                           "optim_args")}
+                           "optim_args", "device", "dataset", "dataloader_args", "user_prepare_input",
+                           "input_dtype")}
     writes = {"optimizer": ("model", "loss_func")}
     record_writes = ("data_parallel_wrapper", "optimizer_factory", "backward_in_forward", "args")
     excludes = {"sharding": "choose one sharding level",
@@ -60,13 +82,13 @@ class DS3DParallelOptimization(Optimization):
         reason = deepspeed_unavailable_reason()
         if reason:
             raise RequirementError(f"ds_3d_parallel: {reason}")
-        if not isinstance(ctx.model, nn.Sequential):
-            raise MethodConfigError(self.name, f"DeepSpeed pipelines a list of layers: give the model as "
-                                               f"torch.nn.Sequential (got {type(ctx.model).__name__}), "
-                                               f"or use pipeline_parallel / mixed_parallel")
-        if ctx.model_input_format is not None:
-            raise MethodConfigError(self.name,
-                                    "needs model_input_format None: the first layer receives the whole batch")
+        sequential = isinstance(ctx.model, nn.Sequential)
+        if sequential and ctx.model_input_format is not None:
+            raise MethodConfigError(self.name, "an nn.Sequential model needs model_input_format None: its first "
+                                               "layer receives the whole batch")
+        if not sequential and ctx.model_input_format not in ("unpack_dict", None):
+            raise MethodConfigError(self.name, f"needs model_input_format 'unpack_dict' or None (a single input), "
+                                               f"got {ctx.model_input_format!r}")
         if ctx.optim_func is None:
             raise MethodConfigError(self.name, "needs optim_func: DeepSpeed builds the optimizer into its engine")
         ctx.set_data_parallel_wrapper(self.name, lambda ctx: None)  # the engine does data parallelism
@@ -78,29 +100,38 @@ class DS3DParallelOptimization(Optimization):
 def _build_engine(ctx, config: DS3DParallelConfig) -> "EngineStepOptimizer":
     import deepspeed
     from deepspeed.pipe import PipelineModule as DSPipelineModule
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     if mesh.parallel_group_size("tensor") > 1:
         raise MethodConfigError("ds_3d_parallel",
                                 "a tensor dimension above 1 needs a Megatron model; use mixed_parallel")
     pp, dp = mesh.parallel_group_size("pipeline"), mesh.data_parallel_size()
-    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)  # wraps our process group
-    holder: dict = {}
-    layers = list(ctx.model)
-    module = DSPipelineModule(layers=layers, num_stages=pp, topology=PipeDataParallelTopology(num_pp=pp, num_dp=dp),
-                              loss_fn=lambda output, index: holder["wrapper"].micro_loss(output, index),
-                              partition_method=config.partition_method)
     per_rank = ctx.per_rank_batch_size
     micro = config.num_micro_batch
     if per_rank % micro:
         raise MethodConfigError("ds_3d_parallel",
                                 f"the per-rank batch {per_rank} does not split into {micro} micro-batches")
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)  # wraps our process group
+    holder: dict = {}
+    topology = _topology_like_the_mesh(pp, dp)
+    loss_fn = lambda output, index: holder["wrapper"].micro_loss(output, index)  # noqa: E731
+    stages: Optional[DeepSpeedStages] = None
+    if isinstance(ctx.model, nn.Sequential):
+        module = DSPipelineModule(layers=list(ctx.model), num_stages=pp, topology=topology, loss_fn=loss_fn,
+                                  partition_method=config.partition_method)
+    else:
+        stages = DeepSpeedStages(ctx, pp)
+        module = stages.pipeline_module(DSPipelineModule, topology, loss_fn)
+        ctx.args.extras["ds_3d_parallel"] = stages.describe()
+    _check_same_pipelines(module)
+    # DeepSpeed clips the global gradient norm at 1.0 unless told otherwise: a step plain PyTorch would not
+    # take (GPT-2 with its tied embedding, norm 1.10, had every update scaled by 0.908); clipping stays the
+    # user's, as under every other method
     ds_config = {"train_micro_batch_size_per_gpu": per_rank // micro, "gradient_accumulation_steps": micro,
-                 "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1}
+                 "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1, "gradient_clipping": 0.0}
     optimizer = ctx.optim_func([p for p in module.parameters() if p.requires_grad], **ctx.optim_args)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config,
                                            dist_init_required=False)
-    wrapper = DeepSpeedPipeline(engine, ctx.loss_func, micro)
+    wrapper = DeepSpeedPipeline(engine, ctx.loss_func, micro, stages)
     holder["wrapper"] = wrapper
     ctx.model = wrapper
     ctx.loss_func = pipeline_loss
@@ -108,32 +139,173 @@ def _build_engine(ctx, config: DS3DParallelConfig) -> "EngineStepOptimizer":
     return EngineStepOptimizer(optimizer)
 
 
+def _topology_like_the_mesh(pp: int, dp: int) -> Any:
+    """DeepSpeed's process grid laid out as atorch's mesh lays out the ranks, so that a DeepSpeed pipeline
+    is an atorch pipeline group: its stages load the same batch (the dataloader shards by atorch's data
+    rank). The mesh varies its first-listed dimension fastest; DeepSpeed its last axis."""
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+
+    dims = [name for name, _ in mesh.parallel_config().dims] if mesh.parallel_config() else []
+    pipeline_fastest = "pipeline" in dims and all(dims.index("pipeline") < dims.index(d) for d in dims
+                                                   if d != "pipeline" and d in ("data", "zero"))
+    if pipeline_fastest:
+        return ProcessTopology(axes=["data", "pipe"], dims=[dp, pp])
+    return ProcessTopology(axes=["pipe", "data"], dims=[pp, dp])
+
+
+def _check_same_pipelines(module: nn.Module) -> None:
+    """MethodConfigError unless every DeepSpeed pipeline is one of atorch's pipeline groups (a
+    parallel_mode rank order can place ranks where DeepSpeed's grid cannot follow): otherwise a stage
+    would compute on another data shard's batch, silently."""
+    group = mesh.parallel_group("pipeline")
+    ours = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
+    same = torch.tensor([int(sorted(ours) == sorted(module.mpu().pp_group))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    if not same.item():
+        raise MethodConfigError("ds_3d_parallel", f"DeepSpeed's pipeline groups do not follow parallel_mode's "
+                                f"(this rank: DeepSpeed {sorted(module.mpu().pp_group)}, atorch {sorted(ours)}); "
+                                "leave out parallel_mode's rank order")
+
+
+class _BatchHolder:
+    """The step's batch, where every stage reads its micro-batch's rows (a plain object: not a module)."""
+
+    batch: Any = None
+
+
+class DeepSpeedStage(nn.Module):
+    """One pipeline stage of a model that is not an ``nn.Sequential``, as DeepSpeed's layer: it receives
+    the micro-batch's row indices (first stage) or the previous stage's hidden state with them, runs the
+    user's model on those rows of the batch (``StageModule``), and passes its hidden state and the
+    indices on; the last stage returns the user's own output object to the loss."""
+
+    def __init__(self, build: Callable[[int], StageModule], index: int, holder: _BatchHolder,
+                 input_format: Optional[str]):
+        super().__init__()
+        self.stage = build(index)
+        self.holder = holder
+        self.input_format = input_format
+
+    def forward(self, received: Any) -> Any:
+        if self.stage.is_first:
+            index, hidden = received, ()
+        else:
+            hidden_state, index = received
+            hidden = (hidden_state,)
+        rows = select_rows(self.holder.batch, index)
+        inputs = dict(rows) if self.input_format == "unpack_dict" else {"input": rows}
+        output = self.stage(*hidden, **inputs)
+        if self.stage.is_last:
+            return self.stage.rebuild_output(output)
+        return output, index
+
+
+class DeepSpeedStages:
+    """A model cut as pipeline_parallel cuts it (``cut_stages``), as DeepSpeed's pipeline module: one
+    ``LayerSpec`` per stage, so each rank builds only its own stage from the user's model (no copy)."""
+
+    def __init__(self, ctx, pp: int):
+        self.pp = pp
+        self.holder = _BatchHolder()
+        self.input_format = ctx.model_input_format
+        self.device = ctx.device
+        try:
+            structure, self.bounds, self.tied = cut_stages(ctx, pp, detail=f" ({pp} pipeline ranks)")
+        except MethodConfigError as error:  # the same cut, refused for the same reason: said as this method's
+            raise MethodConfigError("ds_3d_parallel", f"a model that is not an nn.Sequential is cut as "
+                                    f"pipeline_parallel cuts it, which refuses it: {error}") from error
+        self.build = functools.partial(_build_stage, ctx.model, structure, self.bounds, ctx.model_input_format,
+                                       tuple(self.tied))
+        self.stage: Optional[StageModule] = None
+
+    def pipeline_module(self, base: type, topology: Any, loss_fn: Callable) -> nn.Module:
+        from deepspeed.pipe import LayerSpec
+
+        specs = [LayerSpec(DeepSpeedStage, self.build, index, self.holder, self.input_format)
+                 for index in range(self.pp)]
+        module = _with_tied_stage_weights(base)(layers=specs, num_stages=self.pp, topology=topology, loss_fn=loss_fn,
+                                                partition_method="uniform")  # one layer per stage
+        self.stage = next(m.stage for m in module.modules() if isinstance(m, DeepSpeedStage))
+        module.shared = SharedWeights([self.stage], self.tied, module.mpu().get_pipe_parallel_group(), self.device)
+        if module.shared:
+            module.shared.copies()  # every stage holding a tied weight takes the lowest holder's value, now
+        return module
+
+    def describe(self) -> dict:
+        return {"stages": self.pp, "blocks_per_stage": [b - a for a, b in self.bounds],
+                "tied": {name: stages for name, stages in self.tied.items()}}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's weights by the user's names."""
+        return {k.removeprefix("model."): v for k, v in full_state_dict(self.stage).items()}
+
+
+def _build_stage(model: nn.Module, structure: Any, bounds: list, input_format: Optional[str], tied: tuple,
+                 index: int) -> StageModule:
+    return StageModule(model, structure, index, bounds, input_format, tied)
+
+
+@functools.cache
+def _with_tied_stage_weights(base: type) -> type:
+    """DeepSpeed's PipelineModule whose tied-gradient step sums the copies of weights tied across stages
+    (``SharedWeights``). DeepSpeed asks a pipeline module for its tied weights once a step, on every
+    stage, at its ReduceTiedGrads instruction, after the last micro-batch's backward and before the
+    data-parallel reduce; the copies are summed there and DeepSpeed is handed none of its own."""
+
+    class StagePipelineModule(base):
+        shared: Optional[SharedWeights] = None
+
+        def get_tied_weights_and_groups(self) -> list:
+            if self.shared:
+                self.shared.sum_gradients({name: [None] * len(params)
+                                           for name, params in self.shared.copies().items()})
+            return []
+
+    return StagePipelineModule
+
+
 class DeepSpeedPipeline(nn.Module):
-    def __init__(self, engine: Any, loss_func: Any, micro: int):
+    def __init__(self, engine: Any, loss_func: Any, micro: int, stages: Optional[DeepSpeedStages] = None):
         super().__init__()
         self.engine = engine
         self.user_loss = loss_func
         self.micro = micro
+        self.stages = stages
         self._batch: Any = None
 
-    def forward(self, batch: Any) -> PipelineOutput:
+    def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
+        batch = batch_of_call(args, kwargs, self.stages.input_format if self.stages is not None else None)
         self._batch = batch
         size = batch_size_of(batch)
         index = torch.arange(size, device=next(self.engine.parameters()).device)
-        chunks = [(select_rows(batch, part), part) for part in index.chunk(self.micro)]
+        if self.stages is not None:  # every stage reads its micro-batch's rows of the batch
+            self.stages.holder.batch = batch
+            chunks = [(part, part) for part in index.chunk(self.micro)]
+        else:
+            chunks = [(select_rows(batch, part), part) for part in index.chunk(self.micro)]
         loss = self.engine.train_batch(data_iter=iter(chunks))
         return PipelineOutput(loss.detach().float() if torch.is_tensor(loss) else torch.tensor(float(loss)))
+
+    @property
+    def stage_modules(self) -> Optional[list[StageModule]]:
+        """This rank's stage of a model cut at its blocks, as pipeline_parallel's ``PipelineModule`` names
+        its stages: what ``load_pretrained`` reads the user's names from (None for an nn.Sequential). A
+        property, not a child module: the engine already holds the stage's parameters."""
+        return [self.stages.stage] if self.stages is not None else None
 
     def micro_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
         return loss_value(self.user_loss(select_rows(self._batch, index), output))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every stage's layers, keyed as in the user's nn.Sequential, gathered over the pipeline."""
+        """Every stage's weights gathered over the pipeline, keyed as in the user's model (an
+        nn.Sequential's by its layers' indices)."""
         mine = {}
-        for key, value in self.engine.module.state_dict().items():
-            parts = key.split(".")  # DeepSpeed names layers by their global index
-            mine[".".join(parts)] = value.detach().float().cpu().clone()
-        group = mesh.parallel_group("pipeline")
+        if self.stages is not None:
+            mine = self.stages.full_state_dict()
+        else:
+            for key, value in self.engine.module.state_dict().items():
+                mine[key] = value.detach().float().cpu().clone()  # DeepSpeed names layers by their global index
+        group = self.engine.module.mpu().get_pipe_parallel_group()
         gathered: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, mine, group=group)
         out = {}

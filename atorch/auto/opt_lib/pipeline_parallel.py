@@ -400,9 +400,8 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     group = mesh.parallel_group("pipeline")
     per_rank = stages_per_rank(config, "pipeline_parallel")
     num_stages = pp * per_rank
-    blocks = _blocks(ctx.model, num_stages, f" ({pp} pipeline ranks x {per_rank} per rank)")
-    structure = block_structure(ctx, blocks)
-    starts = _stage_starts(ctx.model, blocks, config, num_stages)
+    structure, bounds, holders = cut_stages(ctx, num_stages, config.pivots or (),
+                                            f" ({pp} pipeline ranks x {per_rank} per rank)")
     per_rank_batch = ctx.per_rank_batch_size
     micro = config.num_micro_batch or min(2 * pp, per_rank_batch)
     if per_rank_batch % micro:
@@ -410,8 +409,6 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
                                 f"the per-rank batch {per_rank_batch} does not split into {micro} micro-batches")
     rank = dist.get_rank(group)
     indices = [rank + pp * v for v in range(per_rank)]
-    bounds = list(zip(starts, starts[1:] + [len(blocks)]))
-    holders = shared_between_stages(ctx.model, structure, bounds)
     modules = [StageModule(ctx.model if i == indices[-1] else copy.deepcopy(ctx.model), structure, i, bounds,
                            ctx.model_input_format, holders) for i in indices]
     for stage_module in modules:
@@ -437,10 +434,22 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
                                   "tied": {name: stages for name, stages in holders.items()}}
 
 
-def _stage_starts(model: nn.Module, blocks: list, config: PipelineParallelConfig, num_stages: int) -> list[int]:
+def cut_stages(ctx, num_stages: int, pivots: Iterable[str] = (),
+               detail: str = "") -> tuple[BlockStructure, list[tuple[int, int]], dict[str, list[int]]]:
+    """The model cut into ``num_stages`` stages at its repeated blocks (shared with ds_3d_parallel): the
+    block structure read from a traced forward, each stage's [first, end) block, and the weights that
+    several stages hold a copy of (``shared_between_stages``). MethodConfigError where no cut serves."""
+    blocks = _blocks(ctx.model, num_stages, detail)
+    structure = block_structure(ctx, blocks)
+    starts = _stage_starts(ctx.model, blocks, tuple(pivots), num_stages)
+    bounds = list(zip(starts, starts[1:] + [len(blocks)]))
+    return structure, bounds, shared_between_stages(ctx.model, structure, bounds)
+
+
+def _stage_starts(model: nn.Module, blocks: list, pivots: tuple, num_stages: int) -> list[int]:
     """The first block of every stage: the pivots given, or the balanced cut."""
-    if config.pivots:
-        return _starts_from_pivots(blocks, config.pivots, num_stages)
+    if pivots:
+        return _starts_from_pivots(blocks, pivots, num_stages)
     split = plan_stages(model, num_stages)
     logger.info("pipeline_parallel: stages start at %s (cost imbalance max/mean %.2f)", split.split_points,
                 split.imbalance)
