@@ -59,8 +59,11 @@ CASES_2 = {
                   "config": FOUR_BLOCKS},
     # DeepSpeed's pipeline engine on models that are not an nn.Sequential, cut as pipeline_parallel cuts
     # them (gpt2: the embedding and the head tied across the two stages)
+    # (ds_3d_hf_gpt2_clip: the loop's clipping, DeepSpeed's step deferred to the loop's optim.step, the norm
+    # taken over both stages with the tied copy counted once)
     **({"ds_3d_gpt": DS_3D,
-        **{f"ds_3d_hf_{m}": {"strategy": DS_3D, "hf_model": m, "steps": 3, "lr": 0.05} for m in ("gpt2", "llama")}}
+        **{f"ds_3d_hf_{m}": {"strategy": DS_3D, "hf_model": m, "steps": 3, "lr": 0.05} for m in ("gpt2", "llama")},
+        "ds_3d_hf_gpt2_clip": {"strategy": DS_3D, "hf_model": "gpt2", "steps": 3, "lr": 0.05, "max_grad_norm": 0.5}}
        if DEEPSPEED else {}),
     **{f"zoo_tp_{m}": {"strategy": [TP2, "tensor_parallel"], "hf_model": m, "steps": 3, "lr": 0.05} for m in ZOO_TP},
     **{f"zoo_sp_{m}": {"strategy": SP, "hf_model": m, "steps": 3, "lr": 0.05} for m in ZOO_SP},

@@ -19,8 +19,9 @@ DeepSpeed pipelines a list of layers, each taking the previous one's output. Two
 ``num_micro_batch`` micro-batches run per step. Tensor parallelism inside DeepSpeed needs a Megatron
 model, so a ``tensor`` dimension above 1 is refused; use ``mixed_parallel`` for tensor × pipeline on
 any model. As with pipeline_parallel, ``model(batch)`` runs the whole step and returns a
-``PipelineOutput``, ``loss_func`` returns its loss, ``optim.backward`` is a no-op and ``optim.step``
-does nothing further (DeepSpeed stepped inside ``train_batch``).
+``PipelineOutput``, ``loss_func`` returns its loss, ``optim.backward`` is a no-op, and ``optim.step`` takes
+the step DeepSpeed's ``train_batch`` would have ended with (deferred, so the loop's gradient clipping,
+taken over every stage's gradients, applies as under any other method).
 """
 from __future__ import annotations
 
@@ -136,7 +137,8 @@ def _build_engine(ctx, config: DS3DParallelConfig) -> "EngineStepOptimizer":
     ctx.model = wrapper
     ctx.loss_func = pipeline_loss
     logger.info("ds_3d_parallel: DeepSpeed pipeline of %d stages x %d data ranks, %d micro-batches", pp, dp, micro)
-    return EngineStepOptimizer(optimizer)
+    _defer_the_step(engine)
+    return EngineStepOptimizer(optimizer, module.mpu().get_pipe_parallel_group())
 
 
 def _topology_like_the_mesh(pp: int, dp: int) -> Any:
@@ -315,16 +317,33 @@ class DeepSpeedPipeline(nn.Module):
 
 
 class EngineStepOptimizer(AtorchOptimizer):
-    """DeepSpeed's pipeline engine steps inside ``train_batch``; the seed loop's calls are no-ops."""
+    """The seed loop's optimizer under DeepSpeed's pipeline engine: ``train_batch`` (the model call) ran the
+    forwards, the backwards and the gradient reductions, so ``backward`` has nothing left to do; ``step`` and
+    ``zero_grad`` are the torch optimizer's own (DeepSpeed's step is deferred to them: ``_defer_the_step``),
+    so the user's ``clip_grad_norm_`` sees the step's gradients, its norm taken over the pipeline stages."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        super().__init__(optimizer, backward_in_forward=True)
+    def __init__(self, optimizer: torch.optim.Optimizer, pipeline_group: Any = None):
+        super().__init__(optimizer, grad_partition_group=pipeline_group, backward_in_forward=True)
 
-    def step(self, closure: Any = None) -> None:
-        return None
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        return None
+def _defer_the_step(engine: Any) -> None:
+    """DeepSpeed's ``train_batch`` ends with its optimizer step; the seed loop's ``optim.step()`` takes it
+    instead, after whatever the loop does between (clipping the gradient norm above all), as under
+    pipeline_parallel. DeepSpeed's step still keeps its own books (its step count); only the optimizer's
+    step and its zeroing of the gradients are left out of it."""
+    take = engine._take_model_step
+
+    def take_without_stepping(*args: Any, **kwargs: Any) -> None:
+        optimizer = engine.optimizer
+        optimizer.step = lambda *a, **k: None  # instance attributes over the class's methods, for this call
+        engine.zero_grad = lambda *a, **k: None
+        try:
+            take(*args, **kwargs)
+        finally:
+            del optimizer.step
+            del engine.zero_grad
+
+    engine._take_model_step = take_without_stepping
 
 
 def _no_checkpoints(optim: EngineStepOptimizer) -> CheckpointError:
