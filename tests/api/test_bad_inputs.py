@@ -368,6 +368,8 @@ SINGLE: list[Case] = [
          ("mixed_parallel", "tensor.plan[0]=5")),
     Case("dropped_ds_3d_key", strategy([("ds_3d_parallel", {"bogus": 1})]), MethodConfigError,
          ("ds_3d_parallel", "'bogus'", "valid keys", "num_micro_batch")),
+    Case("dropped_ds_3d_partition", strategy([("ds_3d_parallel", {"partition_method": "layers"})]),
+         MethodConfigError, ("ds_3d_parallel", "'layers'", "'parameters'", "'uniform'", "'type:<regex>'")),
     Case("dropped_two_shardings", strategy(["zero1", "fsdp"]), IncompatibleMethodsError,
          ("zero1 and fsdp", "choose one sharding level")),
     Case("dropped_sequence_alone", strategy(["sequence_parallel"]), IncompatibleMethodsError,

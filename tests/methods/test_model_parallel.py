@@ -249,6 +249,11 @@ def deepspeed_pipeline() -> dict:
         result = train_gpt(DS_3D, steps=1)["result"]
         out["extras"] = result.args.extras.get("ds_3d_parallel")
         out["clipping"] = result.model.engine.gradient_clipping()
+        try:  # DeepSpeed's split of an nn.Sequential, asked of a model cut at its blocks: refused, not ignored
+            train_gpt([PP2, ("ds_3d_parallel", {"partition_method": "uniform"})], steps=1)
+            out["partition_refusal"] = "no error"
+        except Exception as error:
+            out["partition_refusal"] = f"{type(error).__name__}: {error}"
     sys.modules["deepspeed"] = None
     deepspeed_unavailable_reason.cache_clear()
     try:
@@ -456,3 +461,5 @@ def test_ds_3d_parallel_pipeline_matches_reference_or_reports_deepspeed_missing(
         assert got["extras"]["stages"] == 2 and sum(got["extras"]["blocks_per_stage"]) == 2, got["extras"]
         # DeepSpeed clips at a global norm of 1.0 unless told not to: atorch tells it (clipping is the user's)
         assert got["clipping"] == 0.0, got["clipping"]
+        refusal = got["partition_refusal"]
+        assert refusal.startswith("MethodConfigError") and "partition_method 'uniform'" in refusal, refusal

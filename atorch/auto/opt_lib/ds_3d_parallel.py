@@ -57,8 +57,10 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class DS3DParallelConfig(MethodConfig):
     num_micro_batch: int = option(2, doc="micro-batches per step (DeepSpeed's gradient accumulation steps)", minimum=1)
-    partition_method: str = option("parameters", doc="how DeepSpeed balances stages: 'parameters', 'uniform' or "
-                                   "'type:<regex>'")
+    partition_method: Optional[str] = option(None, doc="an nn.Sequential's split by DeepSpeed: 'parameters' (None: "
+                                             "this), 'uniform' or 'type:<regex>'; other models are cut at their "
+                                             "blocks as pipeline_parallel cuts them")
+
 
 
 class DS3DParallelOptimization(Optimization):
@@ -76,6 +78,14 @@ class DS3DParallelOptimization(Optimization):
                 "pipeline parallel": "mixed_parallel already includes pipeline parallel",
                 "micro-batches": "a pipeline splits the batch into micro-batches itself: set its num_micro_batch"}
 
+    def normalize(self, config: Any) -> DS3DParallelConfig:
+        config = super().normalize(config)
+        method = config.partition_method
+        if method is not None and method not in ("parameters", "uniform") and not method.startswith("type:"):
+            raise MethodConfigError(self.name, f"partition_method {method!r} is none of 'parameters', 'uniform', "
+                                               "'type:<regex>'")
+        return config
+
     def requirements(self, config: Any = None) -> Optional[str]:
         return deepspeed_unavailable_reason()
 
@@ -87,6 +97,11 @@ class DS3DParallelOptimization(Optimization):
         if sequential and ctx.model_input_format is not None:
             raise MethodConfigError(self.name, "an nn.Sequential model needs model_input_format None: its first "
                                                "layer receives the whole batch")
+        if not sequential and config.partition_method is not None:
+            raise MethodConfigError(self.name, f"partition_method {config.partition_method!r} applies to an "
+                                               f"nn.Sequential (DeepSpeed splits its layers); a "
+                                               f"{type(ctx.model).__name__} is cut at its repeated blocks as "
+                                               "pipeline_parallel cuts it: leave partition_method out")
         if not sequential and ctx.model_input_format not in ("unpack_dict", None):
             raise MethodConfigError(self.name, f"needs model_input_format 'unpack_dict' or None (a single input), "
                                                f"got {ctx.model_input_format!r}")
@@ -118,7 +133,7 @@ def _build_engine(ctx, config: DS3DParallelConfig) -> "EngineStepOptimizer":
     stages: Optional[DeepSpeedStages] = None
     if isinstance(ctx.model, nn.Sequential):
         module = DSPipelineModule(layers=list(ctx.model), num_stages=pp, topology=topology, loss_fn=loss_fn,
-                                  partition_method=config.partition_method)
+                                  partition_method=config.partition_method or "parameters")
     else:
         stages = DeepSpeedStages(ctx, pp)
         module = stages.pipeline_module(DSPipelineModule, topology, loss_fn)
