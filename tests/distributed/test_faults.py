@@ -4,7 +4,8 @@ stays usable for the next case (all cases share one launch, so every later case 
 
 Matrix: where the fault is raised (loss_func, the model's forward at its second block, the user's
 prepare_input) × when (first call, third call) × the method (DDP, zero1, zero2, fsdp, tensor_parallel,
-pipeline_parallel: rank 0 then waits in a point-to-point receive, not a collective).
+pipeline_parallel: rank 0 then waits in a point-to-point receive, not a collective; ds_3d_parallel where
+DeepSpeed is installed).
 The same three places inside the fully automatic search (the sharded candidates fail on rank 1: the
 search completes without them), and a rank killed with SIGKILL during a dry run (the survivor ends
 with RankLostError naming it). Each case's wall time is printed and must stay under 30 s.
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from atorch.auto.accelerate import auto_accelerate
+from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason
 from atorch.errors import DryRunError, RankLostError
 from atorch.models import SyntheticTokenDataset, gpt_loss
 from atorch.testing import run_distributed
@@ -39,7 +41,12 @@ METHODS = {"ddp": ["parallel_mode"], "zero1": ["zero1"], "zero2": ["zero2"], "fs
            # pipeline stage (block 1, the loss: rank 0 waits for its gradients in a point-to-point receive)
            "tensor_parallel": [("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"],
            "pipeline_parallel": [("parallel_mode", ([("pipeline", 2)], None)),
-                                 ("pipeline_parallel", {"num_micro_batch": 2})]}
+                                 ("pipeline_parallel", {"num_micro_batch": 2})],
+           # DeepSpeed's pipeline engine: rank 1's fault at the cut's traced forward (call 1 of "forward") comes
+           # before DeepSpeed makes its groups, whose creation a peer's failure would not end
+           **({"ds_3d_parallel": [("parallel_mode", ([("pipeline", 2)], None)),
+                                  ("ds_3d_parallel", {"num_micro_batch": 2})]}
+              if deepspeed_unavailable_reason() is None else {})}
 PLACES = ("loss_func", "forward", "prepare_input")
 CALLS = (1, 3)
 CASE_LIMIT_S = 30.0

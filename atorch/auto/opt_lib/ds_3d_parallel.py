@@ -46,6 +46,7 @@ from atorch.auto.opt_lib.pipeline_parallel import (
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.checkpoint.adapters import register_optimizer_adapter
 from atorch.distributed import mesh
+from atorch.distributed.agreement import all_ranks_true
 from atorch.errors import CheckpointError, MethodConfigError, RequirementError
 from atorch.utils.batch import batch_of_call, batch_size_of, loss_value, select_rows
 from atorch.utils.config import MethodConfig, option
@@ -126,16 +127,18 @@ def _build_engine(ctx, config: DS3DParallelConfig) -> "EngineStepOptimizer":
     if per_rank % micro:
         raise MethodConfigError("ds_3d_parallel",
                                 f"the per-rank batch {per_rank} does not split into {micro} micro-batches")
+    # the cut traces the user's model, which may raise on one rank only: every rank passes a collective (which a
+    # peer's failure ends) before DeepSpeed makes its groups, whose creation waits on the store for every rank
+    stages = None if isinstance(ctx.model, nn.Sequential) else DeepSpeedStages(ctx, pp)
+    all_ranks_true(True)
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)  # wraps our process group
     holder: dict = {}
     topology = _topology_like_the_mesh(pp, dp)
     loss_fn = lambda output, index: holder["wrapper"].micro_loss(output, index)  # noqa: E731
-    stages: Optional[DeepSpeedStages] = None
-    if isinstance(ctx.model, nn.Sequential):
+    if stages is None:
         module = DSPipelineModule(layers=list(ctx.model), num_stages=pp, topology=topology, loss_fn=loss_fn,
                                   partition_method=config.partition_method or "parameters")
     else:
-        stages = DeepSpeedStages(ctx, pp)
         module = stages.pipeline_module(DSPipelineModule, topology, loss_fn)
         ctx.args.extras["ds_3d_parallel"] = stages.describe()
     _check_same_pipelines(module)
