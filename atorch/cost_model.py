@@ -242,9 +242,12 @@ def sharding_overhead_s(sharding: str, variant: VariantProfile) -> Optional[floa
 def _split(candidate: Candidate, memory: float, comm: float, collectives: int, act: float, P: float, G: float,
            n: int, units: int) -> tuple[float, float, int]:
     """micro_batch with k micro-steps: the batch's activations shrink to 1/k (autocast's weight
-    copies do not scale with the batch); inside the window FSDP keeps its gradients unsharded (in the
-    compute dtype) and gathers every unit again for each micro-step's forward and backward (zero2's
-    parameters stay gathered through the window; DDP and zero1 communicate once, at its end).
+    copies do not scale with the batch); inside the window FSDP keeps its gradients unsharded and
+    gathers every unit again for each micro-step's forward and backward (zero2's parameters stay
+    gathered through the window; DDP and zero1 communicate once, at its end). The gradients it keeps
+    are in its policy's reduce dtype, fp32 (FSDP2 upcasts each kept unsharded gradient to it,
+    ``FSDPParam.to_accumulated_grad_if_needed``), so zero2's whole gradients grow from the compute
+    dtype to fp32 too.
     ``grad_sync="each_micro_step"`` (fsdp / zero2): every micro-step reduce-scatters, k times G's share
     instead of once, and FSDP's gradients stay sharded between micro-steps (no unsharded copy kept;
     zero2's model already holds its whole gradients through one backward)."""
@@ -252,9 +255,11 @@ def _split(candidate: Candidate, memory: float, comm: float, collectives: int, a
     batch_act = max(act - (0.5 * P if amp and not candidate.checkpoint else 0.0), 0.0)
     memory -= (1 - 1 / k) * batch_act
     each = candidate.grad_sync == EACH_MICRO_STEP and candidate.sharding in ("fsdp", "zero2")
+    if candidate.sharding == "zero2" and n > 1 and amp and not each:
+        memory += 0.5 * G  # the compute-dtype gradients counted unsplit, now accumulated in fp32
     if candidate.sharding == "fsdp" and n > 1:
         shed = 1.0 - 1.0 / n
-        memory += 0.0 if each else (0.5 if amp else 1.0) * G * shed
+        memory += 0.0 if each else G * shed
         comm += (k - 1) * shed * 2 * P
         collectives += (k - 1) * 2 * units
     if each and n > 1:

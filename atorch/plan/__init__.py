@@ -217,7 +217,8 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     also without tensor / pipeline parallelism, where zero1 is it anyway.
 
     Gradient accumulation, ``grad_sync``: "last_micro_step" (default: unsharded gradients kept until
-    the last micro-step, reduced once; DDP's / FSDP's no_sync, atorch's micro_batch, Megatron) or
+    the last micro-step, reduced once, FSDP / zero2 keeping them in the reduce dtype; DDP's / FSDP's
+    no_sync, atorch's micro_batch, Megatron) or
     "each_micro_step" (reduced, under sharding reduce-scattered, at every micro-step, so only one
     micro-batch's activations and sharded gradients stay between them: FSDP without no_sync, Composer).
 

@@ -397,14 +397,20 @@ def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload
 
 def residual_is_fp32(candidate: Candidate, work: Workload) -> bool:
     """Under autocast the weights stay fp32, so the embedding output and the residual stream (and the
-    norms on it) are fp32; FSDP's mixed-precision policy casts the weights to bf16 first, and Megatron's
-    distributed optimizer keeps the model itself in bf16 (its fp32 master weights live in the optimizer),
-    so the residual stream is bf16 under either."""
+    norms on it) are fp32; FSDP's mixed-precision policy casts the weights to bf16 first (fsdp, hsdp and
+    zero2, which is FSDP without resharding after forward), and Megatron's distributed optimizer keeps the
+    model itself in bf16 (its fp32 master weights live in the optimizer), so the residual stream is bf16
+    under either."""
     if work.fp32_residual is not None:
         return work.fp32_residual
     if megatron_optimizer(candidate, work):
         return candidate.precision == "fp32"
-    return candidate.precision == "fp32" or (candidate.precision.startswith("amp") and candidate.sharding != "fsdp")
+    autocast_over_fp32 = candidate.precision.startswith("amp") and candidate.sharding not in FSDP_KINDS
+    return candidate.precision == "fp32" or autocast_over_fp32
+
+
+# the shardings FSDP runs, with its mixed-precision policy (zero2: FSDP without resharding after forward)
+FSDP_KINDS = ("fsdp", "hsdp", "zero2")
 
 
 def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,
@@ -451,20 +457,23 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
                   data: int, fp8: bool = False) -> float:
     """A tensor / pipeline rank's state (its share of the model) sharded over the data dimension as the
     sharding says: fsdp all of it (plus two gathered blocks), zero2 all of it plus its share's parameters
-    and gradients whole in the compute dtype (FSDP2 without resharding after forward keeps the parameters
-    gathered through forward and backward, the gradients until they are reduce-scattered, as
-    ``cost_model.estimate``'s unsplit zero2; torchtitan's default under a pipeline), zero1 as Megatron's
-    distributed optimizer (bf16 weights and fp32 gradients whole, fp32 master weights and Adam moments
-    sharded), ddp none (plus its gradient buckets); and the activations of the micro-batches the
-    schedule keeps in flight (1F1B: as many as stages on the first stage, plus one being received)."""
+    whole in the compute dtype and its gradients whole (FSDP2 without resharding after forward keeps the
+    parameters gathered through forward and backward, the gradients until they are reduce-scattered, as
+    ``cost_model.estimate``'s unsplit zero2; torchtitan's default under a pipeline; ``whole_grads``),
+    zero1 as Megatron's distributed optimizer (bf16 weights and fp32 gradients whole, fp32 master
+    weights and Adam moments sharded), ddp none (plus its gradient buckets); and the activations of the
+    micro-batches the schedule keeps in flight (1F1B: as many as stages on the first stage, plus one
+    being received)."""
     t, p = candidate.tensor, candidate.pipeline
     P, G, O = state_bytes(candidate, spec, work.optimizer_states)  # noqa: E741 (the docstring's P / G / O)
     share = facts.state_share[(t, p)] if facts and (t, p) in facts.state_share else 1.0 / (t * p)
     if work.pipeline_ends_as_layers and p > 1:
         share = _largest_stage(spec, t, p, stage_blocks(spec, p, work)) / spec.param_count
     amp = half_states(candidate, work).precision.startswith("amp")
+    micro = pipeline_micro_batches(candidate, work, data) if p > 1 else micro_steps(candidate, work, data)
     if candidate.sharding == "zero2" and data > 1:
-        states = (P + G + O) * share / data + (0.5 if amp else 1.0) * (P + G) * share
+        gathered = (0.5 if amp else 1.0) * P + whole_grads(candidate, work, G, micro)
+        states = (P + G + O) * share / data + gathered * share
     elif candidate.sharding in ("fsdp", "hsdp") and data > 1:
         block = spec.block_params * (2 if amp else P / spec.param_count) / t
         states = (P + G + O) * share / data + 2 * block
@@ -480,7 +489,6 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
                   + O / data) * share
     else:
         states = (P + G + O) * share + (G * share if data > 1 else 0.0)
-    micro = pipeline_micro_batches(candidate, work, data) if p > 1 else micro_steps(candidate, work, data)
     tokens = work.tokens / data / micro
     if p > 1:
         # each stage's blocks times the micro-batches it holds (the first the most, the last the logits)
@@ -490,6 +498,17 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
     else:
         act = activation_bytes(candidate, spec, work, tokens, tensor=t, fp8=fp8)
     return states + act
+
+
+def whole_grads(candidate: Candidate, work: Workload, grads: float, micro_steps: int) -> float:
+    """zero2's whole (not yet reduce-scattered) gradients: one backward's in the compute dtype, or, where
+    they accumulate over ``micro_steps`` before the one reduce-scatter, in the reduce dtype (FSDP2 upcasts
+    each unsharded gradient it keeps to its policy's reduce dtype, fp32 under atorch's amp and Llama 3's
+    "FP32 gradient accumulation"; ``grad_buffer_bytes``). ``grads`` is the fp32 count."""
+    amp = half_states(candidate, work).precision.startswith("amp")
+    if micro_steps > 1 and not work.syncs_each_micro_step(candidate):
+        return grad_buffer_bytes(candidate, work, grads)
+    return 0.5 * grads if amp else grads
 
 
 def kept_stage_outputs(candidate: Candidate, spec: TransformerSpec, work: Workload, tokens: float, stage: int,

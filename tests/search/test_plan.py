@@ -774,24 +774,29 @@ def test_gradient_accumulation_traffic_is_charged_per_micro_step_on_the_paramete
 def test_zero2_under_a_pipeline_keeps_its_stage_gathered():
     """zero2 is FSDP2 without resharding after forward (torchtitan's default when a pipeline runs): a
     pipeline stage keeps its share of the parameters gathered in bf16 through forward and backward, and
-    its bf16 gradients until they are reduce-scattered, on top of its shard of the fp32 state, as the
-    unsplit zero2 formula of cost_model.estimate counts it (fsdp holds two gathered blocks instead). Against
-    ddp, whose activations the model counts alike, the difference is the state alone, to the byte."""
+    its gradients whole until they are reduce-scattered, on top of its shard of the fp32 state (fsdp holds
+    two gathered blocks instead). Both run FSDP's bf16 policy, so their activations are counted alike and
+    the difference is the state alone, to the byte. Over the pipeline's micro-batches the whole gradients
+    accumulate in the fp32 reduce dtype (FSDP2's to_accumulated_grad_if_needed; Llama 3's "FP32 gradient
+    accumulation"); reduce-scattered at every micro-step they stay one backward's, in bf16."""
     from atorch.plan import configuration
     from atorch.plan.analytic import spec_layout_facts, state_bytes
 
     args = dict(global_batch=32, seq_len=4096, pipeline=2, micro_batch_size=1)
     ddp = atorch.estimate("llama2-7b", "2x8xA100-80GB", sharding="ddp", **args)
     zero2 = atorch.estimate("llama2-7b", "2x8xA100-80GB", sharding="zero2", **args)
+    zero2_each = atorch.estimate("llama2-7b", "2x8xA100-80GB", sharding="zero2", grad_sync="each_micro_step", **args)
     fsdp = atorch.estimate("llama2-7b", "2x8xA100-80GB", sharding="fsdp", **args)
     spec, cluster, candidate, work = configuration("llama2-7b", "2x8xA100-80GB", sharding="zero2", **args)
     params, grads, moments = state_bytes(candidate, spec)
     share = spec_layout_facts(spec, cluster.world_size).state_share[(1, 2)]
     data = 8
-    ddp_state = (params + grads + moments) * share + grads * share
-    zero2_state = (params + grads + moments) * share / data + 0.5 * (params + grads) * share
-    assert zero2.allocated_bytes - ddp.allocated_bytes == pytest.approx(zero2_state - ddp_state, rel=1e-6)
-    assert fsdp.allocated_bytes < zero2.allocated_bytes < ddp.allocated_bytes
+    sharded = (params + grads + moments) * share / data
+    zero2_state = sharded + (0.5 * params + grads) * share
+    fsdp_state = sharded + 2 * 2 * spec.block_params
+    assert zero2.allocated_bytes - fsdp.allocated_bytes == pytest.approx(zero2_state - fsdp_state, rel=1e-6)
+    assert zero2.allocated_bytes - zero2_each.allocated_bytes == pytest.approx(0.5 * grads * share, rel=1e-6)
+    assert fsdp.allocated_bytes < zero2_each.allocated_bytes < zero2.allocated_bytes < ddp.allocated_bytes
 
 
 class _EncoderLM(torch.nn.Module):
