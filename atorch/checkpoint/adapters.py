@@ -12,7 +12,8 @@ of the optimizer object:
 - ``local_state``: the torch optimizer holding this process's share of the state (a
   ZeroRedundancyOptimizer's local optimizer), or ``None`` when this process holds none; without
   it the innermost optimizer holds its own state;
-- ``unsupported``: the CheckpointError to raise when checkpoints cannot hold this optimizer;
+- ``unsupported``: the CheckpointError to raise when checkpoints cannot hold this optimizer (None:
+  they can);
 - ``sharded_reason``: why torch's own ``state_dict()`` of this optimizer would be partial (the
   state is split over processes), for ``result.optim.state_dict()`` to refuse with it;
 - ``whole_state_dict``: given the optimizer and the call (``"state_dict()"`` or
@@ -54,7 +55,7 @@ class OptimizerAdapter:
     scaler: Optional[Callable[[Any], Any]] = None
     partitions: Optional[Callable[[Any], PartitionedState]] = None
     local_state: Optional[Callable[[Any], Optional[torch.optim.Optimizer]]] = None
-    unsupported: Optional[Callable[[Any], CheckpointError]] = None
+    unsupported: Optional[Callable[[Any], Optional[CheckpointError]]] = None
     sharded_reason: Optional[Callable[[Any], Optional[str]]] = None
     whole_state_dict: Optional[Callable[[Any, str], bool]] = None
 

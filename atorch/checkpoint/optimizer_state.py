@@ -44,8 +44,9 @@ class OptimizerView:
 
     def _read_layer(self, layer: Any) -> None:
         adapter = adapter_for(layer)
-        if adapter.unsupported is not None:
-            raise adapter.unsupported(layer)
+        error = adapter.unsupported(layer) if adapter.unsupported is not None else None
+        if error is not None:
+            raise error
         scaler = adapter.scaler(layer) if adapter.scaler is not None else None
         if scaler is not None:
             self.scaler = scaler

@@ -46,6 +46,7 @@ MIXED = ("parallel_mode", ([("tensor", 2), ("pipeline", 2)], None))
 PIPE = ("pipeline_parallel", {"num_micro_batch": 4})
 DS_ZERO1 = ("zero1", {"use_ds_zero": True})
 DS_ZERO2 = ("zero2", {"use_ds_zero": True})
+DS_3D = ("ds_3d_parallel", {"num_micro_batch": 4})
 
 # name: (strategy, optimizer, shuffle[, zoo model]); SGD with momentum where another strategy resumes
 # (AdamW's m/sqrt(v) amplifies rounding differences), AdamW (state with a scalar 'step') elsewhere;
@@ -59,6 +60,7 @@ SAVED_ON_2 = {
     "pp": ([PP2, PIPE], "sgd", False),
     "ds_zero1": ([DS_ZERO1], "adamw", True),
     "ds_zero2": ([DS_ZERO2], "sgd", False),
+    "ds_3d": ([PP2, DS_3D], "adamw", True),  # DeepSpeed's pipeline engine over the GPT cut at its blocks
     "gpt2_tp": ([TP2, "tensor_parallel"], "sgd", False, "gpt2"),
 }
 SAVED_ON_4 = {"mixed": ([MIXED, ("mixed_parallel", {"pipeline": {"num_micro_batch": 4}})], "adamw", True)}
@@ -70,6 +72,8 @@ CROSS = {
     "fsdp_from_pp": ("pp", ["fsdp"], 2),
     "ddp_from_ds_zero2": ("ds_zero2", [], 1),
     "ds_zero1_from_fsdp": ("fsdp", [DS_ZERO1], 2),
+    "ds_3d_from_pp": ("pp", [PP2, DS_3D], 2),
+    "pp_from_ds_3d": ("ds_3d", [PP2, PIPE], 2),
     "ddp_from_gpt2_tp": ("gpt2_tp", [], 1),
     "fsdp_from_gpt2_tp": ("gpt2_tp", ["fsdp"], 2),
 }
@@ -177,7 +181,8 @@ def save_and_export(cases: dict, root: str) -> dict:
 
 
 def _ds_3d_refusal(root: str) -> str:
-    """What save_checkpoint says under ds_3d_parallel (DeepSpeed's pipeline engine), which it refuses."""
+    """What save_checkpoint says under ds_3d_parallel over an nn.Sequential (DeepSpeed's own partition of
+    its layers by index), which it refuses."""
     status, result, _ = atorch.auto_accelerate(
         tiny_sequential(), torch.optim.SGD, PairDataset(16), pair_loss, optim_args={"lr": 0.1},
         dataloader_args={"batch_size": 8}, load_strategy=[PP2, ("ds_3d_parallel", {"num_micro_batch": 4})])
@@ -271,7 +276,7 @@ def test_checkpoint_loads_under_another_strategy_and_world_size(saved, loaded, n
     assert run["lr"] == pytest.approx(source["lr"], rel=1e-12)  # the scheduler's position came back
 
 
-SHARDED = {"zero1", "zero2", "fsdp", "tp", "pp", "mixed", "gpt2_tp", "ds_zero1", "ds_zero2"}
+SHARDED = {"zero1", "zero2", "fsdp", "tp", "pp", "mixed", "gpt2_tp", "ds_zero1", "ds_zero2", "ds_3d"}
 
 
 @pytest.mark.parametrize("name", [*SAVED_ON_2, *SAVED_ON_4])
@@ -283,7 +288,7 @@ def test_optimizer_state_dict_is_refused_where_the_state_is_split(saved, name):
         assert guard is None
 
 
-def test_ds_3d_parallel_is_refused_with_a_clear_error(saved):
+def test_ds_3d_parallel_over_an_nn_sequential_is_refused_with_a_clear_error(saved):
     refusal = saved[1]["ds_3d_refusal"]
     assert refusal.startswith("CheckpointError") and "ds_3d_parallel" in refusal and "exists=False" in refusal, refusal
 

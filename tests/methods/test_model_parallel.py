@@ -254,6 +254,8 @@ def deepspeed_pipeline() -> dict:
             out["partition_refusal"] = "no error"
         except Exception as error:
             out["partition_refusal"] = f"{type(error).__name__}: {error}"
+        # DeepSpeed ZeRO after the pipeline engine in one process (DeepSpeed keeps the last grid in a global)
+        out["zero_after"] = train_gpt([("zero1", {"use_ds_zero": True})], steps=1)["losses"]
     sys.modules["deepspeed"] = None
     deepspeed_unavailable_reason.cache_clear()
     try:
@@ -463,3 +465,5 @@ def test_ds_3d_parallel_pipeline_matches_reference_or_reports_deepspeed_missing(
         assert got["clipping"] == 0.0, got["clipping"]
         refusal = got["partition_refusal"]
         assert refusal.startswith("MethodConfigError") and "partition_method 'uniform'" in refusal, refusal
+        one_step = train_gpt([], steps=1)["losses"]
+        assert relative_difference(got["zero_after"], one_step) < TOL, (rank, got["zero_after"], one_step)

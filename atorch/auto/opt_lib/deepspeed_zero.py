@@ -50,6 +50,18 @@ def forget_deepspeed_groups() -> None:
     for name, value in list(vars(groups).items()):
         if name.startswith("_") and name.endswith("_GROUP"):
             setattr(groups, name, {} if isinstance(value, dict) else None)
+    forget_deepspeed_grid()
+
+
+def forget_deepspeed_grid() -> None:
+    """DeepSpeed keeps the model-parallel unit (``mpu``) of the last engine given one in a module global
+    (``deepspeed.utils.groups.mpu``), which an engine built without one then reads: after a ds_3d_parallel
+    engine in the same process, a ZeRO engine took the pipeline's model-parallel size and failed
+    (``'NoneType' object has no attribute 'get_model_parallel_rank'``). atorch's ZeRO engines run over the
+    data dimension alone; a pipeline engine passes its own grid."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None and getattr(groups, "mpu", None) is not None:
+        groups.mpu = None
 
 
 register_rebuild_callback(forget_deepspeed_groups)
@@ -94,6 +106,7 @@ def _build_engine(ctx, params: Any, method: str, stage: int) -> "DeepSpeedOptimi
         "steps_per_print": 2**31 - 1,
     }
     optimizer = ctx.optim_func(params, **ctx.optim_args)
+    forget_deepspeed_grid()
     engine, _, _, _ = deepspeed.initialize(model=ctx.model, optimizer=optimizer, config=config,
                                            dist_init_required=False)
     ctx.model = engine

@@ -8,12 +8,14 @@ DeepSpeed pipelines a list of layers, each taking the previous one's output. Two
 - Any other model (an HF transformer, nn.TransformerEncoder, a torchtitan-, timm- or nanoGPT-style
   model), ``model_input_format`` "unpack_dict" or None: cut at its repeated blocks exactly as
   pipeline_parallel cuts it (``pipeline_parallel.cut_stages``: the block chain read from a traced
-  forward, balanced by matmul parameters), one DeepSpeed layer per stage, each built only on its own
-  ranks (a ``LayerSpec``). A stage runs the user's unchanged model with the other stages' blocks as
-  pass-throughs (``pipeline_parallel.StageModule``); what crosses a stage is the hidden state and the
-  micro-batch's row indices, from which every stage rebuilds its rows of the batch (masks, positions).
-  Weights tied across stages (GPT-2's embedding and head) have their copies' gradients summed over
-  the pipeline at DeepSpeed's tied-gradient reduction, before the data-parallel reduce.
+  forward, balanced by matmul parameters), at the same ``pipeline`` stage, so a model built on the
+  meta device is materialised as this rank's stage only; one DeepSpeed layer per stage, which
+  DeepSpeed builds only on its own ranks (a ``LayerSpec`` returning the stage cut). A stage runs the
+  user's unchanged model with the other stages' blocks as pass-throughs
+  (``pipeline_parallel.StageModule``); what crosses a stage is the hidden state and the micro-batch's
+  row indices, from which every stage rebuilds its rows of the batch (masks, positions). Weights tied
+  across stages (GPT-2's embedding and head) have their copies' gradients summed over the pipeline at
+  DeepSpeed's tied-gradient reduction, before the data-parallel reduce.
   ``partition_method`` applies to ``nn.Sequential`` only.
 
 ``num_micro_batch`` micro-batches run per step. Tensor parallelism inside DeepSpeed needs a Megatron
@@ -68,11 +70,15 @@ class DS3DParallelOptimization(Optimization):
     name = "ds_3d_parallel"
     distributed_only = True
     config_class = DS3DParallelConfig
-    stages = ("data_parallel", "optimizer")  # the engine (built by the optimizer factory) is the data-parallel wrapper
-    reads = {"optimizer": ("model", "loss_func", "model_input_format", "per_rank_batch_size", "optim_func",
+    # the cut at "pipeline" (a model that is not an nn.Sequential); the engine (built by the optimizer factory)
+    # is the data-parallel wrapper
+    stages = ("pipeline", "data_parallel", "optimizer")
+    reads = {"pipeline": ("model", "model_input_format", "device", "dataset", "dataloader_args", "user_prepare_input",
+                          "input_dtype"),
+             "optimizer": ("model", "loss_func", "model_input_format", "per_rank_batch_size", "optim_func",
                            "optim_args", "device", "dataset", "dataloader_args", "user_prepare_input",
                            "input_dtype")}
-    writes = {"optimizer": ("model", "loss_func")}
+    writes = {"pipeline": ("model",), "optimizer": ("model", "loss_func")}
     record_writes = ("data_parallel_wrapper", "optimizer_factory", "backward_in_forward", "args")
     excludes = {"sharding": "choose one sharding level",
                 "tensor parallel": "mixed_parallel already includes tensor parallel",
@@ -108,28 +114,51 @@ class DS3DParallelOptimization(Optimization):
                                                f"got {ctx.model_input_format!r}")
         if ctx.optim_func is None:
             raise MethodConfigError(self.name, "needs optim_func: DeepSpeed builds the optimizer into its engine")
+        cut = _Cut()
+        if not sequential:  # this rank's stage replaces the model before it is materialised
+            ctx.add_wrapper("pipeline", self.name, cut.take)
         ctx.set_data_parallel_wrapper(self.name, lambda ctx: None)  # the engine does data parallelism
-        ctx.optimizer_factory = lambda ctx, params: _build_engine(ctx, config)
+        ctx.optimizer_factory = lambda ctx, params: _build_engine(ctx, config, cut.stages)
         ctx.backward_in_forward = True
         ctx.args.use_optim_backward = True
 
 
-def _build_engine(ctx, config: DS3DParallelConfig) -> "EngineStepOptimizer":
-    import deepspeed
-    from deepspeed.pipe import PipelineModule as DSPipelineModule
+class _Cut:
+    """This rank's stage of a model cut at its blocks, taken at the ``pipeline`` stage (None for an
+    nn.Sequential, which DeepSpeed partitions itself)."""
 
+    stages: Optional["DeepSpeedStages"] = None
+
+    def take(self, ctx) -> None:
+        _check_no_tensor_dimension()
+        self.stages = DeepSpeedStages(ctx, mesh.parallel_group_size("pipeline"))
+        # the cut traces the user's model, which may raise on one rank only: every rank passes a collective
+        # (which a peer's failure ends) before any other rank goes on to wait for it elsewhere
+        all_ranks_true(True)
+        ctx.model = self.stages.stage
+
+
+def _check_no_tensor_dimension() -> None:
     if mesh.parallel_group_size("tensor") > 1:
         raise MethodConfigError("ds_3d_parallel",
                                 "a tensor dimension above 1 needs a Megatron model; use mixed_parallel")
+
+
+def _build_engine(ctx, config: DS3DParallelConfig, stages: Optional["DeepSpeedStages"]) -> "EngineStepOptimizer":
+    """DeepSpeed's engine over ``stages`` (this rank's stage, cut at the ``pipeline`` stage), or over the
+    layers of the nn.Sequential model when ``stages`` is None."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule as DSPipelineModule
+
+    _check_no_tensor_dimension()
     pp, dp = mesh.parallel_group_size("pipeline"), mesh.data_parallel_size()
     per_rank = ctx.per_rank_batch_size
     micro = config.num_micro_batch
     if per_rank % micro:
         raise MethodConfigError("ds_3d_parallel",
                                 f"the per-rank batch {per_rank} does not split into {micro} micro-batches")
-    # the cut traces the user's model, which may raise on one rank only: every rank passes a collective (which a
-    # peer's failure ends) before DeepSpeed makes its groups, whose creation waits on the store for every rank
-    stages = None if isinstance(ctx.model, nn.Sequential) else DeepSpeedStages(ctx, pp)
+    # every rank passes a collective (which a peer's failure ends) before DeepSpeed makes its groups, whose
+    # creation waits on the store for every rank
     all_ranks_true(True)
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)  # wraps our process group
     holder: dict = {}
@@ -156,7 +185,7 @@ def _build_engine(ctx, config: DS3DParallelConfig) -> "EngineStepOptimizer":
     ctx.loss_func = pipeline_loss
     logger.info("ds_3d_parallel: DeepSpeed pipeline of %d stages x %d data ranks, %d micro-batches", pp, dp, micro)
     _defer_the_step(engine)
-    return EngineStepOptimizer(optimizer, module.mpu().get_pipe_parallel_group())
+    return EngineStepOptimizer(optimizer, module.mpu().get_pipe_parallel_group(), sequential=stages is None)
 
 
 def _topology_like_the_mesh(pp: int, dp: int) -> Any:
@@ -174,12 +203,14 @@ def _topology_like_the_mesh(pp: int, dp: int) -> Any:
 
 
 def _check_same_pipelines(module: nn.Module) -> None:
-    """MethodConfigError unless every DeepSpeed pipeline is one of atorch's pipeline groups (a
-    parallel_mode rank order can place ranks where DeepSpeed's grid cannot follow): otherwise a stage
-    would compute on another data shard's batch, silently."""
+    """MethodConfigError unless every DeepSpeed pipeline is one of atorch's pipeline groups, its stages in
+    the same order (a parallel_mode rank order can place ranks where DeepSpeed's grid cannot follow):
+    otherwise a stage would compute on another data shard's batch, or hold another stage's layers (the
+    stage cut for this rank is its pipeline rank's), silently."""
     group = mesh.parallel_group("pipeline")
     ours = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
-    same = torch.tensor([int(sorted(ours) == sorted(module.mpu().pp_group))])
+    stage = dist.get_rank(group) if group is not None else 0
+    same = torch.tensor([int(sorted(ours) == sorted(module.mpu().pp_group) and module.stage_id == stage)])
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
     if not same.item():
         raise MethodConfigError("ds_3d_parallel", f"DeepSpeed's pipeline groups do not follow parallel_mode's "
@@ -221,8 +252,9 @@ class DeepSpeedStage(nn.Module):
 
 
 class DeepSpeedStages:
-    """A model cut as pipeline_parallel cuts it (``cut_stages``), as DeepSpeed's pipeline module: one
-    ``LayerSpec`` per stage, so each rank builds only its own stage from the user's model (no copy)."""
+    """A model cut as pipeline_parallel cuts it (``cut_stages``), as DeepSpeed's pipeline module: this
+    rank's stage (its pipeline rank's) cut from the user's model (no copy; on meta, before it is
+    materialised), and one ``LayerSpec`` per stage, of which DeepSpeed builds this rank's."""
 
     def __init__(self, ctx, pp: int):
         self.pp = pp
@@ -234,18 +266,22 @@ class DeepSpeedStages:
         except MethodConfigError as error:  # the same cut, refused for the same reason: said as this method's
             raise MethodConfigError("ds_3d_parallel", f"a model that is not an nn.Sequential is cut as "
                                     f"pipeline_parallel cuts it, which refuses it: {error}") from error
-        self.build = functools.partial(_build_stage, ctx.model, structure, self.bounds, ctx.model_input_format,
-                                       tuple(self.tied))
-        self.stage: Optional[StageModule] = None
+        group = mesh.parallel_group("pipeline")
+        index = dist.get_rank(group) if group is not None else 0
+        self.stage = StageModule(ctx.model, structure, index, self.bounds, ctx.model_input_format, tuple(self.tied))
+
+    def _this_stage(self, index: int) -> StageModule:
+        """What DeepSpeed's LayerSpec builds: the stage cut for this rank (``_check_same_pipelines`` refuses
+        a grid whose stage ``index`` here is not this rank's pipeline rank)."""
+        return self.stage
 
     def pipeline_module(self, base: type, topology: Any, loss_fn: Callable) -> nn.Module:
         from deepspeed.pipe import LayerSpec
 
-        specs = [LayerSpec(DeepSpeedStage, self.build, index, self.holder, self.input_format)
+        specs = [LayerSpec(DeepSpeedStage, self._this_stage, index, self.holder, self.input_format)
                  for index in range(self.pp)]
         module = _with_tied_stage_weights(base)(layers=specs, num_stages=self.pp, topology=topology, loss_fn=loss_fn,
                                                 partition_method="uniform")  # one layer per stage
-        self.stage = next(m.stage for m in module.modules() if isinstance(m, DeepSpeedStage))
         module.shared = SharedWeights([self.stage], self.tied, module.mpu().get_pipe_parallel_group(), self.device)
         if module.shared:
             module.shared.copies()  # every stage holding a tied weight takes the lowest holder's value, now
@@ -258,11 +294,6 @@ class DeepSpeedStages:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's weights by the user's names."""
         return {k.removeprefix("model."): v for k, v in full_state_dict(self.stage).items()}
-
-
-def _build_stage(model: nn.Module, structure: Any, bounds: list, input_format: Optional[str], tied: tuple,
-                 index: int) -> StageModule:
-    return StageModule(model, structure, index, bounds, input_format, tied)
 
 
 @functools.cache
@@ -340,8 +371,9 @@ class EngineStepOptimizer(AtorchOptimizer):
     ``zero_grad`` are the torch optimizer's own (DeepSpeed's step is deferred to them: ``_defer_the_step``),
     so the user's ``clip_grad_norm_`` sees the step's gradients, its norm taken over the pipeline stages."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, pipeline_group: Any = None):
+    def __init__(self, optimizer: torch.optim.Optimizer, pipeline_group: Any = None, sequential: bool = False):
         super().__init__(optimizer, grad_partition_group=pipeline_group, backward_in_forward=True)
+        self.sequential = sequential  # DeepSpeed partitioned an nn.Sequential: its layers carry no user names
 
 
 def _defer_the_step(engine: Any) -> None:
@@ -364,11 +396,17 @@ def _defer_the_step(engine: Any) -> None:
     engine._take_model_step = take_without_stepping
 
 
-def _no_checkpoints(optim: EngineStepOptimizer) -> CheckpointError:
-    return CheckpointError("save_checkpoint/load_checkpoint: ds_3d_parallel is not supported: DeepSpeed's pipeline "
-                           "engine names layers by stage index and keeps its own optimizer state; use "
-                           "pipeline_parallel / mixed_parallel, or DeepSpeed's own engine.save_checkpoint",
-                           key="ds_3d_parallel")
+def _checkpoints_refused(optim: EngineStepOptimizer) -> Optional[CheckpointError]:
+    """None for a model cut at its blocks: its stage is the user's model (``DeepSpeedPipeline.stage_modules``,
+    the user's names) and its optimizer the user's torch optimizer over the stage's parameters, stepped by
+    the loop (DeepSpeed keeps no copy of the weights or state in fp32 without ZeRO), so checkpoints read
+    both as pipeline_parallel's. An nn.Sequential that DeepSpeed partitioned by its layer indices: refused."""
+    if not optim.sequential:
+        return None
+    return CheckpointError("save_checkpoint/load_checkpoint: ds_3d_parallel over an nn.Sequential is not supported: "
+                           "DeepSpeed's pipeline engine partitioned its layers by index; give the model as it is "
+                           "written (cut at its blocks, as pipeline_parallel cuts it), use pipeline_parallel / "
+                           "mixed_parallel, or DeepSpeed's own engine.save_checkpoint", key="ds_3d_parallel")
 
 
-register_optimizer_adapter(EngineStepOptimizer, unsupported=_no_checkpoints)
+register_optimizer_adapter(EngineStepOptimizer, unsupported=_checkpoints_refused)
