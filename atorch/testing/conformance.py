@@ -412,13 +412,14 @@ reference runs the per-process shards apart; its running statistics are not comp
 def megatron_share(model: torch.nn.Module) -> float:
     """The share of the parameters a Megatron-style scheme splits: every Linear inside the repeated
     blocks (attention projections, MLPs, experts; GPT-2's Conv1D and a MultiheadAttention's packed
-    projection too) and
-    the largest embedding with the head projecting to its vocabulary. Counted from module types, not
-    from atorch's plan, so the two can be compared."""
+    projection too), experts whose weights are stacked in 3-D parameters (transformers' MoE banks) and
+    the largest embedding with the head projecting to its vocabulary. Counted from module types and
+    shapes, not from atorch's plan, so the two can be compared."""
     classes = set(repeated_blocks(model)[0])
     blocks = [m for m in model.modules() if type(m).__name__ in classes]
     inner = {id(p) for b in blocks for m in b.modules()
              if isinstance(m, (torch.nn.Linear, torch.nn.MultiheadAttention)) or type(m).__name__ == "Conv1D"
+             or _stacked_experts(m)
              for p in m.parameters()}
     embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     if embeddings:
@@ -428,6 +429,13 @@ def megatron_share(model: torch.nn.Module) -> float:
                   if isinstance(m, torch.nn.Linear) and m.out_features == vocab.num_embeddings
                   and id(m.weight) not in inner}
     return _numel_share(model, inner)
+
+
+def _stacked_experts(module: torch.nn.Module) -> bool:
+    """Own parameters all 3-D with one leading size above 1: a bank of experts' weights."""
+    params = [p for _, p in module.named_parameters(recurse=False)]
+    return bool(params) and all(p.dim() == 3 for p in params) and len({p.shape[0] for p in params}) == 1 \
+        and params[0].shape[0] > 1
 
 
 def _numel_share(model: torch.nn.Module, ids: set[int]) -> float:
@@ -461,9 +469,10 @@ SHARE_HEAD = """
 ## How much tensor_parallel splits
 
 The share of each transformer's parameters that tensor_parallel's plan splits (found from the traced
-forward of one sample row: column / row / vocabulary / per-head), beside what a Megatron-style
-scheme splits (every Linear inside the repeated blocks, the token embedding and the LM head;
-`conformance.megatron_share`). A ratio of 1 or more: the plan splits all of it.
+forward of one sample row: column / row / vocabulary / per-head / by expert), beside what a
+Megatron-style scheme splits (every Linear inside the repeated blocks, experts stacked in 3-D
+parameters, the token embedding and the LM head; `conformance.megatron_share`). A ratio of 1 or
+more: the plan splits all of it.
 
 """
 

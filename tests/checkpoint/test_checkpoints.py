@@ -62,6 +62,7 @@ SAVED_ON_2 = {
     "ds_zero2": ([DS_ZERO2], "sgd", False),
     "ds_3d": ([PP2, DS_3D], "adamw", True),  # DeepSpeed's pipeline engine over the GPT cut at its blocks
     "gpt2_tp": ([TP2, "tensor_parallel"], "sgd", False, "gpt2"),
+    "mixtral_tp": ([TP2, "tensor_parallel"], "sgd", False, "mixtral"),  # expert banks split by expert
 }
 SAVED_ON_4 = {"mixed": ([MIXED, ("mixed_parallel", {"pipeline": {"num_micro_batch": 4}})], "adamw", True)}
 # name: (source case, strategy it loads under, world size)
@@ -76,6 +77,7 @@ CROSS = {
     "pp_from_ds_3d": ("ds_3d", [PP2, PIPE], 2),
     "ddp_from_gpt2_tp": ("gpt2_tp", [], 1),
     "fsdp_from_gpt2_tp": ("gpt2_tp", ["fsdp"], 2),
+    "ddp_from_mixtral_tp": ("mixtral_tp", [], 1),
 }
 
 
@@ -166,7 +168,7 @@ def _state_dict_guard(result) -> str | None:
 
 
 EXPORTS = {"llama-fsdp": ("llama", ["fsdp"]), "llama-tp": ("llama", [TP2, "tensor_parallel"]),
-           "gpt2-tp": ("gpt2", [TP2, "tensor_parallel"])}
+           "gpt2-tp": ("gpt2", [TP2, "tensor_parallel"]), "mixtral-tp": ("mixtral", [TP2, "tensor_parallel"])}
 
 
 def save_and_export(cases: dict, root: str) -> dict:
@@ -276,7 +278,7 @@ def test_checkpoint_loads_under_another_strategy_and_world_size(saved, loaded, n
     assert run["lr"] == pytest.approx(source["lr"], rel=1e-12)  # the scheduler's position came back
 
 
-SHARDED = {"zero1", "zero2", "fsdp", "tp", "pp", "mixed", "gpt2_tp", "ds_zero1", "ds_zero2", "ds_3d"}
+SHARDED = {"zero1", "zero2", "fsdp", "tp", "pp", "mixed", "gpt2_tp", "mixtral_tp", "ds_zero1", "ds_zero2", "ds_3d"}
 
 
 @pytest.mark.parametrize("name", [*SAVED_ON_2, *SAVED_ON_4])

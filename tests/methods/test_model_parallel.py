@@ -182,7 +182,9 @@ def inspect_parallel_layouts() -> dict:
 
 def inspect_zoo_layouts() -> dict:
     """What the zoo parity numbers cannot show: HF norms run on a sequence shard (ViT's 5 tokens
-    unevenly, T5's decoder on its own length), and T5's relative position bias is split with the heads."""
+    unevenly, T5's decoder on its own length), T5's relative position bias is split with the heads, and
+    Mixtral's expert banks (3-D stacked weights) are split by expert under tensor parallelism (and stay
+    whole under sequence parallelism), its step matching the unsplit model's."""
     norms = {"llama": "model.layers.0.input_layernorm", "vit": "vit.layers.0.layernorm_before",
              "t5": "decoder.block.0.layer.0.layer_norm"}
     out: dict = {"norm_input": {}}
@@ -197,6 +199,16 @@ def inspect_zoo_layouts() -> dict:
     out["t5"] = {"bias": tuple(attention.relative_attention_bias.weight.to_local().shape), "n_heads": attention.n_heads,
                  "wi": tuple(result.model.get_submodule("encoder.block.0.layer.1.DenseReluDense.wi")
                              .weight.to_local().shape)}
+    out["experts"] = {}
+    for label, strategy in (("tp", [TP2, "tensor_parallel"]), ("sp", SP)):
+        run = train_gpt(strategy, hf_model="mixtral", steps=2)
+        bank = run["result"].model.get_submodule("model.layers.0.mlp.experts")
+        out["experts"][label] = {
+            "listed": run["result"].args.extras["tensor_parallel"]["experts"],
+            "shapes": {n: (tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape),
+                           [str(x) for x in p.placements] if isinstance(p, DTensor) else None)
+                       for n, p in bank.named_parameters()},
+            "losses": run["losses"], "weights": run["weights"]}
     return out
 
 
@@ -385,6 +397,22 @@ def test_sequence_parallel_shards_hf_norm_inputs(two_ranks):
     for rank, per_rank in enumerate(two_ranks):
         for hf_model, shapes in expected.items():
             assert per_rank["zoo"]["norm_input"][hf_model] == shapes[rank], (rank, hf_model, per_rank["zoo"])
+
+
+def test_mixtral_experts_are_split_by_expert(two_ranks):
+    """The 4 experts' stacked gate_up [4, 128, 32] and down [4, 32, 64] weights: 2 experts on each rank
+    (Shard(0)), the step as in one process (the zoo's tiny Mixtral, 2 steps, fp32); under sequence
+    parallelism, whose tokens differ per rank, the bank stays whole."""
+    reference = train_gpt([], hf_model="mixtral", steps=2)
+    for rank, per_rank in enumerate(two_ranks):
+        tp, sp = per_rank["zoo"]["experts"]["tp"], per_rank["zoo"]["experts"]["sp"]
+        assert tp["listed"] == [f"model.layers.{i}.mlp.experts" for i in range(4)], tp["listed"]
+        assert tp["shapes"] == {"gate_up_proj": ((2, 128, 32), ["S(0)"]),
+                                "down_proj": ((2, 32, 64), ["S(0)"])}, (rank, tp["shapes"])
+        assert sp["listed"] == [] and sp["shapes"]["gate_up_proj"][0] == (4, 128, 32), (rank, sp)
+        for label, run in (("tp", tp), ("sp", sp)):
+            assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, label, run["losses"])
+            assert weight_difference(run["weights"], reference["weights"]) < TOL, (rank, label)
 
 
 def test_t5_relative_position_bias_is_split_with_the_heads(two_ranks):

@@ -7,7 +7,8 @@ feeding ``scaled_dot_product_attention`` or a matmul-softmax-matmul: column; the
 result reaches: row; fused q|k|v and k|v projections reordered so every rank holds its heads of
 each part; head counts from the projection widths and the operands' head size), per-head score
 biases (T5) and per-head norms (Qwen3's q / k norms: their parameters replicated, their input this
-rank's heads, so DTensor sums their gradients over the ranks). Names play no part;
+rank's heads, so DTensor sums their gradients over the ranks), and Mixture-of-Experts banks whose experts'
+weights are stacked in 3-D parameters, split by expert (``tp_experts``). Names play no part;
 ``nn.MultiheadAttention`` is first swapped for an equivalent with separate projections (``tp_mha``).
 Without a sample to run (no dataset) the older name lists serve as a fast path.
 A user's ``{"plan": ...}`` replaces both.
@@ -53,6 +54,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.sequence_parallel import apply_sequence_parallel, plan_sequence_parallel, replicate_params
 from atorch.auto.opt_lib.tp_check import Probe, check_plan, probe_from_context
+from atorch.auto.opt_lib.tp_experts import split_expert_bank
 from atorch.auto.opt_lib.tp_mha import split_mha
 from atorch.auto.opt_lib.tp_plan import TPPlan, _is_linear, find_tp_plan, plan_from_patterns, split_share
 from atorch.auto.opt_lib.tp_shapes import install_localizer, localize_attributes
@@ -235,6 +237,7 @@ def _apply_to_stage(stage: nn.Module, whole: TPPlan, config: TensorParallelConfi
                                vocab=vocab, tied_head=tied if tied and set(tied) <= set(vocab) else None,
                                head_bias=list(_on_stage(stage, whole.head_bias)),
                                head_norms=_on_stage(stage, whole.head_norms, linear=False),
+                               experts=_on_stage(stage, whole.experts, linear=False),
                                regions=_on_stage(stage, whole.regions, linear=False),
                                region_heads=_on_stage(stage, whole.region_heads, linear=False), replicated=[])
     return _parallelize(stage, config, tp, tp_mesh, sequence, None, given=plan)
@@ -278,6 +281,9 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
     else:
         plan = find_tp_plan(model, tp, flow)
     _keep_pipeline_tied_whole(model, plan)
+    if sequence and plan.experts:  # a bank's tokens differ per rank there: it stays whole
+        plan.why_whole.update(dict.fromkeys(plan.experts, "sequence parallelism: each rank holds other tokens"))
+        plan.experts = []
     if given is None:
         plan.share = split_share(model, plan)
     sequence_plan = plan_sequence_parallel(model, plan.styles, flow) if sequence else None  # refusals first
@@ -296,6 +302,8 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
         head.weight = embedding.weight
     for name, heads_dim in plan.head_norms.items():
         _run_on_local_heads(model.get_submodule(name), tp_mesh, heads_dim)
+    for name in plan.experts:
+        split_expert_bank(model.get_submodule(name), tp_mesh)
     if sequence_plan is not None:
         apply_sequence_parallel(model, sequence_plan, tp_mesh)
     regions = {name: model.get_submodule(name) for name in plan.regions}

@@ -15,6 +15,7 @@ from typing import Optional
 from torch import nn
 
 from atorch.auto.opt_lib.tp_discovery import Discovery, FoundAttention, discover
+from atorch.auto.opt_lib.tp_experts import find_expert_banks
 from atorch.errors import MethodConfigError
 from atorch.utils.dataflow import Dataflow
 from atorch.utils.modules import repeated_blocks
@@ -39,6 +40,7 @@ class TPPlan:
     tied_head: Optional[tuple[str, str]] = None                 # (head, embedding) sharing one weight
     head_bias: list[str] = field(default_factory=list)          # per-head embeddings (T5 relative bias): column split
     head_norms: dict[str, int] = field(default_factory=dict)    # per-head norms (Qwen3 q / k norm) -> their heads dim
+    experts: list[str] = field(default_factory=list)            # MoE expert banks split by expert (tp_experts)
     regions: dict[str, set] = field(default_factory=dict)       # module holding a split group -> its full sizes
     region_heads: dict[str, set] = field(default_factory=dict)  # the same -> its full head counts
     found_by: str = "structure"                                 # structure / names / plan
@@ -52,13 +54,13 @@ class TPPlan:
                 "colwise": [n for n, s in self.styles.items() if s == "colwise"],
                 "rowwise": [n for n, s in self.styles.items() if s == "rowwise"],
                 "vocabulary": dict(self.vocab), "per_head": list(self.head_bias), "fused": dict(self.fused),
-                "per_head_norms": list(self.head_norms),
+                "per_head_norms": list(self.head_norms), "experts": list(self.experts),
                 "replicated": list(self.replicated), "why_whole": dict(self.why_whole), "run_time_shapes": self.shapes,
                 "split_share": round(self.share, 4)}
 
 
 def split_names(plan: "TPPlan") -> list[str]:
-    return [*plan.styles, *plan.vocab, *plan.head_bias]
+    return [*plan.styles, *plan.vocab, *plan.head_bias, *plan.experts]
 
 
 def split_share(model: nn.Module, plan: "TPPlan") -> float:
@@ -82,7 +84,9 @@ def find_tp_plan(model: nn.Module, tp: int, flow: Optional[Dataflow] = None) -> 
     there is no sample to record. A model with nothing to split is refused: tensor_parallel would
     silently leave every rank computing the whole model."""
     plan = plan_from_structure(model, flow, tp) if flow is not None else _plan_from_names(model, tp)
-    if not plan.styles:
+    plan.experts, unsplit_banks = find_expert_banks(model, tp)
+    plan.why_whole.update(unsplit_banks)
+    if not plan.styles and not plan.experts:
         _refuse_nothing_to_split(model, plan)
     _find_vocab_parallel(model, tp, plan)
     split = set(split_names(plan))

@@ -1,0 +1,129 @@
+"""Mixture-of-Experts expert banks under tensor_parallel: each tensor rank holds 1/t of the experts.
+
+An expert bank keeps its experts' weights as parameters stacked on a leading expert dimension (3-D
+and more) and is called as ``bank(hidden_states, expert_index, expert_weights)``: transformers' experts
+interface, which every MoE model of transformers 5 uses (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...), whose
+fused ``gate_up_proj`` / ``down_proj`` are no Linear the dataflow could split. On the tensor ranks the
+tokens and the router's choices are the same, and the bank's output is a sum over experts, so the bank
+splits by expert: rank r keeps experts [r E/t, (r+1) E/t) (each parameter ``Shard(0)`` over the tensor
+group, so checkpoints, exports and pretrained loading see the whole bank), runs the bank's own forward
+on them with the choices of other ranks' experts mapped to the bank's "no expert" slot (the interface's
+sentinel, ``num_experts``, which its eager kernel skips and its batched and grouped kernels mask under
+their expert-parallel switch, set for the call), and the partial
+outputs are summed over the group in forward; the partial gradients of the inputs are summed in
+backward. A bank is recognised by that interface and its shapes (an integer ``num_experts`` of at least
+2, every own parameter's leading dimension equal to it, three inputs), never by its name; the plan's
+check (the sample forward and backward against the unsplit model) confirms it. Under sequence
+parallelism the banks stay whole: each rank's tokens differ there.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+EXPERTS_ATTR = "_atorch_expert_split"  # (total experts, this rank's first, its count, tensor mesh)
+# transformers' switch for its batched and grouped kernels to mask the "no expert" rows (its expert
+# parallelism); its eager kernel skips them always
+EXPERT_PARALLEL_FLAG = "_is_expert_parallel"
+
+
+def find_expert_banks(model: nn.Module, tp: int) -> tuple[list[str], dict[str, str]]:
+    """The expert banks of ``model`` that split over ``tp`` ranks, and why the others do not."""
+    banks: list[str] = []
+    why: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not is_expert_bank(module):
+            continue
+        if module.num_experts % tp:
+            why[name] = f"its {module.num_experts} experts do not divide by the tensor size {tp}"
+            continue
+        banks.append(name)
+    return banks, why
+
+
+def is_expert_bank(module: nn.Module) -> bool:
+    experts = getattr(module, "num_experts", None)
+    params = [p for _, p in module.named_parameters(recurse=False)]
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 2 or not params:
+        return False
+    if not all(p.dim() >= 3 and p.shape[0] == experts for p in params):
+        return False
+    try:
+        inputs = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in inputs) >= 3
+
+
+def split_expert_bank(bank: nn.Module, tp_mesh: Any) -> None:
+    """Keep this rank's experts (``Shard(0)`` on the tensor mesh) and run the bank on them."""
+    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    local = bank.num_experts // tp
+    for name, param in list(bank.named_parameters(recurse=False)):
+        if not isinstance(param, DTensor):
+            bank.register_parameter(name, nn.Parameter(distribute_tensor(param.data, tp_mesh, [Shard(0)]),
+                                                       requires_grad=param.requires_grad))
+    setattr(bank, EXPERTS_ATTR, (bank.num_experts, rank * local, local, tp_mesh))
+    bank.__class__ = _split_class(type(bank))
+
+
+@functools.cache
+def _split_class(base: type) -> type:
+    class SplitExpertBank(base):
+        """``base`` holding only this rank's experts (``tp_experts``)."""
+
+        def forward(self, hidden_states: torch.Tensor, expert_index: torch.Tensor, expert_weights: torch.Tensor,
+                    *args: Any, **kwargs: Any) -> Any:
+            total, first, local, tp_mesh = getattr(self, EXPERTS_ATTR)
+            hidden_states = _gradient_summed(hidden_states, tp_mesh)
+            expert_weights = _gradient_summed(expert_weights, tp_mesh)
+            index = expert_index - first
+            index = torch.where((index >= 0) & (index < local), index, torch.full_like(index, local))
+            with _local_experts(self, local):
+                partial = super().forward(hidden_states, index, expert_weights, *args, **kwargs)
+            summed = DTensor.from_local(partial, tp_mesh, [Partial()], run_check=False)
+            return summed.redistribute(tp_mesh, [Replicate()]).to_local()
+
+    SplitExpertBank.__name__ = SplitExpertBank.__qualname__ = f"Split{base.__name__}"
+    return SplitExpertBank
+
+
+def _gradient_summed(tensor: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
+    """``tensor`` unchanged in forward; in backward its gradient, partial on each rank (from its experts),
+    summed over the tensor group."""
+    if not (tensor.requires_grad and tensor.is_floating_point()):
+        return tensor
+    replicated = DTensor.from_local(tensor, tp_mesh, [Replicate()], run_check=False)
+    return replicated.to_local(grad_placements=[Partial()])
+
+
+@contextlib.contextmanager
+def _local_experts(bank: nn.Module, local: int) -> Iterator[None]:
+    """The bank's parameters as this rank's plain shards (their gradients flow back into the sharded
+    parameters), and ``num_experts`` as this rank's count, for one forward."""
+    params = bank._parameters
+    registered = dict(params)  # in order: the optimizer and checkpoints read the parameters in it
+    names = [n for n, p in registered.items() if isinstance(p, DTensor)]
+    experts, expert_parallel = bank.num_experts, bank.__dict__.get(EXPERT_PARALLEL_FLAG)
+    try:
+        for name in names:
+            del params[name]
+            bank.__dict__[name] = registered[name].to_local()
+        bank.num_experts = local
+        if expert_parallel is not None:
+            bank.__dict__[EXPERT_PARALLEL_FLAG] = True
+        yield
+    finally:
+        for name in names:
+            bank.__dict__.pop(name, None)
+        params.clear()
+        params.update(registered)
+        bank.num_experts = experts
+        if expert_parallel is not None:
+            bank.__dict__[EXPERT_PARALLEL_FLAG] = expert_parallel
