@@ -166,6 +166,23 @@ def test_the_moe_router_stays_whole_and_every_expert_is_split():
     assert len(experts) >= 4 * 4 * 2, experts  # 4 blocks x 4 experts x (up + down) at least
 
 
+def test_stacked_expert_banks_are_found_by_interface_and_shapes():
+    """transformers' Mixtral banks (3-D gate_up / down stacked on 4 experts) are split by expert, every one of
+    them; its router (2-D) and the MoE block around the bank (no parameters of its own) are not banks; a bank
+    whose experts do not divide by the tensor size stays whole, saying so; the repo MoE's Linear experts are
+    no bank (they split as MLP pairs)."""
+    from atorch.auto.opt_lib.tp_experts import find_expert_banks, is_expert_bank
+
+    plan = _plan("mixtral")
+    assert plan.experts == [f"model.layers.{i}.mlp.experts" for i in range(4)], plan.experts
+    model = ZOO["mixtral"].build()
+    router, block = model.get_submodule("model.layers.0.mlp.gate"), model.get_submodule("model.layers.0.mlp")
+    assert not is_expert_bank(router) and not is_expert_bank(block)
+    banks, why = find_expert_banks(model, 3)
+    assert banks == [] and "4 experts do not divide by the tensor size 3" in why["model.layers.0.mlp.experts"], why
+    assert find_expert_banks(ZOO["moe"].build(), 2) == ([], {})
+
+
 def test_nothing_to_split_is_refused_naming_the_module():
     with pytest.raises(MethodConfigError, match=r"SmallResNet .*fc: its output reaches"):
         _plan("cnn")
