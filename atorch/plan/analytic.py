@@ -65,6 +65,9 @@ ATTENTIONS = ("flash", "materialised")
 # [TP, CP, PP, DP]; "tensor-data-pipeline": Megatron-LM / Megatron-Core ("tp-cp-ep-dp-pp"), DeepSpeed's
 # PipeModelDataParallelTopology (axes pipe, data, model) and torchtitan's mesh (pp outermost, tp innermost)
 RANK_ORDERS = ("tensor-pipeline-data", "tensor-data-pipeline")
+# the shardings FSDP runs, with its mixed-precision policy and its gathers (zero2: FSDP without resharding
+# after forward)
+FSDP_KINDS = ("fsdp", "hsdp", "zero2")
 
 
 @dataclass(frozen=True)
@@ -268,7 +271,7 @@ def exposed_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: C
     exposed = 0.0
     gather_overlaps = work.overlaps("param_gather", candidate)
     reduce_overlaps = work.overlaps("grad_reduce", candidate)
-    if candidate.sharding in ("fsdp", "zero2", "hsdp") and candidate.tensor * candidate.pipeline == 1:
+    if candidate.sharding in FSDP_KINDS and candidate.tensor * candidate.pipeline == 1:
         # per micro-step: gathers in forward (and, FSDP, backward), reductions in each or the last backward
         passes = 2 if candidate.sharding != "zero2" else 1
         fwd_gather = gather / steps / passes
@@ -407,10 +410,6 @@ def residual_is_fp32(candidate: Candidate, work: Workload) -> bool:
         return candidate.precision == "fp32"
     autocast_over_fp32 = candidate.precision.startswith("amp") and candidate.sharding not in FSDP_KINDS
     return candidate.precision == "fp32" or autocast_over_fp32
-
-
-# the shardings FSDP runs, with its mixed-precision policy (zero2: FSDP without resharding after forward)
-FSDP_KINDS = ("fsdp", "hsdp", "zero2")
 
 
 def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,
@@ -787,7 +786,7 @@ def memory_bound_seconds(candidate: Candidate, spec: TransformerSpec, cluster: C
     loss = LOSS_BYTES_PER_LOGIT * spec.vocab * tokens / candidate.tensor
     weights = 0.0
     if candidate.precision == "fp8":  # each weight cast (and transposed) once per step, per micro-step
-        gathers_per_micro_step = candidate.sharding in ("fsdp", "zero2", "hsdp")
+        gathers_per_micro_step = candidate.sharding in FSDP_KINDS
         passes = micro_steps(candidate, work, candidate.data_size(cluster.world_size)) if gathers_per_micro_step else 1
         weights = (FP8_WEIGHT_CAST_BYTES * spec.layers * spec.block_params
                    / (candidate.tensor * candidate.pipeline) * passes)
