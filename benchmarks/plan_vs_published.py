@@ -55,7 +55,9 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # norm_type 'fused_rmsnorm' (train_configs/llama*.toml @ 04133643), the H100 table's 'rmsnorm'
                    # (@ eaea6f6a), the eager fp32 one
                    "torchtitan-a100": {"elementwise_bytes": elementwise_bytes(TorchtitanFusedNormLlamaBlock)},
-                   "torchtitan-h100": {"elementwise_bytes": elementwise_bytes(TorchtitanLlamaBlock)},
+                   # torchtitan's device mesh is ["pp", "dp", "cp", "tp"]: the pipeline outermost
+                   "torchtitan-h100": {"elementwise_bytes": elementwise_bytes(TorchtitanLlamaBlock),
+                                       "rank_order": "tensor-data-pipeline"},
                    # Megatron-Core's distributed optimizer; Transformer Engine's attention, which prefers
                    # cuDNN's fused kernel on Hopper (TransformerEngine dot_product_attention/utils.py)
                    # NeMo-Framework-Launcher's Llama configs (launcher_scripts/conf/training/llama/*.yaml @
@@ -108,6 +110,12 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                                        "rank_order": "tensor-data-pipeline"}}
 
 
+# facts of single rows that their source's other rows do not share
+ROW_WORKLOAD = {"titan llama3.1-70b 256xH100 2d asyncTP fp8+compile": {"tp_comm_overlap": True},
+                "titan llama3.1-405b 512xH100 3d 1F1B fp8+compile": {"tp_comm_overlap": True},
+                "titan llama3.1-405b 512xH100 3d interleaved fp8+compile": {"tp_comm_overlap": True}}
+
+
 def load(path: Path = DATA) -> tuple[dict, list[dict]]:
     data = json.loads(path.read_text())
     rows = [dict(zip(data["columns"], values)) for values in data["rows"]]
@@ -144,7 +152,8 @@ def predict_row(row: dict, models: dict) -> Prediction:
         activation_checkpointing=row["checkpointing"], micro_batch_size=micro,
         optimizer_states=row["optimizer_states"], attention_span=row["attention_span"])
     # a source-level fact overrides a column the row could only assume
-    work = dataclasses.replace(work, **{"virtual_stages": row["virtual"], **SOURCE_WORKLOAD.get(row["source"], {})})
+    work = dataclasses.replace(work, **{"virtual_stages": row["virtual"], **SOURCE_WORKLOAD.get(row["source"], {}),
+                                        **ROW_WORKLOAD.get(row["id"], {})})
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 

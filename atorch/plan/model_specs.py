@@ -33,9 +33,13 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
                   "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256},
     "llama3-70b": {**_LLAMA, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                    "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256},
+    # the Llama 3 paper's Table 3 (126 layers, model dimension 16,384, FFN 53,248, 128 heads, 8 key/value heads)
+    "llama3-405b": {**_LLAMA, "hidden_size": 16384, "intermediate_size": 53248, "num_hidden_layers": 126,
+                    "num_attention_heads": 128, "num_key_value_heads": 8, "vocab_size": 128256},
 }
 BUILTIN_CONFIGS["llama3.1-8b"] = BUILTIN_CONFIGS["llama3-8b"]    # same shape, longer RoPE context
 BUILTIN_CONFIGS["llama3.1-70b"] = BUILTIN_CONFIGS["llama3-70b"]
+BUILTIN_CONFIGS["llama3.1-405b"] = BUILTIN_CONFIGS["llama3-405b"]
 
 # model types whose MLP is gated (gate, up, down: three matrices)
 GATED_MODEL_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo",

@@ -60,6 +60,7 @@ def test_builtin_shapes_have_their_published_parameter_counts():
     assert counts["llama2-7b"] == pytest.approx(6.74, abs=0.01)
     assert counts["llama3-8b"] == pytest.approx(8.03, abs=0.01)
     assert counts["llama3-70b"] == pytest.approx(70.55, abs=0.05)
+    assert counts["llama3.1-405b"] == pytest.approx(405.85, abs=0.05)  # the Hub's safetensors index total
 
 
 # config.json shape keys of published models (their model cards give the parameter counts checked below)
