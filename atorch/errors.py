@@ -84,6 +84,11 @@ class UnsupportedAttentionError(AtorchError, ValueError):
     added to the scores such as a position bias, a soft cap or sink logits)."""
 
 
+class ExpertBankCallError(AtorchError, ValueError):
+    """An expert bank that tensor_parallel split by expert was called in a way the split cannot serve
+    (a grouped bank whose second input is not one integer count per expert)."""
+
+
 def check_choice(method: str, key: str, value: object, choices: Iterable[object]) -> None:
     """Raise MethodConfigError unless ``value`` is one of ``choices``."""
     choices = list(choices)
@@ -94,7 +99,7 @@ def check_choice(method: str, key: str, value: object, choices: Iterable[object]
 __all__ = [
     "AtorchError", "StrategyError", "UnknownMethodError", "MethodConfigError", "IncompatibleMethodsError",
     "ParallelModeError", "StrategyFileError", "UnsafeStrategyError", "InputError", "RequirementError",
-    "DryRunError", "UnsupportedAttentionError", "check_choice", "nearest_name",
+    "DryRunError", "UnsupportedAttentionError", "ExpertBankCallError", "check_choice", "nearest_name",
 ]
 
 

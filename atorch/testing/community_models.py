@@ -135,11 +135,17 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: TitanModelArgs):
+    """torchtitan's block: its feed-forward a SwiGLU ``feed_forward``, or with ``moe_enabled`` a routed
+    ``moe`` (``TitanMoE`` below), as torchtitan's MoE models switch it per block."""
+
+    def __init__(self, layer_id: int, args: TitanModelArgs, moe_enabled: bool = False):
         super().__init__()
-        self.layer_id = layer_id
+        self.layer_id, self.moe_enabled = layer_id, moe_enabled
         self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        if moe_enabled:
+            self.moe = TitanMoE(args.dim, args.ffn_dim)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_dim)
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
 
@@ -148,11 +154,11 @@ class TransformerBlock(nn.Module):
         for norm in (self.attention_norm, self.ffn_norm):
             norm.reset_parameters()
         self.attention.init_weights(init_std)
-        self.feed_forward.init_weights(init_std)
+        (self.moe.shared_expert if self.moe_enabled else self.feed_forward).init_weights(init_std)
 
     def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope_cos, rope_sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + (self.moe if self.moe_enabled else self.feed_forward)(self.ffn_norm(h))
 
 
 class TitanLlama(nn.Module):
@@ -161,11 +167,11 @@ class TitanLlama(nn.Module):
     attention with ``wq/wk/wv/wo``, RoPE from precomputed tables passed to every block, SwiGLU
     ``w1/w2/w3``, ``nn.RMSNorm``. In the zoo for the ModuleDict of blocks and the extra block inputs."""
 
-    def __init__(self, args: TitanModelArgs = TitanModelArgs()):
+    def __init__(self, args: TitanModelArgs = TitanModelArgs(), moe_enabled: bool = False):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args, moe_enabled) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         cos, sin = precompute_rope(args.dim // args.n_heads, args.max_seq_len, args.rope_theta)
@@ -596,6 +602,84 @@ class MoELM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+# --- 7b. torchtitan-style Mixture of Experts ------------------------------------------------------
+class GroupedExperts(nn.Module):
+    """torchtitan's expert bank: every expert's SwiGLU weights stacked in 3-D parameters (``w1`` / ``w3``
+    (experts, hidden, dim), ``w2`` (experts, dim, hidden)), called on the routed tokens already grouped
+    by expert with how many each expert gets: ``experts(x, num_tokens_per_expert)``. Rows past the
+    counted ones (padding) come back as zeros."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        for weight in (self.w1, self.w2, self.w3):
+            nn.init.trunc_normal_(weight, mean=0.0, std=0.02)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        counts = num_tokens_per_expert.tolist()
+        used = sum(counts)
+        outputs = []
+        for expert, rows in enumerate(torch.split(x[:used], counts, dim=0)):
+            hidden = F.silu(rows @ self.w1[expert].transpose(0, 1)) * (rows @ self.w3[expert].transpose(0, 1))
+            outputs.append(hidden @ self.w2[expert].transpose(0, 1))
+        out = torch.cat(outputs, dim=0)
+        return torch.cat([out, out.new_zeros(x.shape[0] - used, out.shape[1])], dim=0)
+
+
+class TokenChoiceRouter(nn.Module):
+    """Each token picks its top-k experts from a sigmoid gate (torchtitan's DeepSeek-V3 / Llama 4 style),
+    the chosen scores normalised to sum to one; also returns how many tokens each expert got."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scores = torch.sigmoid(self.gate(x).float())
+        top_scores, chosen = torch.topk(scores, k=self.top_k, dim=1)
+        top_scores = top_scores / top_scores.sum(dim=-1, keepdim=True)
+        counts = torch.bincount(chosen.view(-1), minlength=self.num_experts)
+        return top_scores, chosen, counts
+
+
+class TitanMoE(nn.Module):
+    """Route, group the (token, choice) pairs by expert, run the grouped bank on them, weight each
+    output by its score and add it back to its token, beside an always-on shared expert."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.router = TokenChoiceRouter(dim, num_experts, top_k)
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts)
+        self.shared_expert = FeedForward(dim, hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        top_scores, chosen, counts = self.router(x)
+        order = torch.argsort(chosen.view(-1), stable=True)
+        token_of = order // self.router.top_k
+        routed = self.experts(x[token_of], counts)
+        shared = self.shared_expert(x)  # under autocast in low precision, as the experts' outputs
+        routed = (routed.float() * top_scores.view(-1)[order].reshape(-1, 1)).to(shared.dtype)
+        out = shared.scatter_add(0, token_of.reshape(-1, 1).expand(-1, dim), routed)
+        return out.view(bs, slen, dim)
+
+
+class TitanMoELM(TitanLlama):
+    """A torchtitan-style MoE decoder (its DeepSeek-V3 / Llama 4 layout at toy size): the Llama above
+    with every block's feed-forward a routed ``GroupedExperts`` bank of 4 SwiGLU experts (top-2,
+    tokens grouped by expert and passed with their counts) beside a shared expert. In the zoo for an
+    expert bank with torchtitan's interface (not transformers'), sort / scatter routing and
+    ``.tolist()`` counts: data-dependent shapes inside every block."""
+
+    def __init__(self, args: TitanModelArgs = TitanModelArgs()):
+        super().__init__(args, moe_enabled=True)
 
 
 # --- 8. a residual MLP with up / down projections --------------------------------------------------

@@ -31,6 +31,7 @@ from atorch.testing.community_models import (
     PerceiverLM,
     TimmViT,
     TitanLlama,
+    TitanMoELM,
     TorchEncoderLM,
     UpDownMLP,
 )
@@ -344,6 +345,8 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in (
     ZooModel("parallel_block", ParallelLM, token_rows_dataset, next_token_loss, None, "ParallelBlock", "decoder",
              hf=False),
     ZooModel("moe", MoELM, token_rows_dataset, next_token_loss, None, "MoEBlock", "decoder", hf=False),
+    ZooModel("titan_moe", TitanMoELM, token_rows_dataset, next_token_loss, None, "TransformerBlock", "decoder",
+             hf=False),
     ZooModel("mlp_updown", UpDownMLP, vector_dataset, mlp_loss, None, "UpDownBlock", "plain", hf=False),
 )}
 

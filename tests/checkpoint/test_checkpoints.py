@@ -63,6 +63,7 @@ SAVED_ON_2 = {
     "ds_3d": ([PP2, DS_3D], "adamw", True),  # DeepSpeed's pipeline engine over the GPT cut at its blocks
     "gpt2_tp": ([TP2, "tensor_parallel"], "sgd", False, "gpt2"),
     "mixtral_tp": ([TP2, "tensor_parallel"], "sgd", False, "mixtral"),  # expert banks split by expert
+    "titan_moe_tp": ([TP2, "tensor_parallel"], "sgd", False, "titan_moe"),  # torchtitan's grouped banks, by expert
 }
 SAVED_ON_4 = {"mixed": ([MIXED, ("mixed_parallel", {"pipeline": {"num_micro_batch": 4}})], "adamw", True)}
 # name: (source case, strategy it loads under, world size)
@@ -78,6 +79,7 @@ CROSS = {
     "ddp_from_gpt2_tp": ("gpt2_tp", [], 1),
     "fsdp_from_gpt2_tp": ("gpt2_tp", ["fsdp"], 2),
     "ddp_from_mixtral_tp": ("mixtral_tp", [], 1),
+    "ddp_from_titan_moe_tp": ("titan_moe_tp", [], 1),
 }
 
 
@@ -104,7 +106,7 @@ def _steps(result, batches, count: int) -> list[float]:
     losses = []
     for _ in range(count):
         batch = result.prepare_input(next(batches))
-        loss = result.loss_func(batch, result.model(**batch))
+        loss = result.loss_func(batch, result.model(**batch) if isinstance(batch, dict) else result.model(batch))
         result.optim.backward(loss) if result.args.use_optim_backward else loss.backward()
         result.optim.step()
         result.optim.zero_grad()
@@ -278,7 +280,8 @@ def test_checkpoint_loads_under_another_strategy_and_world_size(saved, loaded, n
     assert run["lr"] == pytest.approx(source["lr"], rel=1e-12)  # the scheduler's position came back
 
 
-SHARDED = {"zero1", "zero2", "fsdp", "tp", "pp", "mixed", "gpt2_tp", "mixtral_tp", "ds_zero1", "ds_zero2", "ds_3d"}
+SHARDED = {"zero1", "zero2", "fsdp", "tp", "pp", "mixed", "gpt2_tp", "mixtral_tp", "titan_moe_tp", "ds_zero1",
+           "ds_zero2", "ds_3d"}
 
 
 @pytest.mark.parametrize("name", [*SAVED_ON_2, *SAVED_ON_4])

@@ -199,17 +199,30 @@ def inspect_zoo_layouts() -> dict:
     out["t5"] = {"bias": tuple(attention.relative_attention_bias.weight.to_local().shape), "n_heads": attention.n_heads,
                  "wi": tuple(result.model.get_submodule("encoder.block.0.layer.1.DenseReluDense.wi")
                              .weight.to_local().shape)}
-    out["experts"] = {}
-    for label, strategy in (("tp", [TP2, "tensor_parallel"]), ("sp", SP)):
-        run = train_gpt(strategy, hf_model="mixtral", steps=2)
-        bank = run["result"].model.get_submodule("model.layers.0.mlp.experts")
-        out["experts"][label] = {
-            "listed": run["result"].args.extras["tensor_parallel"]["experts"],
-            "shapes": {n: (tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape),
-                           [str(x) for x in p.placements] if isinstance(p, DTensor) else None)
-                       for n, p in bank.named_parameters()},
-            "losses": run["losses"], "weights": run["weights"]}
+    out["experts"], out["titan_experts"] = {}, {}
+    for key, zoo_name, bank_name in (("experts", "mixtral", "model.layers.0.mlp.experts"),
+                                     ("titan_experts", "titan_moe", "layers.0.moe.experts")):
+        for label, strategy in (("tp", [TP2, "tensor_parallel"]), ("sp", SP)):
+            run = train_gpt(strategy, hf_model=zoo_name, steps=2)
+            bank = run["result"].model.get_submodule(bank_name)
+            out[key][label] = {
+                "listed": run["result"].args.extras["tensor_parallel"]["experts"],
+                "shapes": {n: (tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape),
+                               [str(x) for x in p.placements] if isinstance(p, DTensor) else None)
+                           for n, p in bank.named_parameters()},
+                "losses": run["losses"], "weights": run["weights"]}
+            if label == "tp":
+                out[key]["bad_call"] = _bad_bank_call(bank) if key == "titan_experts" else None
     return out
+
+
+def _bad_bank_call(bank: torch.nn.Module) -> str:
+    """A grouped bank split by expert, called with counts that are not one integer per expert."""
+    try:
+        bank(torch.zeros(6, 32), torch.tensor([2.0, 2.0, 2.0]))
+        return "no error"
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
 
 
 def sequence_mlp_loss(batch: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
@@ -413,6 +426,26 @@ def test_mixtral_experts_are_split_by_expert(two_ranks):
         for label, run in (("tp", tp), ("sp", sp)):
             assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, label, run["losses"])
             assert weight_difference(run["weights"], reference["weights"]) < TOL, (rank, label)
+
+
+def test_torchtitan_grouped_experts_are_split_by_expert(two_ranks):
+    """torchtitan's interface (tokens grouped by expert, then per-expert counts): the 4 experts' w1 / w3
+    [4, 64, 32] and w2 [4, 32, 64] are 2 experts on each rank, each rank running its experts' rows only;
+    the step as in one process; whole under sequence parallelism; a call with counts that are not one
+    integer per expert is refused with the reason."""
+    reference = train_gpt([], hf_model="titan_moe", steps=2)
+    for rank, per_rank in enumerate(two_ranks):
+        runs = per_rank["zoo"]["titan_experts"]
+        tp, sp = runs["tp"], runs["sp"]
+        assert tp["listed"] == [f"layers.{i}.moe.experts" for i in range(4)], tp["listed"]
+        assert tp["shapes"] == {"w1": ((2, 64, 32), ["S(0)"]), "w2": ((2, 32, 64), ["S(0)"]),
+                                "w3": ((2, 64, 32), ["S(0)"])}, (rank, tp["shapes"])
+        assert sp["listed"] == [] and sp["shapes"]["w1"][0] == (4, 64, 32), (rank, sp)
+        for label, run in (("tp", tp), ("sp", sp)):
+            assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, label, run["losses"])
+            assert weight_difference(run["weights"], reference["weights"]) < TOL, (rank, label)
+        bad = runs["bad_call"]
+        assert bad.startswith("ExpertBankCallError") and "4 integer counts" in bad and "float32" in bad, bad
 
 
 def test_t5_relative_position_bias_is_split_with_the_heads(two_ranks):

@@ -183,6 +183,21 @@ def test_stacked_expert_banks_are_found_by_interface_and_shapes():
     assert find_expert_banks(ZOO["moe"].build(), 2) == ([], {})
 
 
+def test_torchtitan_grouped_banks_are_found_by_their_two_input_interface():
+    """torchtitan's GroupedExperts (w1 / w2 / w3 stacked on 4 experts, called with the grouped tokens
+    and the per-expert counts) is a bank of the grouped kind, transformers' Mixtral bank of the routed
+    kind; the router's gate, the shared expert and the MoE layer around the bank are none."""
+    from atorch.auto.opt_lib.tp_experts import bank_interface
+
+    plan = _plan("titan_moe")
+    assert plan.experts == [f"layers.{i}.moe.experts" for i in range(4)], plan.experts
+    model = ZOO["titan_moe"].build()
+    assert bank_interface(model.get_submodule("layers.0.moe.experts")) == "grouped"
+    for name in ("layers.0.moe", "layers.0.moe.router", "layers.0.moe.router.gate", "layers.0.moe.shared_expert"):
+        assert bank_interface(model.get_submodule(name)) is None, name
+    assert bank_interface(ZOO["mixtral"].build().get_submodule("model.layers.0.mlp.experts")) == "routed"
+
+
 def test_nothing_to_split_is_refused_naming_the_module():
     with pytest.raises(MethodConfigError, match=r"SmallResNet .*fc: its output reaches"):
         _plan("cnn")

@@ -15,17 +15,25 @@ backward. A bank is recognised by that interface and its shapes (an integer ``nu
 2, every own parameter's leading dimension equal to it, three inputs), never by its name; the plan's
 check (the sample forward and backward against the unsplit model) confirms it. Under sequence
 parallelism the banks stay whole: each rank's tokens differ there.
+
+torchtitan's banks (``GroupedExperts``) take the routed tokens already grouped by expert with each
+expert's count, ``bank(x, num_tokens_per_expert)`` (two inputs): rank r runs the bank on its experts'
+rows of ``x`` with their counts, the other rows of its output are zeros, and the outputs are summed over
+the group as above. A call whose second input is not one integer count per expert is refused with the
+reason (``ExpertBankCallError``), which the plan's check reports.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from atorch.errors import ExpertBankCallError
 
 EXPERTS_ATTR = "_atorch_expert_split"  # (total experts, this rank's first, its count, tensor mesh)
 # transformers' switch for its batched and grouped kernels to mask the "no expert" rows (its expert
@@ -48,17 +56,24 @@ def find_expert_banks(model: nn.Module, tp: int) -> tuple[list[str], dict[str, s
 
 
 def is_expert_bank(module: nn.Module) -> bool:
+    return bank_interface(module) is not None
+
+
+def bank_interface(module: nn.Module) -> Optional[str]:
+    """"routed" (transformers: tokens, expert index, routing weights), "grouped" (torchtitan: tokens
+    grouped by expert, per-expert counts) or None (not an expert bank)."""
     experts = getattr(module, "num_experts", None)
     params = [p for _, p in module.named_parameters(recurse=False)]
     if not isinstance(experts, int) or isinstance(experts, bool) or experts < 2 or not params:
-        return False
+        return None
     if not all(p.dim() >= 3 and p.shape[0] == experts for p in params):
-        return False
+        return None
     try:
         inputs = inspect.signature(module.forward).parameters.values()
     except (TypeError, ValueError):
-        return False
-    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in inputs) >= 3
+        return None
+    positional = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in inputs)
+    return "routed" if positional >= 3 else "grouped" if positional == 2 else None
 
 
 def split_expert_bank(bank: nn.Module, tp_mesh: Any) -> None:
@@ -70,7 +85,8 @@ def split_expert_bank(bank: nn.Module, tp_mesh: Any) -> None:
             bank.register_parameter(name, nn.Parameter(distribute_tensor(param.data, tp_mesh, [Shard(0)]),
                                                        requires_grad=param.requires_grad))
     setattr(bank, EXPERTS_ATTR, (bank.num_experts, rank * local, local, tp_mesh))
-    bank.__class__ = _split_class(type(bank))
+    split = _grouped_split_class if bank_interface(bank) == "grouped" else _split_class
+    bank.__class__ = split(type(bank))
 
 
 @functools.cache
@@ -92,6 +108,47 @@ def _split_class(base: type) -> type:
 
     SplitExpertBank.__name__ = SplitExpertBank.__qualname__ = f"Split{base.__name__}"
     return SplitExpertBank
+
+
+@functools.cache
+def _grouped_split_class(base: type) -> type:
+    class SplitGroupedExperts(base):
+        """``base`` holding only this rank's experts (``tp_experts``), called with tokens grouped by expert."""
+
+        def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            total, first, local, tp_mesh = getattr(self, EXPERTS_ATTR)
+            counts = _checked_counts(num_tokens_per_expert, total, x.shape[0], type(self).__name__)
+            before, mine = counts[:first].sum(), counts[first:first + local].sum()
+            start, stop = int(before), int(before + mine)
+            x = _gradient_summed(x, tp_mesh)
+            with _local_experts(self, local):
+                own = super().forward(x[start:stop], num_tokens_per_expert[first:first + local], *args, **kwargs)
+            zeros = functools.partial(own.new_zeros, dtype=own.dtype)
+            partial = torch.cat([zeros(start, *own.shape[1:]), own[:stop - start],
+                                 zeros(x.shape[0] - stop, *own.shape[1:])], dim=0)
+            summed = DTensor.from_local(partial, tp_mesh, [Partial()], run_check=False)
+            return summed.redistribute(tp_mesh, [Replicate()]).to_local()
+
+    SplitGroupedExperts.__name__ = SplitGroupedExperts.__qualname__ = f"Split{base.__name__}"
+    return SplitGroupedExperts
+
+
+def _checked_counts(counts: Any, experts: int, rows: int, bank: str) -> torch.Tensor:
+    """The per-expert token counts, on the CPU; refused unless they are one integer per expert that
+    the grouped rows hold."""
+    valid = (isinstance(counts, torch.Tensor) and counts.dim() == 1 and counts.numel() == experts
+             and not counts.is_floating_point() and not counts.is_complex())
+    if not valid:
+        what = f"a {counts.dtype} tensor of shape {tuple(counts.shape)}" if isinstance(counts, torch.Tensor) else \
+            type(counts).__name__
+        raise ExpertBankCallError(
+            f"tensor_parallel split {bank} by expert as a grouped bank (tokens grouped by expert, then one "
+            f"integer count per expert), but its second input is {what}, not {experts} integer counts; "
+            f"keep this module whole (leave tensor_parallel out) or call it as bank(x, num_tokens_per_expert)")
+    counts = counts.detach().to("cpu", torch.int64)
+    if int(counts.sum()) > rows:
+        raise ExpertBankCallError(f"{bank}: its counts add up to {int(counts.sum())} tokens but it was given {rows}")
+    return counts
 
 
 def _gradient_summed(tensor: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
