@@ -240,11 +240,90 @@ def _module_shape(model: nn.Module) -> TransformerSpec:
     block, layers = next(iter(blocks.items()))
     module = next(m for m in model.modules() if type(m).__name__ == block)
     block_params = sum(p.numel() for p in module.parameters())
-    heads = next((getattr(m, a) for m in module.modules() for a in ("num_heads", "n_head", "num_attention_heads")
-                  if isinstance(getattr(m, a, None), int)), max(hidden // 64, 1))
+    heads = _int_attribute(module, HEAD_COUNT_NAMES) or max(hidden // 64, 1)
+    kv_heads = _int_attribute(module, KV_HEAD_COUNT_NAMES) or heads
+    total = sum(p.numel() for p in model.parameters())
+    moe = _module_experts(module, hidden)
+    if moe:
+        return TransformerSpec(type(model).__name__, hidden, layers, heads, kv_heads, vocab=vocab, gated=True,
+                               block=block, param_count_override=total, **moe)
     ffn = max((block_params - 4 * hidden * hidden) // (2 * hidden), hidden)
-    return TransformerSpec(type(model).__name__, hidden, layers, heads, heads, ffn, vocab, gated=False, block=block,
-                           param_count_override=sum(p.numel() for p in model.parameters()))
+    return TransformerSpec(type(model).__name__, hidden, layers, heads, kv_heads, ffn, vocab, gated=False, block=block,
+                           param_count_override=total)
+
+
+# attribute names a block's attention keeps its head counts under (PyTorch, torchtitan, nanoGPT, HF)
+HEAD_COUNT_NAMES = ("num_heads", "n_heads", "n_head", "num_attention_heads", "heads")
+KV_HEAD_COUNT_NAMES = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_kv_head")
+# ... and an MoE layer or its router the experts each token is sent to
+TOP_K_NAMES = ("top_k", "num_experts_per_tok", "experts_per_token", "topk", "k")
+
+
+def _int_attribute(module: nn.Module, names: tuple[str, ...]) -> int:
+    """The first positive integer attribute of that name on ``module`` or below (0: none)."""
+    for sub in module.modules():
+        for name in names:
+            value = getattr(sub, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return 0
+
+
+def _module_experts(block: nn.Module, hidden: int) -> dict[str, int]:
+    """A Mixture-of-Experts block's MLP shape, read off its modules: the experts (a bank stacking their
+    weights on a leading expert dimension, torchtitan's GroupedExperts or transformers' banks; or an
+    ``nn.ModuleList`` of like experts beside a router ``Linear(hidden, experts)``), each expert's width
+    (its parameters over 3 hidden-wide matrices: SwiGLU), the always-on (shared) MLP beside them, and how
+    many experts a token goes to (the MoE layer's or its router's top-k). {} for a dense block; an MoE
+    whose top-k cannot be read is refused (its FLOPs per token would be off by experts / top-k)."""
+    found = _expert_bank(block) or _expert_list(block, hidden)
+    if found is None:
+        return {}
+    layer, experts, per_expert, expert_ids = found
+    per_token = _int_attribute(layer, TOP_K_NAMES)
+    if not 1 <= per_token <= experts:
+        raise InputError(f"{type(block).__name__}: a Mixture-of-Experts block with {experts} experts, but no "
+                         f"top-k (one of the attributes {list(TOP_K_NAMES)} on {type(layer).__name__}) says how "
+                         "many a token goes to; give the model's config (num_experts, num_experts_per_tok) instead")
+    router = experts * hidden
+    others = sum(p.numel() for p in layer.parameters() if id(p) not in expert_ids) - router
+    expert_ffn, shared_ffn = per_expert // (3 * hidden), max(others, 0) // (3 * hidden)
+    return {"experts": experts, "experts_per_token": per_token, "expert_ffn": expert_ffn, "shared_ffn": shared_ffn,
+            "ffn": per_token * expert_ffn + shared_ffn}
+
+
+def _expert_bank(block: nn.Module) -> Optional[tuple[nn.Module, int, int, set[int]]]:
+    """(the MoE layer holding the bank, experts, parameters per expert, the bank's parameter ids)."""
+    for name, module in block.named_modules():
+        experts = getattr(module, "num_experts", None)
+        params = list(module.parameters(recurse=False))
+        if (name and isinstance(experts, int) and experts > 1 and params
+                and all(p.dim() >= 3 and p.shape[0] == experts for p in params)):
+            layer = block.get_submodule(name.rpartition(".")[0]) if "." in name else block
+            return layer, experts, sum(p[0].numel() for p in params), {id(p) for p in params}
+    return None
+
+
+def _expert_list(block: nn.Module, hidden: int) -> Optional[tuple[nn.Module, int, int, set[int]]]:
+    """The same for experts held as an ``nn.ModuleList`` of like MLPs (two or more Linears on the
+    hidden width each) with a router beside it (a ``Linear(hidden, experts)``)."""
+    for layer in block.modules():
+        for child in layer.children():
+            members = list(child.children()) if isinstance(child, nn.ModuleList) else []
+            sizes = {(type(m), sum(p.numel() for p in m.parameters())) for m in members}
+            if len(members) < 2 or len(sizes) != 1 or not _is_mlp(members[0], hidden):
+                continue
+            routers = [m for m in layer.modules() if isinstance(m, nn.Linear) and m.out_features == len(members)
+                       and m.in_features == hidden]
+            if routers:
+                ids = {id(p) for m in members for p in m.parameters()}
+                return layer, len(members), next(iter(sizes))[1], ids
+    return None
+
+
+def _is_mlp(module: nn.Module, hidden: int) -> bool:
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    return len(linears) >= 2 and all(hidden in (m.in_features, m.out_features) for m in linears)
 
 
 def _with_traffic(spec: TransformerSpec, model: nn.Module) -> TransformerSpec:

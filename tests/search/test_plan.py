@@ -726,6 +726,43 @@ def test_a_module_that_cannot_run_on_meta_keeps_the_fused_count():
     assert atorch.estimate(model, "1xA100-80GB", global_batch=8, seq_len=64).fits
 
 
+def _experts_a_token_skips(model: torch.nn.Module, experts: int, top_k: int) -> int:
+    """Parameters of the experts one token is not sent to, counted from the module's own parameters:
+    (experts - top_k) experts in every block, an expert's size from a stacked bank's leading dimension
+    or from one member of an expert list."""
+    skipped = 0
+    for module in model.modules():
+        params = list(module.parameters(recurse=False))
+        if getattr(module, "num_experts", None) == experts and params and all(p.shape[0] == experts for p in params):
+            skipped += (experts - top_k) * sum(p[0].numel() for p in params)
+        if isinstance(module, torch.nn.ModuleList) and len(module) == experts and module is not getattr(
+                model, "blocks", None):
+            skipped += (experts - top_k) * sum(p.numel() for p in module[0].parameters())
+    return skipped
+
+
+def test_a_mixture_of_experts_module_counts_the_experts_a_token_meets():
+    """torchtitan's grouped bank (4 experts, top-2, a shared expert) and the repo MoE's list of Linear
+    experts: the shape is read off the modules (experts, top-k, each expert's width, the shared MLP; heads
+    and key / value heads from the attention's own counts), and the parameters a token meets, the FLOPs'
+    basis, leave out exactly the experts it is not routed to; an MoE with no top-k to read is refused."""
+    from atorch.testing.hf_models import ZOO
+
+    for name, shared in (("titan_moe", 64), ("moe", 0)):
+        model = ZOO[name].build()
+        spec = model_spec(model)
+        assert (spec.experts, spec.experts_per_token, spec.expert_ffn, spec.shared_ffn) == (4, 2, 64, shared), spec
+        total = sum(p.numel() for p in model.parameters())
+        assert spec.param_count == total
+        assert spec.active_param_count == total - _experts_a_token_skips(model, 4, 2), name
+    assert (model_spec(ZOO["titan_moe"].build()).heads, model_spec(ZOO["titan_moe"].build()).kv_heads) == (4, 2)
+    model = ZOO["titan_moe"].build()
+    for layer in model.layers.values():
+        del layer.moe.router.top_k
+    with pytest.raises(InputError, match=r"4 experts, but no top-k .*num_experts_per_tok"):
+        model_spec(model)
+
+
 def test_an_optimizer_step_is_counted_per_parameter_and_priced_by_estimate():
     """optimizer_step_bytes traces one step: SGD reads the parameter and its gradient and writes the
     parameter (12 bytes in fp32, exactly); torch's AdamW moves more than a fused Adam's 30 and its
