@@ -4,8 +4,10 @@ A ~58M-parameter Llama (233 MB of fp32 parameters; 32 layers of width 384, a 204
 so the decoder layers hold nearly all of it and no single module is a large part) is saved with
 ``save_pretrained`` by the test process and freed. One launch of 4 processes: each builds it on the
 meta device, runs ``auto_accelerate`` with fsdp (each LlamaDecoderLayer wrapped), ``load_pretrained``
-and one SGD step; then the same with ds_3d_parallel over a 4-stage pipeline (DeepSpeed's engine over
-the stage cut before the model is materialised), where DeepSpeed is installed. Each process's peak
+and one SGD step; then the same with tensor_parallel over 4 processes (each holding a quarter of every
+split weight, the plan checked on sample values one module at a time before the model is materialised),
+and with ds_3d_parallel over a 4-stage pipeline (DeepSpeed's engine over the stage cut before the model
+is materialised), where DeepSpeed is installed. Each process's peak
 RSS growth from after imports and process-group init through ``load_pretrained`` (``VmHWM``, see
 ``atorch.testing.rss``) must stay below the bytes of one whole copy of the parameters: a process
 that held the whole model even once while building, sharding, initialising or loading would break
@@ -20,6 +22,10 @@ against 222 MiB for one copy: the step (gradient shards, FSDP's gathered layers)
 ds_3d_parallel, 2026-11-28: 41-45 MiB after auto_accelerate, 77-98 after load_pretrained, 150-161
 after the step; before its cut moved ahead of materialisation every process initialised the whole
 model: 209-211 MiB after auto_accelerate, 243-264 after load_pretrained (the bound broken).
+tensor_parallel (tensor 4), 2026-11-28, with 8 heads (6 before, which 4 does not divide; the same
+parameters): 116-119 MiB after auto_accelerate (the plan's check: a forward and backward on the split
+model's sample values, its gradients included), 119-126 after load_pretrained, 119-126 after the step.
+Under tensor 2 the same check and step hold half the weights and their gradients, one copy's bytes.
 """
 from __future__ import annotations
 
@@ -41,12 +47,15 @@ transformers = pytest.importorskip("transformers", reason="transformers is a tes
 WORLD, BATCH, SEQ, VOCAB, TOL = 4, 4, 32, 2048, 1e-5
 FSDP = ["parallel_mode", ("fsdp", {"atorch_wrap_cls": ("LlamaDecoderLayer",)})]
 DS_3D = [("parallel_mode", ([("pipeline", WORLD)], None)), ("ds_3d_parallel", {"num_micro_batch": 2})]
-STRATEGIES = {"fsdp": FSDP, **({"ds_3d_parallel": DS_3D} if deepspeed_unavailable_reason() is None else {})}
+# tensor 4: each process holds a quarter of every split weight (the 8 heads, the MLP, the vocabulary)
+TP = [("parallel_mode", ([("tensor", WORLD)], None)), "tensor_parallel"]
+STRATEGIES = {"fsdp": FSDP, "tensor_parallel": TP,
+              **({"ds_3d_parallel": DS_3D} if deepspeed_unavailable_reason() is None else {})}
 
 
 def config():
     return transformers.LlamaConfig(num_hidden_layers=32, hidden_size=384, intermediate_size=1024,
-                                    num_attention_heads=6, num_key_value_heads=6, vocab_size=VOCAB,
+                                    num_attention_heads=8, num_key_value_heads=8, vocab_size=VOCAB,
                                     max_position_embeddings=SEQ, tie_word_embeddings=False, bos_token_id=0,
                                     eos_token_id=0, pad_token_id=0)
 
