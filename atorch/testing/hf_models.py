@@ -99,7 +99,8 @@ def tiny_neox() -> nn.Module:
 
 
 def tiny_mixtral() -> nn.Module:
-    """Mixtral: a sparse MoE layer (router and experts held as 3-D parameters, left whole by tensor_parallel)."""
+    """Mixtral: a sparse MoE layer (router, and experts held as 3-D parameters, which tensor_parallel splits by
+    expert)."""
     import transformers
 
     return transformers.MixtralForCausalLM._from_config(
