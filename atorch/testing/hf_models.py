@@ -351,5 +351,47 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in (
     ZooModel("mlp_updown", UpDownMLP, vector_dataset, mlp_loss, None, "UpDownBlock", "plain", hf=False),
 )}
 
+
+
+def tiny_qwen2_moe() -> nn.Module:
+    """Qwen2-MoE: stacked expert banks beside a shared expert with its own sigmoid gate."""
+    import transformers
+
+    return transformers.Qwen2MoeForCausalLM._from_config(_decoder_config(
+        "Qwen2MoeConfig", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[]))
+
+
+def tiny_qwen3_moe() -> nn.Module:
+    """Qwen3-MoE: stacked expert banks, per-head q / k norms."""
+    import transformers
+
+    return transformers.Qwen3MoeForCausalLM._from_config(_decoder_config(
+        "Qwen3MoeConfig", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+        mlp_only_layers=[]))
+
+
+def tiny_olmoe() -> nn.Module:
+    """OLMoE: stacked expert banks, q / k norms over the whole projection."""
+    import transformers
+
+    return transformers.OlmoeForCausalLM._from_config(_decoder_config("OlmoeConfig", num_experts=4,
+                                                                     num_experts_per_tok=2))
+
+
+# transformers' other MoE families, trained by the tests that name them (tensor_parallel's expert banks);
+# kept out of ZOO, whose every model the conformance matrix runs, for the suite's time
+MORE_MOE: dict[str, ZooModel] = {m.name: m for m in (
+    ZooModel("qwen2_moe", tiny_qwen2_moe, token_dataset, hf_loss, "unpack_dict", "Qwen2MoeDecoderLayer", "decoder"),
+    ZooModel("qwen3_moe", tiny_qwen3_moe, token_dataset, hf_loss, "unpack_dict", "Qwen3MoeDecoderLayer", "decoder"),
+    ZooModel("olmoe", tiny_olmoe, token_dataset, hf_loss, "unpack_dict", "OlmoeDecoderLayer", "decoder"),
+)}
+
+
+def zoo_model(name: str) -> ZooModel:
+    """A model of ZOO, or of MORE_MOE."""
+    return ZOO[name] if name in ZOO else MORE_MOE[name]
+
+
 # the names earlier tests use
 HF_BUILDERS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "bert": tiny_bert}

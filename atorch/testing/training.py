@@ -12,7 +12,7 @@ from atorch.auto.gradients import clip_grad_norm_
 from atorch.checkpoint.pretrained import load_pretrained
 from atorch.distributed import mesh
 from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
-from atorch.testing.hf_models import ZOO
+from atorch.testing.hf_models import zoo_model
 from atorch.utils.batch import call_with_batch
 from atorch.utils.memory import training_state_bytes
 from atorch.utils.modules import full_state_dict
@@ -65,7 +65,7 @@ def train_gpt(
     config = config or SMALL_GPT
     loss_func, input_format = gpt_loss, "unpack_dict"
     if hf_model is not None:
-        zoo = ZOO[hf_model]
+        zoo = zoo_model(hf_model)
         torch.manual_seed(seed)
         with torch.device("meta") if pretrained else contextlib.nullcontext():
             model = zoo.build()

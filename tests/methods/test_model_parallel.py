@@ -213,7 +213,17 @@ def inspect_zoo_layouts() -> dict:
                 "losses": run["losses"], "weights": run["weights"]}
             if label == "tp":
                 out[key]["bad_call"] = _bad_bank_call(bank) if key == "titan_experts" else None
+    out["more_moe"] = {}
+    for name in MORE_MOE_BANKS:
+        run = train_gpt([TP2, "tensor_parallel"], hf_model=name, steps=2)
+        bank = run["result"].model.get_submodule("model.layers.0.mlp.experts")
+        out["more_moe"][name] = {"listed": run["result"].args.extras["tensor_parallel"]["experts"],
+                                 "local": [p.to_local().shape[0] for p in bank.parameters()],
+                                 "losses": run["losses"], "weights": run["weights"]}
     return out
+
+
+MORE_MOE_BANKS = ("qwen2_moe", "qwen3_moe", "olmoe")  # transformers' other MoE families, 4 experts each
 
 
 def _bad_bank_call(bank: torch.nn.Module) -> str:
@@ -446,6 +456,19 @@ def test_torchtitan_grouped_experts_are_split_by_expert(two_ranks):
             assert weight_difference(run["weights"], reference["weights"]) < TOL, (rank, label)
         bad = runs["bad_call"]
         assert bad.startswith("ExpertBankCallError") and "4 integer counts" in bad and "float32" in bad, bad
+
+
+@pytest.mark.parametrize("name", MORE_MOE_BANKS)
+def test_other_transformers_moe_families_split_their_banks_by_expert(two_ranks, name):
+    """Qwen2-MoE (its shared expert and gate beside the bank), Qwen3-MoE (per-head q / k norms) and OLMoE:
+    every layer's bank holds 2 of its 4 experts on each rank, the step as in one process."""
+    reference = train_gpt([], hf_model=name, steps=2)
+    for rank, per_rank in enumerate(two_ranks):
+        run = per_rank["zoo"]["more_moe"][name]
+        assert run["listed"] == [f"model.layers.{i}.mlp.experts" for i in range(4)], (rank, run["listed"])
+        assert run["local"] and set(run["local"]) == {2}, (rank, run["local"])
+        assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, run["losses"])
+        assert weight_difference(run["weights"], reference["weights"]) < TOL, rank
 
 
 def test_t5_relative_position_bias_is_split_with_the_heads(two_ranks):
