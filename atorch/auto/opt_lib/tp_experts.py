@@ -103,8 +103,7 @@ def _split_class(base: type) -> type:
             index = torch.where((index >= 0) & (index < local), index, torch.full_like(index, local))
             with _local_experts(self, local):
                 partial = super().forward(hidden_states, index, expert_weights, *args, **kwargs)
-            summed = DTensor.from_local(partial, tp_mesh, [Partial()], run_check=False)
-            return summed.redistribute(tp_mesh, [Replicate()]).to_local()
+            return _summed_over_group(partial, tp_mesh)
 
     SplitExpertBank.__name__ = SplitExpertBank.__qualname__ = f"Split{base.__name__}"
     return SplitExpertBank
@@ -123,11 +122,10 @@ def _grouped_split_class(base: type) -> type:
             x = _gradient_summed(x, tp_mesh)
             with _local_experts(self, local):
                 own = super().forward(x[start:stop], num_tokens_per_expert[first:first + local], *args, **kwargs)
-            zeros = functools.partial(own.new_zeros, dtype=own.dtype)
-            partial = torch.cat([zeros(start, *own.shape[1:]), own[:stop - start],
-                                 zeros(x.shape[0] - stop, *own.shape[1:])], dim=0)
-            summed = DTensor.from_local(partial, tp_mesh, [Partial()], run_check=False)
-            return summed.redistribute(tp_mesh, [Replicate()]).to_local()
+            rows = own.shape[1:]
+            partial = torch.cat([own.new_zeros(start, *rows), own[:stop - start],
+                                 own.new_zeros(x.shape[0] - stop, *rows)], dim=0)
+            return _summed_over_group(partial, tp_mesh)
 
     SplitGroupedExperts.__name__ = SplitGroupedExperts.__qualname__ = f"Split{base.__name__}"
     return SplitGroupedExperts
@@ -149,6 +147,12 @@ def _checked_counts(counts: Any, experts: int, rows: int, bank: str) -> torch.Te
     if int(counts.sum()) > rows:
         raise ExpertBankCallError(f"{bank}: its counts add up to {int(counts.sum())} tokens but it was given {rows}")
     return counts
+
+
+def _summed_over_group(partial: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
+    """Each rank's partial output (from its experts) summed over the tensor group."""
+    summed = DTensor.from_local(partial, tp_mesh, [Partial()], run_check=False)
+    return summed.redistribute(tp_mesh, [Replicate()]).to_local()
 
 
 def _gradient_summed(tensor: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
