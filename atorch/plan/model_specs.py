@@ -43,8 +43,10 @@ BUILTIN_CONFIGS["llama3.1-405b"] = BUILTIN_CONFIGS["llama3-405b"]
 
 # model types whose MLP is gated (gate, up, down: three matrices)
 GATED_MODEL_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo",
-                     "olmo2", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "granite", "granitemoe"}
-_EXPERT_KEYS = ("num_local_experts", "num_experts")
+                     "olmo2", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "granite", "granitemoe", "llama4",
+                     "llama4_text", "deepseek_v2", "deepseek_v3", "cohere", "helium", "smollm3", "glm", "stablelm",
+                     "exaone4", "seed_oss", "ernie4_5"}
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 _ALIASES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
             "n_inner": "intermediate_size"}
@@ -202,9 +204,12 @@ def from_hf_config(config: Mapping[str, Any], name: str = "") -> TransformerSpec
 
 
 def _experts(data: Mapping[str, Any]) -> dict[str, int]:
-    """A Mixture-of-Experts MLP's shape (Mixtral's num_local_experts, Qwen-MoE's and OLMoE's num_experts;
-    moe_intermediate_size or intermediate_size per expert; Qwen-MoE's shared expert), with ``ffn`` set
-    to the width a token runs through; {} for a dense model."""
+    """A Mixture-of-Experts MLP's shape (Mixtral's num_local_experts, Qwen-MoE's and OLMoE's num_experts,
+    DeepSeek's n_routed_experts; moe_intermediate_size or intermediate_size per expert; Qwen-MoE's shared
+    expert, DeepSeek's n_shared_experts of the expert width, Llama 4's one of intermediate_size), with
+    ``ffn`` set to the width a token runs through; {} for a dense model. Models that mix dense and MoE
+    layers (DeepSeek's first_k_dense_replace, Llama 4's interleave_moe_layer_step) are counted as if
+    every layer were MoE."""
     experts = next((data[k] for k in _EXPERT_KEYS if isinstance(data.get(k), int) and data[k] > 1), 0)
     if not experts:
         return {}
@@ -214,6 +219,10 @@ def _experts(data: Mapping[str, Any]) -> dict[str, int]:
                          "is routed to)")
     expert_ffn = data.get("moe_intermediate_size") or data.get("intermediate_size") or 4 * data["hidden_size"]
     shared = data.get("shared_expert_intermediate_size") or 0
+    if not shared and isinstance(data.get("n_shared_experts"), int):
+        shared = data["n_shared_experts"] * expert_ffn
+    if not shared and str(data.get("model_type", "")).startswith("llama4"):
+        shared = expert_ffn
     return {"experts": experts, "experts_per_token": per_token, "expert_ffn": expert_ffn, "shared_ffn": shared,
             "ffn": per_token * expert_ffn + shared}
 
@@ -230,6 +239,9 @@ def _module_shape(model: nn.Module) -> TransformerSpec:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_dict"):
         spec = from_hf_config(config.to_dict(), name=type(model).__name__)
+        if not spec.experts:  # a config whose expert keys this reader does not know: the modules say
+            moe = _first_moe_block(model, spec.hidden)
+            spec = replace(spec, **moe) if moe else spec
         return _with_block(spec, model)
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     blocks, block_bytes = repeated_blocks(model)
@@ -243,13 +255,25 @@ def _module_shape(model: nn.Module) -> TransformerSpec:
     heads = _int_attribute(module, HEAD_COUNT_NAMES) or max(hidden // 64, 1)
     kv_heads = _int_attribute(module, KV_HEAD_COUNT_NAMES) or heads
     total = sum(p.numel() for p in model.parameters())
-    moe = _module_experts(module, hidden)
+    moe = _first_moe_block(model, hidden)
     if moe:
         return TransformerSpec(type(model).__name__, hidden, layers, heads, kv_heads, vocab=vocab, gated=True,
                                block=block, param_count_override=total, **moe)
     ffn = max((block_params - 4 * hidden * hidden) // (2 * hidden), hidden)
     return TransformerSpec(type(model).__name__, hidden, layers, heads, kv_heads, ffn, vocab, gated=False, block=block,
                            param_count_override=total)
+
+
+def _first_moe_block(model: nn.Module, hidden: int) -> dict[str, int]:
+    """The MoE shape of the first repeated block that holds experts (a model may start with dense
+    blocks, as DeepSeek-V3 does); {} when none does."""
+    blocks, _ = repeated_blocks(model)
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            moe = _module_experts(module, hidden)
+            if moe:
+                return moe
+    return {}
 
 
 # attribute names a block's attention keeps its head counts under (PyTorch, torchtitan, nanoGPT, HF)

@@ -379,12 +379,49 @@ def tiny_olmoe() -> nn.Module:
                                                                      num_experts_per_tok=2))
 
 
-# transformers' other MoE families, trained by the tests that name them (tensor_parallel's expert banks);
-# kept out of ZOO, whose every model the conformance matrix runs, for the suite's time
+def tiny_olmo2() -> nn.Module:
+    """OLMo 2: q / k RMSNorms over every head's features (the whole projection), norms after the
+    attention and the MLP."""
+    import transformers
+
+    return transformers.Olmo2ForCausalLM._from_config(_decoder_config("Olmo2Config"))
+
+
+def tiny_llama4() -> nn.Module:
+    """Llama 4's text model: a bank called with every expert's rows (each token repeated per expert,
+    scaled by its score) beside a shared expert, complex-valued rotary embeddings, per-head L2 q / k
+    norms, and layers without rotary embeddings that scale the queries by position."""
+    import transformers
+
+    config = _decoder_config("Llama4TextConfig", num_local_experts=4, num_experts_per_tok=1,
+                             intermediate_size_mlp=64, head_dim=8)
+    return transformers.Llama4ForCausalLM._from_config(config)
+
+
+def tiny_deepseek_v3() -> nn.Module:
+    """DeepSeek-V3: multi-head latent attention (queries and keys / values through low-rank latents,
+    one rotary key head shared by all heads, keys assembled by copies into slices) and routed experts
+    beside a shared one after a first dense layer. Sizes chosen so that head counts and per-head widths
+    coincide (4 heads, 4 rotary and 4 non-rotary features a head), as real ones can."""
+    import transformers
+
+    config = _decoder_config("DeepseekV3Config", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
+                             qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_shared_experts=1)
+    return transformers.DeepseekV3ForCausalLM._from_config(config)
+
+
+# transformers' other families, MoE most of them, trained by the tests that name them (tensor_parallel's
+# expert banks, multi-head latent attention, norms over a split projection); kept out of ZOO, whose every
+# model the conformance matrix runs, for the suite's time
 MORE_MOE: dict[str, ZooModel] = {m.name: m for m in (
     ZooModel("qwen2_moe", tiny_qwen2_moe, token_dataset, hf_loss, "unpack_dict", "Qwen2MoeDecoderLayer", "decoder"),
     ZooModel("qwen3_moe", tiny_qwen3_moe, token_dataset, hf_loss, "unpack_dict", "Qwen3MoeDecoderLayer", "decoder"),
     ZooModel("olmoe", tiny_olmoe, token_dataset, hf_loss, "unpack_dict", "OlmoeDecoderLayer", "decoder"),
+    ZooModel("olmo2", tiny_olmo2, token_dataset, hf_loss, "unpack_dict", "Olmo2DecoderLayer", "decoder"),
+    ZooModel("llama4", tiny_llama4, token_dataset, hf_loss, "unpack_dict", "Llama4TextDecoderLayer", "decoder"),
+    ZooModel("deepseek_v3", tiny_deepseek_v3, token_dataset, hf_loss, "unpack_dict", "DeepseekV3DecoderLayer",
+             "decoder"),
 )}
 
 

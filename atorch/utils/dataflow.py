@@ -32,13 +32,19 @@ TRANSPARENT = frozenset({
     "relu6", "hardswish", "hardtanh", "glu", "mul", "__mul__", "__rmul__", "mul_", "__imul__", "add", "__add__",
     "__radd__", "add_", "__iadd__", "sub", "__sub__", "__rsub__", "sub_", "div", "__truediv__", "div_", "neg",
     "__neg__", "cat", "concat", "stack", "masked_fill", "masked_fill_", "where", "clamp", "pow", "__pow__", "square",
-    "exp", "sin", "cos", "abs", "sqrt", "rsqrt", "erf", "contiguous", "__and__", "detach",
+    "exp", "sin", "cos", "abs", "sqrt", "rsqrt", "erf", "contiguous", "__and__", "detach", "view_as_complex",
+    "view_as_real", "copy_",
 })
+# ops that read only their tensor input's shape, dtype and device, never its values: no data flows through
+FACTORIES = frozenset({"new_empty", "new_zeros", "new_ones", "new_full", "empty_like", "zeros_like", "ones_like",
+                       "full_like"})
 SOFTMAX = frozenset({"softmax", "_softmax", "log_softmax"})
 MATMUL = frozenset({"matmul", "__matmul__", "__rmatmul__", "bmm", "einsum"})
 LINEAR = frozenset({"linear", "addmm", "mm", "matmul", "__matmul__"})
 ATTENTION = frozenset({"scaled_dot_product_attention"})
 EMBEDDING = frozenset({"embedding"})
+# ops that broadcast a tensor's size-1 dimensions to a larger size (one head to every head)
+BROADCASTS = frozenset({"expand", "expand_as", "broadcast_to"})
 # a parameter read through one of these (``self.weight.T``, ``weight.t()``) is still that parameter to
 # the op that consumes it: FalconLinear computes ``input @ self.weight.T``
 WEIGHT_VIEWS = frozenset({"__get__", "t", "transpose", "permute", "mT"})
@@ -70,6 +76,7 @@ class Dataflow:
     consumers: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
     shapes: dict[int, tuple] = field(default_factory=dict)
     module_inputs: dict[str, tuple] = field(default_factory=dict)
+    module_input_nodes: dict[str, int] = field(default_factory=dict)  # the first call's first input tensor
     module_outputs: dict[str, tuple] = field(default_factory=dict)
     module_order: list[str] = field(default_factory=list)
 
@@ -182,19 +189,34 @@ class _Recorder(TorchFunctionMode):
         op.operands = [self.node(a, True) if isinstance(a, torch.Tensor) and tensor_key(a) not in self.owners else None
                        for a in args]
         op.args = tuple(a for a in args if not isinstance(a, torch.Tensor))
-        op.inputs = [self.node(t, True) for t in leaves
-                     if isinstance(t, torch.Tensor) and tensor_key(t) not in self.owners]
+        op.inputs = [] if name in FACTORIES else [self.node(t, True) for t in leaves
+                                                  if isinstance(t, torch.Tensor) and tensor_key(t) not in self.owners]
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         op.outputs = []
         for tensor in outs:
-            if id(tensor) in self.nodes and self.nodes[id(tensor)] in op.inputs:  # in place: a new version
+            in_place = id(tensor) in self.nodes and self.nodes[id(tensor)] in op.inputs
+            if in_place:  # a new version
                 del self.nodes[id(tensor)]
             node = self.node(tensor, True)
             op.outputs.append(node)
             self.flow.producer[node] = op.index
+            if in_place:
+                self._new_base_version(tensor, op)
         for node in dict.fromkeys(op.inputs):
             self.flow.consumers[node].append(op.index)
         self.flow.ops.append(op)
+
+    def _new_base_version(self, view: torch.Tensor, op: Op) -> None:
+        """An in-place op on a view writes into its base too (``key[..., :d].copy_(k)``, HF's
+        multi-head latent attention): the base gets a new version made by ``op`` from its old one."""
+        base = view._base
+        if base is None or id(base) not in self.nodes:
+            return
+        old = self.nodes.pop(id(base))
+        op.inputs.append(old)
+        node = self.node(base, True)
+        op.outputs.append(node)
+        self.flow.producer[node] = op.index
 
     def _kind(self, name: str, params: list[torch.Tensor], args: tuple) -> tuple[str, str]:
         weights = [self.owners[tensor_key(p)] for p in params if self.owners[tensor_key(p)][1] == "weight"]
@@ -230,13 +252,14 @@ def record_dataflow(model: nn.Module, run: Callable[[nn.Module], Any]) -> Datafl
         for param_name, param in module.named_parameters(recurse=False):
             owners.setdefault(id(param), (module_name, param_name))
     hooks = []
+    recorder = _Recorder(flow, owners)
     for module_name, module in model.named_modules():
-        hooks.append(module.register_forward_pre_hook(_input_hook(flow, module_name), with_kwargs=True))
+        hooks.append(module.register_forward_pre_hook(_input_hook(flow, module_name, recorder), with_kwargs=True))
         hooks.append(module.register_forward_hook(_output_hook(flow, module_name)))
     training = model.training
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices), _Recorder(flow, owners):
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), recorder:
             model.eval()
             run(model)
     finally:
@@ -246,12 +269,15 @@ def record_dataflow(model: nn.Module, run: Callable[[nn.Module], Any]) -> Datafl
     return flow
 
 
-def _input_hook(flow: Dataflow, name: str) -> Callable:
+def _input_hook(flow: Dataflow, name: str, recorder: "_Recorder") -> Callable:
     def hook(module, args, kwargs):
         tensor = _first_tensor(args, kwargs)
         if name not in flow.module_inputs:
             flow.module_order.append(name)
             flow.module_inputs[name] = tuple(tensor.shape) if tensor is not None else ()
+            node = recorder.node(tensor, False) if tensor is not None else None
+            if node is not None:
+                flow.module_input_nodes[name] = node
     return hook
 
 

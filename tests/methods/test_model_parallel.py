@@ -216,14 +216,30 @@ def inspect_zoo_layouts() -> dict:
     out["more_moe"] = {}
     for name in MORE_MOE_BANKS:
         run = train_gpt([TP2, "tensor_parallel"], hf_model=name, steps=2)
-        bank = run["result"].model.get_submodule("model.layers.0.mlp.experts")
-        out["more_moe"][name] = {"listed": run["result"].args.extras["tensor_parallel"]["experts"],
+        report = run["result"].args.extras["tensor_parallel"]
+        bank = run["result"].model.get_submodule(report["experts"][0])
+        out["more_moe"][name] = {"listed": report["experts"], "colwise": report["colwise"],
+                                 "rowwise": report["rowwise"], "share": report["split_share"],
+                                 "split_norms": report["split_norms"],
                                  "local": [p.to_local().shape[0] for p in bank.parameters()],
                                  "losses": run["losses"], "weights": run["weights"]}
+    out["olmo2"] = {}
+    for label, strategy in (("tp", [TP2, "tensor_parallel"]), ("sp", SP)):
+        run = train_gpt(strategy, hf_model="olmo2", steps=2)
+        report = run["result"].args.extras["tensor_parallel"]
+        norm = run["result"].model.get_submodule("model.layers.0.self_attn.q_norm").weight
+        out["olmo2"][label] = {"split_norms": report["split_norms"], "share": report["split_share"],
+                               "q_norm": (tuple(norm.to_local().shape), [str(p) for p in norm.placements]),
+                               "losses": run["losses"], "weights": run["weights"]}
     return out
 
 
-MORE_MOE_BANKS = ("qwen2_moe", "qwen3_moe", "olmoe")  # transformers' other MoE families, 4 experts each
+# transformers' other MoE families, 4 experts each: where their banks are, and how much of each is split
+MORE_MOE_BANKS = {"qwen2_moe": ("model.layers.{}.mlp.experts", range(4)),
+                  "qwen3_moe": ("model.layers.{}.mlp.experts", range(4)),
+                  "olmoe": ("model.layers.{}.mlp.experts", range(4)),
+                  "llama4": ("model.layers.{}.feed_forward.experts", range(4)),
+                  "deepseek_v3": ("model.layers.{}.mlp.experts", range(1, 4))}  # its first layer is dense
 
 
 def _bad_bank_call(bank: torch.nn.Module) -> str:
@@ -460,15 +476,53 @@ def test_torchtitan_grouped_experts_are_split_by_expert(two_ranks):
 
 @pytest.mark.parametrize("name", MORE_MOE_BANKS)
 def test_other_transformers_moe_families_split_their_banks_by_expert(two_ranks, name):
-    """Qwen2-MoE (its shared expert and gate beside the bank), Qwen3-MoE (per-head q / k norms) and OLMoE:
-    every layer's bank holds 2 of its 4 experts on each rank, the step as in one process."""
+    """Qwen2-MoE (its shared expert and gate beside the bank), Qwen3-MoE (per-head q / k norms), OLMoE,
+    Llama 4 (a bank called with every expert's rows; complex rotary embeddings) and DeepSeek-V3:
+    every MoE layer's bank holds 2 of its 4 experts on each rank, the step as in one process."""
     reference = train_gpt([], hf_model=name, steps=2)
+    path, layers = MORE_MOE_BANKS[name]
     for rank, per_rank in enumerate(two_ranks):
         run = per_rank["zoo"]["more_moe"][name]
-        assert run["listed"] == [f"model.layers.{i}.mlp.experts" for i in range(4)], (rank, run["listed"])
+        assert run["listed"] == [path.format(i) for i in layers], (rank, run["listed"])
         assert run["local"] and set(run["local"]) == {2}, (rank, run["local"])
         assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, run["losses"])
-        assert weight_difference(run["weights"], reference["weights"]) < TOL, rank
+        # tighter than TOL: a whole parameter left with a partial gradient drifts by about 1e-5 in two steps
+        # (DeepSeek's shared rotary key projection, before its gradient was summed over the ranks: 2.5e-5)
+        assert weight_difference(run["weights"], reference["weights"]) < 1e-6, rank
+
+
+def test_llama4_and_deepseek_attention_is_split_by_heads(two_ranks):
+    """Llama 4's attention (rotary embeddings through complex numbers, per-head L2 norms) and DeepSeek-V3's
+    multi-head latent attention are split by heads: DeepSeek's q_b_proj and kv_b_proj column-wise ([key
+    without rotary | value] inside each head), o_proj row-wise; its latent down-projections, the shared
+    rotary key head among them, stay whole, as Megatron-Core keeps them."""
+    report = two_ranks[0]["zoo"]["more_moe"]
+    llama4, deepseek = report["llama4"], report["deepseek_v3"]
+    attention = "model.layers.{}.self_attn."
+    for i in range(4):
+        assert {attention.format(i) + n for n in ("q_proj", "k_proj", "v_proj")} <= set(llama4["colwise"]), i
+        assert attention.format(i) + "o_proj" in llama4["rowwise"], i
+        assert {attention.format(i) + n for n in ("q_b_proj", "kv_b_proj")} <= set(deepseek["colwise"]), i
+        assert attention.format(i) + "o_proj" in deepseek["rowwise"], i
+        assert not {attention.format(i) + n for n in ("q_a_proj", "kv_a_proj_with_mqa")} & set(deepseek["colwise"])
+    assert llama4["share"] > 0.99 and deepseek["share"] > 0.9, (llama4["share"], deepseek["share"])
+
+
+def test_norms_over_a_whole_split_projection_are_split_with_it(two_ranks):
+    """OLMo 2's q / k RMSNorms over every head's features: split with their projections (each process
+    16 of the 32 query features, the weight Shard(0)), the step as in one process under tensor and
+    tensor + sequence parallelism; OLMoE's the same in its run above."""
+    reference = train_gpt([], hf_model="olmo2", steps=2)
+    norms = [f"model.layers.{i}.self_attn.{n}_norm" for i in range(4) for n in "qk"]
+    for rank, per_rank in enumerate(two_ranks):
+        for label, run in per_rank["zoo"]["olmo2"].items():
+            assert sorted(run["split_norms"]) == sorted(norms), (rank, label, run["split_norms"])
+            assert run["q_norm"] == ((16,), ["S(0)"]), (rank, label, run["q_norm"])
+            assert run["share"] > 0.99, (rank, label, run["share"])
+            assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, label, run["losses"])
+            assert weight_difference(run["weights"], reference["weights"]) < TOL, (rank, label)
+        olmoe = per_rank["zoo"]["more_moe"]["olmoe"]
+        assert sorted(olmoe["split_norms"]) == sorted(norms), (rank, olmoe["split_norms"])
 
 
 def test_t5_relative_position_bias_is_split_with_the_heads(two_ranks):

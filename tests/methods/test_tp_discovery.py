@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from atorch.auto.opt_lib.sequence_parallel import plan_sequence_parallel
 from atorch.auto.opt_lib.tensor_parallel import find_tp_plan
 from atorch.auto.opt_lib.tp_mha import SeparateProjectionAttention, split_mha
+from atorch.auto.opt_lib.tp_plan import split_share
 from atorch.auto.opt_lib.tp_shapes import local_split_size, local_view_shape
 from atorch.errors import AtorchError, MethodConfigError
 from atorch.testing import run_distributed
@@ -218,6 +219,82 @@ def test_view_and_split_shapes_are_made_local():
     assert local_view_shape(torch.empty(2, 5, 2, 8), [2, 5, 2, -1, 2], full, 2) is None  # rotary pairs: untouched
     assert local_split_size(local_qkv, 32, 2, full, 2) == 16  # nanoGPT's split(n_embd)
     assert local_split_size(torch.empty(2, 5, 96), 32, 2, full, 2) is None  # tiles already
+
+
+def test_an_in_place_write_into_a_slice_is_a_new_version_of_the_whole_tensor():
+    """``out[..., :4].copy_(a)`` writes into ``out``: the write is read as made from ``a``, and the
+    buffer's own factory (``a.new_empty``) carries no data from ``a``."""
+    class Assembled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
+
+        def forward(self, x):
+            a, b = self.a(x), self.b(x)
+            out = a.new_empty(*a.shape[:-1], 8)
+            out[..., :4].copy_(a)
+            out[..., 4:].copy_(b)
+            return out * 2
+
+    flow = record_dataflow(Assembled(), lambda m: m(torch.randn(2, 8)))
+    last = flow.ops[-1]
+    assert last.name in ("mul", "__mul__"), last
+    sources = {op.module for op in flow.backward_sources(last.inputs[0], lambda op: op.name in ("copy_",
+                                                                                                "__getitem__"))}
+    assert sources == {"a", "b", ""}, sources  # "" : the factory, made from nothing
+    factory = next(op for op in flow.ops if op.name == "new_empty")
+    assert factory.inputs == [], factory
+
+
+def _family_plan(name: str):
+    from atorch.testing.hf_models import zoo_model
+
+    zoo = zoo_model(name)
+    torch.manual_seed(0)
+    model = zoo.build()
+    batch = torch.utils.data.default_collate([zoo.make_dataset(2, 0)[0]])
+    return model, find_tp_plan(model, 2, record_dataflow(model, lambda m: call_with_batch(m, batch,
+                                                                                         zoo.input_format)))
+
+
+def test_latent_attention_splits_its_up_projections_and_shares_the_rotary_key():
+    """DeepSeek-V3's multi-head latent attention: q_b_proj and kv_b_proj ([key without rotary | value]
+    inside each head, 12 features a head of 8-wide query heads) split by heads, o_proj row-wise; the
+    down-projections stay whole, kv_a_proj_with_mqa among them though its rotary part reaches the keys
+    (broadcast to every head, so it is shared like rotary cos / sin)."""
+    _, plan = _family_plan("deepseek_v3")
+    attention = "model.layers.1.self_attn."
+    assert plan.styles[attention + "q_b_proj"] == "colwise" and plan.styles[attention + "kv_b_proj"] == "colwise"
+    assert plan.styles[attention + "o_proj"] == "rowwise"
+    assert attention + "kv_b_proj" not in plan.fused  # head by head: a contiguous split keeps whole heads
+    assert {attention + "q_a_proj", attention + "kv_a_proj_with_mqa"} <= set(plan.replicated)
+    # the rotary key [batch, 1 head, tokens, 4] broadcast to the heads: its gradient is summed over the ranks
+    assert plan.shared_heads == {f"model.layers.{i}.self_attn": [(4, 1, 4)] for i in range(4)}, plan.shared_heads
+    assert plan.experts == [f"model.layers.{i}.mlp.experts" for i in (1, 2, 3)]
+
+
+def test_complex_rotary_embeddings_and_banks_called_with_every_experts_rows_are_split():
+    """Llama 4: its rotary embedding runs through view_as_complex / view_as_real (whole heads pass), and
+    its bank takes one input of every expert's rows (4 groups)."""
+    model, plan = _family_plan("llama4")
+    attention = "model.layers.0.self_attn."
+    assert all(plan.styles[attention + n] == "colwise" for n in ("q_proj", "k_proj", "v_proj"))
+    assert plan.styles[attention + "o_proj"] == "rowwise"
+    assert plan.experts == [f"model.layers.{i}.feed_forward.experts" for i in range(4)]
+    assert split_share(model, plan) > 0.99
+
+
+@pytest.mark.parametrize("name", ["olmo2", "olmoe"])
+def test_a_norm_over_a_whole_projection_is_split_with_it(name):
+    """OLMo 2 and OLMoE normalise the whole query and key projections (RMSNorm over every head's
+    features, 32 and 16 wide): the attention is split all the same, those norms with it (their weights
+    sharded, their reduction summed over the ranks); the block's own norms stay whole."""
+    _, plan = _family_plan(name)
+    attention = "model.layers.0.self_attn."
+    assert all(plan.styles[attention + n] == "colwise" for n in ("q_proj", "k_proj", "v_proj"))
+    assert plan.feature_norms == {f"model.layers.{i}.self_attn.{n}_norm": w
+                                  for i in range(4) for n, w in (("q", 32), ("k", 16))}, plan.feature_norms
+    assert "model.layers.0.post_attention_layernorm" in plan.replicated
 
 
 @pytest.mark.parametrize("batch_first", [True, False])

@@ -763,6 +763,24 @@ def test_a_mixture_of_experts_module_counts_the_experts_a_token_meets():
         model_spec(model)
 
 
+def test_deepseek_and_llama4_are_read_as_mixtures_of_experts_with_their_shared_experts():
+    """DeepSeek-V3's config names its experts n_routed_experts and its shared ones n_shared_experts (of
+    the expert width), and its first layer is dense; Llama 4's MoE layers each have one shared expert of
+    intermediate_size. Both gated. Read from the module and from the config alone."""
+    from atorch.testing.hf_models import zoo_model
+
+    for name, want in (("deepseek_v3", (4, 2, 32, 32)), ("llama4", (4, 1, 64, 64))):
+        model = zoo_model(name).build()
+        for spec in (model_spec(model), model_spec(model.config.to_dict())):
+            assert (spec.experts, spec.experts_per_token, spec.expert_ffn, spec.shared_ffn) == want, (name, spec)
+            assert spec.gated, name
+    llama4 = zoo_model("llama4").build()
+    total = sum(p.numel() for p in llama4.parameters())
+    banks = [layer.feed_forward.experts for layer in llama4.model.layers]
+    skipped = sum(3 * sum(p[0].numel() for p in bank.parameters()) for bank in banks)  # 3 of 4 experts a layer
+    assert model_spec(llama4).active_param_count == total - skipped
+
+
 def test_an_optimizer_step_is_counted_per_parameter_and_priced_by_estimate():
     """optimizer_step_bytes traces one step: SGD reads the parameter and its gradient and writes the
     parameter (12 bytes in fp32, exactly); torch's AdamW moves more than a fused Adam's 30 and its

@@ -57,7 +57,7 @@ from atorch.auto.opt_lib.tp_check import Probe, check_plan, probe_from_context
 from atorch.auto.opt_lib.tp_experts import split_expert_bank
 from atorch.auto.opt_lib.tp_mha import split_mha
 from atorch.auto.opt_lib.tp_plan import TPPlan, _is_linear, find_tp_plan, plan_from_patterns, split_share
-from atorch.auto.opt_lib.tp_shapes import install_localizer, localize_attributes
+from atorch.auto.opt_lib.tp_shapes import install_localizer, install_shared_head_gradients, localize_attributes
 from atorch.checkpoint.tensors import SAVED_ORDERS_ATTR
 from atorch.distributed import mesh
 from atorch.distributed.agreement import max_over_ranks
@@ -90,6 +90,13 @@ class ConvRowwise(RowwiseParallel):
             return super()._apply(module, device_mesh)
         self.desired_input_layouts = (Shard(-1),)
         return _distribute(self, module, device_mesh, weight=Shard(0), bias=Replicate())
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        """The reduced output as a tensor of its own: DTensor's local view of it may not be changed in
+        place (Llama 4 adds its routed experts into its shared expert's output with ``add_``)."""
+        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return out.clone() if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) else out
 
 
 def _distribute(style, module, device_mesh, weight, bias):
@@ -237,6 +244,8 @@ def _apply_to_stage(stage: nn.Module, whole: TPPlan, config: TensorParallelConfi
                                vocab=vocab, tied_head=tied if tied and set(tied) <= set(vocab) else None,
                                head_bias=list(_on_stage(stage, whole.head_bias)),
                                head_norms=_on_stage(stage, whole.head_norms, linear=False),
+                               feature_norms=_on_stage(stage, whole.feature_norms, linear=False),
+                               shared_heads=_on_stage(stage, whole.shared_heads, linear=False),
                                experts=_on_stage(stage, whole.experts, linear=False),
                                regions=_on_stage(stage, whole.regions, linear=False),
                                region_heads=_on_stage(stage, whole.region_heads, linear=False), replicated=[])
@@ -302,6 +311,10 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
         head.weight = embedding.weight
     for name, heads_dim in plan.head_norms.items():
         _run_on_local_heads(model.get_submodule(name), tp_mesh, heads_dim)
+    for name in plan.feature_norms:
+        _run_on_local_features(model.get_submodule(name), tp_mesh)
+    for name, shared in plan.shared_heads.items():
+        install_shared_head_gradients(model.get_submodule(name), shared, tp_mesh)
     for name in plan.experts:
         split_expert_bank(model.get_submodule(name), tp_mesh)
     if sequence_plan is not None:
@@ -330,6 +343,24 @@ def _run_on_local_heads(module: nn.Module, tp_mesh, heads_dim: int) -> None:
         return (DTensor.from_local(local, device_mesh, [Shard(local.dim() + heads_dim)], run_check=False), *inputs[1:])
 
     distribute_module(module, tp_mesh, replicate_params, heads_in, lambda mod, output, device_mesh: output.to_local())
+
+
+def _run_on_local_features(module: nn.Module, tp_mesh) -> None:
+    """A norm over a column-split projection's whole output: its parameters become ``Shard(0)``
+    DTensors (this rank's features) and its input this rank's features (``Shard(-1)``), so its
+    reduction over the features is summed over the tensor group (forward and backward) and it
+    computes as in one process."""
+    def shard_params(name: str, mod: nn.Module, device_mesh) -> None:
+        for key, param in list(mod.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                mod.register_parameter(key, nn.Parameter(distribute_tensor(param.data, device_mesh, [Shard(0)]),
+                                                         requires_grad=param.requires_grad))
+
+    def features_in(mod: nn.Module, inputs: tuple, device_mesh) -> tuple:
+        return (DTensor.from_local(inputs[0], device_mesh, [Shard(inputs[0].dim() - 1)], run_check=False),
+                *inputs[1:])
+
+    distribute_module(module, tp_mesh, shard_params, features_in, lambda mod, output, device_mesh: output.to_local())
 
 
 def _record(model: nn.Module, probe: Probe):

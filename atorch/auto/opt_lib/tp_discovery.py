@@ -32,7 +32,7 @@ from typing import Optional
 
 from torch import nn
 
-from atorch.utils.dataflow import SOFTMAX, Dataflow, Op, is_transparent
+from atorch.utils.dataflow import BROADCASTS, SOFTMAX, Dataflow, Op, is_transparent
 
 
 @dataclass
@@ -46,6 +46,8 @@ class FoundAttention:
     parts: dict[str, list[int]] = field(default_factory=dict)      # fused projection -> widths of its parts
     parts_within_heads: set = field(default_factory=set)           # fused per head ([h0: q k v | h1: ...])
     head_bias: list[str] = field(default_factory=list)             # per-head embeddings added to the scores
+    # one head broadcast to every head (MLA's rotary key): (ndim, heads dim, last size) of the tensor expanded
+    shared_heads: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -71,18 +73,39 @@ HEAD_LOCAL_REDUCTIONS = frozenset({"mean", "sum", "var", "std", "amax", "norm", 
                                    "var_mean", "std_mean", "logsumexp"})
 
 
-def _within_head(flow: Dataflow, head_dim: int):
+def _within_head(flow: Dataflow, head_dim: int, feature_widths: frozenset = frozenset()):
     """``_passes``, and also a reduction or norm over only the last dimension of a tensor whose last
     dimension is one head's features with a heads dimension before it: per head, so a split of whole
-    heads passes through it (Qwen3's q / k RMSNorm over ``head_dim``)."""
+    heads passes through it (Qwen3's q / k RMSNorm over ``head_dim``). A reduction over the last
+    dimension of a whole projection of several heads (OLMo 2's q / k RMSNorm over every head's
+    features) passes too when its width is one of ``feature_widths``, the widths of the model's
+    norm modules: split, it runs on the rank's features with its reduction over the tensor group
+    (``tp_plan``'s ``feature_norms``)."""
     def passes(op: Op) -> bool:
         if is_transparent(op):
             return True
         if op.kind != "other" or op.name not in HEAD_LOCAL_REDUCTIONS or not op.operands or op.operands[0] is None:
             return False
         shape = flow.shapes.get(op.operands[0], ())
-        return len(shape) >= 3 and shape[-1] == head_dim and _reduces_last_only(op, len(shape), head_dim)
+        if len(shape) >= 3 and shape[-1] == head_dim:
+            return _reduces_last_only(op, len(shape), head_dim)
+        width = shape[-1] if shape else 0
+        return (width in feature_widths and width > head_dim > 0 and width % head_dim == 0
+                and _reduces_last_only(op, len(shape), width))
     return passes
+
+
+def feature_norm_widths(model: nn.Module, flow: Dataflow) -> frozenset:
+    """Widths of the modules that look like a norm over a tensor's last dimension: no Linear, own
+    parameters all 1-D of that width, called on a tensor of that width."""
+    widths = set()
+    for name, module in model.named_modules():
+        params = list(module.parameters(recurse=False))
+        shape = flow.module_inputs.get(name, ())
+        if (params and shape and not list(module.children()) and not isinstance(module, (nn.Linear, nn.Embedding))
+                and all(p.dim() == 1 and p.numel() == shape[-1] for p in params)):
+            widths.add(shape[-1])
+    return frozenset(widths)
 
 
 def _reduces_last_only(op: Op, ndim: int, head_dim: int) -> bool:
@@ -103,7 +126,7 @@ def discover(model: nn.Module, flow: Dataflow) -> Discovery:
     found = Discovery()
     linear_modules = {op.module for op in flow.ops if op.kind == "linear"}
     role: dict[str, str] = {}
-    for attention in _attentions(flow, found):
+    for attention in _attentions(flow, found, feature_norm_widths(model, flow)):
         found.attentions.append(attention)
         cols = [p for names in attention.inputs.values() for p in names]
         found.groups.append((list(dict.fromkeys(cols)), attention.outputs))
@@ -223,16 +246,18 @@ def _has_softmax(flow: Dataflow, first: Op, probs: int) -> bool:
     return probs in seen and any(flow.ops[flow.producer[n]].name in SOFTMAX for n in seen if n in flow.producer)
 
 
-def _attentions(flow: Dataflow, found: Discovery) -> list[FoundAttention]:
+def _attentions(flow: Dataflow, found: Discovery, feature_widths: frozenset = frozenset()) -> list[FoundAttention]:
     out = []
     for slots, outputs, core, score_ops in _cores(flow):
         attention = FoundAttention()
         q_shape = flow.shapes.get(slots["q"], ())
-        within_head = _within_head(flow, q_shape[-1] if len(q_shape) >= 3 else -1)
+        within_head = _within_head(flow, q_shape[-1] if len(q_shape) >= 3 else -1, feature_widths)
+        heads = q_shape[-3] if len(q_shape) == 4 else 0
         ok = True
         for slot, node in slots.items():
             # side inputs mixed in on the way (rotary cos / sin) are not sources; the check confirms
-            linears = [s.module for s in flow.backward_sources(node, within_head) if s.kind == "linear"]
+            linears, shared = _operand_linears(flow, node, within_head, heads)
+            attention.shared_heads += [s for s in shared if s not in attention.shared_heads]
             if not linears or any(not _feeds_attention_only(flow, n, within_head) for n in linears):
                 ok = False  # an operand made by something else (a cache, a norm): nothing to split here
                 break
@@ -252,6 +277,37 @@ def _attentions(flow: Dataflow, found: Discovery) -> list[FoundAttention]:
         attention.head_bias = _score_bias(flow, core, score_ops, slots, attention)
         out.append(attention)
     return _merge_calls(out)
+
+
+def _operand_linears(flow: Dataflow, node: int, within_head, heads: int) -> tuple[list[str], list[tuple]]:
+    """The Linears an attention operand is made from, and the broadcasts over the heads on the way.
+    One whose output reaches it only broadcast over the heads (a single head shared by all, as
+    multi-head latent attention's rotary key part, ``k_rot.expand(..., heads, ...)``) is a side input
+    like rotary cos / sin, and stays whole, when the operand has a source of its own; with none
+    (multi-query attention's one key head) it is the source. Each such broadcast is returned as
+    (ndim, heads dimension, last size) of the tensor broadcast: split, each rank broadcasts it to its
+    own heads only, so its gradient there is partial and is summed over the tensor group."""
+    def passes(op: Op) -> bool:
+        return within_head(op) and not _broadcast_over_heads(flow, op, heads)
+    sources = flow.backward_sources(node, passes)
+    own = [s.module for s in sources if s.kind == "linear"]
+    if not own:
+        return [s.module for s in flow.backward_sources(node, within_head) if s.kind == "linear"], []
+    shared = []
+    for op in sources:
+        if _broadcast_over_heads(flow, op, heads):
+            shape = flow.shapes[op.inputs[0]]
+            shared.append((len(shape), next(d for d, (b, a) in enumerate(zip(shape, flow.shapes[op.outputs[0]]))
+                                            if b == 1 and a == heads), shape[-1]))
+    return own, shared
+
+
+def _broadcast_over_heads(flow: Dataflow, op: Op, heads: int) -> bool:
+    """An expand of a size-1 dimension to the attention's ``heads``."""
+    if op.name not in BROADCASTS or heads < 2 or not op.inputs or not op.outputs:
+        return False
+    before, after = flow.shapes.get(op.inputs[0], ()), flow.shapes.get(op.outputs[0], ())
+    return len(before) == len(after) and any(b == 1 and a == heads for b, a in zip(before, after))
 
 
 def _feeds_attention_only(flow: Dataflow, name: str, passes=_passes) -> bool:
@@ -274,8 +330,13 @@ def _heads(flow: Dataflow, slots: dict[str, int], attention: FoundAttention, fou
     for slot, names in attention.inputs.items():
         for name in names:
             owners.setdefault(name, []).append(slot)
+    heads = shape[-3] if len(shape) == 4 else 0
     for name, parts in owners.items():
         width = _width(flow, name)
+        if len(parts) > 1 and _per_head_parts(flow, name, heads, width, attention.head_dim):
+            attention.heads[name] = heads  # a contiguous split keeps whole heads of every part
+            attention.parts_within_heads.add(name)
+            continue
         widths = _part_widths(flow, name, [slots[p] for p in parts], attention.head_dim, width)
         if widths is None:
             found.why_whole.setdefault(
@@ -287,6 +348,16 @@ def _heads(flow: Dataflow, slots: dict[str, int], attention: FoundAttention, fou
             if _parts_within_heads(flow, name, attention.head_dim, [w // attention.head_dim for w in widths]):
                 attention.parts_within_heads.add(name)
     return True
+
+
+def _per_head_parts(flow: Dataflow, name: str, heads: int, width: int, head_dim: int) -> bool:
+    """A projection feeding several operands whose output is viewed as [.., heads, per-head features]
+    where a head's features are not whole operand heads: parts of unequal sizes inside each head
+    (multi-head latent attention's kv_b_proj, [key without rotary | value] per head)."""
+    if heads < 2 or width % heads or (width // heads) % head_dim == 0:
+        return False
+    seen, _ = flow.forward_closure([call.outputs[0] for call in flow.calls_of(name)], _passes)
+    return any(flow.shapes.get(node, ())[-2:] == (heads, width // heads) for node in seen)
 
 
 def _part_widths(flow: Dataflow, name: str, operands: list[int], head_dim: int, width: int) -> Optional[list[int]]:

@@ -21,6 +21,11 @@ expert's count, ``bank(x, num_tokens_per_expert)`` (two inputs): rank r runs the
 rows of ``x`` with their counts, the other rows of its output are zeros, and the outputs are summed over
 the group as above. A call whose second input is not one integer count per expert is refused with the
 reason (``ExpertBankCallError``), which the plan's check reports.
+
+Llama 4's banks (``Llama4TextExperts``) take one input, every expert's rows one after another (each
+token repeated once per expert, scaled by its routing score: ``bank(x)`` with ``x`` of E equal groups of
+rows): rank r runs the bank on its experts' groups of rows, the rest of its output is zeros, summed over
+the group as above. A call whose rows do not make E equal groups is refused (``ExpertBankCallError``).
 """
 from __future__ import annotations
 
@@ -61,7 +66,8 @@ def is_expert_bank(module: nn.Module) -> bool:
 
 def bank_interface(module: nn.Module) -> Optional[str]:
     """"routed" (transformers: tokens, expert index, routing weights), "grouped" (torchtitan: tokens
-    grouped by expert, per-expert counts) or None (not an expert bank)."""
+    grouped by expert, per-expert counts), "rows" (Llama 4: every expert's rows, expert by expert) or
+    None (not an expert bank)."""
     experts = getattr(module, "num_experts", None)
     params = [p for _, p in module.named_parameters(recurse=False)]
     if not isinstance(experts, int) or isinstance(experts, bool) or experts < 2 or not params:
@@ -73,7 +79,7 @@ def bank_interface(module: nn.Module) -> Optional[str]:
     except (TypeError, ValueError):
         return None
     positional = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in inputs)
-    return "routed" if positional >= 3 else "grouped" if positional == 2 else None
+    return {1: "rows", 2: "grouped"}.get(positional, "routed" if positional >= 3 else None)
 
 
 def split_expert_bank(bank: nn.Module, tp_mesh: Any) -> None:
@@ -85,7 +91,7 @@ def split_expert_bank(bank: nn.Module, tp_mesh: Any) -> None:
             bank.register_parameter(name, nn.Parameter(distribute_tensor(param.data, tp_mesh, [Shard(0)]),
                                                        requires_grad=param.requires_grad))
     setattr(bank, EXPERTS_ATTR, (bank.num_experts, rank * local, local, tp_mesh))
-    split = _grouped_split_class if bank_interface(bank) == "grouped" else _split_class
+    split = {"grouped": _grouped_split_class, "rows": _rows_split_class}.get(bank_interface(bank), _split_class)
     bank.__class__ = split(type(bank))
 
 
@@ -97,8 +103,8 @@ def _split_class(base: type) -> type:
         def forward(self, hidden_states: torch.Tensor, expert_index: torch.Tensor, expert_weights: torch.Tensor,
                     *args: Any, **kwargs: Any) -> Any:
             total, first, local, tp_mesh = getattr(self, EXPERTS_ATTR)
-            hidden_states = _gradient_summed(hidden_states, tp_mesh)
-            expert_weights = _gradient_summed(expert_weights, tp_mesh)
+            hidden_states = gradient_summed(hidden_states, tp_mesh)
+            expert_weights = gradient_summed(expert_weights, tp_mesh)
             index = expert_index - first
             index = torch.where((index >= 0) & (index < local), index, torch.full_like(index, local))
             with _local_experts(self, local):
@@ -119,7 +125,7 @@ def _grouped_split_class(base: type) -> type:
             counts = _checked_counts(num_tokens_per_expert, total, x.shape[0], type(self).__name__)
             before, mine = counts[:first].sum(), counts[first:first + local].sum()
             start, stop = int(before), int(before + mine)
-            x = _gradient_summed(x, tp_mesh)
+            x = gradient_summed(x, tp_mesh)
             with _local_experts(self, local):
                 own = super().forward(x[start:stop], num_tokens_per_expert[first:first + local], *args, **kwargs)
             rows = own.shape[1:]
@@ -129,6 +135,34 @@ def _grouped_split_class(base: type) -> type:
 
     SplitGroupedExperts.__name__ = SplitGroupedExperts.__qualname__ = f"Split{base.__name__}"
     return SplitGroupedExperts
+
+
+@functools.cache
+def _rows_split_class(base: type) -> type:
+    class SplitExpertRows(base):
+        """``base`` holding only this rank's experts (``tp_experts``), called with every expert's rows."""
+
+        def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            total, first, local, tp_mesh = getattr(self, EXPERTS_ATTR)
+            if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] % total:
+                what = f"a tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ExpertBankCallError(
+                    f"tensor_parallel split {type(self).__name__} by expert as a bank called with every expert's "
+                    f"rows one expert after another ({total} equal groups of rows), but it was given {what}; keep "
+                    f"this module whole (leave tensor_parallel out) or call it with {total} equal groups of rows")
+            per = x.shape[0] // total
+            start, stop = first * per, (first + local) * per
+            x = gradient_summed(x, tp_mesh)
+            with _local_experts(self, local):
+                own = super().forward(x[start:stop], *args, **kwargs)
+            per_out = own.shape[0] // local
+            rows = own.shape[1:]
+            partial = torch.cat([own.new_zeros(first * per_out, *rows), own,
+                                 own.new_zeros((total - first - local) * per_out, *rows)], dim=0)
+            return _summed_over_group(partial, tp_mesh)
+
+    SplitExpertRows.__name__ = SplitExpertRows.__qualname__ = f"Split{base.__name__}"
+    return SplitExpertRows
 
 
 def _checked_counts(counts: Any, experts: int, rows: int, bank: str) -> torch.Tensor:
@@ -155,7 +189,7 @@ def _summed_over_group(partial: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
     return summed.redistribute(tp_mesh, [Replicate()]).to_local()
 
 
-def _gradient_summed(tensor: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
+def gradient_summed(tensor: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
     """``tensor`` unchanged in forward; in backward its gradient, partial on each rank (from its experts),
     summed over the tensor group."""
     if not (tensor.requires_grad and tensor.is_floating_point()):

@@ -17,7 +17,7 @@ from torch import nn
 from atorch.auto.opt_lib.tp_discovery import Discovery, FoundAttention, discover
 from atorch.auto.opt_lib.tp_experts import find_expert_banks
 from atorch.errors import MethodConfigError
-from atorch.utils.dataflow import Dataflow
+from atorch.utils.dataflow import Dataflow, is_transparent
 from atorch.utils.modules import repeated_blocks
 
 logger = logging.getLogger("atorch.auto.opt_lib.tensor_parallel")  # the method's log lines, as before
@@ -40,6 +40,9 @@ class TPPlan:
     tied_head: Optional[tuple[str, str]] = None                 # (head, embedding) sharing one weight
     head_bias: list[str] = field(default_factory=list)          # per-head embeddings (T5 relative bias): column split
     head_norms: dict[str, int] = field(default_factory=dict)    # per-head norms (Qwen3 q / k norm) -> their heads dim
+    feature_norms: dict[str, int] = field(default_factory=dict)  # norms over a split projection (OLMo 2) -> its width
+    # attention module -> tensors it broadcasts from one head to all (MLA's rotary key): (ndim, heads dim, last size)
+    shared_heads: dict[str, list] = field(default_factory=dict)
     experts: list[str] = field(default_factory=list)            # MoE expert banks split by expert (tp_experts)
     regions: dict[str, set] = field(default_factory=dict)       # module holding a split group -> its full sizes
     region_heads: dict[str, set] = field(default_factory=dict)  # the same -> its full head counts
@@ -54,13 +57,14 @@ class TPPlan:
                 "colwise": [n for n, s in self.styles.items() if s == "colwise"],
                 "rowwise": [n for n, s in self.styles.items() if s == "rowwise"],
                 "vocabulary": dict(self.vocab), "per_head": list(self.head_bias), "fused": dict(self.fused),
-                "per_head_norms": list(self.head_norms), "experts": list(self.experts),
+                "per_head_norms": list(self.head_norms), "split_norms": list(self.feature_norms),
+                "experts": list(self.experts),
                 "replicated": list(self.replicated), "why_whole": dict(self.why_whole), "run_time_shapes": self.shapes,
                 "split_share": round(self.share, 4)}
 
 
 def split_names(plan: "TPPlan") -> list[str]:
-    return [*plan.styles, *plan.vocab, *plan.head_bias, *plan.experts]
+    return [*plan.styles, *plan.vocab, *plan.head_bias, *plan.experts, *plan.feature_norms]
 
 
 def split_share(model: nn.Module, plan: "TPPlan") -> float:
@@ -94,7 +98,7 @@ def find_tp_plan(model: nn.Module, tp: int, flow: Optional[Dataflow] = None) -> 
     for name, module in model.named_modules():
         leaf = not list(module.children())
         if (leaf and any(True for _ in module.parameters(recurse=False)) and name not in split
-                and name not in plan.head_norms):
+                and name not in plan.head_norms and name not in plan.feature_norms):
             plan.replicated.append(name)
     return plan
 
@@ -111,6 +115,11 @@ def plan_from_structure(model: nn.Module, flow: Dataflow, tp: int) -> TPPlan:
     plan.fused = {n: parts for n, parts in found.fused.items() if n not in found.parts_within_heads}
     plan.head_bias = list(found.head_bias)
     plan.head_norms = _head_norms(model, flow, found)
+    plan.feature_norms = _feature_norms(model, flow, found)
+    for attention in found.attentions:
+        if attention.shared_heads:
+            names = [n for names in attention.inputs.values() for n in names] + attention.outputs
+            plan.shared_heads.setdefault(_common_parent(names), []).extend(attention.shared_heads)
     sizes = _full_sizes(model, found)
     widths = {n: {_out_features(model.get_submodule(n)), *found.fused.get(n, [])} for n in found.colwise}
     for cols, rows in found.groups:
@@ -142,6 +151,26 @@ def _head_norms(model: nn.Module, flow: Dataflow, found: Discovery) -> dict[str,
             dim = next((d for d in range(-2, -len(shape) - 1, -1) if shape[d] in heads), None)
             if dim is not None:
                 norms[name] = dim
+    return norms
+
+
+def _feature_norms(model: nn.Module, flow: Dataflow, found: Discovery) -> dict[str, int]:
+    """Norms inside a split attention over the whole output of one of its column-split projections
+    (OLMo 2's q / k RMSNorm over every head's features): own parameters all 1-D of that width, called on
+    it. Split, they hold their parameters' share of the features and run on DTensors, whose reduction
+    over the sharded features is summed over the tensor group, so they compute as in one process."""
+    norms: dict[str, int] = {}
+    for attention in found.attentions:
+        names = list(dict.fromkeys(n for names in attention.inputs.values() for n in names))
+        made = {node for n in names for call in flow.calls_of(n)
+                for node in flow.forward_closure(call.outputs, is_transparent)[0]}
+        for name, module in model.named_modules():
+            params = list(module.parameters(recurse=False))
+            shape = flow.module_inputs.get(name, ())
+            if (params and shape and flow.module_input_nodes.get(name) in made and not _is_linear(module)
+                    and all(p.dim() == 1 and p.numel() == shape[-1] for p in params)
+                    and shape[-1] != attention.head_dim):
+                norms[name] = shape[-1]
     return norms
 
 

@@ -24,6 +24,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from atorch.auto.opt_lib.tp_experts import gradient_summed
+from atorch.utils.dataflow import BROADCASTS
+
 VIEWS = frozenset({"view", "reshape"})
 SPLITS = frozenset({"split"})
 
@@ -127,6 +130,45 @@ def install_localizer(region: nn.Module, full_sizes: set[int], tp: int) -> Shape
         mode.__exit__(None, None, None)
 
     mode.handles = [region.register_forward_pre_hook(enter, with_kwargs=True, prepend=True),
+                    region.register_forward_hook(leave, always_call=True)]
+    return mode
+
+
+class SharedHeadGradients(TorchFunctionMode):
+    """In a split attention, a tensor of one head broadcast to the rank's heads (multi-head latent
+    attention's rotary key, ``k_rot.expand(.., heads, ..)``) gets from them only their part of its
+    gradient: it is broadcast through ``gradient_summed``, so its gradient is summed over the tensor
+    group, as one process's broadcast to every head sums it. ``shared``: (ndim, heads dim, last size)
+    of the tensors the recorded forward broadcast so."""
+
+    def __init__(self, shared: list, tp_mesh: Any):
+        super().__init__()
+        self.shared, self.tp_mesh = {tuple(s) for s in shared}, tp_mesh
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in BROADCASTS and args and isinstance(args[0], torch.Tensor):
+            tensor = args[0]
+            dims = [d for d in range(tensor.dim()) if (tensor.dim(), d, tensor.shape[-1]) in self.shared
+                    and tensor.shape[d] == 1]
+            if dims:
+                out = func(gradient_summed(tensor, self.tp_mesh), *args[1:], **kwargs)
+                if any(out.shape[d] > 1 for d in dims):
+                    return out
+        return func(*args, **kwargs)
+
+
+def install_shared_head_gradients(region: nn.Module, shared: list, tp_mesh: Any) -> SharedHeadGradients:
+    """Run ``region``'s forward under ``SharedHeadGradients``."""
+    mode = SharedHeadGradients(shared, tp_mesh)
+
+    def enter(module, args):
+        mode.__enter__()
+
+    def leave(module, args, output):
+        mode.__exit__(None, None, None)
+
+    mode.handles = [region.register_forward_pre_hook(enter, prepend=True),
                     region.register_forward_hook(leave, always_call=True)]
     return mode
 
