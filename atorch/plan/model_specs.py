@@ -237,8 +237,9 @@ def from_module(model: nn.Module) -> TransformerSpec:
 
 def _module_shape(model: nn.Module) -> TransformerSpec:
     config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "to_dict"):
-        spec = from_hf_config(config.to_dict(), name=type(model).__name__)
+    data = _config_dict(config) if config is not None and hasattr(config, "to_dict") else None
+    if data is not None and all(isinstance(data.get(k), int) for k in _REQUIRED):
+        spec = from_hf_config(data, name=type(model).__name__)
         if not spec.experts:  # a config whose expert keys this reader does not know: the modules say
             moe = _first_moe_block(model, spec.hidden)
             spec = replace(spec, **moe) if moe else spec
@@ -262,6 +263,20 @@ def _module_shape(model: nn.Module) -> TransformerSpec:
     ffn = max((block_params - 4 * hidden * hidden) // (2 * hidden), hidden)
     return TransformerSpec(type(model).__name__, hidden, layers, heads, kv_heads, ffn, vocab, gated=False, block=block,
                            param_count_override=total)
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    """A transformers config as a dict, with the standard names its ``attribute_map`` gives to its own
+    keys (MPT's d_model / n_layers / n_heads, GPT-Neo's num_layers / num_heads, XGLM's attention_heads
+    read as hidden_size, num_hidden_layers, num_attention_heads). A config that still lacks them leaves
+    the module to be read from its structure."""
+    data = dict(config.to_dict())
+    for key in (*_REQUIRED, "num_key_value_heads", "intermediate_size", "head_dim"):
+        if not isinstance(data.get(key), int):
+            value = getattr(config, key, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                data[key] = value
+    return data
 
 
 def _first_moe_block(model: nn.Module, hidden: int) -> dict[str, int]:

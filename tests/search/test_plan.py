@@ -781,6 +781,23 @@ def test_deepseek_and_llama4_are_read_as_mixtures_of_experts_with_their_shared_e
     assert model_spec(llama4).active_param_count == total - skipped
 
 
+def test_configs_naming_their_shape_otherwise_are_read_through_their_attribute_map():
+    """MPT (d_model, n_layers, n_heads) and GPT-Neo (num_layers, num_heads) name their shape their own way;
+    transformers maps those names to the standard ones, so a module of either is read as its config says
+    (it was refused as missing hidden_size)."""
+    import transformers
+
+    models = (transformers.MptForCausalLM._from_config(transformers.MptConfig(
+                  d_model=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=16)),
+              transformers.GPTNeoForCausalLM._from_config(transformers.GPTNeoConfig(
+                  hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+                  vocab_size=64, max_position_embeddings=16)))
+    for model in models:
+        spec = model_spec(model)
+        assert (spec.hidden, spec.layers, spec.heads, spec.vocab) == (32, 2, 4, 64), (type(model).__name__, spec)
+        assert spec.param_count == sum(p.numel() for p in model.parameters())
+
+
 def test_an_optimizer_step_is_counted_per_parameter_and_priced_by_estimate():
     """optimizer_step_bytes traces one step: SGD reads the parameter and its gradient and writes the
     parameter (12 bytes in fp32, exactly); torch's AdamW moves more than a fused Adam's 30 and its
