@@ -223,6 +223,12 @@ def inspect_zoo_layouts() -> dict:
                                  "split_norms": report["split_norms"],
                                  "local": [p.to_local().shape[0] for p in bank.parameters()],
                                  "losses": run["losses"], "weights": run["weights"]}
+    out["moe_sp"] = {}
+    for name in ("deepseek_v3", "llama4", "qwen2_moe"):
+        run = train_gpt(SP, hf_model=name, steps=2)
+        report = run["result"].args.extras["tensor_parallel"]
+        out["moe_sp"][name] = {"experts": report["experts"], "colwise": report["colwise"],
+                               "why_whole": report["why_whole"], "losses": run["losses"], "weights": run["weights"]}
     out["olmo2"] = {}
     for label, strategy in (("tp", [TP2, "tensor_parallel"]), ("sp", SP)):
         run = train_gpt(strategy, hf_model="olmo2", steps=2)
@@ -506,6 +512,25 @@ def test_llama4_and_deepseek_attention_is_split_by_heads(two_ranks):
         assert attention.format(i) + "o_proj" in deepseek["rowwise"], i
         assert not {attention.format(i) + n for n in ("q_a_proj", "kv_a_proj_with_mqa")} & set(deepseek["colwise"])
     assert llama4["share"] > 0.99 and deepseek["share"] > 0.9, (llama4["share"], deepseek["share"])
+
+
+@pytest.mark.parametrize("name, layer", [("deepseek_v3", "model.layers.1.mlp"),
+                                         ("llama4", "model.layers.1.feed_forward"),
+                                         ("qwen2_moe", "model.layers.1.mlp")])
+def test_moe_layers_with_a_shared_expert_run_whole_under_sequence_parallelism(two_ranks, name, layer):
+    """Under tensor + sequence parallelism an expert bank stays whole (each rank holds other tokens), and so
+    does the shared expert beside it: the MoE layer runs whole on the gathered sequence (DeepSeek's router
+    returns flattened rows, Llama 4's layer returns them and feeds its bank every expert's rows; each was
+    refused at auto_accelerate before), the step as in one process; the attention is still split."""
+    reference = train_gpt([], hf_model=name, steps=2)
+    for rank, per_rank in enumerate(two_ranks):
+        run = per_rank["zoo"]["moe_sp"][name]
+        assert run["experts"] == [], (rank, run["experts"])
+        assert not [n for n in run["colwise"] if n.startswith(layer + ".")], (rank, run["colwise"])
+        assert any(n.startswith(layer + ".") and "MoE layer runs whole" in why for n, why in run["why_whole"].items())
+        assert any(".self_attn." in n for n in run["colwise"]), (rank, run["colwise"])
+        assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, run["losses"])
+        assert weight_difference(run["weights"], reference["weights"]) < 1e-6, rank
 
 
 def test_norms_over_a_whole_split_projection_are_split_with_it(two_ranks):

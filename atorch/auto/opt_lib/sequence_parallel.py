@@ -25,9 +25,10 @@ blocks as plain attributes, T5's encoder and decoder ``block`` lists, CLIP's tex
 - LayerNorm / RMSNorm modules, and Linears left whole, on the residual stream run on the shard with
   replicated weights (their gradients are summed over the ranks by DTensor): they act per token;
 - any other module on the residual stream holding parameters with nothing split inside (an MoE layer
-  whose experts tensor_parallel leaves whole, Mixtral's; an attention it leaves whole, BLOOM's; a
-  convolution) runs whole: it gathers the sequence, computes as in one process and its output is cut
-  back to this rank's tokens;
+  whose experts tensor_parallel leaves whole, Mixtral's, and, with a shared expert beside them that
+  tensor_parallel then leaves whole too, DeepSeek's and Llama 4's; an attention it leaves whole,
+  BLOOM's; a convolution) runs whole: it gathers the sequence, computes as in one process and its
+  output is cut back to this rank's tokens (per sample when it returns them flattened into rows);
 - a split group whose projections see only some tokens (the experts of a Mixture-of-Experts, fed the
   tokens their router picked) is gathered where its input is still the whole stream (the MoE layer,
   so its router runs whole too); its row-wise projections then all-reduce, and the layer's output is
@@ -45,6 +46,7 @@ rows of [rows, features] (a plain residual MLP called as ``model(x)`` shards its
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional
@@ -337,10 +339,18 @@ def _gather_output(device_mesh, region: SequenceRegion, where: str, module: nn.M
 def _reshard_output(device_mesh, region: SequenceRegion, where: str, module: nn.Module, args: tuple,
                     output: Any) -> Any:
     """A gathered layer whose row-wise projections all-reduced: its (whole, equal on every rank)
-    output is cut back to this rank's tokens; the backward all-gathers."""
+    output is cut back to this rank's tokens; the backward all-gathers. An output whose tokens are
+    flattened into rows ([batch x tokens, hidden], as Llama 4's MoE layer returns) is cut per sample."""
+    gathered = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    tokens = tuple(gathered.shape[:region.dim + 1]) if gathered is not None and gathered.dim() == region.ndim else ()
+
     def cut(full: torch.Tensor) -> torch.Tensor:
+        flattened = bool(tokens) and full.dim() == region.ndim - 1 and full.shape[0] == math.prod(tokens)
+        if flattened:
+            full = full.view(*tokens, *full.shape[1:])
         replicated = DTensor.from_local(full, device_mesh, [Replicate()], run_check=False)
-        return replicated.redistribute(device_mesh, [Shard(region.dim)]).to_local()
+        local = replicated.redistribute(device_mesh, [Shard(region.dim)]).to_local()
+        return local.reshape(-1, *local.shape[region.dim + 1:]) if flattened else local
 
     return _map_hidden_output(cut, where, output)
 

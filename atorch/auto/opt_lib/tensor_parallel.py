@@ -291,8 +291,7 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
         plan = find_tp_plan(model, tp, flow)
     _keep_pipeline_tied_whole(model, plan)
     if sequence and plan.experts:  # a bank's tokens differ per rank there: it stays whole
-        plan.why_whole.update(dict.fromkeys(plan.experts, "sequence parallelism: each rank holds other tokens"))
-        plan.experts = []
+        _keep_moe_layers_whole(plan)
     if given is None:
         plan.share = split_share(model, plan)
     sequence_plan = plan_sequence_parallel(model, plan.styles, flow) if sequence else None  # refusals first
@@ -332,6 +331,20 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
                 plan.found_by, len(plan.styles), list(plan.vocab) or "nothing", tp,
                 ", ".join(plan.replicated) or "nothing")
     return plan
+
+
+def _keep_moe_layers_whole(plan: TPPlan) -> None:
+    """Under sequence parallelism each rank holds other tokens, so an expert bank stays whole, and so
+    does everything else in the layer holding it (a shared expert beside the bank: Qwen2-MoE's,
+    DeepSeek's, Llama 4's): with nothing split inside, the layer runs whole on the gathered sequence,
+    its router, bank and shared expert alike (``sequence_parallel``), rather than each on its own with
+    inputs and outputs in other layouts (flattened rows, rows repeated per expert)."""
+    layers = {name.rpartition(".")[0] for name in plan.experts}
+    inside = [n for n in plan.styles if any(n.startswith(layer + ".") for layer in layers)]
+    why = "sequence parallelism: each rank holds other tokens, so its MoE layer runs whole"
+    plan.why_whole.update(dict.fromkeys([*plan.experts, *inside], why))
+    plan.styles = {n: style for n, style in plan.styles.items() if n not in inside}
+    plan.experts = []
 
 
 def _run_on_local_heads(module: nn.Module, tp_mesh, heads_dim: int) -> None:
