@@ -332,6 +332,20 @@ class GainedMLP(nn.Module):
         return x + self.down(torch.relu(self.up(x)) * self.gain)
 
 
+class ScalarGainMLP(nn.Module):
+    """An MLP whose hidden activation is scaled by one learned scalar: split, the forward matches (the
+    scalar multiplies each rank's columns alike), but each rank's gradient of the scalar sums only its own
+    columns, so the whole copies of it would drift apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+        self.gain = nn.Parameter(torch.full((1,), 1.5))
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)) * self.gain)
+
+
 class GroupedQKV(nn.Module):
     """Falcon-40B's fused layout: one projection holding, for each of 2 key / value groups, its 2 query
     heads, its key and its value ([.., groups, 4, head size]); attention with grouped keys."""
@@ -366,7 +380,8 @@ def _sequences(n: int):
     return [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(n)]
 
 
-CUSTOM = {"gained": (GainedMLP, _vectors), "grouped": (GroupedQKV, _sequences)}
+CUSTOM = {"gained": (GainedMLP, _vectors), "grouped": (GroupedQKV, _sequences),
+          "scalar_gain": (ScalarGainMLP, _vectors)}
 
 
 def _tp_run(model_name: str) -> dict:
@@ -450,7 +465,8 @@ def _head_norm_grads() -> dict:
 
 
 def _both() -> dict:
-    return {**{name: _tp_run(name) for name in ("gained", "grouped", "titan_llama")}, "fault": _rank_local_fault(),
+    return {**{name: _tp_run(name) for name in ("gained", "grouped", "scalar_gain", "titan_llama")},
+            "fault": _rank_local_fault(),
             "head_norms": _head_norm_grads()}
 
 
@@ -459,6 +475,9 @@ def test_on_two_ranks_a_wrong_plan_is_refused_up_front_and_a_good_one_is_reporte
     for per_rank in run_distributed(_both, 2):
         refused = per_rank["gained"].get("refused", "")
         assert "does not reproduce the unsplit model" in refused and "up" in refused, per_rank["gained"]
+        # the forward matches, but the whole scalar's gradient differs per rank: refused, naming it
+        scalar = per_rank["scalar_gain"].get("refused", "")
+        assert "gain is kept whole on every tensor rank but gets a different gradient" in scalar, scalar
         grouped = per_rank["grouped"]["extras"]  # accepted: the split reproduced the unsplit model on 2 ranks
         assert grouped["colwise"] == ["qkv"] and grouped["fused"] == {}, grouped
         report = per_rank["titan_llama"]["extras"]

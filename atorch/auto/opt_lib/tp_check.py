@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from atorch.auto.opt_lib.pipeline_structure import no_cache_kwargs
 from atorch.auto.opt_lib.tp_shapes import ShapeLocalizer, localize_attributes, remove_localizer, restore_attributes
@@ -80,7 +81,7 @@ def check_plan(model: nn.Module, probe: Probe, reference: list[torch.Tensor], *,
             mode.rewrites = 0
         error, raised = _forward_error(model, probe, reference)
         if _agreed(error, raised, group):
-            _backward(model, probe)
+            _backward(model, probe, group)
             _drop_unused(localizers)
             return variant
         failures.append(f"{variant}: {error or 'another rank differed'}")
@@ -145,23 +146,68 @@ def _agreed(error: Optional[str], raised: bool, group) -> bool:
     return all(r["error"] is None for r in records)
 
 
-def _backward(model: nn.Module, probe: Probe) -> None:
-    """One forward and backward through the loss (no optimizer step); gradients are dropped after."""
+def _backward(model: nn.Module, probe: Probe, group=None) -> None:
+    """One forward and backward through the loss (no optimizer step); gradients are dropped after.
+
+    Every parameter left whole (not a DTensor) is the same on every tensor rank and must get the same
+    gradient there, or the ranks' copies drift apart step by step, silently. One that gets different
+    gradients is used by split computation that sees only this rank's share (a scalar gain on a
+    column-split activation, a key head broadcast to each rank's own heads): the plan is refused,
+    naming it, rather than trained."""
     if probe.loss is None:
         return
     training = model.training
+    failure, prints = None, {}
     try:
         with torch.random.fork_rng(devices=_devices()):
             model.eval()
             loss = loss_value(probe.loss(probe.batch, probe.run(model)))
             loss.backward()
+        prints = _gradient_prints(model)
     except Exception as error:
-        raise MethodConfigError("tensor_parallel", f"the split model's backward failed on a sample batch: "
-                                f"{type(error).__name__}: {str(error)[:300]}") from error
+        failure = error
     finally:
         model.train(training)
         for param in model.parameters():
             param.grad = None
+    records = [json.loads(r) for r in exchange_outside_collectives(
+        json.dumps({"rank": dist.get_rank() if dist.is_initialized() else 0, "failed": failure is not None,
+                    "prints": prints}), group)] if group is not None and dist.is_initialized() else []
+    if failure is not None:
+        raise MethodConfigError("tensor_parallel", f"the split model's backward failed on a sample batch: "
+                                f"{type(failure).__name__}: {str(failure)[:300]}") from failure
+    if any(r["failed"] for r in records):
+        raise MethodConfigError("tensor_parallel", f"the split model's backward failed on a sample batch on rank(s) "
+                                f"{[r['rank'] for r in records if r['failed']]} (their reason is reported there)")
+    diverged = _diverged_gradients(records)
+    if diverged:
+        raise MethodConfigError(
+            "tensor_parallel", f"{diverged[0]} is kept whole on every tensor rank but gets a different gradient on "
+            f"each ({len(diverged)} such parameter(s): {', '.join(diverged[:4])}): split computation uses it with "
+            "only its rank's share, so the copies would drift apart; give the split with {'plan': {...}} or use "
+            "another parallelism")
+
+
+def _gradient_prints(model: nn.Module) -> dict[str, list[float]]:
+    """(sum, sum of absolute values) of each whole parameter's gradient."""
+    return {name: [float(p.grad.double().sum()), float(p.grad.double().abs().sum())]
+            for name, p in model.named_parameters()
+            if p.grad is not None and not isinstance(p, DTensor) and not isinstance(p.grad, DTensor)}
+
+
+def _diverged_gradients(records: list[dict]) -> list[str]:
+    """Whole parameters whose gradient fingerprints differ between the ranks."""
+    if len(records) < 2:
+        return []
+    first, diverged = records[0]["prints"], []
+    for name, (total, size) in first.items():
+        for record in records[1:]:
+            other = record["prints"].get(name)
+            scale = max(size, 1e-30)
+            if other is None or abs(other[0] - total) > 1e-5 * scale or abs(other[1] - size) > 1e-5 * scale:
+                diverged.append(name)
+                break
+    return diverged
 
 
 def _drop_unused(localizers: dict[str, ShapeLocalizer]) -> None:
