@@ -121,8 +121,11 @@ def local_split_size(tensor: torch.Tensor, size: Any, dim: int, full_sizes: set[
 
 def install_localizer(region: nn.Module, full_sizes: set[int], tp: int) -> ShapeLocalizer:
     """Run ``region``'s forward under a ShapeLocalizer (its ``rewrites`` count tells whether it was needed)."""
-    mode = ShapeLocalizer(full_sizes, tp)
+    return _run_under(region, ShapeLocalizer(full_sizes, tp))
 
+
+def _run_under(region: nn.Module, mode: TorchFunctionMode) -> TorchFunctionMode:
+    """Enter ``mode`` for each forward of ``region`` (``mode.handles`` removes the hooks)."""
     def enter(module, args, kwargs):
         mode.__enter__()
 
@@ -160,17 +163,7 @@ class SharedHeadGradients(TorchFunctionMode):
 
 def install_shared_head_gradients(region: nn.Module, shared: list, tp_mesh: Any) -> SharedHeadGradients:
     """Run ``region``'s forward under ``SharedHeadGradients``."""
-    mode = SharedHeadGradients(shared, tp_mesh)
-
-    def enter(module, args):
-        mode.__enter__()
-
-    def leave(module, args, output):
-        mode.__exit__(None, None, None)
-
-    mode.handles = [region.register_forward_pre_hook(enter, prepend=True),
-                    region.register_forward_hook(leave, always_call=True)]
-    return mode
+    return _run_under(region, SharedHeadGradients(shared, tp_mesh))
 
 
 def remove_localizer(mode: ShapeLocalizer) -> None:
