@@ -432,10 +432,11 @@ def megatron_share(model: torch.nn.Module) -> float:
 
 
 def _stacked_experts(module: torch.nn.Module) -> bool:
-    """Own parameters all 3-D with one leading size above 1: a bank of experts' weights."""
+    """Own parameters 3-D weights (and 2-D biases, gpt-oss's) with one leading size above 1: a bank of
+    experts' weights."""
     params = [p for _, p in module.named_parameters(recurse=False)]
-    return bool(params) and all(p.dim() == 3 for p in params) and len({p.shape[0] for p in params}) == 1 \
-        and params[0].shape[0] > 1
+    return (bool(params) and all(p.dim() in (2, 3) for p in params) and any(p.dim() == 3 for p in params)
+            and len({p.shape[0] for p in params}) == 1 and params[0].shape[0] > 1)
 
 
 def _numel_share(model: torch.nn.Module, ids: set[int]) -> float:

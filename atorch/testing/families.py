@@ -36,7 +36,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "falcon (new decoder)": dict(model_type="falcon", new_decoder_architecture=True, num_kv_heads=2),
     "falcon (multi-query)": dict(model_type="falcon", multi_query=True, parallel_attn=True,
                                  new_decoder_architecture=False),
-    "phi": {}, "phi3": {}, "gemma": dict(head_dim=8), "gemma2": dict(head_dim=8), "gemma3_text": dict(head_dim=8),
+    "phi": {}, "phi3": {}, "gemma": dict(head_dim=8),
+    "gemma (multi-query)": dict(model_type="gemma", head_dim=8, num_key_value_heads=1),
+    "gemma2": dict(head_dim=8), "gemma3_text": dict(head_dim=8),
     "gptj": dict(rotary_dim=4), "gpt_bigcode": dict(multi_query=True), "stablelm": {}, "cohere": {}, "olmo": {},
     "olmo2": {}, "granite": {}, "starcoder2": {}, "mpt": {}, "persimmon": {}, "glm": dict(head_dim=8),
     "deepseek_v2": {**_MLA, **_ROUTED}, "deepseek_v3": {**_MLA, **_ROUTED}, "jetmoe": {},
@@ -46,6 +48,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "smollm3": {}, "ernie4_5": {}, "gpt_neo": dict(attention_types=[[["global", "local"], 2]], window_size=8),
     "codegen": dict(rotary_dim=4), "xglm": {}, "helium": dict(head_dim=8), "exaone4": {}, "seed_oss": {},
     "apertus": {},
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"] * 2),
 }
 DROPOUTS = ("attn_pdrop", "resid_pdrop", "embd_pdrop", "attention_dropout", "hidden_dropout", "dropout",
             "attention_probs_dropout_prob", "hidden_dropout_prob", "embed_dropout", "resid_dropout")

@@ -56,10 +56,10 @@ def tiny_gpt2_untied() -> nn.Module:
 def _decoder_config(cls_name: str, **extra: Any):
     import transformers
 
-    return getattr(transformers, cls_name)(num_hidden_layers=4, hidden_size=32, intermediate_size=64,
-                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                           max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-                                           tie_word_embeddings=False, **extra)
+    sizes = {"num_hidden_layers": 4, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": SEQ, **extra}
+    return getattr(transformers, cls_name)(bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
+                                           **sizes)
 
 
 def tiny_llama() -> nn.Module:
@@ -411,6 +411,37 @@ def tiny_deepseek_v3() -> nn.Module:
     return transformers.DeepseekV3ForCausalLM._from_config(config)
 
 
+def tiny_gemma_mqa() -> nn.Module:
+    """Gemma with one key / value head (multi-query attention, as Gemma 2B and Gemma 3 1B), in separate
+    projections: the query heads split, the key / value projections whole."""
+    import transformers
+
+    return transformers.GemmaForCausalLM._from_config(_decoder_config("GemmaConfig", num_key_value_heads=1,
+                                                                      head_dim=8))
+
+
+def tiny_starcoder() -> nn.Module:
+    """GPTBigCode (StarCoder, SantaCoder): multi-query attention in one fused projection, [q | k | v] with
+    one key / value head; the attention stays whole, the MLP splits."""
+    import transformers
+
+    config = transformers.GPTBigCodeConfig(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=4, n_head=4,
+                                           multi_query=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPTBigCodeForCausalLM._from_config(config)
+
+
+def tiny_gpt_oss() -> nn.Module:
+    """gpt-oss: a learned sink logit per head joined to the attention scores, expert banks with biases
+    (2-D beside the 3-D weights) whose eager kernel one-hot encodes over its own expert count, sliding
+    and full attention layers alternating."""
+    import transformers
+
+    config = _decoder_config("GptOssConfig", num_local_experts=4, num_experts_per_tok=2, head_dim=8,
+                             sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2)
+    return transformers.GptOssForCausalLM._from_config(config)
+
+
 # transformers' other families, MoE most of them, trained by the tests that name them (tensor_parallel's
 # expert banks, multi-head latent attention, norms over a split projection); kept out of ZOO, whose every
 # model the conformance matrix runs, for the suite's time
@@ -422,6 +453,9 @@ MORE_MOE: dict[str, ZooModel] = {m.name: m for m in (
     ZooModel("llama4", tiny_llama4, token_dataset, hf_loss, "unpack_dict", "Llama4TextDecoderLayer", "decoder"),
     ZooModel("deepseek_v3", tiny_deepseek_v3, token_dataset, hf_loss, "unpack_dict", "DeepseekV3DecoderLayer",
              "decoder"),
+    ZooModel("gemma_mqa", tiny_gemma_mqa, token_dataset, hf_loss, "unpack_dict", "GemmaDecoderLayer", "decoder"),
+    ZooModel("gpt_oss", tiny_gpt_oss, token_dataset, hf_loss, "unpack_dict", "GptOssDecoderLayer", "decoder"),
+    ZooModel("starcoder", tiny_starcoder, token_dataset, hf_loss, "unpack_dict", "GPTBigCodeBlock", "decoder"),
 )}
 
 

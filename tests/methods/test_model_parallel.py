@@ -220,15 +220,25 @@ def inspect_zoo_layouts() -> dict:
         bank = run["result"].model.get_submodule(report["experts"][0])
         out["more_moe"][name] = {"listed": report["experts"], "colwise": report["colwise"],
                                  "rowwise": report["rowwise"], "share": report["split_share"],
-                                 "split_norms": report["split_norms"],
+                                 "split_norms": report["split_norms"], "per_head_params": report["per_head_params"],
+                                 "sinks": [tuple(m.sinks.to_local().shape) for m in run["result"].model.modules()
+                                           if isinstance(getattr(m, "sinks", None), DTensor)],
                                  "local": [p.to_local().shape[0] for p in bank.parameters()],
                                  "losses": run["losses"], "weights": run["weights"]}
     out["moe_sp"] = {}
-    for name in ("deepseek_v3", "llama4", "qwen2_moe"):
+    for name in ("deepseek_v3", "llama4", "qwen2_moe", "gpt_oss"):
         run = train_gpt(SP, hf_model=name, steps=2)
         report = run["result"].args.extras["tensor_parallel"]
         out["moe_sp"][name] = {"experts": report["experts"], "colwise": report["colwise"],
                                "why_whole": report["why_whole"], "losses": run["losses"], "weights": run["weights"]}
+    out["multi_query"] = {}
+    for name in ("gemma_mqa", "starcoder"):
+        for label, strategy in (("tp", [TP2, "tensor_parallel"]), ("sp", SP)):
+            run = train_gpt(strategy, hf_model=name, steps=2)
+            report = run["result"].args.extras["tensor_parallel"]
+            out["multi_query"][name, label] = {key: report[key] for key in ("colwise", "rowwise", "shared_kv",
+                                                                           "why_whole", "split_share")}
+            out["multi_query"][name, label].update(losses=run["losses"], weights=run["weights"])
     out["olmo2"] = {}
     for label, strategy in (("tp", [TP2, "tensor_parallel"]), ("sp", SP)):
         run = train_gpt(strategy, hf_model="olmo2", steps=2)
@@ -245,7 +255,8 @@ MORE_MOE_BANKS = {"qwen2_moe": ("model.layers.{}.mlp.experts", range(4)),
                   "qwen3_moe": ("model.layers.{}.mlp.experts", range(4)),
                   "olmoe": ("model.layers.{}.mlp.experts", range(4)),
                   "llama4": ("model.layers.{}.feed_forward.experts", range(4)),
-                  "deepseek_v3": ("model.layers.{}.mlp.experts", range(1, 4))}  # its first layer is dense
+                  "deepseek_v3": ("model.layers.{}.mlp.experts", range(1, 4)),  # its first layer is dense
+                  "gpt_oss": ("model.layers.{}.mlp.experts", range(4))}
 
 
 def _bad_bank_call(bank: torch.nn.Module) -> str:
@@ -483,7 +494,8 @@ def test_torchtitan_grouped_experts_are_split_by_expert(two_ranks):
 @pytest.mark.parametrize("name", MORE_MOE_BANKS)
 def test_other_transformers_moe_families_split_their_banks_by_expert(two_ranks, name):
     """Qwen2-MoE (its shared expert and gate beside the bank), Qwen3-MoE (per-head q / k norms), OLMoE,
-    Llama 4 (a bank called with every expert's rows; complex rotary embeddings) and DeepSeek-V3:
+    Llama 4 (a bank called with every expert's rows; complex rotary embeddings), DeepSeek-V3 and gpt-oss
+    (banks with 2-D biases whose eager kernel one-hot encodes over its own expert count; attention sinks):
     every MoE layer's bank holds 2 of its 4 experts on each rank, the step as in one process."""
     reference = train_gpt([], hf_model=name, steps=2)
     path, layers = MORE_MOE_BANKS[name]
@@ -514,9 +526,21 @@ def test_llama4_and_deepseek_attention_is_split_by_heads(two_ranks):
     assert llama4["share"] > 0.99 and deepseek["share"] > 0.9, (llama4["share"], deepseek["share"])
 
 
+def test_gpt_oss_attention_sinks_are_split_with_the_heads(two_ranks):
+    """gpt-oss joins a learned sink logit per head to its attention scores: each rank keeps its 2 of the 4
+    heads' sinks (Shard(0), whole in checkpoints), beside its banks of 2 experts with their biases (the
+    step against one process: test_other_transformers_moe_families_split_their_banks_by_expert)."""
+    for rank, per_rank in enumerate(two_ranks):
+        run = per_rank["zoo"]["more_moe"]["gpt_oss"]
+        assert run["per_head_params"] == [f"model.layers.{i}.self_attn.sinks" for i in range(4)], run["per_head_params"]
+        assert run["sinks"] == [(2,)] * 4, (rank, run["sinks"])
+        assert run["share"] > 0.99, (rank, run["share"])
+
+
 @pytest.mark.parametrize("name, layer", [("deepseek_v3", "model.layers.1.mlp"),
                                          ("llama4", "model.layers.1.feed_forward"),
-                                         ("qwen2_moe", "model.layers.1.mlp")])
+                                         ("qwen2_moe", "model.layers.1.mlp"),
+                                         ("gpt_oss", "model.layers.1.mlp")])
 def test_moe_layers_with_a_shared_expert_run_whole_under_sequence_parallelism(two_ranks, name, layer):
     """Under tensor + sequence parallelism an expert bank stays whole (each rank holds other tokens), and so
     does the shared expert beside it: the MoE layer runs whole on the gathered sequence (DeepSeek's router
@@ -531,6 +555,41 @@ def test_moe_layers_with_a_shared_expert_run_whole_under_sequence_parallelism(tw
         assert any(".self_attn." in n for n in run["colwise"]), (rank, run["colwise"])
         assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, run["losses"])
         assert weight_difference(run["weights"], reference["weights"]) < 1e-6, rank
+
+
+def test_multi_query_attention_splits_its_query_heads_and_keeps_the_one_key_value_head_whole(two_ranks):
+    """Gemma with one key / value head (as Gemma 2B, Gemma 3 1B; refused before: one head does not divide):
+    q_proj split by heads, o_proj by rows, k_proj / v_proj whole on every rank with their output's gradient
+    summed over the tensor group (left partial, the plan check refuses it: 12 whole parameters with
+    different gradients), the step as in one process under tensor and tensor + sequence parallelism."""
+    reference = train_gpt([], hf_model="gemma_mqa", steps=2)
+    attention = "model.layers.{}.self_attn."
+    for rank, per_rank in enumerate(two_ranks):
+        for label in ("tp", "sp"):
+            run = per_rank["zoo"]["multi_query"]["gemma_mqa", label]
+            assert run["shared_kv"] == [attention.format(i) + n for i in range(4) for n in ("k_proj", "v_proj")], run
+            assert {attention.format(i) + "q_proj" for i in range(4)} <= set(run["colwise"]), (rank, label)
+            assert {attention.format(i) + "o_proj" for i in range(4)} <= set(run["rowwise"]), (rank, label)
+            assert "multi-query" in run["why_whole"][attention.format(0) + "k_proj"], run["why_whole"]
+            assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, label, run["losses"])
+            assert weight_difference(run["weights"], reference["weights"]) < 1e-6, (rank, label)
+
+
+def test_multi_query_attention_in_one_fused_projection_stays_whole_and_the_rest_splits(two_ranks):
+    """StarCoder's c_attn holds [q | k | v] with one key / value head (refused before): the attention
+    stays whole, saying why, and the MLP splits, the step as in one process under tensor and tensor +
+    sequence parallelism."""
+    reference = train_gpt([], hf_model="starcoder", steps=2)
+    for rank, per_rank in enumerate(two_ranks):
+        for label in ("tp", "sp"):
+            run = per_rank["zoo"]["multi_query"]["starcoder", label]
+            assert not [n for n in run["colwise"] + run["rowwise"] if ".attn." in n], (rank, label, run["colwise"])
+            assert {f"transformer.h.{i}.mlp.c_fc" for i in range(4)} <= set(run["colwise"]), (rank, label)
+            why = run["why_whole"]["transformer.h.0.attn.c_attn"]
+            assert "multi-query attention in one fused projection" in why, why
+            assert run["why_whole"]["transformer.h.0.attn.c_proj"] == why
+            assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, label, run["losses"])
+            assert weight_difference(run["weights"], reference["weights"]) < 1e-6, (rank, label)
 
 
 def test_norms_over_a_whole_split_projection_are_split_with_it(two_ranks):

@@ -20,7 +20,7 @@ from atorch.auto.opt_lib.tp_plan import split_share
 from atorch.auto.opt_lib.tp_shapes import local_split_size, local_view_shape
 from atorch.errors import AtorchError, MethodConfigError
 from atorch.testing import run_distributed
-from atorch.testing.hf_models import ZOO
+from atorch.testing.hf_models import ZOO, zoo_model
 from atorch.utils.batch import call_with_batch
 from atorch.utils.dataflow import record_dataflow
 
@@ -86,18 +86,62 @@ def test_a_projection_fused_head_by_head_is_split_as_it_is():
     assert gpt2.fused["transformer.h.0.attn.c_attn"] == [32, 32, 32]
 
 
-def test_multi_query_parts_are_read_where_they_are_cut_and_refused_naming_them():
-    """Falcon-7B's fused [q | k | v] holds 4 query heads and one key / value head: its parts are read where
-    they are cut from the projection's output (not three equal thirds), and one key head does not split."""
+def _falcon_7b_like():
     transformers = pytest.importorskip("transformers")
     config = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                        hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
-    model = transformers.FalconForCausalLM._from_config(config)
+    return transformers.FalconForCausalLM._from_config(config)
+
+
+def test_multi_query_in_one_fused_projection_is_read_where_cut_and_left_whole():
+    """Falcon-7B's fused [q | k | v] holds 4 query heads and one key / value head: its parts are read where
+    they are cut from the projection's output (not three equal thirds); the one key head cannot be divided
+    nor split apart from the query heads in one weight, so the attention stays whole (it refused the whole
+    model before) and the MLP splits."""
+    model = _falcon_7b_like()
     batch = {"input_ids": torch.randint(0, 64, (1, 16))}
     flow = record_dataflow(model, lambda m: m(**batch))
-    with pytest.raises(MethodConfigError, match=r"query_key_value computes 1 heads .*\[32, 8, 8\]"):
-        find_tp_plan(model, 2, flow)
+    plan = find_tp_plan(model, 2, flow)
+    attention = "transformer.h.{}.self_attention."
+    for i in range(2):
+        for name in ("query_key_value", "dense"):
+            assert "multi-query attention in one fused projection" in plan.why_whole[attention.format(i) + name]
+        assert plan.styles[f"transformer.h.{i}.mlp.dense_h_to_4h"] == "colwise"
+        assert plan.styles[f"transformer.h.{i}.mlp.dense_4h_to_h"] == "rowwise"
+    assert not [n for n in plan.styles if ".self_attention." in n] and plan.fused == {}
+
+
+def test_without_a_sample_fused_multi_query_is_not_taken_for_equal_thirds():
+    """By names alone (no sample batch), Falcon-7B's and StarCoder's fused [q | k | v] (one key / value
+    head) were taken for three equal thirds (48 features: 16 each, 2 heads of 8), a wrong reordering no
+    check would catch; the module's head count and size say they are not, so the attention stays whole."""
+    falcon = _falcon_7b_like()
+    with pytest.raises(MethodConfigError, match=r"query_key_value: fused, but its parts are not three equal thirds"):
+        find_tp_plan(falcon, 2)  # and its MLP has no names the list knows: nothing is left to split
+    starcoder = find_tp_plan(zoo_model("starcoder").build(), 2)
+    assert starcoder.found_by == "names" and starcoder.fused == {}, starcoder.fused
+    assert "not three equal thirds" in starcoder.why_whole["transformer.h.0.attn.c_attn"]
+    assert starcoder.styles["transformer.h.0.mlp.c_fc"] == "colwise"
+    assert find_tp_plan(zoo_model("gpt2").build(), 2).fused["transformer.h.0.attn.c_attn"] == [32, 32, 32]
+
+
+@pytest.mark.parametrize("traced", [True, False])
+def test_one_key_value_head_in_its_own_projections_stays_whole_beside_split_queries(traced):
+    """Gemma with one key / value head (Gemma 2B's layout), found from the recorded forward or by names:
+    q_proj column-wise, o_proj row-wise, k_proj / v_proj whole and listed in shared_kv (their output's
+    gradient is summed over the tensor group; trained in test_model_parallel)."""
+    model = zoo_model("gemma_mqa").build()
+    flow = record_dataflow(model, lambda m: m(input_ids=torch.randint(0, 64, (1, 16)))) if traced else None
+    plan = find_tp_plan(model, 2, flow)
+    attention = "model.layers.{}.self_attn."
+    assert plan.shared_kv == [attention.format(i) + n for i in range(4) for n in ("k_proj", "v_proj")]
+    for i in range(4):
+        assert plan.styles[attention.format(i) + "q_proj"] == "colwise"
+        assert plan.styles[attention.format(i) + "o_proj"] == "rowwise"
+        assert attention.format(i) + "k_proj" not in plan.styles
+        assert "multi-query" in plan.why_whole[attention.format(i) + "v_proj"]
+    assert plan.report()["shared_kv"] == plan.shared_kv
 
 
 def test_a_weight_read_through_its_transpose_is_a_linear_of_its_module():
@@ -182,6 +226,39 @@ def test_stacked_expert_banks_are_found_by_interface_and_shapes():
     banks, why = find_expert_banks(model, 3)
     assert banks == [] and "4 experts do not divide by the tensor size 3" in why["model.layers.0.mlp.experts"], why
     assert find_expert_banks(ZOO["moe"].build(), 2) == ([], {})
+
+
+def test_banks_with_biases_are_banks_and_meet_the_no_expert_slot_as_no_class():
+    """gpt-oss's bank holds 3-D weights beside 2-D biases, all led by its 4 experts: a routed bank; its
+    router (2-D weight, 1-D bias) is none. Its eager kernel one-hot encodes the choices over its own expert
+    count, so on a rank holding 2 experts the "no expert" slot (2) is run as no class: the bank's output
+    from its own experts only, equal to the whole bank's with the other experts' weights zeroed."""
+    from atorch.auto.opt_lib.tp_experts import _SentinelIsNoClass, bank_interface
+
+    model = zoo_model("gpt_oss").build()
+    bank, router = (model.get_submodule(f"model.layers.0.mlp.{n}") for n in ("experts", "router"))
+    assert bank_interface(bank) == "routed" and bank_interface(router) is None
+    torch.manual_seed(0)
+    for param in bank.parameters():
+        torch.nn.init.normal_(param, std=0.5)
+    tokens, index, weights = torch.randn(6, 32), torch.tensor([[0, 3], [1, 2], [3, 0], [2, 1], [0, 1], [3, 2]]), \
+        torch.rand(6, 2)
+    first_two = copy.deepcopy(bank)
+    with torch.no_grad():
+        for param in first_two.parameters():
+            param[2:] = 0  # experts 2 and 3 contribute nothing (their biases too)
+    local = copy.deepcopy(bank)
+    with torch.no_grad():
+        for name, param in list(local.named_parameters()):
+            setattr(local, name, torch.nn.Parameter(param[:2].clone()))
+    local.num_experts, local._is_expert_parallel = 2, True  # as the split bank runs (tp_experts._local_experts)
+    local_index = torch.where(index < 2, index, torch.full_like(index, 2))
+    for kernel in ("eager", "grouped_mm"):  # the model's own loop, and transformers' grouped kernel
+        local.config._experts_implementation = first_two.config._experts_implementation = kernel
+        with _SentinelIsNoClass(2):
+            got = local(tokens, local_index, weights)
+        expected = first_two(tokens, index, weights)
+        assert torch.allclose(got, expected, atol=1e-5), (kernel, (got - expected).abs().max())
 
 
 def test_torchtitan_grouped_banks_are_found_by_their_two_input_interface():

@@ -54,7 +54,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.sequence_parallel import apply_sequence_parallel, plan_sequence_parallel, replicate_params
 from atorch.auto.opt_lib.tp_check import Probe, check_plan, probe_from_context
-from atorch.auto.opt_lib.tp_experts import split_expert_bank
+from atorch.auto.opt_lib.tp_experts import gradient_summed, split_expert_bank
 from atorch.auto.opt_lib.tp_mha import split_mha
 from atorch.auto.opt_lib.tp_plan import TPPlan, _is_linear, find_tp_plan, plan_from_patterns, split_share
 from atorch.auto.opt_lib.tp_shapes import install_localizer, install_shared_head_gradients, localize_attributes
@@ -246,6 +246,8 @@ def _apply_to_stage(stage: nn.Module, whole: TPPlan, config: TensorParallelConfi
                                head_norms=_on_stage(stage, whole.head_norms, linear=False),
                                feature_norms=_on_stage(stage, whole.feature_norms, linear=False),
                                shared_heads=_on_stage(stage, whole.shared_heads, linear=False),
+                               shared_kv=_on_stage(stage, whole.shared_kv),
+                               head_params=_on_stage(stage, whole.head_params, linear=False),
                                experts=_on_stage(stage, whole.experts, linear=False),
                                regions=_on_stage(stage, whole.regions, linear=False),
                                region_heads=_on_stage(stage, whole.region_heads, linear=False), replicated=[])
@@ -314,6 +316,10 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
         _run_on_local_features(model.get_submodule(name), tp_mesh)
     for name, shared in plan.shared_heads.items():
         install_shared_head_gradients(model.get_submodule(name), shared, tp_mesh)
+    for name in plan.shared_kv:
+        _sum_output_gradient(model.get_submodule(name), tp_mesh)
+    for name, params in plan.head_params.items():
+        _split_head_params(model.get_submodule(name), params, tp_mesh)
     for name in plan.experts:
         split_expert_bank(model.get_submodule(name), tp_mesh)
     if sequence_plan is not None:
@@ -331,6 +337,42 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
                 plan.found_by, len(plan.styles), list(plan.vocab) or "nothing", tp,
                 ", ".join(plan.replicated) or "nothing")
     return plan
+
+
+def _sum_output_gradient(projection: nn.Module, tp_mesh) -> None:
+    """A whole projection read by this rank's split heads only (multi-query attention's one key / value
+    head) gets from them only their part of its output's gradient: summed over the tensor group, it is
+    the gradient one process gets from every head."""
+    projection.register_forward_hook(lambda module, args, output: gradient_summed(output, tp_mesh))
+
+
+def _split_head_params(module: nn.Module, names: list[str], tp_mesh) -> None:
+    """An attention's own per-head parameters (gpt-oss's sinks): ``Shard(0)`` over the tensor group, so
+    checkpoints see them whole, and this rank's heads' values as plain tensors while the module runs
+    (its code mixes them with the scores of its own heads; their gradients flow back to the shards)."""
+    for name in names:
+        param = getattr(module, name)
+        if not isinstance(param, DTensor):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param.data, tp_mesh, [Shard(0)]),
+                                                         requires_grad=param.requires_grad))
+    registered: dict[str, nn.Parameter] = {}
+
+    def local_in(mod: nn.Module, args: tuple) -> None:
+        registered.update(mod._parameters)  # in order: the optimizer and checkpoints read them in it
+        for name in names:
+            del mod._parameters[name]
+            mod.__dict__[name] = registered[name].to_local()
+
+    def whole_out(mod: nn.Module, args: tuple, output):
+        if registered:
+            for name in names:
+                mod.__dict__.pop(name, None)
+            mod._parameters.clear()
+            mod._parameters.update(registered)
+            registered.clear()
+
+    module.register_forward_pre_hook(local_in)
+    module.register_forward_hook(whole_out, always_call=True)
 
 
 def _keep_moe_layers_whole(plan: TPPlan) -> None:

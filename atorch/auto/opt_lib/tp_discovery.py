@@ -48,6 +48,8 @@ class FoundAttention:
     head_bias: list[str] = field(default_factory=list)             # per-head embeddings added to the scores
     # one head broadcast to every head (MLA's rotary key): (ndim, heads dim, last size) of the tensor expanded
     shared_heads: list[tuple[int, int, int]] = field(default_factory=list)
+    # projections of the one key / value head every query head reads (multi-query attention): whole
+    shared_kv: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Discovery:
     head_bias: list[str] = field(default_factory=list)
     groups: list[tuple[list[str], list[str]]] = field(default_factory=list)  # (colwise, rowwise) that belong together
     why_whole: dict[str, str] = field(default_factory=dict)
+    shared_kv: list[str] = field(default_factory=list)     # FoundAttention.shared_kv of the attentions kept
 
 
 def _passes(op: Op) -> bool:
@@ -152,6 +155,9 @@ def discover(model: nn.Module, flow: Dataflow) -> Discovery:
     kept_attention = [a for a in found.attentions if all(n in found.colwise for v in a.inputs.values() for n in v)]
     found.attentions = kept_attention
     for attention in kept_attention:
+        found.shared_kv += [n for n in attention.shared_kv if n not in found.shared_kv]
+        for name in attention.shared_kv:
+            found.why_whole[name] = SHARED_KV_WHY
         found.fused.update(attention.parts)
         found.parts_within_heads |= attention.parts_within_heads
         found.head_bias += [b for b in attention.head_bias if b not in found.head_bias]
@@ -347,7 +353,42 @@ def _heads(flow: Dataflow, slots: dict[str, int], attention: FoundAttention, fou
             attention.parts[name] = widths
             if _parts_within_heads(flow, name, attention.head_dim, [w // attention.head_dim for w in widths]):
                 attention.parts_within_heads.add(name)
+            elif _one_head_beside_many(widths, attention.head_dim):
+                for whole in [*owners, *attention.outputs]:
+                    found.why_whole.setdefault(whole, FUSED_MULTI_QUERY_WHY)
+                return False
+    _share_single_kv_heads(attention, owners, heads)
     return True
+
+
+SHARED_KV_WHY = ("the one key / value head every query head reads (multi-query attention): whole on every rank, "
+                 "the gradient of its output summed over the tensor group")
+FUSED_MULTI_QUERY_WHY = ("multi-query attention in one fused projection: its one key / value head cannot be divided "
+                         "and its query heads cannot be split apart from it in one weight, so the attention stays "
+                         "whole")
+
+
+def _one_head_beside_many(widths: list[int], head_dim: int) -> bool:
+    """A fused [q | k | v] whose key / value parts are one head each beside several query heads."""
+    heads = [w // head_dim for w in widths]
+    return min(heads) == 1 and max(heads) > 1
+
+
+def _share_single_kv_heads(attention: FoundAttention, owners: dict[str, list[str]], heads: int) -> None:
+    """A separate key / value projection of one head beside several query heads (multi-query attention:
+    Gemma 2B's, Gemma 3 1B's) cannot be divided, and need not be: it stays whole, every rank computes
+    the one head for its share of the query heads, and the gradient of its output, partial on each rank
+    (from its query heads only), is summed over the tensor group (``shared_kv``)."""
+    q_heads = sum(attention.heads.get(n, 0) // max(len(owners[n]), 1) for n in attention.inputs.get("q", ()))
+    if max(heads, q_heads) < 2:
+        return
+    for name, slots in owners.items():
+        if "q" not in slots and attention.heads.get(name) == len(slots) and name not in attention.parts_within_heads:
+            attention.shared_kv.append(name)
+            del attention.heads[name]
+            attention.parts.pop(name, None)
+            for slot in slots:
+                attention.inputs[slot] = [n for n in attention.inputs[slot] if n != name]
 
 
 def _per_head_parts(flow: Dataflow, name: str, heads: int, width: int, head_dim: int) -> bool:

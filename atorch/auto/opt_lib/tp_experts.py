@@ -37,6 +37,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.overrides import TorchFunctionMode
 
 from atorch.errors import ExpertBankCallError
 
@@ -72,7 +73,8 @@ def bank_interface(module: nn.Module) -> Optional[str]:
     params = [p for _, p in module.named_parameters(recurse=False)]
     if not isinstance(experts, int) or isinstance(experts, bool) or experts < 2 or not params:
         return None
-    if not all(p.dim() >= 3 and p.shape[0] == experts for p in params):
+    # stacked weights (3-D), and their biases (2-D, gpt-oss's): every one led by the expert dimension
+    if not (all(p.dim() >= 2 and p.shape[0] == experts for p in params) and any(p.dim() >= 3 for p in params)):
         return None
     try:
         inputs = inspect.signature(module.forward).parameters.values()
@@ -107,12 +109,30 @@ def _split_class(base: type) -> type:
             expert_weights = gradient_summed(expert_weights, tp_mesh)
             index = expert_index - first
             index = torch.where((index >= 0) & (index < local), index, torch.full_like(index, local))
-            with _local_experts(self, local):
+            with _local_experts(self, local), _SentinelIsNoClass(local):
                 partial = super().forward(hidden_states, index, expert_weights, *args, **kwargs)
             return _summed_over_group(partial, tp_mesh)
 
     SplitExpertBank.__name__ = SplitExpertBank.__qualname__ = f"Split{base.__name__}"
     return SplitExpertBank
+
+
+class _SentinelIsNoClass(TorchFunctionMode):
+    """A bank that one-hot encodes its choices over its own expert count (gpt-oss's eager kernel,
+    ``one_hot(index, num_classes=num_experts)``; Mixtral's counts one more class for the sentinel) meets
+    the "no expert" sentinel, ``local``, as no class: an all-zero row, so it runs no expert for it."""
+
+    def __init__(self, local: int):
+        super().__init__()
+        self.local = local
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.one_hot:
+            classes = kwargs.get("num_classes", args[1] if len(args) > 1 else -1)
+            if classes == self.local:
+                return func(args[0], num_classes=self.local + 1)[..., :self.local]
+        return func(*args, **kwargs)
 
 
 @functools.cache

@@ -12,9 +12,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
 from torch import nn
 
-from atorch.auto.opt_lib.tp_discovery import Discovery, FoundAttention, discover
+from atorch.auto.opt_lib.tp_discovery import SHARED_KV_WHY, Discovery, FoundAttention, discover
 from atorch.auto.opt_lib.tp_experts import find_expert_banks
 from atorch.errors import MethodConfigError
 from atorch.utils.dataflow import Dataflow, is_transparent
@@ -29,6 +30,7 @@ MLP_PAIRS = ((("gate_proj", "up_proj"), "down_proj"), (("up_proj",), "down_proj"
              (("c_fc",), "c_proj"), (("w1", "w3"), "w2"), (("lin1",), "lin2"), (("wi_0", "wi_1"), "wo"),
              (("wi",), "wo"))
 HEAD_ATTRS = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim")
+HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 
 
 @dataclass
@@ -43,6 +45,12 @@ class TPPlan:
     feature_norms: dict[str, int] = field(default_factory=dict)  # norms over a split projection (OLMo 2) -> its width
     # attention module -> tensors it broadcasts from one head to all (MLA's rotary key): (ndim, heads dim, last size)
     shared_heads: dict[str, list] = field(default_factory=dict)
+    # projections of the one key / value head every query head reads (multi-query attention): whole, the
+    # gradient of their output summed over the tensor group
+    shared_kv: list[str] = field(default_factory=list)
+    # attention module -> its own 1-D parameters of one value per query head (gpt-oss's attention sinks):
+    # split with the heads
+    head_params: dict[str, list[str]] = field(default_factory=dict)
     experts: list[str] = field(default_factory=list)            # MoE expert banks split by expert (tp_experts)
     regions: dict[str, set] = field(default_factory=dict)       # module holding a split group -> its full sizes
     region_heads: dict[str, set] = field(default_factory=dict)  # the same -> its full head counts
@@ -58,7 +66,8 @@ class TPPlan:
                 "rowwise": [n for n, s in self.styles.items() if s == "rowwise"],
                 "vocabulary": dict(self.vocab), "per_head": list(self.head_bias), "fused": dict(self.fused),
                 "per_head_norms": list(self.head_norms), "split_norms": list(self.feature_norms),
-                "experts": list(self.experts),
+                "experts": list(self.experts), "shared_kv": list(self.shared_kv),
+                "per_head_params": [f"{m}.{n}" for m, names in self.head_params.items() for n in names],
                 "replicated": list(self.replicated), "why_whole": dict(self.why_whole), "run_time_shapes": self.shapes,
                 "split_share": round(self.share, 4)}
 
@@ -67,9 +76,21 @@ def split_names(plan: "TPPlan") -> list[str]:
     return [*plan.styles, *plan.vocab, *plan.head_bias, *plan.experts, *plan.feature_norms]
 
 
+def split_param_ids(model: nn.Module, plan: "TPPlan", held_by=None) -> set[int]:
+    """The ids of the parameters the plan splits: every parameter of a split module, and the attention
+    modules' own per-head parameters. ``held_by(model, name)``: the module under that name (a swapped
+    module's nearest holder), ``get_submodule`` by default."""
+    held_by = held_by or (lambda m, name: m.get_submodule(name))
+    split = {id(p) for name in split_names(plan) for p in held_by(model, name).parameters()}
+    for name, params in plan.head_params.items():
+        module = held_by(model, name)
+        split |= {id(getattr(module, n)) for n in params if isinstance(getattr(module, n, None), torch.Tensor)}
+    return split
+
+
 def split_share(model: nn.Module, plan: "TPPlan") -> float:
     """The share of the model's parameters (by count) that the plan splits."""
-    split = {id(p) for name in split_names(plan) for p in model.get_submodule(name).parameters()}
+    split = split_param_ids(model, plan)
     total = {id(p): p.numel() for p in model.parameters()}
     return sum(n for i, n in total.items() if i in split) / max(1, sum(total.values()))
 
@@ -114,8 +135,10 @@ def plan_from_structure(model: nn.Module, flow: Dataflow, tp: int) -> TPPlan:
     # only a part-by-part layout ([q | k | v]) is reordered; a head-by-head one splits as it is
     plan.fused = {n: parts for n, parts in found.fused.items() if n not in found.parts_within_heads}
     plan.head_bias = list(found.head_bias)
+    plan.shared_kv = list(found.shared_kv)
     plan.head_norms = _head_norms(model, flow, found)
     plan.feature_norms = _feature_norms(model, flow, found)
+    plan.head_params = _head_params(model, found)
     for attention in found.attentions:
         if attention.shared_heads:
             names = [n for names in attention.inputs.values() for n in names] + attention.outputs
@@ -152,6 +175,21 @@ def _head_norms(model: nn.Module, flow: Dataflow, found: Discovery) -> dict[str,
             if dim is not None:
                 norms[name] = dim
     return norms
+
+
+def _head_params(model: nn.Module, found: Discovery) -> dict[str, list[str]]:
+    """A split attention's module's own 1-D parameters with one value per query head (gpt-oss's
+    attention sinks, a logit per head joined to the scores): each rank keeps its heads' values."""
+    out: dict[str, list[str]] = {}
+    for attention in found.attentions:
+        names = [n for names in attention.inputs.values() for n in names] + attention.outputs
+        parent = _common_parent(names)
+        q_heads = part_heads(attention, attention.inputs["q"][0])[0] if attention.inputs.get("q") else 0
+        own = model.get_submodule(parent).named_parameters(recurse=False)
+        found_here = [n for n, p in own if q_heads > 1 and p.dim() == 1 and p.numel() == q_heads]
+        if found_here:
+            out[parent] = sorted(set(out.get(parent, [])) | set(found_here))
+    return out
 
 
 def _feature_norms(model: nn.Module, flow: Dataflow, found: Discovery) -> dict[str, int]:
@@ -231,6 +269,16 @@ def _plan_from_names(model: nn.Module, tp: int) -> TPPlan:
         qkv = next((t for t in QKV_NAMES if all(n in children for n in t)), None)
         fused = next((n for n in FUSED_QKV_NAMES if n in children), None)
         if qkv or fused:
+            shared = _single_kv_heads(module, children, qkv) if qkv else []
+            if shared:
+                plan.shared_kv += [prefix + n for n in shared]
+                plan.why_whole.update(dict.fromkeys((prefix + n for n in shared), SHARED_KV_WHY))
+                qkv = tuple(n for n in qkv if n not in shared)
+            if fused and not qkv and not _equal_thirds(module, children[fused]):
+                why = ("fused, but its parts are not three equal thirds of its module's heads (multi-query or "
+                       "grouped keys / values): without a sample batch to read them from, the attention stays whole")
+                plan.why_whole.update({prefix + fused: why})
+                continue
             heads = _check_heads(name, module, [children[n] for n in (qkv or (fused,))], tp,
                                  fused=bool(fused) and not qkv)
             if heads:
@@ -338,6 +386,23 @@ def _bert_style_outputs(model: nn.Module, plan: TPPlan) -> None:
         if intermediate is not None and _is_linear(getattr(intermediate, "dense", nn.Identity())):
             plan.styles[prefix + "intermediate.dense"] = "colwise"
             plan.styles[prefix + "output.dense"] = "rowwise"
+
+
+def _equal_thirds(module: nn.Module, fused: nn.Module) -> bool:
+    """Whether a fused projection is [q | k | v] of equal widths by the module's head count and size
+    (True where the module names neither: the older assumption, checked on the sample where there is one)."""
+    head_dim = next((getattr(module, a) for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)), None)
+    heads = next((getattr(module, a) for a in HEAD_COUNT_ATTRS if isinstance(getattr(module, a, None), int)), None)
+    return not (head_dim and heads) or _out_features(fused) == 3 * heads * head_dim
+
+
+def _single_kv_heads(module: nn.Module, children: dict[str, nn.Module], qkv: tuple[str, ...]) -> list[str]:
+    """The key / value projections of one head beside several query heads (multi-query attention), by
+    the module's head size: they stay whole (``TPPlan.shared_kv``)."""
+    head_dim = next((getattr(module, a) for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)), None)
+    if not head_dim or _out_features(children[qkv[0]]) // head_dim < 2:
+        return []
+    return [n for n in qkv[1:] if _out_features(children[n]) == head_dim]
 
 
 def _check_heads(name: str, module: nn.Module, projections: list, tp: int, fused: bool) -> list[tuple[int, int]]:

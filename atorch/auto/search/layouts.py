@@ -26,7 +26,7 @@ from atorch.auto.opt_lib.pipeline_structure import (
     trace_structure,
 )
 from atorch.auto.opt_lib.tp_mha import split_mha
-from atorch.auto.opt_lib.tp_plan import find_tp_plan, split_names
+from atorch.auto.opt_lib.tp_plan import find_tp_plan, split_param_ids
 from atorch.errors import AtorchError
 from atorch.utils.dataflow import Dataflow, record_dataflow
 from atorch.utils.modules import repeated_blocks
@@ -91,7 +91,7 @@ def _tensor_facts(model: nn.Module, sizes: list[int], facts: LayoutFacts,
         except AtorchError as error:  # the method's own refusal: heads not dividing, nothing to split
             facts.unsupported[f"tp{t}"] = str(error)
             continue
-        split_ids = {id(p) for name in split_names(plan) for p in _held_by(model, name).parameters()}
+        split_ids = split_param_ids(model, plan, held_by=_held_by)
     facts.split_share = sum(_bytes_of(p) for p in model.parameters() if id(p) in split_ids) / max(facts.param_bytes, 1)
     return split_ids
 
