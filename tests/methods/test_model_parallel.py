@@ -95,7 +95,9 @@ CASES_4 = {
                             ("ds_3d_parallel", {"num_micro_batch": 2})],
         "ds_3d_data2_pp2": [("parallel_mode", ([("data", 2), ("pipeline", 2)], None)),
                             ("ds_3d_parallel", {"num_micro_batch": 2})]} if DEEPSPEED else {}),
-    **{f"mixed_zoo_{name}": {"strategy": MIXED_1F1B, "hf_model": name, **ZOO_KW} for name in ("gpt2", "llama", "bert")},
+    # gemma_mqa's whole key / value projections and gpt_oss's split sinks carried onto each pipeline stage
+    **{f"mixed_zoo_{name}": {"strategy": MIXED_1F1B, "hf_model": name, **ZOO_KW}
+       for name in ("gpt2", "llama", "bert", "gemma_mqa", "gpt_oss")},
     "mixed_zoo_gpt2_clip": {"strategy": MIXED_1F1B, "hf_model": "gpt2", "max_grad_norm": 0.5, **ZOO_KW},
 }
 
