@@ -442,6 +442,32 @@ def tiny_gpt_oss() -> nn.Module:
     return transformers.GptOssForCausalLM._from_config(config)
 
 
+def tiny_roberta() -> nn.Module:
+    """RoBERTa (and XLM-R): its LM head's bias is held twice, by the head and by its decoder
+    (``self.decoder.bias = self.bias``), the decoder tied to the token embedding."""
+    import transformers
+
+    config = transformers.RobertaConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64,
+                                        num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=SEQ + 4,
+                                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0,
+                                        bos_token_id=0,
+                                        eos_token_id=0)
+    return transformers.RobertaForMaskedLM._from_config(config)
+
+
+def tiny_modernbert() -> nn.Module:
+    """ModernBERT: its MLP's one input Linear computes [input | gate] (``Wi(x).chunk(2, -1)``), its attention
+    one fused [q | k | v], local and global attention layers alternating."""
+    import transformers
+
+    config = transformers.ModernBertConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64,
+                                           num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=SEQ,
+                                           global_attn_every_n_layers=2, local_attention=8, pad_token_id=0,
+                                           bos_token_id=0, eos_token_id=0, cls_token_id=0, sep_token_id=0,
+                                           attention_dropout=0.0, embedding_dropout=0.0, mlp_dropout=0.0)
+    return transformers.ModernBertForMaskedLM._from_config(config)
+
+
 # transformers' other families, MoE most of them, trained by the tests that name them (tensor_parallel's
 # expert banks, multi-head latent attention, norms over a split projection); kept out of ZOO, whose every
 # model the conformance matrix runs, for the suite's time
@@ -455,6 +481,8 @@ MORE_MOE: dict[str, ZooModel] = {m.name: m for m in (
              "decoder"),
     ZooModel("gemma_mqa", tiny_gemma_mqa, token_dataset, hf_loss, "unpack_dict", "GemmaDecoderLayer", "decoder"),
     ZooModel("gpt_oss", tiny_gpt_oss, token_dataset, hf_loss, "unpack_dict", "GptOssDecoderLayer", "decoder"),
+    ZooModel("roberta", tiny_roberta, token_dataset, hf_loss, "unpack_dict", "RobertaLayer", "encoder"),
+    ZooModel("modernbert", tiny_modernbert, token_dataset, hf_loss, "unpack_dict", "ModernBertEncoderLayer", "encoder"),
     ZooModel("starcoder", tiny_starcoder, token_dataset, hf_loss, "unpack_dict", "GPTBigCodeBlock", "decoder"),
 )}
 

@@ -241,6 +241,19 @@ def inspect_zoo_layouts() -> dict:
             out["multi_query"][name, label] = {key: report[key] for key in ("colwise", "rowwise", "shared_kv",
                                                                            "why_whole", "split_share")}
             out["multi_query"][name, label].update(losses=run["losses"], weights=run["weights"])
+    out["encoders"] = {}
+    for name in ("roberta", "modernbert"):
+        for label, strategy in (("tp", [TP2, "tensor_parallel"]), ("sp", SP)):
+            run = train_gpt(strategy, hf_model=name, steps=2)
+            model = run["result"].model
+            report = run["result"].args.extras["tensor_parallel"]
+            out["encoders"][name, label] = {"vocabulary": report["vocabulary"], "share": report["split_share"],
+                                            "fused": report["fused"], "losses": run["losses"],
+                                            "weights": run["weights"]}
+            if name == "roberta":
+                head = model.get_submodule("lm_head")
+                out["encoders"][name, label]["bias_alias"] = (head.bias is head.decoder.bias,
+                                                              isinstance(head.bias, DTensor))
     out["olmo2"] = {}
     for label, strategy in (("tp", [TP2, "tensor_parallel"]), ("sp", SP)):
         run = train_gpt(strategy, hf_model="olmo2", steps=2)
@@ -592,6 +605,28 @@ def test_multi_query_attention_in_one_fused_projection_stays_whole_and_the_rest_
             assert run["why_whole"]["transformer.h.0.attn.c_proj"] == why
             assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, label, run["losses"])
             assert weight_difference(run["weights"], reference["weights"]) < 1e-6, (rank, label)
+
+
+def test_encoder_lm_heads_with_an_aliased_bias_and_fused_mlp_inputs_split(two_ranks):
+    """RoBERTa's LM head holds its bias twice (``self.decoder.bias = self.bias``): its decoder was left whole
+    for that, and the token embedding tied to it too; now both split on the vocabulary and the head's bias
+    is the decoder's split one again. ModernBERT's MLP input Linear computes [input | gate], cut by
+    ``chunk(2)``: split contiguously, one rank held every input column and the other every gate column,
+    a wrong MLP the plan check let through (its output is small beside the residual stream at
+    initialisation: 5e-5 of the weights after two steps); its columns are now re-ordered per part. Each
+    step as in one process, under tensor and tensor + sequence parallelism."""
+    for name in ("roberta", "modernbert"):
+        reference = train_gpt([], hf_model=name, steps=2)
+        for rank, per_rank in enumerate(two_ranks):
+            for label in ("tp", "sp"):
+                run = per_rank["zoo"]["encoders"][name, label]
+                assert run["share"] > 0.9, (name, label, run["share"])
+                assert relative_difference(run["losses"], reference["losses"]) < TOL, (name, rank, label)
+                assert weight_difference(run["weights"], reference["weights"]) < 1e-6, (name, rank, label)
+    roberta = two_ranks[0]["zoo"]["encoders"]["roberta", "tp"]
+    assert roberta["vocabulary"] == {"lm_head.decoder": "head", "roberta.embeddings.word_embeddings": "embedding"}
+    assert roberta["bias_alias"] == (True, True), roberta["bias_alias"]
+    assert two_ranks[0]["zoo"]["encoders"]["modernbert", "tp"]["fused"]["model.layers.0.mlp.Wi"] == [64, 64]
 
 
 def test_norms_over_a_whole_split_projection_are_split_with_it(two_ranks):

@@ -228,6 +228,34 @@ def test_stacked_expert_banks_are_found_by_interface_and_shapes():
     assert find_expert_banks(ZOO["moe"].build(), 2) == ([], {})
 
 
+class _FusedGateMLP(nn.Module):
+    """A gated MLP whose one input Linear computes [gate | up], cut in two (Phi-3's, GLM's, ModernBERT's)."""
+
+    def __init__(self, width: int = 16, hidden: int = 24, cut: str = "chunk"):
+        super().__init__()
+        self.norm, self.up, self.down, self.cut, self.hidden = nn.LayerNorm(width), nn.Linear(width, 2 * hidden), \
+            nn.Linear(hidden, width), cut, hidden
+
+    def forward(self, x):
+        both = self.up(self.norm(x))
+        gate, up = both.chunk(2, dim=-1) if self.cut == "chunk" else (both[..., :self.hidden], both[..., self.hidden:])
+        return x + self.down(torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("cut", ["chunk", "slices"])
+def test_a_fused_gate_and_up_projection_is_split_part_by_part(cut):
+    """Its output cut along the features into [gate | up] (by chunk, or by two slices): a contiguous split
+    would give one rank every gate column and the other every up column, so its parts are recorded and
+    re-ordered per rank like a fused [q | k | v]; ModernBERT's Wi as well."""
+    model = _FusedGateMLP(cut=cut)
+    flow = record_dataflow(model, lambda m: m(torch.randn(2, 5, 16)))
+    plan = find_tp_plan(model, 2, flow)
+    assert plan.styles == {"up": "colwise", "down": "rowwise"} and plan.fused == {"up": [24, 24]}, plan.fused
+    modernbert = zoo_model("modernbert").build()
+    flow = record_dataflow(modernbert, lambda m: m(input_ids=torch.randint(0, 64, (1, 16))))
+    assert find_tp_plan(modernbert, 2, flow).fused["model.layers.0.mlp.Wi"] == [64, 64]
+
+
 def test_banks_with_biases_are_banks_and_meet_the_no_expert_slot_as_no_class():
     """gpt-oss's bank holds 3-D weights beside 2-D biases, all led by its 4 experts: a routed bank; its
     router (2-D weight, 1-D bias) is none. Its eager kernel one-hot encodes the choices over its own expert

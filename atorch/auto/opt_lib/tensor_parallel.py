@@ -248,6 +248,8 @@ def _apply_to_stage(stage: nn.Module, whole: TPPlan, config: TensorParallelConfi
                                shared_heads=_on_stage(stage, whole.shared_heads, linear=False),
                                shared_kv=_on_stage(stage, whole.shared_kv),
                                head_params=_on_stage(stage, whole.head_params, linear=False),
+                               aliases=[(f"model.{o}" if o else "model", a, f"model.{n}") for o, a, n in whole.aliases
+                                        if f"model.{n.rpartition('.')[0]}" in vocab],
                                experts=_on_stage(stage, whole.experts, linear=False),
                                regions=_on_stage(stage, whole.regions, linear=False),
                                region_heads=_on_stage(stage, whole.region_heads, linear=False), replicated=[])
@@ -310,6 +312,8 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
     if plan.tied_head:  # both sides are sharded Shard(0) on the vocabulary: tie the DTensor again
         head, embedding = (model.get_submodule(n) for n in plan.tied_head)
         head.weight = embedding.weight
+    for owner, attr, split_name in plan.aliases:  # the LM head's bias its parent holds too
+        model.get_submodule(owner).register_parameter(attr, model.get_parameter(split_name))
     for name, heads_dim in plan.head_norms.items():
         _run_on_local_heads(model.get_submodule(name), tp_mesh, heads_dim)
     for name in plan.feature_norms:

@@ -154,6 +154,11 @@ def discover(model: nn.Module, flow: Dataflow) -> Discovery:
     found.rowwise = list(dict.fromkeys(n for _, rows in kept for n in rows))
     kept_attention = [a for a in found.attentions if all(n in found.colwise for v in a.inputs.values() for n in v)]
     found.attentions = kept_attention
+    in_attention = {n for a in kept_attention for names in a.inputs.values() for n in names}
+    for name in found.colwise:
+        parts = None if name in in_attention else _mlp_parts(flow, name)
+        if parts:
+            found.fused[name] = parts
     for attention in kept_attention:
         found.shared_kv += [n for n in attention.shared_kv if n not in found.shared_kv]
         for name in attention.shared_kv:
@@ -191,6 +196,30 @@ def _mlp_groups(flow: Dataflow, linear_modules: set[str], why: dict[str, str]) -
             continue
         groups.append((sorted(sources), [down]))
     return groups
+
+
+# ops that cut a tensor into parts (along the features, when their outputs are narrower there)
+CUTS = frozenset({"chunk", "split", "split_with_sizes", "tensor_split", "unbind", "narrow", "__getitem__"})
+
+
+def _mlp_parts(flow: Dataflow, name: str) -> Optional[list[int]]:
+    """The widths of the parts an MLP's column Linear's output is cut into along its features (a fused
+    ``[gate | up]``: ModernBERT's ``Wi(x).chunk(2, -1)``, Phi-3's and GLM's ``gate_up_proj``), None when
+    it is not cut. Split contiguously, a rank would hold whole parts of one kind; like a fused [q | k |
+    v], its columns are re-ordered so each rank holds its share of every part."""
+    width = _width(flow, name)
+    for call in flow.calls_of(name):
+        seen, _ = flow.forward_closure(call.outputs, _passes)
+        for node in [call.outputs[0], *seen]:
+            shape = flow.shapes.get(node, ())
+            if not shape or shape[-1] != width:
+                continue
+            cuts = [flow.ops[i] for i in flow.consumers.get(node, ()) if flow.ops[i].name in CUTS]
+            widths = [flow.shapes[o][-1] for op in cuts for o in op.outputs
+                      if len(flow.shapes.get(o, ())) == len(shape) and flow.shapes[o][-1] < width]
+            if len(widths) > 1 and sum(widths) == width:
+                return widths
+    return None
 
 
 def _linear_targets(flow: Dataflow, name: str) -> set[str]:

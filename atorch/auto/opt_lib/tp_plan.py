@@ -51,6 +51,9 @@ class TPPlan:
     # attention module -> its own 1-D parameters of one value per query head (gpt-oss's attention sinks):
     # split with the heads
     head_params: dict[str, list[str]] = field(default_factory=dict)
+    # (module, its attribute, the split parameter's full name): a parameter of a vocabulary-split head that a
+    # module above it holds too (BERT-style LM heads' bias), pointed at the split parameter again
+    aliases: list[tuple[str, str, str]] = field(default_factory=list)
     experts: list[str] = field(default_factory=list)            # MoE expert banks split by expert (tp_experts)
     regions: dict[str, set] = field(default_factory=dict)       # module holding a split group -> its full sizes
     region_heads: dict[str, set] = field(default_factory=dict)  # the same -> its full head counts
@@ -346,12 +349,15 @@ def _find_vocab_parallel(model: nn.Module, tp: int, plan: TPPlan) -> None:
         if (not isinstance(module, nn.Linear) or module.out_features != vocab or name in plan.styles
                 or name in in_blocks):
             continue
+        aliases = _ancestor_aliases(model, name, module)
         shared = {o for p in module.parameters(recurse=False) for o in owners[id(p)]} - {name, embedding_name}
+        shared -= {owner for owner, _, _ in aliases}
         if shared:
             logger.info("tensor_parallel: LM head %s shares parameters with %s; it stays replicated", name,
                         sorted(shared))
             continue
         plan.vocab[name] = "head"
+        plan.aliases += aliases
         if module.weight is embedding.weight:
             plan.tied_head = (name, embedding_name)
     others = set(owners[id(embedding.weight)]) - {embedding_name} - set(plan.vocab)
@@ -359,9 +365,24 @@ def _find_vocab_parallel(model: nn.Module, tp: int, plan: TPPlan) -> None:
         logger.info("tensor_parallel: %s shares its weight with %s; both stay replicated", embedding_name,
                     sorted(others))
         plan.vocab = {n: r for n, r in plan.vocab.items() if model.get_submodule(n).weight is not embedding.weight}
+        plan.aliases = [alias for alias in plan.aliases if alias[2].rpartition(".")[0] in plan.vocab]
         plan.tied_head = None
         return
     plan.vocab[embedding_name] = "embedding"
+
+
+def _ancestor_aliases(model: nn.Module, name: str, module: nn.Module) -> list[tuple[str, str, str]]:
+    """Parameters of ``module`` that a module above it holds too under its own name (BERT's, RoBERTa's
+    and DeBERTa's LM head: ``self.decoder.bias = self.bias``), as (that module, its name for it, the
+    parameter's full name under ``module``): re-aliased to the split parameter after the split."""
+    found = []
+    for param_name, param in module.named_parameters(recurse=False):
+        for owner_name, owner in model.named_modules():
+            if not name.startswith(f"{owner_name}." if owner_name else ""):
+                continue
+            found += [(owner_name, attr, f"{name}.{param_name}") for attr, p in owner.named_parameters(recurse=False)
+                      if p is param]
+    return found
 
 
 def _inside_blocks(model: nn.Module) -> set[str]:
