@@ -485,8 +485,20 @@ def _sequences(n: int):
     return [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(n)]
 
 
+def _quiet_fused_mlp() -> nn.Module:
+    """A [gate | up] MLP whose output is small beside the residual stream (as at initialisation)."""
+    torch.manual_seed(0)
+    model = _FusedGateMLP()
+    with torch.no_grad():
+        model.down.weight.mul_(1e-4)
+        model.down.bias.zero_()
+    return model
+
+
 CUSTOM = {"gained": (GainedMLP, _vectors), "grouped": (GroupedQKV, _sequences),
-          "scalar_gain": (ScalarGainMLP, _vectors)}
+          "scalar_gain": (ScalarGainMLP, _vectors), "quiet_fused": (_quiet_fused_mlp, _sequences)}
+# a plan given by the user, which knows nothing of the fused parts: split contiguously, wrong
+GIVEN_PLANS = {"quiet_fused": {"up": "colwise", "down": "rowwise"}}
 
 
 def _tp_run(model_name: str) -> dict:
@@ -501,7 +513,8 @@ def _tp_run(model_name: str) -> dict:
         status, result, _ = auto_accelerate(model, torch.optim.SGD, dataset, loss, optim_args={"lr": 0.01},
                                             dataloader_args={"batch_size": 4},
                                             load_strategy=[("parallel_mode", ([("tensor", 2)], None)),
-                                                           "tensor_parallel"],
+                                                           ("tensor_parallel", {"plan": GIVEN_PLANS[model_name]})
+                                                           if model_name in GIVEN_PLANS else "tensor_parallel"],
                                             ignore_dryrun_on_load_strategy=True)
     except MethodConfigError as error:
         return {"refused": str(error)}
@@ -570,7 +583,7 @@ def _head_norm_grads() -> dict:
 
 
 def _both() -> dict:
-    return {**{name: _tp_run(name) for name in ("gained", "grouped", "scalar_gain", "titan_llama")},
+    return {**{name: _tp_run(name) for name in ("gained", "grouped", "scalar_gain", "quiet_fused", "titan_llama")},
             "fault": _rank_local_fault(),
             "head_norms": _head_norm_grads()}
 
@@ -583,6 +596,10 @@ def test_on_two_ranks_a_wrong_plan_is_refused_up_front_and_a_good_one_is_reporte
         # the forward matches, but the whole scalar's gradient differs per rank: refused, naming it
         scalar = per_rank["scalar_gain"].get("refused", "")
         assert "gain is kept whole on every tensor rank but gets a different gradient" in scalar, scalar
+        # a wrong MLP whose output hides behind the residual stream (the model's output moves by 1e-4, inside
+        # the output's tolerance): its row-wise Linear's output is compared too, and refused, naming it
+        quiet = per_rank["quiet_fused"].get("refused", "")
+        assert "down's output (call 0) differs by" in quiet and "a split part computes something else" in quiet, quiet
         grouped = per_rank["grouped"]["extras"]  # accepted: the split reproduced the unsplit model on 2 ranks
         assert grouped["colwise"] == ["qkv"] and grouped["fused"] == {}, grouped
         report = per_rank["titan_llama"]["extras"]

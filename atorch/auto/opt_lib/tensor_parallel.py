@@ -331,8 +331,11 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
     regions = {name: model.get_submodule(name) for name in plan.regions}
     localizers = {name: install_localizer(module, plan.regions[name], tp) for name, module in regions.items()}
     if probe is not None and reference is not None:
+        whole_outputs = frozenset(n for n, style in plan.styles.items()
+                                  if style == "rowwise" and (not sequence or n in replicated_rows))
         plan.shapes = check_plan(model, probe, reference, regions=regions, sizes=plan.regions, heads=plan.region_heads,
-                                 localizers=localizers, tp=tp, group=tp_mesh.get_group(), described=_describe(plan))
+                                 localizers=localizers, tp=tp, group=tp_mesh.get_group(), described=_describe(plan),
+                                 whole_outputs=whole_outputs)
     elif plan.shapes in ("heads", "attributes"):
         chosen = plan.region_heads if plan.shapes == "heads" else plan.regions
         for name, module in regions.items():

@@ -9,6 +9,7 @@ and leaves no gradient behind.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -44,11 +45,45 @@ class Probe:
         with sample_values(model):  # a model still on the meta device runs on sample values
             return self.call(model, self.batch)
 
-    def record(self, model: nn.Module) -> tuple[Dataflow, list[torch.Tensor]]:
-        """The dataflow of one forward and that forward's output tensors (the reference)."""
+    def record(self, model: nn.Module) -> tuple[Dataflow, "Reference"]:
+        """The dataflow of one forward, and that forward's output tensors and Linear outputs (the reference)."""
         holder = {}
-        flow = record_dataflow(model, lambda m: holder.setdefault("out", self.run(m)))
-        return flow, [t.detach().clone() for t in _float_tensors(holder["out"])]
+        with linear_prints(model) as prints:
+            flow = record_dataflow(model, lambda m: holder.setdefault("out", self.run(m)))
+        return flow, Reference([t.detach().clone() for t in _float_tensors(holder["out"])], prints)
+
+
+@dataclass
+class Reference:
+    """The unsplit model's forward on the probe: its output tensors, and (sum, sum of absolute values) of
+    every Linear's output, call by call (``linear_prints``)."""
+
+    outputs: list[torch.Tensor]
+    prints: dict[str, list[tuple[float, float]]]
+
+
+@contextlib.contextmanager
+def linear_prints(model: nn.Module, names: Optional[set[str]] = None):
+    """(sum, sum of absolute values) of the output of each Linear (of ``names``, else every one), call by
+    call, while the block runs."""
+    prints: dict[str, list[tuple[float, float]]] = {}
+
+    def hook(name: str):
+        def record(module, args, output):
+            if not (isinstance(output, torch.Tensor) and output.is_floating_point()):
+                return
+            with torch._C.DisableTorchFunction():  # unseen by a recording of the dataflow around it
+                local = (output.to_local() if isinstance(output, DTensor) else output).detach().double()
+                prints.setdefault(name, []).append((float(local.sum()), float(local.abs().sum())))
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()
+               if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D") and (names is None or n in names)]
+    try:
+        yield prints
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def probe_from_context(ctx) -> Optional[Probe]:
@@ -68,18 +103,21 @@ def _float_tensors(output: Any) -> list[torch.Tensor]:
     return [t for t in tensors(output) if t.is_floating_point()]
 
 
-def check_plan(model: nn.Module, probe: Probe, reference: list[torch.Tensor], *, regions: dict[str, nn.Module],
+def check_plan(model: nn.Module, probe: Probe, reference: Reference, *, regions: dict[str, nn.Module],
                sizes: dict[str, set], heads: dict[str, set], localizers: dict[str, ShapeLocalizer], tp: int, group,
-               described: str) -> str:
+               described: str, whole_outputs: frozenset = frozenset()) -> str:
     """Try tp_shapes' remedies in order until the split model matches ``reference`` on every rank of
-    ``group``; then one backward. Returns the remedy kept; MethodConfigError when none works."""
+    ``group``; then one backward. Returns the remedy kept; MethodConfigError when none works.
+    ``whole_outputs``: split Linears whose output is whole on every rank (row-wise, reduced): each call's
+    output must match the unsplit model's too, since a wrong split part can hide in the model's output
+    behind the residual stream (at initialisation an MLP's output is small beside it)."""
     failures = []
     for variant in VARIANTS:
         chosen = {"views": {}, "heads": heads, "attributes": sizes}[variant]
         changed = {n: localize_attributes(m, chosen.get(n, set()), tp) for n, m in regions.items()}
         for mode in localizers.values():
             mode.rewrites = 0
-        error, raised = _forward_error(model, probe, reference)
+        error, raised = _forward_error(model, probe, reference, whole_outputs)
         if _agreed(error, raised, group):
             _backward(model, probe, group)
             _drop_unused(localizers)
@@ -93,19 +131,34 @@ def check_plan(model: nn.Module, probe: Probe, reference: list[torch.Tensor], *,
         "parallelism")
 
 
-def _forward_error(model: nn.Module, probe: Probe, reference: list[torch.Tensor]) -> tuple[Optional[str], bool]:
-    """Why the split model's output differs from ``reference`` (None when it matches), and whether
-    it raised rather than computed."""
+def _forward_error(model: nn.Module, probe: Probe, reference: Reference,
+                   whole_outputs: frozenset = frozenset()) -> tuple[Optional[str], bool]:
+    """Why the split model's output, or a row-wise Linear's, differs from ``reference`` (None when they
+    match), and whether it raised rather than computed."""
     training = model.training
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=_devices()):
+        with torch.no_grad(), torch.random.fork_rng(devices=_devices()), linear_prints(model, whole_outputs) as got:
             model.eval()
-            got = _float_tensors(probe.run(model))
+            outputs = _float_tensors(probe.run(model))
     except Exception as error:  # the split model's own code failed: the next remedy, or a refusal
         return f"{type(error).__name__}: {str(error)[:300]}", True
     finally:
         model.train(training)
-    return _output_error(got, reference), False
+    return _output_error(outputs, reference.outputs) or _print_error(got, reference.prints, outputs), False
+
+
+def _print_error(got: dict[str, list], expected: dict[str, list], outputs: list[torch.Tensor]) -> Optional[str]:
+    """The first row-wise Linear whose output (sum, sum of absolute values) differs from the unsplit
+    model's, relative to the latter, beyond the outputs' tolerance."""
+    tolerance = _tolerance(outputs[0].dtype if outputs else torch.float32)
+    for name, calls in got.items():
+        for index, ((total, size), (ref_total, ref_size)) in enumerate(zip(calls, expected.get(name, []))):
+            scale = max(ref_size, 1e-30)
+            diff = max(abs(total - ref_total), abs(size - ref_size)) / scale
+            if not diff <= tolerance:
+                return (f"{name}'s output (call {index}) differs by {diff:.1e} (relative) from the unsplit model's: "
+                        "a split part computes something else")
+    return None
 
 
 def _output_error(got: list[torch.Tensor], reference: list[torch.Tensor]) -> Optional[str]:
