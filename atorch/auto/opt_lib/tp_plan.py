@@ -409,18 +409,23 @@ def _bert_style_outputs(model: nn.Module, plan: TPPlan) -> None:
             plan.styles[prefix + "output.dense"] = "rowwise"
 
 
+def _int_attribute(module: nn.Module, names: tuple[str, ...]) -> Optional[int]:
+    """The first of ``names`` the module holds as an integer (its head size, its head count), or None."""
+    return next((getattr(module, a) for a in names if isinstance(getattr(module, a, None), int)), None)
+
+
 def _equal_thirds(module: nn.Module, fused: nn.Module) -> bool:
     """Whether a fused projection is [q | k | v] of equal widths by the module's head count and size
     (True where the module names neither: the older assumption, checked on the sample where there is one)."""
-    head_dim = next((getattr(module, a) for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)), None)
-    heads = next((getattr(module, a) for a in HEAD_COUNT_ATTRS if isinstance(getattr(module, a, None), int)), None)
+    head_dim = _int_attribute(module, HEAD_ATTRS)
+    heads = _int_attribute(module, HEAD_COUNT_ATTRS)
     return not (head_dim and heads) or _out_features(fused) == 3 * heads * head_dim
 
 
 def _single_kv_heads(module: nn.Module, children: dict[str, nn.Module], qkv: tuple[str, ...]) -> list[str]:
     """The key / value projections of one head beside several query heads (multi-query attention), by
     the module's head size: they stay whole (``TPPlan.shared_kv``)."""
-    head_dim = next((getattr(module, a) for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)), None)
+    head_dim = _int_attribute(module, HEAD_ATTRS)
     if not head_dim or _out_features(children[qkv[0]]) // head_dim < 2:
         return []
     return [n for n in qkv[1:] if _out_features(children[n]) == head_dim]
@@ -429,7 +434,7 @@ def _single_kv_heads(module: nn.Module, children: dict[str, nn.Module], qkv: tup
 def _check_heads(name: str, module: nn.Module, projections: list, tp: int, fused: bool) -> list[tuple[int, int]]:
     """(width, heads) of each projection, [] when the module names no head size; refuses head
     counts that do not divide by ``tp`` (a rank would hold part of a head)."""
-    head_dim = next((getattr(module, a) for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)), None)
+    head_dim = _int_attribute(module, HEAD_ATTRS)
     if head_dim is None:
         return []
     found = []
