@@ -431,6 +431,16 @@ def tiny_starcoder() -> nn.Module:
     return transformers.GPTBigCodeForCausalLM._from_config(config)
 
 
+def tiny_phi3() -> nn.Module:
+    """Phi-3 (Phi-3.5, Phi-4-mini): one fused [q | k | v] projection with grouped keys / values (4 query, 2
+    key / value heads: unequal parts), cut by slices whose bounds its code computes from the full head
+    counts (``qkv[..., query_pos:query_pos + kv_width]``), and one fused [gate | up] MLP input."""
+    import transformers
+
+    return transformers.Phi3ForCausalLM._from_config(_decoder_config("Phi3Config", resid_pdrop=0.0, embd_pdrop=0.0,
+                                                                     attention_dropout=0.0))
+
+
 def tiny_gpt_oss() -> nn.Module:
     """gpt-oss: a learned sink logit per head joined to the attention scores, expert banks with biases
     (2-D beside the 3-D weights) whose eager kernel one-hot encodes over its own expert count, sliding
@@ -484,6 +494,7 @@ MORE_MOE: dict[str, ZooModel] = {m.name: m for m in (
     ZooModel("roberta", tiny_roberta, token_dataset, hf_loss, "unpack_dict", "RobertaLayer", "encoder"),
     ZooModel("modernbert", tiny_modernbert, token_dataset, hf_loss, "unpack_dict", "ModernBertEncoderLayer", "encoder"),
     ZooModel("starcoder", tiny_starcoder, token_dataset, hf_loss, "unpack_dict", "GPTBigCodeBlock", "decoder"),
+    ZooModel("phi3", tiny_phi3, token_dataset, hf_loss, "unpack_dict", "Phi3DecoderLayer", "decoder"),
 )}
 
 

@@ -234,12 +234,13 @@ def inspect_zoo_layouts() -> dict:
         out["moe_sp"][name] = {"experts": report["experts"], "colwise": report["colwise"],
                                "why_whole": report["why_whole"], "losses": run["losses"], "weights": run["weights"]}
     out["multi_query"] = {}
-    for name in ("gemma_mqa", "starcoder"):
+    for name in ("gemma_mqa", "starcoder", "phi3"):
         for label, strategy in (("tp", [TP2, "tensor_parallel"]), ("sp", SP)):
             run = train_gpt(strategy, hf_model=name, steps=2)
             report = run["result"].args.extras["tensor_parallel"]
             out["multi_query"][name, label] = {key: report[key] for key in ("colwise", "rowwise", "shared_kv",
-                                                                           "why_whole", "split_share")}
+                                                                           "why_whole", "split_share", "fused",
+                                                                           "run_time_shapes")}
             out["multi_query"][name, label].update(losses=run["losses"], weights=run["weights"])
     out["encoders"] = {}
     for name in ("roberta", "modernbert"):
@@ -603,6 +604,24 @@ def test_multi_query_attention_in_one_fused_projection_stays_whole_and_the_rest_
             why = run["why_whole"]["transformer.h.0.attn.c_attn"]
             assert "multi-query attention in one fused projection" in why, why
             assert run["why_whole"]["transformer.h.0.attn.c_proj"] == why
+            assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, label, run["losses"])
+            assert weight_difference(run["weights"], reference["weights"]) < 1e-6, (rank, label)
+
+
+def test_fused_projection_with_grouped_key_value_heads_splits_part_by_part(two_ranks):
+    """Phi-3's qkv_proj is [q | k | v] with 4 query and 2 key / value heads (unequal parts), and its code
+    cuts it by slices from the full head counts (``qkv[..., :query_pos]``): split, a rank's slice [0:32)
+    of its 32 local features took all of them as queries and left keys and values empty (refused at the
+    plan check before). Each rank now holds [its q heads | its k head | its v head] and the slices are
+    cut from that layout; the step as in one process under tensor and tensor + sequence parallelism."""
+    reference = train_gpt([], hf_model="phi3", steps=2)
+    for rank, per_rank in enumerate(two_ranks):
+        for label in ("tp", "sp"):
+            run = per_rank["zoo"]["multi_query"]["phi3", label]
+            assert run["fused"]["model.layers.0.self_attn.qkv_proj"] == [32, 16, 16], run["fused"]
+            assert run["fused"]["model.layers.0.mlp.gate_up_proj"] == [64, 64], run["fused"]
+            assert run["run_time_shapes"] == "views", run["run_time_shapes"]
+            assert run["split_share"] > 0.99, run["split_share"]
             assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, label, run["losses"])
             assert weight_difference(run["weights"], reference["weights"]) < 1e-6, (rank, label)
 

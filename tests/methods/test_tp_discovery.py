@@ -17,7 +17,7 @@ from atorch.auto.opt_lib.sequence_parallel import plan_sequence_parallel
 from atorch.auto.opt_lib.tensor_parallel import find_tp_plan
 from atorch.auto.opt_lib.tp_mha import SeparateProjectionAttention, split_mha
 from atorch.auto.opt_lib.tp_plan import split_share
-from atorch.auto.opt_lib.tp_shapes import local_split_size, local_view_shape
+from atorch.auto.opt_lib.tp_shapes import local_part_index, local_split_size, local_view_shape, part_bounds
 from atorch.errors import AtorchError, MethodConfigError
 from atorch.testing import run_distributed
 from atorch.testing.hf_models import ZOO, zoo_model
@@ -324,6 +324,23 @@ def test_view_and_split_shapes_are_made_local():
     assert local_view_shape(torch.empty(2, 5, 2, 8), [2, 5, 2, -1, 2], full, 2) is None  # rotary pairs: untouched
     assert local_split_size(local_qkv, 32, 2, full, 2) == 16  # nanoGPT's split(n_embd)
     assert local_split_size(torch.empty(2, 5, 96), 32, 2, full, 2) is None  # tiles already
+
+
+def test_slices_of_a_fused_output_cut_by_full_positions_are_cut_from_the_rank_layout():
+    """Phi-3's ``qkv[..., :32]``, ``qkv[..., 32:48]``, ``qkv[..., 48:]`` on [q 32 | k 16 | v 16] under tp 2:
+    the rank holds [q 16 | k 8 | v 8]; the slices fit its 32 features but would read the wrong parts."""
+    bounds = part_bounds([[32, 16, 16]], 2)
+    local = torch.empty(2, 5, 32)
+    assert local_part_index(local, (Ellipsis, slice(None, 32)), bounds, 2) == (Ellipsis, slice(0, 16))
+    assert local_part_index(local, (Ellipsis, slice(32, 48)), bounds, 2) == (Ellipsis, slice(16, 24))
+    assert local_part_index(local, (Ellipsis, slice(48, None)), bounds, 2) == (Ellipsis, slice(24, None))
+    assert local_part_index(local, (slice(None), slice(None), slice(32, 48)), bounds, 2) == (
+        slice(None), slice(None), slice(16, 24))
+    assert local_part_index(local, (Ellipsis, slice(16, 24)), bounds, 2) is None  # already the rank's own
+    assert local_part_index(local, (Ellipsis, slice(0, 8)), bounds, 2) is None  # not a part
+    assert local_part_index(torch.empty(2, 64, 32), (slice(None), slice(32, 48)), bounds, 2) is None  # tokens
+    assert local_part_index(torch.empty(2, 5, 64), (Ellipsis, slice(32, 48)), bounds, 2) is None  # whole output
+    assert part_bounds([[30, 15, 15]], 2) == {}  # parts that do not divide: nothing to rewrite
 
 
 def test_an_in_place_write_into_a_slice_is_a_new_version_of_the_whole_tensor():

@@ -329,7 +329,8 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
     if sequence_plan is not None:
         apply_sequence_parallel(model, sequence_plan, tp_mesh)
     regions = {name: model.get_submodule(name) for name in plan.regions}
-    localizers = {name: install_localizer(module, plan.regions[name], tp) for name, module in regions.items()}
+    localizers = {name: install_localizer(module, plan.regions[name], tp, _fused_parts_in(plan, name))
+                  for name, module in regions.items()}
     if probe is not None and reference is not None:
         whole_outputs = frozenset(n for n, style in plan.styles.items()
                                   if style == "rowwise" and (not sequence or n in replicated_rows))
@@ -344,6 +345,12 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
                 plan.found_by, len(plan.styles), list(plan.vocab) or "nothing", tp,
                 ", ".join(plan.replicated) or "nothing")
     return plan
+
+
+def _fused_parts_in(plan: TPPlan, region: str) -> list[list[int]]:
+    """The parts of the fused projections inside ``region`` (slices of their outputs are made local)."""
+    prefix = f"{region}." if region else ""
+    return [parts for name, parts in plan.fused.items() if name.startswith(prefix)]
 
 
 def _sum_output_gradient(projection: nn.Module, tp_mesh) -> None:

@@ -10,7 +10,11 @@ wins):
 1. ``ShapeLocalizer``: while a split region (the module holding one attention's or MLP's
    projections) runs, a view / reshape whose shape does not fit the local tensor, or a split whose
    size no longer tiles it, has one size that equals a full width or head count of that region
-   replaced by its per-rank share. Shapes that fit are never touched.
+   replaced by its per-rank share. Shapes that fit are never touched. A slice of a fused projection's
+   output (Phi-3's ``qkv[..., q_width : q_width + kv_width]``) whose bounds are one of its parts in the
+   full layout is cut from the rank's own layout instead (each rank holds its share of every part, in
+   order: ``tensor_parallel._interleave_fused``); such slices fit the local tensor but would read the
+   wrong part, so they are rewritten whether or not they fit.
 2. ``localize_attributes``: with 1, the region module's integer attributes equal to a full head
    count (``n_heads``, ...) become the per-rank values, for code that builds tensors from them (T5's
    zero position bias); failing that, those equal to a full width too (``inner_dim``).
@@ -34,9 +38,10 @@ SPLITS = frozenset({"split"})
 class ShapeLocalizer(TorchFunctionMode):
     """Rewrites the shapes of views and splits that do not fit a rank's share (see module doc)."""
 
-    def __init__(self, full_sizes: set[int], tp: int):
+    def __init__(self, full_sizes: set[int], tp: int, fused_parts: Sequence[Sequence[int]] = ()):
         super().__init__()
         self.full_sizes, self.tp = full_sizes, tp
+        self.part_bounds = part_bounds(fused_parts, tp)
         self.rewrites = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -57,7 +62,54 @@ class ShapeLocalizer(TorchFunctionMode):
                 self.rewrites += 1
                 args = (args[0], size, *args[2:])
                 kwargs = {k: v for k, v in kwargs.items() if k != "split_size_or_sections"}
+        elif name == "__getitem__" and self.part_bounds and len(args) == 2 and isinstance(args[0], torch.Tensor):
+            index = local_part_index(args[0], args[1], self.part_bounds, self.tp)
+            if index is not None:
+                self.rewrites += 1
+                args = (args[0], index)
         return func(*args, **kwargs)
+
+
+def part_bounds(fused_parts: Sequence[Sequence[int]], tp: int) -> dict[int, set[tuple[int, int]]]:
+    """Per full width of a fused projection whose every part divides by ``tp``: its parts' (start,
+    stop) in the full layout."""
+    bounds: dict[int, set[tuple[int, int]]] = {}
+    for parts in fused_parts:
+        if len(parts) < 2 or any(p % tp for p in parts):
+            continue
+        ends = [sum(parts[:i + 1]) for i in range(len(parts))]
+        bounds.setdefault(sum(parts), set()).update(zip([0, *ends[:-1]], ends))
+    return bounds
+
+
+def local_part_index(tensor: torch.Tensor, index: Any, bounds: dict[int, set[tuple[int, int]]], tp: int) -> Any:
+    """``index`` (slices and an Ellipsis only) with each slice that cuts one part of a fused output in
+    the full layout along a dimension holding 1/tp of that output made the rank's own part; None when
+    nothing is rewritten."""
+    items = index if isinstance(index, tuple) else (index,)
+    if not all(isinstance(i, slice) or i is Ellipsis for i in items) or items.count(Ellipsis) > 1:
+        return None
+    cut = items.index(Ellipsis) if Ellipsis in items else len(items)
+    rewritten, changed = list(items), False
+    for position, item in enumerate(items):
+        if item is Ellipsis or item == slice(None):
+            continue
+        dim = position if position < cut else tensor.dim() - (len(items) - position)
+        local = _local_part(item, tensor.shape[dim] * tp if 0 <= dim < tensor.dim() else 0, bounds, tp)
+        if local is not None:
+            rewritten[position], changed = local, True
+    if not changed:
+        return None
+    return tuple(rewritten) if isinstance(index, tuple) else rewritten[0]
+
+
+def _local_part(item: slice, full: int, bounds: dict[int, set[tuple[int, int]]], tp: int) -> Optional[slice]:
+    start, stop = item.start or 0, full if item.stop is None else item.stop
+    if item.step not in (None, 1) or not isinstance(start, int) or not isinstance(stop, int):
+        return None
+    if (start, stop) not in bounds.get(full, ()):
+        return None
+    return slice(start // tp, None if item.stop is None else stop // tp, item.step)
 
 
 def _shape_args(rest: tuple) -> Optional[list[int]]:
@@ -119,9 +171,10 @@ def local_split_size(tensor: torch.Tensor, size: Any, dim: int, full_sizes: set[
     return None
 
 
-def install_localizer(region: nn.Module, full_sizes: set[int], tp: int) -> ShapeLocalizer:
+def install_localizer(region: nn.Module, full_sizes: set[int], tp: int,
+                      fused_parts: Sequence[Sequence[int]] = ()) -> ShapeLocalizer:
     """Run ``region``'s forward under a ShapeLocalizer (its ``rewrites`` count tells whether it was needed)."""
-    return _run_under(region, ShapeLocalizer(full_sizes, tp))
+    return _run_under(region, ShapeLocalizer(full_sizes, tp, fused_parts))
 
 
 def _run_under(region: nn.Module, mode: TorchFunctionMode) -> TorchFunctionMode:
