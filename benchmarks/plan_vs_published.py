@@ -35,7 +35,7 @@ from atorch.plan import (
     calibration,  # noqa: E402
     configuration,  # noqa: E402
 )
-from atorch.plan.analytic import Prediction, predict, spec_layout_facts  # noqa: E402
+from atorch.plan.analytic import LOSS_PARALLEL_LOGIT_BYTES, Prediction, predict, spec_layout_facts  # noqa: E402
 from atorch.plan.elementwise import elementwise_bytes  # noqa: E402
 from atorch.plan.hardware_specs import DEVICES, ClusterSpec  # noqa: E402
 from atorch.plan.model_specs import from_hf_config, model_spec  # noqa: E402
@@ -56,8 +56,11 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # (@ eaea6f6a), the eager fp32 one
                    "torchtitan-a100": {"elementwise_bytes": elementwise_bytes(TorchtitanFusedNormLlamaBlock)},
                    # torchtitan's device mesh is ["pp", "dp", "cp", "tp"]: the pipeline outermost
+                   # its tensor-parallel rows compute the loss under loss_parallel (train.py @ 9dec370:
+                   # enable_loss_parallel unless disable_loss_parallel): DTensor's decomposed log-softmax
                    "torchtitan-h100": {"elementwise_bytes": elementwise_bytes(TorchtitanLlamaBlock),
-                                       "rank_order": "tensor-data-pipeline"},
+                                       "rank_order": "tensor-data-pipeline",
+                                       "loss_parallel_logit_bytes": LOSS_PARALLEL_LOGIT_BYTES},
                    # Megatron-Core's distributed optimizer; Transformer Engine's attention, which prefers
                    # cuDNN's fused kernel on Hopper (TransformerEngine dot_product_attention/utils.py)
                    # NeMo-Framework-Launcher's Llama configs (launcher_scripts/conf/training/llama/*.yaml @
@@ -125,9 +128,14 @@ def load(path: Path = DATA) -> tuple[dict, list[dict]]:
 def not_modelled(row: dict) -> Optional[str]:
     if row["context"] > 1:
         return "context parallelism"
-    if "compile" in row["note"]:
-        return "torch.compile"
     return None
+
+
+def compiled(row: dict) -> dict:
+    """A row that ran torch.compile on each block: Inductor fuses the block's memory-bound ops (norms,
+    rotary, activation, residual adds), so its traffic is the fused count, not its source's eager one;
+    the saved activations are still counted as eager's."""
+    return {"elementwise_bytes": None} if "torch.compile" in row["note"] else {}
 
 
 def row_spec(row: dict, models: dict):
@@ -153,7 +161,7 @@ def predict_row(row: dict, models: dict) -> Prediction:
         optimizer_states=row["optimizer_states"], attention_span=row["attention_span"])
     # a source-level fact overrides a column the row could only assume
     work = dataclasses.replace(work, **{"virtual_stages": row["virtual"], **SOURCE_WORKLOAD.get(row["source"], {}),
-                                        **ROW_WORKLOAD.get(row["id"], {})})
+                                        **ROW_WORKLOAD.get(row["id"], {}), **compiled(row)})
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 

@@ -108,9 +108,11 @@ def plan(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     _check_positive("seq_len", seq_len)
     _check_attention_span(attention_span, seq_len, "flash")
     _check_optimizer_bytes(optimizer_bytes_per_param)
+    # the candidates are atorch's own strategies: its tensor_parallel gathers the logits whole on every
+    # rank (the user's loss function reads them as one tensor)
     work = Workload(global_batch, seq_len, attention_span=attention_span,
                     elementwise_bytes=_elementwise_bytes(elementwise_bytes),
-                    optimizer_bytes_per_param=optimizer_bytes_per_param)
+                    optimizer_bytes_per_param=optimizer_bytes_per_param, vocab_parallel_loss=False)
     world = cluster.world_size
     facts = keep_tensor_in_node(spec_layout_facts(spec, world), Topology(cluster.nodes, cluster.gpus_per_node))
     profile = _profile(spec, facts)
@@ -197,7 +199,7 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
              stage_outputs_kept: bool = False, attention_span: Optional[int] = None,
              elementwise_bytes: Optional[tuple[float, float, float]] = None,
              optimizer_bytes_per_param: Optional[float] = None, grad_accumulation_bytes_per_param: float = 0.0,
-             rank_order: str = "tensor-pipeline-data") -> Prediction:
+             rank_order: str = "tensor-pipeline-data", vocab_parallel_loss: bool = True) -> Prediction:
     """How fast and how big is the one configuration you name ("what I run today")?
 
     The same analytic model ``plan()`` ranks its candidates with, so a configuration that ``plan()``
@@ -282,6 +284,10 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     or "tensor-data-pipeline" (Megatron-LM / Megatron-Core, DeepSpeed's pipeline topology, torchtitan:
     the pipeline outermost). It decides which data groups and stage boundaries stay inside a node and
     how many ranks share a node's network.
+    ``vocab_parallel_loss``: under tensor parallelism the loss runs on the vocabulary-split logits, each
+    tensor rank holding 1/tp of them (default True: Megatron's vocab-parallel cross-entropy, torchtitan's
+    loss_parallel); False gathers them whole on every rank first, as atorch's tensor_parallel does (your
+    loss function reads one tensor), and as ``plan()`` counts its candidates.
     Returns a ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``, ``memory_bytes``, ``fits`` and the
     time breakdown)."""
     spec, cluster, candidate, work = configuration(
@@ -295,7 +301,8 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
         sequence_parallel=sequence_parallel, half_grads_kept=half_grads_kept, stage_outputs_kept=stage_outputs_kept,
         reduce_cast_copy=reduce_cast_copy, attention_span=attention_span, elementwise_bytes=elementwise_bytes,
         optimizer_bytes_per_param=optimizer_bytes_per_param,
-        grad_accumulation_bytes_per_param=grad_accumulation_bytes_per_param, rank_order=rank_order)
+        grad_accumulation_bytes_per_param=grad_accumulation_bytes_per_param, rank_order=rank_order,
+        vocab_parallel_loss=vocab_parallel_loss)
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 
@@ -329,7 +336,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                   half_grads_kept: bool = False, stage_outputs_kept: bool = False, reduce_cast_copy: bool = False,
                   attention_span: Optional[int] = None, elementwise_bytes: Optional[tuple[float, float, float]] = None,
                   optimizer_bytes_per_param: Optional[float] = None, grad_accumulation_bytes_per_param: float = 0.0,
-                  rank_order: str = "tensor-pipeline-data",
+                  rank_order: str = "tensor-pipeline-data", vocab_parallel_loss: bool = True,
                   ) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
     """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
     callers that adjust the workload further, such as the published-runs benchmark)."""
@@ -351,7 +358,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     for name, value in (("tp_comm_overlap", tp_comm_overlap), ("distributed_optimizer", distributed_optimizer),
                         ("pipeline_ends_as_layers", pipeline_ends_as_layers), ("fused_swiglu", fused_swiglu),
                         ("sequence_parallel", sequence_parallel), ("half_grads_kept", half_grads_kept),
-                        ("reduce_cast_copy", reduce_cast_copy),
+                        ("reduce_cast_copy", reduce_cast_copy), ("vocab_parallel_loss", vocab_parallel_loss),
                         ("stage_outputs_kept", stage_outputs_kept)):
         _check_flag(name, value, (True, False))
     for name, value in (("grad_reduce_overlap", grad_reduce_overlap), ("param_gather_overlap", param_gather_overlap),
@@ -401,7 +408,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                     reduce_cast_copy=reduce_cast_copy, attention_span=attention_span,
                     elementwise_bytes=elementwise_bytes, optimizer_bytes_per_param=optimizer_bytes_per_param,
                     grad_accumulation_bytes_per_param=float(grad_accumulation_bytes_per_param),
-                    rank_order=rank_order)
+                    rank_order=rank_order, vocab_parallel_loss=vocab_parallel_loss)
     return spec, cluster, candidate, work
 
 

@@ -38,6 +38,11 @@ from atorch.plan.model_specs import TransformerSpec
 # The loss reads bf16 logits, upcasts them to fp32 and keeps their fp32 gradient: 2 + 4 + 4 bytes per
 # logit (first principles; transformers and torchtitan both upcast before cross-entropy).
 LOGIT_BYTES = 10
+# torch's loss_parallel (torch/distributed/tensor/parallel/loss.py, read at torch 2.13): its log-softmax
+# keeps the fp32 input, ``x - max`` and its ``exp`` at once beside the bf16 logits (2 + 4 + 4 + 4 = 14
+# bytes per logit), its backward the saved log-probabilities, a zeroed gradient, their ``exp`` and the
+# sum of both (4 x 4 = 16; the bf16 logits freed before backward, as torchtitan does): 16 at the peak
+LOSS_PARALLEL_LOGIT_BYTES = 16
 AC_MODES = ("none", "selective", "full")
 # What the optimizer keeps beside the weights: "fp32" master weights, gradients and Adam moments (the
 # default of torch amp, FSDP and Megatron); "bf16_moments": fp32 master weights and gradients, bf16 Adam
@@ -78,6 +83,15 @@ class Workload:
     seq_len: int
     activation_checkpointing: Optional[str] = None  # None: the candidate's (off / full); or one of AC_MODES
     logit_bytes: int = LOGIT_BYTES                  # per logit, through the loss
+    # under tensor parallelism the loss runs on the vocabulary-split logits (Megatron's vocab-parallel
+    # cross-entropy, torchtitan's loss_parallel): each rank holds 1/tp of them; False: they are gathered
+    # whole on every rank first (atorch's tensor_parallel, whose head outputs whole logits because the
+    # user's loss function reads them as one tensor)
+    vocab_parallel_loss: bool = True
+    # per logit through a loss on vocabulary-split logits, where it differs: torch's loss_parallel
+    # (DTensor) decomposes log-softmax and its backward into whole-size fp32 temporaries
+    # (LOSS_PARALLEL_LOGIT_BYTES); None: ``logit_bytes``
+    loss_parallel_logit_bytes: Optional[int] = None
     fp32_residual: Optional[bool] = None            # None: autocast over fp32 weights unless FSDP casts them
     micro_batch_size: Optional[int] = None          # sequences per forward on a data rank; None: the default split
     virtual_stages: int = 1                         # interleaved pipeline: model chunks per stage
@@ -392,10 +406,17 @@ def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload
             "full": spec.hidden * residual / sequence}[mode]  # the block input, sequence-split too
     blocks = layers * kept * tokens * in_flight
     working = per_token * tokens * (2 if mode == "full" else 1)  # one block's backward (and its recompute)
-    # vocab-parallel under tensor parallelism; only the stage holding the head has them
-    logits = spec.vocab * tokens * work.logit_bytes / tensor if head else 0.0
+    logits = loss_bytes(spec, work, tokens, tensor) if head else 0.0  # only the stage holding the head
     # the loss's logits are freed before the first block's backward begins: the two peaks do not add
     return blocks + (working + logits if work.logits_kept else max(working, logits))
+
+
+def loss_bytes(spec: TransformerSpec, work: Workload, tokens: float, tensor: int) -> float:
+    """The loss's logits of ``tokens`` tokens at their peak: split on the vocabulary over the tensor ranks
+    where the loss runs on the split logits (``vocab_parallel_loss``), else whole on every rank."""
+    if tensor == 1 or not work.vocab_parallel_loss:
+        return spec.vocab * tokens * work.logit_bytes
+    return spec.vocab * tokens * (work.loss_parallel_logit_bytes or work.logit_bytes) / tensor
 
 
 def residual_is_fp32(candidate: Candidate, work: Workload) -> bool:

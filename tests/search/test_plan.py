@@ -181,7 +181,7 @@ def test_estimate_of_the_top_plan_gives_the_figures_plan_reports():
                                pipeline=c.pipeline, sharding=sharding, precision=precision,
                                activation_checkpointing=best.checkpointing,
                                micro_batch_size=32 // data // c.micro if c.micro > 1 else None,
-                               grad_sync=c.grad_sync)
+                               grad_sync=c.grad_sync, vocab_parallel_loss=False)
         assert mine.candidate == c
         assert mine.tokens_per_s_per_gpu == pytest.approx(best.tokens_per_s_per_gpu, rel=1e-9)
         assert mine.mfu == pytest.approx(best.mfu, rel=1e-9)
@@ -195,7 +195,7 @@ def test_estimate_of_the_top_plan_gives_the_figures_plan_reports():
     ("grad_sync", "every", "each_micro_step"), ("tp_comm_overlap", "yes", "True"),
     ("grad_reduce_overlap", 1, "None"), ("param_gather_overlap", "on", "None"), ("pipeline_p2p_overlap", 0, "None"),
     ("distributed_optimizer", True, "zero1"), ("virtual_stages", 2, "pipeline > 1"), ("virtual_stages", 0, "positive"),
-    ("fused_swiglu", "yes", "True"), ("grad_reduce_dtype", "fp16", "bf16"),
+    ("fused_swiglu", "yes", "True"), ("vocab_parallel_loss", "no", "True"), ("grad_reduce_dtype", "fp16", "bf16"),
     ("attention", "eager", "materialised"), ("sequence_parallel", 1, "True"),
     ("half_grads_kept", "yes", "True"), ("half_grads_kept", True, "zero1"), ("stage_outputs_kept", 1, "True"),
     ("stage_outputs_kept", True, "pipeline > 1"),
@@ -369,6 +369,40 @@ def test_interleaved_chunks_that_hold_only_an_end_hold_no_block():
     even = dataclasses.replace(work, pipeline_ends_as_layers=False)
     assert analytic.held_blocks(spec, even, 16, 0, 32) == pytest.approx(
         126 / 16 * analytic.micro_batches_in_flight(16, 8, 0))
+
+
+def test_logits_are_split_on_the_vocabulary_only_where_the_loss_runs_on_the_split_logits():
+    """Megatron's vocab-parallel cross-entropy and torchtitan's loss_parallel hold 1/tp of the logits a tensor
+    rank; atorch's tensor_parallel gathers them whole (the user's loss reads one tensor), and plan(), whose
+    candidates are atorch's, counts them whole: at 8 tensor ranks and 8K tokens a sequence, Llama 3 8B's
+    logits (128,256 a token, 10 bytes each) are 8.8 GiB whole against 1.1 split."""
+    from atorch.plan.analytic import LOGIT_BYTES, LOSS_PARALLEL_LOGIT_BYTES, Workload, loss_bytes
+
+    spec, work = model_spec("llama3-8b"), Workload(8, 8192)
+    split = loss_bytes(spec, work, 8192, 8)
+    whole = loss_bytes(spec, dataclasses.replace(work, vocab_parallel_loss=False), 8192, 8)
+    assert whole == 8 * split == spec.vocab * 8192 * LOGIT_BYTES
+    assert loss_bytes(spec, dataclasses.replace(work, loss_parallel_logit_bytes=LOSS_PARALLEL_LOGIT_BYTES), 8192, 8) \
+        == spec.vocab * 8192 * LOSS_PARALLEL_LOGIT_BYTES / 8
+    assert loss_bytes(spec, dataclasses.replace(work, vocab_parallel_loss=False), 8192, 1) == split * 8  # no tensor
+    args = dict(global_batch=8, seq_len=8192, tensor=8, sharding="ddp", micro_batch_size=1)
+    vocab_split = atorch.estimate("llama3-8b", "8xH100-80GB", **args)
+    gathered = atorch.estimate("llama3-8b", "8xH100-80GB", vocab_parallel_loss=False, **args)
+    assert gathered.memory_bytes - vocab_split.memory_bytes == pytest.approx(whole - split, rel=0.01)
+    assert gathered.tokens_per_s_per_gpu == vocab_split.tokens_per_s_per_gpu
+    seen = []
+    original = atorch.plan.__globals__["predict"]
+
+    def spy(candidate, spec, cluster, work, facts=None):
+        seen.append(work.vocab_parallel_loss)
+        return original(candidate, spec, cluster, work, facts)
+
+    atorch.plan.__globals__["predict"] = spy
+    try:
+        atorch.plan("llama3-8b", "8xH100-80GB", global_batch=8, seq_len=8192)
+    finally:
+        atorch.plan.__globals__["predict"] = original
+    assert seen and not any(seen)
 
 
 def test_a_fused_swiglu_saves_three_intermediate_widths_not_four():
