@@ -441,6 +441,17 @@ def tiny_phi3() -> nn.Module:
                                                                      attention_dropout=0.0))
 
 
+def tiny_swin() -> nn.Module:
+    """Swin: windowed attention with a learned relative position bias table per layer, [relative positions,
+    heads], indexed and added to each head's scores; two stages of 2 and 4 heads with patch merging."""
+    import transformers
+
+    config = transformers.SwinConfig(image_size=16, patch_size=2, num_channels=3, embed_dim=16, depths=[2, 2],
+                                     num_heads=[2, 4], window_size=4, num_labels=4, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
+    return transformers.SwinForImageClassification._from_config(config)
+
+
 def tiny_gpt_oss() -> nn.Module:
     """gpt-oss: a learned sink logit per head joined to the attention scores, expert banks with biases
     (2-D beside the 3-D weights) whose eager kernel one-hot encodes over its own expert count, sliding
@@ -495,6 +506,7 @@ MORE_MOE: dict[str, ZooModel] = {m.name: m for m in (
     ZooModel("modernbert", tiny_modernbert, token_dataset, hf_loss, "unpack_dict", "ModernBertEncoderLayer", "encoder"),
     ZooModel("starcoder", tiny_starcoder, token_dataset, hf_loss, "unpack_dict", "GPTBigCodeBlock", "decoder"),
     ZooModel("phi3", tiny_phi3, token_dataset, hf_loss, "unpack_dict", "Phi3DecoderLayer", "decoder"),
+    ZooModel("swin", tiny_swin, image_dataset, hf_loss, "unpack_dict", "SwinLayer", "vision"),
 )}
 
 

@@ -255,6 +255,12 @@ def inspect_zoo_layouts() -> dict:
                 head = model.get_submodule("lm_head")
                 out["encoders"][name, label]["bias_alias"] = (head.bias is head.decoder.bias,
                                                               isinstance(head.bias, DTensor))
+    run = train_gpt([TP2, "tensor_parallel"], hf_model="swin", steps=2)
+    table = run["result"].model.get_submodule(
+        "swin.encoder.layers.1.blocks.0.attention.relative_position_bias").relative_position_bias_table
+    out["swin"] = {"per_head_params": run["result"].args.extras["tensor_parallel"]["per_head_params"],
+                   "table": (tuple(table.to_local().shape), [str(p) for p in table.placements]),
+                   "losses": run["losses"], "weights": run["weights"]}
     out["olmo2"] = {}
     for label, strategy in (("tp", [TP2, "tensor_parallel"]), ("sp", SP)):
         run = train_gpt(strategy, hf_model="olmo2", steps=2)
@@ -624,6 +630,21 @@ def test_fused_projection_with_grouped_key_value_heads_splits_part_by_part(two_r
             assert run["split_share"] > 0.99, run["split_share"]
             assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, label, run["losses"])
             assert weight_difference(run["weights"], reference["weights"]) < 1e-6, (rank, label)
+
+
+def test_swin_relative_position_bias_tables_are_split_with_the_heads(two_ranks):
+    """Swin's per-layer relative position bias table ([relative positions, heads], indexed and added to each
+    head's scores) was left whole, and the plan check refused the model (every rank added all heads' biases
+    to its own heads' scores); it is now split on its heads dimension with the attention, the step as in
+    one process."""
+    reference = train_gpt([], hf_model="swin", steps=2)
+    for rank, per_rank in enumerate(two_ranks):
+        run = per_rank["zoo"]["swin"]
+        tables = [n for n in run["per_head_params"] if n.endswith("relative_position_bias_table")]
+        assert len(tables) == 4, run["per_head_params"]
+        assert run["table"] == ((49, 2), ["S(1)"]), run["table"]  # 4 heads in the second stage
+        assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, run["losses"])
+        assert weight_difference(run["weights"], reference["weights"]) < 1e-6, rank
 
 
 def test_encoder_lm_heads_with_an_aliased_bias_and_fused_mlp_inputs_split(two_ranks):

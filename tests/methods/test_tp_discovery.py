@@ -512,10 +512,26 @@ def _quiet_fused_mlp() -> nn.Module:
     return model
 
 
+class _QuietFusedStack(nn.Module):
+    """Two quiet [gate | up] MLP blocks: repeated blocks, as sequence parallelism needs."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_quiet_fused_mlp() for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 CUSTOM = {"gained": (GainedMLP, _vectors), "grouped": (GroupedQKV, _sequences),
-          "scalar_gain": (ScalarGainMLP, _vectors), "quiet_fused": (_quiet_fused_mlp, _sequences)}
+          "scalar_gain": (ScalarGainMLP, _vectors), "quiet_fused": (_quiet_fused_mlp, _sequences),
+          "quiet_fused_sp": (_QuietFusedStack, _sequences)}
 # a plan given by the user, which knows nothing of the fused parts: split contiguously, wrong
-GIVEN_PLANS = {"quiet_fused": {"up": "colwise", "down": "rowwise"}}
+GIVEN_PLANS = {"quiet_fused": {"up": "colwise", "down": "rowwise"},
+               "quiet_fused_sp": {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}}
+SEQUENCE_PARALLEL = {"quiet_fused_sp"}
 
 
 def _tp_run(model_name: str) -> dict:
@@ -531,7 +547,9 @@ def _tp_run(model_name: str) -> dict:
                                             dataloader_args={"batch_size": 4},
                                             load_strategy=[("parallel_mode", ([("tensor", 2)], None)),
                                                            ("tensor_parallel", {"plan": GIVEN_PLANS[model_name]})
-                                                           if model_name in GIVEN_PLANS else "tensor_parallel"],
+                                                           if model_name in GIVEN_PLANS else "tensor_parallel",
+                                                           *(["sequence_parallel"] if model_name in SEQUENCE_PARALLEL
+                                                             else [])],
                                             ignore_dryrun_on_load_strategy=True)
     except MethodConfigError as error:
         return {"refused": str(error)}
@@ -600,7 +618,8 @@ def _head_norm_grads() -> dict:
 
 
 def _both() -> dict:
-    return {**{name: _tp_run(name) for name in ("gained", "grouped", "scalar_gain", "quiet_fused", "titan_llama")},
+    return {**{name: _tp_run(name) for name in ("gained", "grouped", "scalar_gain", "quiet_fused", "quiet_fused_sp",
+                                                 "titan_llama")},
             "fault": _rank_local_fault(),
             "head_norms": _head_norm_grads()}
 
@@ -617,6 +636,9 @@ def test_on_two_ranks_a_wrong_plan_is_refused_up_front_and_a_good_one_is_reporte
         # the output's tolerance): its row-wise Linear's output is compared too, and refused, naming it
         quiet = per_rank["quiet_fused"].get("refused", "")
         assert "down's output (call 0) differs by" in quiet and "a split part computes something else" in quiet, quiet
+        # under sequence parallelism that output is split over the tokens: the ranks' fingerprints, summed
+        quiet = per_rank["quiet_fused_sp"].get("refused", "")
+        assert "blocks.0.down's output (call 0) differs by" in quiet, quiet
         grouped = per_rank["grouped"]["extras"]  # accepted: the split reproduced the unsplit model on 2 ranks
         assert grouped["colwise"] == ["qkv"] and grouped["fused"] == {}, grouped
         report = per_rank["titan_llama"]["extras"]

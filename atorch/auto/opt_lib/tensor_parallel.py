@@ -332,11 +332,11 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
     localizers = {name: install_localizer(module, plan.regions[name], tp, _fused_parts_in(plan, name))
                   for name, module in regions.items()}
     if probe is not None and reference is not None:
-        whole_outputs = frozenset(n for n, style in plan.styles.items()
-                                  if style == "rowwise" and (not sequence or n in replicated_rows))
+        rows = frozenset(n for n, style in plan.styles.items() if style == "rowwise")
+        whole_outputs = frozenset(n for n in rows if not sequence or n in replicated_rows)
         plan.shapes = check_plan(model, probe, reference, regions=regions, sizes=plan.regions, heads=plan.region_heads,
                                  localizers=localizers, tp=tp, group=tp_mesh.get_group(), described=_describe(plan),
-                                 whole_outputs=whole_outputs)
+                                 whole_outputs=whole_outputs, sharded_outputs=rows - whole_outputs)
     elif plan.shapes in ("heads", "attributes"):
         chosen = plan.region_heads if plan.shapes == "heads" else plan.regions
         for name, module in regions.items():
@@ -361,14 +361,15 @@ def _sum_output_gradient(projection: nn.Module, tp_mesh) -> None:
 
 
 def _split_head_params(module: nn.Module, names: list[str], tp_mesh) -> None:
-    """An attention's own per-head parameters (gpt-oss's sinks): ``Shard(0)`` over the tensor group, so
-    checkpoints see them whole, and this rank's heads' values as plain tensors while the module runs
-    (its code mixes them with the scores of its own heads; their gradients flow back to the shards)."""
+    """An attention's own per-head parameters, heads last (gpt-oss's sinks, Swin's relative position bias
+    table): sharded on their last dimension over the tensor group, so checkpoints see them whole, and
+    this rank's heads' values as plain tensors while the module runs (its code mixes them with the
+    scores of its own heads; their gradients flow back to the shards)."""
     for name in names:
         param = getattr(module, name)
         if not isinstance(param, DTensor):
-            module.register_parameter(name, nn.Parameter(distribute_tensor(param.data, tp_mesh, [Shard(0)]),
-                                                         requires_grad=param.requires_grad))
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(param.data, tp_mesh, [Shard(param.dim() - 1)]), requires_grad=param.requires_grad))
     registered: dict[str, nn.Parameter] = {}
 
     def local_in(mod: nn.Module, args: tuple) -> None:

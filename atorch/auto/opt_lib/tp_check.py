@@ -105,24 +105,27 @@ def _float_tensors(output: Any) -> list[torch.Tensor]:
 
 def check_plan(model: nn.Module, probe: Probe, reference: Reference, *, regions: dict[str, nn.Module],
                sizes: dict[str, set], heads: dict[str, set], localizers: dict[str, ShapeLocalizer], tp: int, group,
-               described: str, whole_outputs: frozenset = frozenset()) -> str:
+               described: str, whole_outputs: frozenset = frozenset(), sharded_outputs: frozenset = frozenset()) -> str:
     """Try tp_shapes' remedies in order until the split model matches ``reference`` on every rank of
     ``group``; then one backward. Returns the remedy kept; MethodConfigError when none works.
     ``whole_outputs``: split Linears whose output is whole on every rank (row-wise, reduced): each call's
     output must match the unsplit model's too, since a wrong split part can hide in the model's output
-    behind the residual stream (at initialisation an MLP's output is small beside it)."""
+    behind the residual stream (at initialisation an MLP's output is small beside it).
+    ``sharded_outputs``: split Linears whose output is reduced and split over the sequence (sequence
+    parallelism): each rank holds other tokens of it, so the ranks' fingerprints, summed, must match."""
     failures = []
     for variant in VARIANTS:
         chosen = {"views": {}, "heads": heads, "attributes": sizes}[variant]
         changed = {n: localize_attributes(m, chosen.get(n, set()), tp) for n, m in regions.items()}
         for mode in localizers.values():
             mode.rewrites = 0
-        error, raised = _forward_error(model, probe, reference, whole_outputs)
-        if _agreed(error, raised, group):
+        error, raised, shards = _forward_error(model, probe, reference, whole_outputs, sharded_outputs)
+        error = _agreed(error, raised, group, shards, reference)
+        if error is None:
             _backward(model, probe, group)
             _drop_unused(localizers)
             return variant
-        failures.append(f"{variant}: {error or 'another rank differed'}")
+        failures.append(f"{variant}: {error}")
         for name, old in changed.items():
             restore_attributes(regions[name], old)
     raise MethodConfigError(
@@ -131,20 +134,24 @@ def check_plan(model: nn.Module, probe: Probe, reference: Reference, *, regions:
         "parallelism")
 
 
-def _forward_error(model: nn.Module, probe: Probe, reference: Reference,
-                   whole_outputs: frozenset = frozenset()) -> tuple[Optional[str], bool]:
-    """Why the split model's output, or a row-wise Linear's, differs from ``reference`` (None when they
-    match), and whether it raised rather than computed."""
+def _forward_error(model: nn.Module, probe: Probe, reference: Reference, whole_outputs: frozenset = frozenset(),
+                   sharded_outputs: frozenset = frozenset()) -> tuple[Optional[str], bool, dict]:
+    """Why the split model's output, or a whole row-wise Linear's, differs from ``reference`` (None when
+    they match), whether it raised rather than computed, and this rank's fingerprints of the
+    sequence-split row-wise outputs (``sharded_outputs``), to be summed over the ranks."""
     training = model.training
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=_devices()), linear_prints(model, whole_outputs) as got:
+        with (torch.no_grad(), torch.random.fork_rng(devices=_devices()),
+              linear_prints(model, whole_outputs | sharded_outputs) as got):
             model.eval()
             outputs = _float_tensors(probe.run(model))
     except Exception as error:  # the split model's own code failed: the next remedy, or a refusal
-        return f"{type(error).__name__}: {str(error)[:300]}", True
+        return f"{type(error).__name__}: {str(error)[:300]}", True, {}
     finally:
         model.train(training)
-    return _output_error(outputs, reference.outputs) or _print_error(got, reference.prints, outputs), False
+    whole = {name: calls for name, calls in got.items() if name not in sharded_outputs}
+    shards = {name: calls for name, calls in got.items() if name in sharded_outputs}
+    return _output_error(outputs, reference.outputs) or _print_error(whole, reference.prints, outputs), False, shards
 
 
 def _print_error(got: dict[str, list], expected: dict[str, list], outputs: list[torch.Tensor]) -> Optional[str]:
@@ -178,17 +185,21 @@ def _tolerance(dtype: torch.dtype) -> float:
     return 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
 
 
-def _agreed(error: Optional[str], raised: bool, group) -> bool:
-    """Whether every rank's split model matched, agreed through the store (not a collective: when
-    only this rank raised, the others are still inside one of the split model's collectives).
+def _agreed(error: Optional[str], raised: bool, group, shards: Optional[dict] = None,
+            reference: Optional[Reference] = None) -> Optional[str]:
+    """None when every rank's split model matched, else why not, agreed through the store (not a
+    collective: when only this rank raised, the others are still inside one of the split model's
+    collectives). The sequence-split row-wise outputs' fingerprints (``shards``) are summed over the
+    ranks and compared with the ``reference``'s there.
 
     Every rank raising the same error is the plan's problem: the next remedy. Ranks that raised
     differently, or some not at all, met a fault of one rank (the others' collectives then time out):
     every rank raises the earliest failure, naming its rank, instead of trying the next remedy on a
     broken process group."""
     if group is None or not dist.is_initialized():
-        return error is None
-    mine = json.dumps({"rank": dist.get_rank(), "error": error, "raised": raised, "at": time.time()})
+        return error
+    mine = json.dumps({"rank": dist.get_rank(), "error": error, "raised": raised, "at": time.time(),
+                       "shards": shards or {}})
     records = [json.loads(r) for r in exchange_outside_collectives(mine, group)]
     raisers = [r for r in records if r["raised"]]
     if raisers and len({r["error"] for r in records}) > 1:
@@ -196,7 +207,23 @@ def _agreed(error: Optional[str], raised: bool, group) -> bool:
         raise MethodConfigError("tensor_parallel", f"checking the plan on a sample, the split model raised on rank "
                                 f"{first['rank']} only ({first['error']}); the other ranks' collectives failed "
                                 "after it")
-    return all(r["error"] is None for r in records)
+    if any(r["error"] is not None for r in records):
+        return error or "another rank differed"
+    if reference is None:
+        return None
+    return _summed_shards_error([r["shards"] for r in records], reference)
+
+
+def _summed_shards_error(shards: list[dict], reference: Reference) -> Optional[str]:
+    """``_print_error`` on the ranks' fingerprints of each sequence-split output, summed: the ranks hold
+    disjoint tokens of it, so the sums add up to the whole output's."""
+    summed = {}
+    for name in shards[0] if shards else []:
+        calls = [rank.get(name, []) for rank in shards]
+        if len({len(c) for c in calls}) != 1:
+            return f"{name} ran a different number of times on different ranks"
+        summed[name] = [(sum(c[i][0] for c in calls), sum(c[i][1] for c in calls)) for i in range(len(calls[0]))]
+    return _print_error(summed, reference.prints, reference.outputs)
 
 
 def _backward(model: nn.Module, probe: Probe, group=None) -> None:

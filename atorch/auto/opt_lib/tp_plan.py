@@ -48,8 +48,8 @@ class TPPlan:
     # projections of the one key / value head every query head reads (multi-query attention): whole, the
     # gradient of their output summed over the tensor group
     shared_kv: list[str] = field(default_factory=list)
-    # attention module -> its own 1-D parameters of one value per query head (gpt-oss's attention sinks):
-    # split with the heads
+    # module in a split attention -> its own parameters of one value per query head along their last
+    # dimension (gpt-oss's attention sinks, Swin's relative position bias table): split with the heads
     head_params: dict[str, list[str]] = field(default_factory=dict)
     # (module, its attribute, the split parameter's full name): a parameter of a vocabulary-split head that a
     # module above it holds too (BERT-style LM heads' bias), pointed at the split parameter again
@@ -181,17 +181,24 @@ def _head_norms(model: nn.Module, flow: Dataflow, found: Discovery) -> dict[str,
 
 
 def _head_params(model: nn.Module, found: Discovery) -> dict[str, list[str]]:
-    """A split attention's module's own 1-D parameters with one value per query head (gpt-oss's
-    attention sinks, a logit per head joined to the scores): each rank keeps its heads' values."""
+    """A split attention's own parameters with one value per query head along their last dimension, held
+    by the attention's modules other than its Linears: gpt-oss's attention sinks (a logit per head joined
+    to the scores), Swin's and BEiT's relative position bias tables ([relative positions, heads], a bias per
+    head added to the scores). Each rank keeps its heads' values (their last dimension split)."""
     out: dict[str, list[str]] = {}
     for attention in found.attentions:
         names = [n for names in attention.inputs.values() for n in names] + attention.outputs
         parent = _common_parent(names)
         q_heads = part_heads(attention, attention.inputs["q"][0])[0] if attention.inputs.get("q") else 0
-        own = model.get_submodule(parent).named_parameters(recurse=False)
-        found_here = [n for n, p in own if q_heads > 1 and p.dim() == 1 and p.numel() == q_heads]
-        if found_here:
-            out[parent] = sorted(set(out.get(parent, [])) | set(found_here))
+        if q_heads < 2:
+            continue
+        for name, module in model.get_submodule(parent).named_modules(prefix=parent):
+            if name in names or name in found.head_bias or _is_linear(module) or isinstance(module, nn.Embedding):
+                continue  # per-head embeddings (T5's relative bias) are split as embeddings: head_bias
+            found_here = [n for n, p in module.named_parameters(recurse=False)
+                          if p.dim() in (1, 2) and p.shape[-1] == q_heads and (p.dim() == 1 or p.shape[0] != q_heads)]
+            if found_here:
+                out[name] = sorted(set(out.get(name, [])) | set(found_here))
     return out
 
 
