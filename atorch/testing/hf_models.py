@@ -452,6 +452,21 @@ def tiny_swin() -> nn.Module:
     return transformers.SwinForImageClassification._from_config(config)
 
 
+def tiny_deberta() -> nn.Module:
+    """DeBERTa-v3 (disentangled attention, its key / query projections shared with the relative
+    positions): its attention block holds the self-attention module whose ``num_attention_heads`` the
+    code reads to view the projections as heads."""
+    import transformers
+
+    config = transformers.DebertaV2Config(hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                          intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ,
+                                          relative_attention=True,
+                                          position_buckets=8, max_relative_positions=16, pos_att_type=["p2c", "c2p"],
+                                          share_att_key=True, norm_rel_ebd="layer_norm", hidden_dropout_prob=0.0,
+                                          attention_probs_dropout_prob=0.0, pad_token_id=0)
+    return transformers.DebertaV2ForMaskedLM._from_config(config)
+
+
 def tiny_gpt_oss() -> nn.Module:
     """gpt-oss: a learned sink logit per head joined to the attention scores, expert banks with biases
     (2-D beside the 3-D weights) whose eager kernel one-hot encodes over its own expert count, sliding
@@ -507,6 +522,7 @@ MORE_MOE: dict[str, ZooModel] = {m.name: m for m in (
     ZooModel("starcoder", tiny_starcoder, token_dataset, hf_loss, "unpack_dict", "GPTBigCodeBlock", "decoder"),
     ZooModel("phi3", tiny_phi3, token_dataset, hf_loss, "unpack_dict", "Phi3DecoderLayer", "decoder"),
     ZooModel("swin", tiny_swin, image_dataset, hf_loss, "unpack_dict", "SwinLayer", "vision"),
+    ZooModel("deberta", tiny_deberta, token_dataset, hf_loss, "unpack_dict", "DebertaV2Layer", "encoder"),
 )}
 
 

@@ -243,14 +243,14 @@ def inspect_zoo_layouts() -> dict:
                                                                            "run_time_shapes")}
             out["multi_query"][name, label].update(losses=run["losses"], weights=run["weights"])
     out["encoders"] = {}
-    for name in ("roberta", "modernbert"):
+    for name in ("roberta", "modernbert", "deberta"):
         for label, strategy in (("tp", [TP2, "tensor_parallel"]), ("sp", SP)):
             run = train_gpt(strategy, hf_model=name, steps=2)
             model = run["result"].model
             report = run["result"].args.extras["tensor_parallel"]
             out["encoders"][name, label] = {"vocabulary": report["vocabulary"], "share": report["split_share"],
                                             "fused": report["fused"], "losses": run["losses"],
-                                            "weights": run["weights"]}
+                                            "weights": run["weights"], "shapes": report["run_time_shapes"]}
             if name == "roberta":
                 head = model.get_submodule("lm_head")
                 out["encoders"][name, label]["bias_alias"] = (head.bias is head.decoder.bias,
@@ -654,19 +654,26 @@ def test_encoder_lm_heads_with_an_aliased_bias_and_fused_mlp_inputs_split(two_ra
     ``chunk(2)``: split contiguously, one rank held every input column and the other every gate column,
     a wrong MLP the plan check let through (its output is small beside the residual stream at
     initialisation: 5e-5 of the weights after two steps); its columns are now re-ordered per part. Each
-    step as in one process, under tensor and tensor + sequence parallelism."""
-    for name in ("roberta", "modernbert"):
+    step as in one process, under tensor and tensor + sequence parallelism. DeBERTa-v3's attention block holds
+    the self-attention module whose ``num_attention_heads`` its code reads to view the projections as heads:
+    only the block's own attributes were made local, so each process viewed its 16 features as 4 heads of 4
+    (at initialisation, with nearly uniform attention, 2e-3 off in the attention's output: the plan check
+    refused it in some runs and let it train 3e-6 away from one process in others); the modules inside the
+    block are made local too now, and a view into a full head count and -1 that leaves -1 other than the
+    head size is made the rank's head count."""
+    for name in ("roberta", "modernbert", "deberta"):
         reference = train_gpt([], hf_model=name, steps=2)
         for rank, per_rank in enumerate(two_ranks):
             for label in ("tp", "sp"):
                 run = per_rank["zoo"]["encoders"][name, label]
-                assert run["share"] > 0.9, (name, label, run["share"])
+                assert run["share"] > 0.8, (name, label, run["share"])
                 assert relative_difference(run["losses"], reference["losses"]) < TOL, (name, rank, label)
                 assert weight_difference(run["weights"], reference["weights"]) < 1e-6, (name, rank, label)
     roberta = two_ranks[0]["zoo"]["encoders"]["roberta", "tp"]
     assert roberta["vocabulary"] == {"lm_head.decoder": "head", "roberta.embeddings.word_embeddings": "embedding"}
     assert roberta["bias_alias"] == (True, True), roberta["bias_alias"]
     assert two_ranks[0]["zoo"]["encoders"]["modernbert", "tp"]["fused"]["model.layers.0.mlp.Wi"] == [64, 64]
+    assert two_ranks[0]["zoo"]["encoders"]["deberta", "tp"]["shapes"] == "heads"
 
 
 def test_norms_over_a_whole_split_projection_are_split_with_it(two_ranks):

@@ -17,7 +17,14 @@ from atorch.auto.opt_lib.sequence_parallel import plan_sequence_parallel
 from atorch.auto.opt_lib.tensor_parallel import find_tp_plan
 from atorch.auto.opt_lib.tp_mha import SeparateProjectionAttention, split_mha
 from atorch.auto.opt_lib.tp_plan import split_share
-from atorch.auto.opt_lib.tp_shapes import local_part_index, local_split_size, local_view_shape, part_bounds
+from atorch.auto.opt_lib.tp_shapes import (
+    local_part_index,
+    local_split_size,
+    local_view_shape,
+    localize_attributes,
+    part_bounds,
+    restore_attributes,
+)
 from atorch.errors import AtorchError, MethodConfigError
 from atorch.testing import run_distributed
 from atorch.testing.hf_models import ZOO, zoo_model
@@ -322,8 +329,29 @@ def test_view_and_split_shapes_are_made_local():
     assert local_view_shape(torch.empty(2, 5, 2, 8), [2, -1, 32], full, 2) == [2, -1, 16]  # view(B, -1, inner)
     assert local_view_shape(torch.empty(2, 5, 16), [2, 5, -1, 8], full, 2) is None  # fits: untouched
     assert local_view_shape(torch.empty(2, 5, 2, 8), [2, 5, 2, -1, 2], full, 2) is None  # rotary pairs: untouched
+    # DeBERTa's view(B, N, num_heads, -1) fits a rank's 16 features as 4 heads of 4: with the head size
+    # known (8) it is made 2 heads of 8; without it, or where the count already gives the head size, left
+    assert local_view_shape(torch.empty(2, 5, 16), [2, 5, 4, -1], full, 2, frozenset({8})) == [2, 5, 2, -1]
+    assert local_view_shape(torch.empty(2, 5, 16), [2, 5, 4, -1], full, 2) is None
+    assert local_view_shape(torch.empty(2, 5, 32), [2, 5, 4, -1], full, 2, frozenset({8})) is None  # whole
     assert local_split_size(local_qkv, 32, 2, full, 2) == 16  # nanoGPT's split(n_embd)
     assert local_split_size(torch.empty(2, 5, 96), 32, 2, full, 2) is None  # tiles already
+
+
+def test_head_counts_are_made_local_inside_the_region_but_not_in_its_linears():
+    """DeBERTa's region (the attention block) holds the self-attention module whose head count its code
+    reads: attributes of modules inside the region are made local too, a Linear's own sizes are not, and
+    everything is restored after."""
+    region = nn.Module()
+    region.num_heads = 4
+    region.inner = nn.Module()
+    region.inner.num_attention_heads, region.inner.head_size = 4, 8
+    region.inner.query = nn.Linear(32, 4)
+    changed = localize_attributes(region, {4}, 2)
+    assert (region.num_heads, region.inner.num_attention_heads, region.inner.head_size) == (2, 2, 8)
+    assert region.inner.query.out_features == 4
+    restore_attributes(region, changed)
+    assert (region.num_heads, region.inner.num_attention_heads) == (4, 4)
 
 
 def test_slices_of_a_fused_output_cut_by_full_positions_are_cut_from_the_rank_layout():

@@ -252,7 +252,8 @@ def _apply_to_stage(stage: nn.Module, whole: TPPlan, config: TensorParallelConfi
                                         if f"model.{n.rpartition('.')[0]}" in vocab],
                                experts=_on_stage(stage, whole.experts, linear=False),
                                regions=_on_stage(stage, whole.regions, linear=False),
-                               region_heads=_on_stage(stage, whole.region_heads, linear=False), replicated=[])
+                               region_heads=_on_stage(stage, whole.region_heads, linear=False),
+                               region_head_dims=_on_stage(stage, whole.region_head_dims, linear=False), replicated=[])
     return _parallelize(stage, config, tp, tp_mesh, sequence, None, given=plan)
 
 
@@ -329,7 +330,8 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
     if sequence_plan is not None:
         apply_sequence_parallel(model, sequence_plan, tp_mesh)
     regions = {name: model.get_submodule(name) for name in plan.regions}
-    localizers = {name: install_localizer(module, plan.regions[name], tp, _fused_parts_in(plan, name))
+    localizers = {name: install_localizer(module, plan.regions[name], tp, _fused_parts_in(plan, name),
+                                          plan.region_head_dims.get(name, set()))
                   for name, module in regions.items()}
     if probe is not None and reference is not None:
         rows = frozenset(n for n, style in plan.styles.items() if style == "rowwise")

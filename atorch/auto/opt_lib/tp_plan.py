@@ -57,6 +57,7 @@ class TPPlan:
     experts: list[str] = field(default_factory=list)            # MoE expert banks split by expert (tp_experts)
     regions: dict[str, set] = field(default_factory=dict)       # module holding a split group -> its full sizes
     region_heads: dict[str, set] = field(default_factory=dict)  # the same -> its full head counts
+    region_head_dims: dict[str, set] = field(default_factory=dict)  # the same -> its attention's head sizes
     found_by: str = "structure"                                 # structure / names / plan
     why_whole: dict[str, str] = field(default_factory=dict)     # Linear left whole -> why
     shapes: str = "views"                                       # how run-time shapes were made local (tp_shapes)
@@ -152,6 +153,10 @@ def plan_from_structure(model: nn.Module, flow: Dataflow, tp: int) -> TPPlan:
         region = _common_parent([*cols, *rows])
         plan.regions.setdefault(region, set()).update(s for n in cols for s in sizes[n])
         plan.region_heads.setdefault(region, set()).update(s for n in cols for s in sizes[n] - widths[n])
+    for attention in found.attentions:
+        region = _common_parent([n for names in attention.inputs.values() for n in names] + attention.outputs)
+        if region in plan.regions and attention.head_dim:
+            plan.region_head_dims.setdefault(region, set()).add(attention.head_dim)
     _check_divisible(model, found, sizes, tp)
     return plan
 

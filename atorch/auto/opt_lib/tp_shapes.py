@@ -10,7 +10,11 @@ wins):
 1. ``ShapeLocalizer``: while a split region (the module holding one attention's or MLP's
    projections) runs, a view / reshape whose shape does not fit the local tensor, or a split whose
    size no longer tiles it, has one size that equals a full width or head count of that region
-   replaced by its per-rank share. Shapes that fit are never touched. A slice of a fused projection's
+   replaced by its per-rank share. Shapes that fit are left alone, but for one: a view of the features
+   into a full head count and ``-1`` (DeBERTa's ``view(B, N, num_heads, -1)``) fits a rank's share as
+   that many heads of 1/tp the head size, a wrong grouping that at initialisation (attention nearly
+   uniform) moves the output too little for the plan check to see; where the attention's head size is
+   known and only the per-rank head count gives it, the count is made local. A slice of a fused projection's
    output (Phi-3's ``qkv[..., q_width : q_width + kv_width]``) whose bounds are one of its parts in the
    full layout is cut from the rank's own layout instead (each rank holds its share of every part, in
    order: ``tensor_parallel._interleave_fused``); such slices fit the local tensor but would read the
@@ -38,9 +42,10 @@ SPLITS = frozenset({"split"})
 class ShapeLocalizer(TorchFunctionMode):
     """Rewrites the shapes of views and splits that do not fit a rank's share (see module doc)."""
 
-    def __init__(self, full_sizes: set[int], tp: int, fused_parts: Sequence[Sequence[int]] = ()):
+    def __init__(self, full_sizes: set[int], tp: int, fused_parts: Sequence[Sequence[int]] = (),
+                 head_dims: frozenset = frozenset()):
         super().__init__()
-        self.full_sizes, self.tp = full_sizes, tp
+        self.full_sizes, self.tp, self.head_dims = full_sizes, tp, frozenset(head_dims)
         self.part_bounds = part_bounds(fused_parts, tp)
         self.rewrites = 0
 
@@ -50,7 +55,7 @@ class ShapeLocalizer(TorchFunctionMode):
         if name in VIEWS and args and isinstance(args[0], torch.Tensor) and not kwargs:
             shape = _shape_args(args[1:])
             if shape is not None:
-                local = local_view_shape(args[0], shape, self.full_sizes, self.tp)
+                local = local_view_shape(args[0], shape, self.full_sizes, self.tp, self.head_dims)
                 if local is not None:
                     self.rewrites += 1
                     args = (args[0], tuple(local))
@@ -126,10 +131,15 @@ def _fits(shape: Sequence[int], numel: int) -> bool:
     return known == numel
 
 
-def local_view_shape(tensor: torch.Tensor, shape: list[int], full_sizes: set[int], tp: int) -> Optional[list[int]]:
-    """``shape`` with one full size made local when the shape does not fit ``tensor``; the leading
-    sizes equal to the tensor's own (batch, sequence) are never candidates. None: leave it."""
+def local_view_shape(tensor: torch.Tensor, shape: list[int], full_sizes: set[int], tp: int,
+                     head_dims: frozenset = frozenset()) -> Optional[list[int]]:
+    """``shape`` with one full size made local when the shape does not fit ``tensor`` (or splits it into
+    heads of the wrong size: ``_wrong_head_size``); the leading sizes equal to the tensor's own (batch,
+    sequence) are never candidates. None: leave it."""
     numel = tensor.numel()
+    heads = _wrong_head_size(shape, numel, full_sizes, tp, head_dims)
+    if heads is not None:
+        return heads
     start = 0
     while start < min(len(shape), tensor.dim()) and shape[start] == tensor.shape[start]:
         start += 1
@@ -142,6 +152,21 @@ def local_view_shape(tensor: torch.Tensor, shape: list[int], full_sizes: set[int
             candidate = shape[:position] + [size // tp] + shape[position + 1:]
             if _fits(candidate, numel) and (wanted is None or _inferred(candidate, numel) == wanted):
                 return candidate
+    return None
+
+
+def _wrong_head_size(shape: list[int], numel: int, full_sizes: set[int], tp: int,
+                     head_dims: frozenset) -> Optional[list[int]]:
+    """``[.., heads, -1]`` with a full head count that leaves -1 a size other than the attention's head size,
+    where the per-rank count leaves the head size: that shape, made local."""
+    if len(shape) < 2 or shape[-1] != -1 or shape.count(-1) != 1 or not head_dims:
+        return None
+    heads = shape[-2]
+    if heads not in full_sizes or heads % tp or heads == tp or not _fits(shape, numel):
+        return None
+    local = shape[:-2] + [heads // tp, -1]
+    if _inferred(shape, numel) not in head_dims and _fits(local, numel) and _inferred(local, numel) in head_dims:
+        return local
     return None
 
 
@@ -171,10 +196,10 @@ def local_split_size(tensor: torch.Tensor, size: Any, dim: int, full_sizes: set[
     return None
 
 
-def install_localizer(region: nn.Module, full_sizes: set[int], tp: int,
-                      fused_parts: Sequence[Sequence[int]] = ()) -> ShapeLocalizer:
+def install_localizer(region: nn.Module, full_sizes: set[int], tp: int, fused_parts: Sequence[Sequence[int]] = (),
+                      head_dims: frozenset = frozenset()) -> ShapeLocalizer:
     """Run ``region``'s forward under a ShapeLocalizer (its ``rewrites`` count tells whether it was needed)."""
-    return _run_under(region, ShapeLocalizer(full_sizes, tp, fused_parts))
+    return _run_under(region, ShapeLocalizer(full_sizes, tp, fused_parts, head_dims))
 
 
 def _run_under(region: nn.Module, mode: TorchFunctionMode) -> TorchFunctionMode:
@@ -224,17 +249,23 @@ def remove_localizer(mode: ShapeLocalizer) -> None:
         handle.remove()
 
 
-def localize_attributes(region: nn.Module, full_sizes: set[int], tp: int) -> dict[str, int]:
-    """Divide the region's integer attributes that equal one of ``full_sizes`` (head counts, or head
-    counts and widths); returns the old values so the change can be undone."""
+def localize_attributes(region: nn.Module, full_sizes: set[int], tp: int) -> dict[tuple[str, str], int]:
+    """Divide the integer attributes equal to one of ``full_sizes`` (head counts, or head counts and
+    widths) of the region and of the modules inside it that hold no parameters of their own (DeBERTa's
+    region, the attention block, holds the self-attention module whose ``num_attention_heads`` its code
+    reads; a Linear's or an embedding's own sizes are left as they are); returns the old values, by
+    (module path inside the region, attribute), so the change can be undone."""
     changed = {}
-    for attr, value in list(vars(region).items()):
-        if isinstance(value, int) and not isinstance(value, bool) and value in full_sizes and value % tp == 0:
-            changed[attr] = value
-            setattr(region, attr, value // tp)
+    for path, module in region.named_modules():
+        if path and next(module.parameters(recurse=False), None) is not None:
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, int) and not isinstance(value, bool) and value in full_sizes and value % tp == 0:
+                changed[(path, attr)] = value
+                setattr(module, attr, value // tp)
     return changed
 
 
-def restore_attributes(region: nn.Module, changed: dict[str, int]) -> None:
-    for attr, value in changed.items():
-        setattr(region, attr, value)
+def restore_attributes(region: nn.Module, changed: dict[tuple[str, str], int]) -> None:
+    for (path, attr), value in changed.items():
+        setattr(region.get_submodule(path), attr, value)
