@@ -188,8 +188,9 @@ def _head_norms(model: nn.Module, flow: Dataflow, found: Discovery) -> dict[str,
 def _head_params(model: nn.Module, found: Discovery) -> dict[str, list[str]]:
     """A split attention's own parameters with one value per query head along their last dimension, held
     by the attention's modules other than its Linears: gpt-oss's attention sinks (a logit per head joined
-    to the scores), Swin's and BEiT's relative position bias tables ([relative positions, heads], a bias per
-    head added to the scores). Each rank keeps its heads' values (their last dimension split)."""
+    to the scores), Swin's relative position bias tables ([relative positions, heads], a bias per head
+    added to the scores; BEiT's, held by the layer outside its attention, is not found here). Each rank
+    keeps its heads' values (their last dimension split)."""
     out: dict[str, list[str]] = {}
     for attention in found.attentions:
         names = [n for names in attention.inputs.values() for n in names] + attention.outputs
