@@ -19,9 +19,10 @@ wins):
    full layout is cut from the rank's own layout instead (each rank holds its share of every part, in
    order: ``tensor_parallel._interleave_fused``); such slices fit the local tensor but would read the
    wrong part, so they are rewritten whether or not they fit.
-2. ``localize_attributes``: with 1, the region module's integer attributes equal to a full head
-   count (``n_heads``, ...) become the per-rank values, for code that builds tensors from them (T5's
-   zero position bias); failing that, those equal to a full width too (``inner_dim``).
+2. ``localize_attributes``: with 1, the integer attributes equal to a full head count (``n_heads``,
+   ...) of the region module and of its parameter-free submodules become the per-rank values, for
+   code that builds tensors from them (T5's zero position bias) or views by them (DeBERTa's);
+   failing that, those equal to a full width too (``inner_dim``).
 """
 from __future__ import annotations
 
