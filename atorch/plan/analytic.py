@@ -477,9 +477,9 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
                   data: int, fp8: bool = False) -> float:
     """A tensor / pipeline rank's state (its share of the model) sharded over the data dimension as the
     sharding says: fsdp all of it (plus two gathered blocks), zero2 all of it plus its share's parameters
-    whole in the compute dtype and its gradients whole (FSDP2 without resharding after forward keeps the
-    parameters gathered through forward and backward, the gradients until they are reduce-scattered, as
-    ``cost_model.estimate``'s unsplit zero2; torchtitan's default under a pipeline; ``whole_grads``),
+    whole in the compute dtype (FSDP2 without resharding after forward keeps them gathered through
+    forward and backward: torchtitan's default under a pipeline) and its gradients until they are
+    reduce-scattered (``unreduced_grads``),
     zero1 as Megatron's distributed optimizer (bf16 weights and fp32 gradients whole, fp32 master
     weights and Adam moments sharded), ddp none (plus its gradient buckets); and the activations of the
     micro-batches the schedule keeps in flight (1F1B: as many as stages on the first stage, plus one
@@ -492,8 +492,8 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
     amp = half_states(candidate, work).precision.startswith("amp")
     micro = pipeline_micro_batches(candidate, work, data) if p > 1 else micro_steps(candidate, work, data)
     if candidate.sharding == "zero2" and data > 1:
-        gathered = (0.5 if amp else 1.0) * P + whole_grads(candidate, work, G, micro)
-        states = (P + G + O) * share / data + gathered * share
+        gathered = (0.5 if amp else 1.0) * P * share + unreduced_grads(candidate, spec, work, G * share, micro)
+        states = (P + G + O) * share / data + gathered
     elif candidate.sharding in ("fsdp", "hsdp") and data > 1:
         block = spec.block_params * (2 if amp else P / spec.param_count) / t
         states = (P + G + O) * share / data + 2 * block
@@ -520,15 +520,21 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
     return states + act
 
 
-def whole_grads(candidate: Candidate, work: Workload, grads: float, micro_steps: int) -> float:
-    """zero2's whole (not yet reduce-scattered) gradients: one backward's in the compute dtype, or, where
-    they accumulate over ``micro_steps`` before the one reduce-scatter, in the reduce dtype (FSDP2 upcasts
-    each unsharded gradient it keeps to its policy's reduce dtype, fp32 under atorch's amp and Llama 3's
-    "FP32 gradient accumulation"; ``grad_buffer_bytes``). ``grads`` is the fp32 count."""
+def unreduced_grads(candidate: Candidate, spec: TransformerSpec, work: Workload, grads: float,
+                    micro_steps: int) -> float:
+    """zero2's gradients not yet reduce-scattered, at their peak. Accumulated over ``micro_steps``
+    before the one reduce-scatter: the rank's whole share (``grads``, the fp32 count), in the reduce
+    dtype (FSDP2 upcasts each unsharded gradient it keeps to its policy's reduce dtype, fp32 under
+    atorch's amp; ``grad_buffer_bytes``). Reduced at every backward (``sync_each_micro_step``, or a
+    single pass): FSDP reduce-scatters each unit's gradients in its post-backward hook and frees
+    them, so only a block's are whole at a time: in the compute dtype, and in the reduce dtype beside
+    them where that differs (the reduce-scatter's input); the sharded sums are in the states."""
     amp = half_states(candidate, work).precision.startswith("amp")
     if micro_steps > 1 and not work.syncs_each_micro_step(candidate):
         return grad_buffer_bytes(candidate, work, grads)
-    return 0.5 * grads if amp else grads
+    compute = 2.0 if amp else 4.0
+    reduce_copy = 4.0 if amp and grad_buffer_bytes(candidate, work, 4.0) == 4.0 else 0.0
+    return spec.block_params / candidate.tensor * (compute + reduce_copy)
 
 
 def kept_stage_outputs(candidate: Candidate, spec: TransformerSpec, work: Workload, tokens: float, stage: int,
@@ -890,7 +896,10 @@ def data_comm_parts(candidate: Candidate, spec: TransformerSpec, cluster: Cluste
     shard = shard_size(candidate, world)
     shed = 1 - 1 / shard
     steps = micro_steps(candidate, work, data) if work is not None and t * p == 1 else 1
-    syncs = steps if work is not None and work.syncs_each_micro_step(candidate) else 1
+    # a reduction at every micro-step: the data rank's passes, a pipeline's micro-batches too (its
+    # stage's weights stay gathered over them, so ``steps`` stays one there)
+    each = work is not None and work.syncs_each_micro_step(candidate) and candidate.sharding in ("fsdp", "zero2")
+    syncs = micro_steps(candidate, work, data) if each else 1
     # FSDP and zero2 reduce-scatter in their reduce dtype (``grad_reduce_dtype``), DDP in the gradients'
     reduced_grads = grad_buffer_bytes(candidate, work, G) if work is not None else G
     gathered, reduced = {"ddp": (0.0, 2 * shed * G), "zero1": (shed * P, 2 * shed * G),
@@ -905,7 +914,7 @@ def data_comm_parts(candidate: Candidate, spec: TransformerSpec, cluster: Cluste
     gathers = {"ddp": 0, "zero1": 1, "zero2": spec.layers, "fsdp": 2 * spec.layers}[candidate.sharding]
     reductions = {"ddp": 1, "zero1": 1, "zero2": spec.layers, "fsdp": spec.layers}[candidate.sharding]
     gather_s = gathered / link + steps * gathers * COLLECTIVE_LATENCY_S
-    reduce_s = reduced / link + steps * reductions * COLLECTIVE_LATENCY_S
+    reduce_s = reduced / link + max(steps, syncs) * reductions * COLLECTIVE_LATENCY_S
     if shard < data:  # hybrid: the shards' gradients are all-reduced across the replicas
         replicas = data // shard
         reduce_s += 2 * (1 - 1 / replicas) * reduced_grads / shard / cluster.link_bytes_per_s(replicas, stride * shard)

@@ -885,9 +885,11 @@ def test_zero2_under_a_pipeline_keeps_its_stage_gathered():
     two gathered blocks instead). Both run FSDP's bf16 policy, so their activations are counted alike and
     the difference is the state alone, to the byte. Over the pipeline's micro-batches the whole gradients
     accumulate in the fp32 reduce dtype (FSDP2's to_accumulated_grad_if_needed; Llama 3's "FP32 gradient
-    accumulation"); reduce-scattered at every micro-step they stay one backward's, in bf16."""
+    accumulation"); reduce-scattered at every micro-step, FSDP reduces each block's gradients in its
+    post-backward hook, so one block's are whole at a time (bf16, and the fp32 copy it reduce-scatters),
+    and the data dimension moves the stage's gradients once per micro-batch, not once per step."""
     from atorch.plan import configuration
-    from atorch.plan.analytic import spec_layout_facts, state_bytes
+    from atorch.plan.analytic import data_comm_parts, spec_layout_facts, state_bytes
 
     args = dict(global_batch=32, seq_len=4096, pipeline=2, micro_batch_size=1)
     ddp = atorch.estimate("llama2-7b", "2x8xA100-80GB", sharding="ddp", **args)
@@ -902,8 +904,17 @@ def test_zero2_under_a_pipeline_keeps_its_stage_gathered():
     zero2_state = sharded + (0.5 * params + grads) * share
     fsdp_state = sharded + 2 * 2 * spec.block_params
     assert zero2.allocated_bytes - fsdp.allocated_bytes == pytest.approx(zero2_state - fsdp_state, rel=1e-6)
-    assert zero2.allocated_bytes - zero2_each.allocated_bytes == pytest.approx(0.5 * grads * share, rel=1e-6)
+    one_block = spec.block_params * (2 + 4)
+    assert zero2.allocated_bytes - zero2_each.allocated_bytes == pytest.approx(grads * share - one_block, rel=1e-6)
     assert fsdp.allocated_bytes < zero2_each.allocated_bytes < zero2.allocated_bytes < ddp.allocated_bytes
+    each_candidate, each_work = configuration("llama2-7b", "2x8xA100-80GB", sharding="zero2",
+                                              grad_sync="each_micro_step", **args)[2:]
+    facts = spec_layout_facts(spec, cluster.world_size)
+    once = data_comm_parts(candidate, spec, cluster, facts, work)
+    every = data_comm_parts(each_candidate, spec, cluster, facts, each_work)
+    micro_batches = 32 // data
+    assert every[0] == once[0]  # the stage stays gathered over its micro-batches either way
+    assert every[1] == pytest.approx(micro_batches * once[1], rel=0.05)  # latency aside
 
 
 class _EncoderLM(torch.nn.Module):
