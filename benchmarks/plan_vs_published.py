@@ -58,8 +58,10 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # torchtitan's device mesh is ["pp", "dp", "cp", "tp"]: the pipeline outermost
                    # its tensor-parallel rows compute the loss under loss_parallel (train.py @ 9dec370:
                    # enable_loss_parallel unless disable_loss_parallel): DTensor's decomposed log-softmax
+                   # its DTensor tensor parallelism saves the matmuls' all-gathered inputs (parallelize_llama.py:
+                   # ColwiseParallel / Float8ColwiseParallel with input_layouts Shard(1), the output layer too)
                    "torchtitan-h100": {"elementwise_bytes": elementwise_bytes(TorchtitanLlamaBlock),
-                                       "rank_order": "tensor-data-pipeline",
+                                       "rank_order": "tensor-data-pipeline", "saves_gathered_inputs": True,
                                        "loss_parallel_logit_bytes": LOSS_PARALLEL_LOGIT_BYTES},
                    # Megatron-Core's distributed optimizer; Transformer Engine's attention, which prefers
                    # cuDNN's fused kernel on Hopper (TransformerEngine dot_product_attention/utils.py)

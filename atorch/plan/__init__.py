@@ -109,10 +109,12 @@ def plan(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     _check_attention_span(attention_span, seq_len, "flash")
     _check_optimizer_bytes(optimizer_bytes_per_param)
     # the candidates are atorch's own strategies: its tensor_parallel gathers the logits whole on every
-    # rank (the user's loss function reads them as one tensor)
+    # rank (the user's loss function reads them as one tensor), and under its sequence_parallel the split
+    # projections run on a gathered (replicated DTensor) input, which they save whole
     work = Workload(global_batch, seq_len, attention_span=attention_span,
                     elementwise_bytes=_elementwise_bytes(elementwise_bytes),
-                    optimizer_bytes_per_param=optimizer_bytes_per_param, vocab_parallel_loss=False)
+                    optimizer_bytes_per_param=optimizer_bytes_per_param, vocab_parallel_loss=False,
+                    saves_gathered_inputs=True)
     world = cluster.world_size
     facts = keep_tensor_in_node(spec_layout_facts(spec, world), Topology(cluster.nodes, cluster.gpus_per_node))
     profile = _profile(spec, facts)
@@ -199,7 +201,8 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
              stage_outputs_kept: bool = False, attention_span: Optional[int] = None,
              elementwise_bytes: Optional[tuple[float, float, float]] = None,
              optimizer_bytes_per_param: Optional[float] = None, grad_accumulation_bytes_per_param: float = 0.0,
-             rank_order: str = "tensor-pipeline-data", vocab_parallel_loss: bool = True) -> Prediction:
+             rank_order: str = "tensor-pipeline-data", vocab_parallel_loss: bool = True,
+             saves_gathered_inputs: bool = False) -> Prediction:
     """How fast and how big is the one configuration you name ("what I run today")?
 
     The same analytic model ``plan()`` ranks its candidates with, so a configuration that ``plan()``
@@ -288,6 +291,10 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     tensor rank holding 1/tp of them (default True: Megatron's vocab-parallel cross-entropy, torchtitan's
     loss_parallel); False gathers them whole on every rank first, as atorch's tensor_parallel does (your
     loss function reads one tensor), and as ``plan()`` counts its candidates.
+    ``saves_gathered_inputs``: under sequence parallelism the column-parallel matmuls (the block's two
+    after its norms, and the output layer) save the all-gathered input they ran on for their weight
+    gradients (DTensor's ColwiseParallel: torchtitan, atorch's tensor_parallel, as ``plan()`` counts
+    its candidates); default False: Megatron saves the sequence shard and gathers it again in backward.
     Returns a ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``, ``memory_bytes``, ``fits`` and the
     time breakdown)."""
     spec, cluster, candidate, work = configuration(
@@ -302,7 +309,7 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
         reduce_cast_copy=reduce_cast_copy, attention_span=attention_span, elementwise_bytes=elementwise_bytes,
         optimizer_bytes_per_param=optimizer_bytes_per_param,
         grad_accumulation_bytes_per_param=grad_accumulation_bytes_per_param, rank_order=rank_order,
-        vocab_parallel_loss=vocab_parallel_loss)
+        vocab_parallel_loss=vocab_parallel_loss, saves_gathered_inputs=saves_gathered_inputs)
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 
@@ -337,7 +344,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                   attention_span: Optional[int] = None, elementwise_bytes: Optional[tuple[float, float, float]] = None,
                   optimizer_bytes_per_param: Optional[float] = None, grad_accumulation_bytes_per_param: float = 0.0,
                   rank_order: str = "tensor-pipeline-data", vocab_parallel_loss: bool = True,
-                  ) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
+                  saves_gathered_inputs: bool = False) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
     """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
     callers that adjust the workload further, such as the published-runs benchmark)."""
     spec, cluster = model_spec(model), cluster_spec(cluster)
@@ -359,6 +366,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                         ("pipeline_ends_as_layers", pipeline_ends_as_layers), ("fused_swiglu", fused_swiglu),
                         ("sequence_parallel", sequence_parallel), ("half_grads_kept", half_grads_kept),
                         ("reduce_cast_copy", reduce_cast_copy), ("vocab_parallel_loss", vocab_parallel_loss),
+                        ("saves_gathered_inputs", saves_gathered_inputs),
                         ("stage_outputs_kept", stage_outputs_kept)):
         _check_flag(name, value, (True, False))
     for name, value in (("grad_reduce_overlap", grad_reduce_overlap), ("param_gather_overlap", param_gather_overlap),
@@ -408,7 +416,8 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                     reduce_cast_copy=reduce_cast_copy, attention_span=attention_span,
                     elementwise_bytes=elementwise_bytes, optimizer_bytes_per_param=optimizer_bytes_per_param,
                     grad_accumulation_bytes_per_param=float(grad_accumulation_bytes_per_param),
-                    rank_order=rank_order, vocab_parallel_loss=vocab_parallel_loss)
+                    rank_order=rank_order, vocab_parallel_loss=vocab_parallel_loss,
+                    saves_gathered_inputs=saves_gathered_inputs)
     return spec, cluster, candidate, work
 
 

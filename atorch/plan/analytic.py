@@ -137,6 +137,11 @@ class Workload:
     # (Megatron's --sequence-parallel, torchtitan); without it every tensor rank runs them whole and
     # keeps their activations whole
     sequence_parallel: bool = True
+    # under sequence parallelism the column-parallel matmuls (the block's two after its norms, and the
+    # output layer) save the all-gathered input they ran on for their weight gradients (DTensor's
+    # ColwiseParallel: autograd keeps the replicated local tensor; torchtitan, atorch's tensor_parallel),
+    # where Megatron saves the sequence shard and gathers it again in backward
+    saves_gathered_inputs: bool = False
     # DeepSpeed's BF16 optimizer (Megatron-DeepSpeed's ZeRO-1 equivalent): each micro-batch's bf16
     # gradients are added into the fp32 buffer and stay allocated on the parameters until the next
     # backward clears them (its pipeline engine calls update_hp_grads(clear_lp_grads=False) after every
@@ -241,7 +246,7 @@ def predict(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, w
     """Per-GPU peak memory, step time, tokens/s per GPU and MFU of ``candidate`` (see the module doc)."""
     world = cluster.world_size
     allocated = predict_memory(candidate, spec, cluster, work, facts)
-    memory = reserved_bytes(allocated)
+    memory = reserved_bytes(predict_memory(candidate, spec, cluster, work, facts, reserved=True))
     compute = compute_seconds(candidate, spec, cluster, work)
     comm = comm_seconds(candidate, spec, cluster, facts, work)
     step = compute + exposed_comm_seconds(candidate, spec, cluster, facts, work, compute)
@@ -381,6 +386,25 @@ def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload
     saved as their fp8 casts (Transformer Engine keeps those for the weight gradient): 1 byte, not 2,
     where nothing else keeps them in bf16."""
     layers = spec.layers if layers is None else layers
+    per_token = block_bytes_per_token(candidate, spec, work, tensor, fp8)
+    width = 4 if candidate.precision == "fp32" else 2
+    residual = 4 if residual_is_fp32(candidate, work) else width
+    sequence = tensor if work.sequence_parallel else 1
+    mode = checkpointing(candidate, work)
+    kept = {"none": per_token, "selective": calibration.value("selective activation share") * per_token,
+            "full": spec.hidden * residual / sequence}[mode]  # the block input, sequence-split too
+    blocks = layers * kept * tokens * in_flight
+    working = per_token * tokens * (2 if mode == "full" else 1)  # one block's backward (and its recompute)
+    logits = loss_bytes(spec, work, tokens, tensor) if head else 0.0  # only the stage holding the head
+    if head and gathers_whole(work, tensor):  # the output layer's gathered input, kept through the loss
+        logits += tokens * spec.hidden * width
+    # the loss's logits are freed before the first block's backward begins: the two peaks do not add
+    return blocks + (working + logits if work.logits_kept else max(working, logits))
+
+
+def block_bytes_per_token(candidate: Candidate, spec: TransformerSpec, work: Workload, tensor: int = 1,
+                          fp8: bool = False) -> float:
+    """Bytes one block keeps for its backward per token on a tensor rank (none checkpointed)."""
     width = 4 if candidate.precision == "fp32" else 2
     residual = 4 if residual_is_fp32(candidate, work) else width
     split = spec.split_activation_elements()
@@ -401,14 +425,30 @@ def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload
         # reads it) and in fp8 by the output projection
         per_token -= (2 * spec.hidden + spec.ffn) * (width - 1) / tensor
         per_token += spec.hidden / tensor
-    mode = checkpointing(candidate, work)
-    kept = {"none": per_token, "selective": calibration.value("selective activation share") * per_token,
-            "full": spec.hidden * residual / sequence}[mode]  # the block input, sequence-split too
-    blocks = layers * kept * tokens * in_flight
-    working = per_token * tokens * (2 if mode == "full" else 1)  # one block's backward (and its recompute)
-    logits = loss_bytes(spec, work, tokens, tensor) if head else 0.0  # only the stage holding the head
-    # the loss's logits are freed before the first block's backward begins: the two peaks do not add
-    return blocks + (working + logits if work.logits_kept else max(working, logits))
+    if gathers_whole(work, tensor):  # the two norm outputs (their fp8 casts under fp8) saved gathered
+        per_token += 2 * spec.hidden * (1 if fp8 else width) * (1 - 1 / tensor)
+    return per_token
+
+
+def gathers_whole(work: Workload, tensor: int) -> bool:
+    """Whether the column-parallel matmuls keep their sequence-gathered input whole for backward."""
+    return tensor > 1 and work.sequence_parallel and work.saves_gathered_inputs
+
+
+def cached_block_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload, tokens: float, *,
+                       tensor: int = 1, fp8: bool = False, head: bool = True) -> float:
+    """What the caching allocator holds beyond the live tensors where the loss is the step's peak under
+    full checkpointing: each checkpointed block's forward frees its activations as it goes, and their
+    blocks stay cached in segments sized for a block's tensors; the loss's logits-sized tensors, larger
+    than any of them, cannot be carved from those, so the allocator maps new segments beside them. One
+    block's forward activations of ``tokens`` tokens then stay reserved at the peak (none where the
+    loss is not the peak, or on a stage without the head)."""
+    if not head or checkpointing(candidate, work) != "full" or work.logits_kept:
+        return 0.0
+    per_token = block_bytes_per_token(candidate, spec, work, tensor, fp8)
+    if loss_bytes(spec, work, tokens, tensor) <= 2 * per_token * tokens:
+        return 0.0
+    return per_token * tokens
 
 
 def loss_bytes(spec: TransformerSpec, work: Workload, tokens: float, tensor: int) -> float:
@@ -434,10 +474,11 @@ def residual_is_fp32(candidate: Candidate, work: Workload) -> bool:
 
 
 def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,
-                   facts: Optional[LayoutFacts] = None) -> float:
-    """Per-GPU peak bytes. Data-parallel layouts go through ``cost_model.estimate`` with an analytical alone
-    profile; tensor / pipeline layouts through ``layout_memory``. fp8 keeps bf16 state here (its fp8
-    weight copies are small beside the fp32 state) and saves its matmuls' inputs in fp8."""
+                   facts: Optional[LayoutFacts] = None, reserved: bool = False) -> float:
+    """Per-GPU peak bytes: the live tensors, or with ``reserved`` what the allocator holds then
+    (``cached_block_bytes`` more). Data-parallel layouts go through ``cost_model.estimate`` with an
+    analytical alone profile; tensor / pipeline layouts through ``layout_memory``. fp8 keeps bf16 state
+    here (its fp8 weight copies are small beside the fp32 state) and saves its matmuls' inputs in fp8."""
     fp8 = candidate.precision == "fp8"
     if fp8:
         candidate = dataclasses.replace(candidate, precision="amp_bf16")
@@ -445,7 +486,7 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
     data = candidate.data_size(world)
     P, G, O = state_bytes(candidate, spec, work.optimizer_states)  # noqa: E741 (the docstring's P / G / O)
     if t * p > 1 or (candidate.sharding == "zero1" and work.distributed_optimizer):
-        return layout_memory(candidate, spec, work, facts, data, fp8)
+        return layout_memory(candidate, spec, work, facts, data, fp8, reserved)
     tokens = work.tokens / data
     if work.syncs_each_micro_step(candidate):  # one micro-batch's activations, no unsharded gradients kept
         tokens /= max(candidate.micro, 1)
@@ -459,7 +500,8 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
                              int(P + G + O + act), 0.0, int(P), int(G), int(O))
     shard_group = shard_size(candidate, world)
     memory = estimate(stated, variant, shard_group, _profile(spec, P), _hardware(cluster)).memory_bytes
-    return memory + fp32_gather_bytes(candidate, spec, work, shard_group)
+    cached = cached_block_bytes(candidate, spec, work, tokens / max(candidate.micro, 1), fp8=fp8) if reserved else 0.0
+    return memory + fp32_gather_bytes(candidate, spec, work, shard_group) + cached
 
 
 def fp32_gather_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload, shard: int) -> float:
@@ -474,7 +516,7 @@ def fp32_gather_bytes(candidate: Candidate, spec: TransformerSpec, work: Workloa
 
 
 def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, facts: Optional[LayoutFacts],
-                  data: int, fp8: bool = False) -> float:
+                  data: int, fp8: bool = False, reserved: bool = False) -> float:
     """A tensor / pipeline rank's state (its share of the model) sharded over the data dimension as the
     sharding says: fsdp all of it (plus two gathered blocks), zero2 all of it plus its share's parameters
     whole in the compute dtype (FSDP2 without resharding after forward keeps them gathered through
@@ -514,9 +556,12 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
         # each stage's blocks times the micro-batches it holds (the first the most, the last the logits)
         act = max(activation_bytes(candidate, spec, work, tokens, tensor=t, layers=held_blocks(spec, work, p, k, micro),
                                    fp8=fp8, head=k == p - 1)
-                  + kept_stage_outputs(candidate, spec, work, tokens, k, micro) for k in range(p))
+                  + kept_stage_outputs(candidate, spec, work, tokens, k, micro)
+                  + (cached_block_bytes(candidate, spec, work, tokens, tensor=t, fp8=fp8, head=k == p - 1)
+                     if reserved else 0.0) for k in range(p))
     else:
         act = activation_bytes(candidate, spec, work, tokens, tensor=t, fp8=fp8)
+        act += cached_block_bytes(candidate, spec, work, tokens, tensor=t, fp8=fp8) if reserved else 0.0
     return states + act
 
 

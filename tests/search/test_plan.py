@@ -181,7 +181,7 @@ def test_estimate_of_the_top_plan_gives_the_figures_plan_reports():
                                pipeline=c.pipeline, sharding=sharding, precision=precision,
                                activation_checkpointing=best.checkpointing,
                                micro_batch_size=32 // data // c.micro if c.micro > 1 else None,
-                               grad_sync=c.grad_sync, vocab_parallel_loss=False)
+                               grad_sync=c.grad_sync, vocab_parallel_loss=False, saves_gathered_inputs=True)
         assert mine.candidate == c
         assert mine.tokens_per_s_per_gpu == pytest.approx(best.tokens_per_s_per_gpu, rel=1e-9)
         assert mine.mfu == pytest.approx(best.mfu, rel=1e-9)
@@ -195,7 +195,8 @@ def test_estimate_of_the_top_plan_gives_the_figures_plan_reports():
     ("grad_sync", "every", "each_micro_step"), ("tp_comm_overlap", "yes", "True"),
     ("grad_reduce_overlap", 1, "None"), ("param_gather_overlap", "on", "None"), ("pipeline_p2p_overlap", 0, "None"),
     ("distributed_optimizer", True, "zero1"), ("virtual_stages", 2, "pipeline > 1"), ("virtual_stages", 0, "positive"),
-    ("fused_swiglu", "yes", "True"), ("vocab_parallel_loss", "no", "True"), ("grad_reduce_dtype", "fp16", "bf16"),
+    ("fused_swiglu", "yes", "True"), ("vocab_parallel_loss", "no", "True"), ("saves_gathered_inputs", 1, "True"),
+    ("grad_reduce_dtype", "fp16", "bf16"),
     ("attention", "eager", "materialised"), ("sequence_parallel", 1, "True"),
     ("half_grads_kept", "yes", "True"), ("half_grads_kept", True, "zero1"), ("stage_outputs_kept", 1, "True"),
     ("stage_outputs_kept", True, "pipeline > 1"),
@@ -403,6 +404,51 @@ def test_logits_are_split_on_the_vocabulary_only_where_the_loss_runs_on_the_spli
     finally:
         atorch.plan.__globals__["predict"] = original
     assert seen and not any(seen)
+
+
+def test_dtensor_tensor_parallelism_keeps_its_gathered_inputs_whole():
+    """Under sequence parallelism DTensor's column-parallel matmuls save the all-gathered input they ran
+    on (torchtitan, atorch's tensor_parallel), where Megatron saves the sequence shard: per block and
+    token the two norm outputs count whole, 2 x hidden x 2 bytes x (1 - 1/tp) more, and the output
+    layer's gathered input stays through the loss. Without tensor parallelism nothing changes."""
+    from atorch.plan import configuration
+    from atorch.plan.analytic import activation_bytes, block_bytes_per_token
+
+    args = dict(global_batch=64, seq_len=8192, tensor=8)
+    spec, _, candidate, work = configuration("llama3-70b", "8x8xH100-80GB", **args)
+    gathered = dataclasses.replace(work, saves_gathered_inputs=True)
+    extra = block_bytes_per_token(candidate, spec, gathered, 8) - block_bytes_per_token(candidate, spec, work, 8)
+    assert extra == pytest.approx(2 * spec.hidden * 2 * (1 - 1 / 8))
+    assert block_bytes_per_token(candidate, spec, gathered, 1) == block_bytes_per_token(candidate, spec, work, 1)
+    head = (activation_bytes(candidate, spec, gathered, 8192, tensor=8, layers=0)
+            - activation_bytes(candidate, spec, work, 8192, tensor=8, layers=0))
+    assert head >= 8192 * spec.hidden * 2  # the output layer's whole input (and the block's larger working set)
+    megatron = atorch.estimate("llama3-70b", "8x8xH100-80GB", **args)
+    dtensor = atorch.estimate("llama3-70b", "8x8xH100-80GB", saves_gathered_inputs=True, **args)
+    assert dtensor.allocated_bytes > megatron.allocated_bytes
+    assert dtensor.tokens_per_s_per_gpu == megatron.tokens_per_s_per_gpu
+
+
+def test_under_full_checkpointing_the_loss_peak_reserves_a_blocks_freed_segments_beside_it():
+    """Checkpointed blocks free their forward activations as they go, into segments sized for a
+    block's tensors; where the loss is the peak its logits-sized tensors need new segments, so one
+    block's forward activations stay reserved beyond the live tensors. Not where the blocks keep their
+    activations (no checkpointing) or where a block's backward is the peak."""
+    from atorch.plan import configuration
+    from atorch.plan.analytic import block_bytes_per_token
+
+    args = dict(global_batch=256, seq_len=8192, tensor=8)
+    spec, cluster, candidate, work = configuration(LLAMA3_8B_CONFIG, "32x8xH100-80GB", activation_checkpointing="full",
+                                                   **args)
+    full = atorch.estimate(LLAMA3_8B_CONFIG, "32x8xH100-80GB", activation_checkpointing="full", **args)
+    tokens = 256 * 8192 / 32
+    per_block = block_bytes_per_token(candidate, spec, work, 8) * tokens
+    assert full.memory_bytes - full.allocated_bytes == pytest.approx(per_block, rel=1e-6)
+    kept = atorch.estimate(LLAMA3_8B_CONFIG, "32x8xH100-80GB", activation_checkpointing="none", **args)
+    assert kept.memory_bytes == kept.allocated_bytes
+    small_vocab = {**LLAMA3_8B_CONFIG, "vocab_size": 1024}
+    no_loss_peak = atorch.estimate(small_vocab, "32x8xH100-80GB", activation_checkpointing="full", **args)
+    assert no_loss_peak.memory_bytes == no_loss_peak.allocated_bytes
 
 
 def test_a_fused_swiglu_saves_three_intermediate_widths_not_four():

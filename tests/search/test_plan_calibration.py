@@ -92,11 +92,7 @@ INDEPENDENT = sorted({row["source"] for row in ROWS}
 # source that starts meeting its goal fails here until its entry is removed.
 KNOWN_MISSES = {
     "throughput": {},
-    "memory": {
-        "torchtitan-h100": "its three compiled Float8 tensor-parallel runs under full recompute: 70B 2D at 0.78 and "
-                           "0.83 of the published reservation, 405B 1F1B at 0.84 (docs/plan.md: what holds the "
-                           "rest is not known from the page)",
-    },
+    "memory": {},
     "fits": {
         "llama3": "both runs, as section 3.3.2 describes them (FSDP keeping the weights gathered after forward: "
                   "zero2; interleaved one-block chunks; no activation checkpointing): 103 and 95 GiB predicted, "
