@@ -62,6 +62,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/search_quality.py
 	$(PY) benchmarks/plan_vs_published.py
 	$(PY) benchmarks/elementwise_traffic.py
+	$(PY) benchmarks/compiled_activations.py
 	$(PY) benchmarks/gpu.py
 
 clean:  # a VENV you pointed at yourself is never deleted: only what make added to it

@@ -142,6 +142,10 @@ class Workload:
     # ColwiseParallel: autograd keeps the replicated local tensor; torchtitan, atorch's tensor_parallel),
     # where Megatron saves the sequence shard and gathers it again in backward
     saves_gathered_inputs: bool = False
+    # the blocks' saved activations under selective checkpointing relative to those of the eager block
+    # the selective share was fitted on (torchtitan's, op-level); a compiled block's partitioner drops
+    # the saved outputs its backward never reads (benchmarks/compiled_activations.py measures it)
+    selective_saved_scale: float = 1.0
     # DeepSpeed's BF16 optimizer (Megatron-DeepSpeed's ZeRO-1 equivalent): each micro-batch's bf16
     # gradients are added into the fp32 buffer and stay allocated on the parameters until the next
     # backward clears them (its pipeline engine calls update_hp_grads(clear_lp_grads=False) after every
@@ -391,7 +395,8 @@ def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload
     residual = 4 if residual_is_fp32(candidate, work) else width
     sequence = tensor if work.sequence_parallel else 1
     mode = checkpointing(candidate, work)
-    kept = {"none": per_token, "selective": calibration.value("selective activation share") * per_token,
+    selective = calibration.value("selective activation share") * work.selective_saved_scale
+    kept = {"none": per_token, "selective": selective * per_token,
             "full": spec.hidden * residual / sequence}[mode]  # the block input, sequence-split too
     blocks = layers * kept * tokens * in_flight
     working = per_token * tokens * (2 if mode == "full" else 1)  # one block's backward (and its recompute)

@@ -30,6 +30,7 @@ SMALLEST = {
     "host_memory.py": (["--tiny"], "atorch / pytorch recipe: "),
     "plan_vs_published.py": ([], "calibrated constants"),
     "elementwise_traffic.py": (["--tiny"], "measured / predicted"),
+    "compiled_activations.py": (["--tiny"], "compiled / eager"),
     "gpu.py": (["--tiny"], "auto / expert = "),  # checked further below
 }
 

@@ -451,6 +451,22 @@ def test_under_full_checkpointing_the_loss_peak_reserves_a_blocks_freed_segments
     assert no_loss_peak.memory_bytes == no_loss_peak.allocated_bytes
 
 
+def test_a_compiled_blocks_selective_saved_scale_scales_only_the_selectively_kept_activations():
+    """``selective_saved_scale`` (a compiled block's saved set over the eager one the selective share
+    was fitted on, benchmarks/compiled_activations.py) scales the blocks' kept activations under
+    selective checkpointing, and nothing under none or full."""
+    from atorch.plan import configuration
+    from atorch.plan.analytic import activation_bytes
+
+    spec, _, candidate, work = configuration("llama3-8b", "8xH100-80GB", global_batch=16, seq_len=8192)
+    scaled = dataclasses.replace(work, selective_saved_scale=0.5)
+    for mode, ratio in (("selective", 0.5), ("none", 1.0), ("full", 1.0)):
+        base, less = (dataclasses.replace(w, activation_checkpointing=mode) for w in (work, scaled))
+        blocks = [activation_bytes(candidate, spec, w, 16384, layers=32, head=False)
+                  - activation_bytes(candidate, spec, w, 16384, layers=0, head=False) for w in (base, less)]
+        assert blocks[1] == pytest.approx(ratio * blocks[0]), mode
+
+
 def test_a_fused_swiglu_saves_three_intermediate_widths_not_four():
     """fused_swiglu (Megatron-Core's bias_swiglu_fusion) keeps no silu output for backward: less memory on a
     gated MLP, by one intermediate width per token and block; the same speed; a GELU MLP is unchanged."""
