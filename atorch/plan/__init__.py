@@ -109,12 +109,12 @@ def plan(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     _check_attention_span(attention_span, seq_len, "flash")
     _check_optimizer_bytes(optimizer_bytes_per_param)
     # the candidates are atorch's own strategies: its tensor_parallel gathers the logits whole on every
-    # rank (the user's loss function reads them as one tensor), and under its sequence_parallel the split
-    # projections run on a gathered (replicated DTensor) input, which they save whole
+    # rank (the user's loss function reads them as one tensor), and a candidate's strategy names no
+    # sequence_parallel, so the norms and the residual stream run whole on every tensor rank
     work = Workload(global_batch, seq_len, attention_span=attention_span,
                     elementwise_bytes=_elementwise_bytes(elementwise_bytes),
                     optimizer_bytes_per_param=optimizer_bytes_per_param, vocab_parallel_loss=False,
-                    saves_gathered_inputs=True)
+                    sequence_parallel=False)
     world = cluster.world_size
     facts = keep_tensor_in_node(spec_layout_facts(spec, world), Topology(cluster.nodes, cluster.gpus_per_node))
     profile = _profile(spec, facts)
@@ -264,7 +264,8 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     torch's foreach AdamW 56); default None: a fused Adam's (30 with fp32 states).
     ``sequence_parallel``: under tensor parallelism the norms, residual adds and dropout split over the
     sequence (default True, Megatron's --sequence-parallel, torchtitan); False runs and keeps them whole on
-    every tensor rank (Megatron before sequence parallelism).
+    every tensor rank (Megatron before sequence parallelism; ``plan()``'s candidates, whose strategies name
+    tensor_parallel without sequence_parallel).
 
     What a framework keeps that Megatron-Core frees (all default False): ``half_grads_kept``, the
     model's own bf16 gradients stay allocated beside the distributed optimizer's fp32 buffer through the
@@ -293,8 +294,8 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     loss function reads one tensor), and as ``plan()`` counts its candidates.
     ``saves_gathered_inputs``: under sequence parallelism the column-parallel matmuls (the block's two
     after its norms, and the output layer) save the all-gathered input they ran on for their weight
-    gradients (DTensor's ColwiseParallel: torchtitan, atorch's tensor_parallel, as ``plan()`` counts
-    its candidates); default False: Megatron saves the sequence shard and gathers it again in backward.
+    gradients (DTensor's ColwiseParallel: torchtitan, atorch's tensor_parallel with sequence_parallel);
+    default False: Megatron saves the sequence shard and gathers it again in backward.
     Returns a ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``, ``memory_bytes``, ``fits`` and the
     time breakdown)."""
     spec, cluster, candidate, work = configuration(

@@ -181,7 +181,7 @@ def test_estimate_of_the_top_plan_gives_the_figures_plan_reports():
                                pipeline=c.pipeline, sharding=sharding, precision=precision,
                                activation_checkpointing=best.checkpointing,
                                micro_batch_size=32 // data // c.micro if c.micro > 1 else None,
-                               grad_sync=c.grad_sync, vocab_parallel_loss=False, saves_gathered_inputs=True)
+                               grad_sync=c.grad_sync, vocab_parallel_loss=False, sequence_parallel=False)
         assert mine.candidate == c
         assert mine.tokens_per_s_per_gpu == pytest.approx(best.tokens_per_s_per_gpu, rel=1e-9)
         assert mine.mfu == pytest.approx(best.mfu, rel=1e-9)
