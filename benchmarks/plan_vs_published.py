@@ -116,9 +116,14 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
 
 
 # facts of single rows that their source's other rows do not share
+# torchtitan splits a pipeline's layers by generate_split_points (pipelining_utils.py @ 9dec370): L // stages
+# each, the remainder one more to the middle stages, the first and the last without: Llama 3.1 405B's 126
+# layers as [15, 16 x 6, 15] over 8 stages and [7, 8 x 14, 7] over 16 chunks, which for 126 layers is the
+# split that counts the two ends as a block each (pipeline_ends_as_layers)
+TORCHTITAN_405B_SPLIT = {"tp_comm_overlap": True, "pipeline_ends_as_layers": True}
 ROW_WORKLOAD = {"titan llama3.1-70b 256xH100 2d asyncTP fp8+compile": {"tp_comm_overlap": True},
-                "titan llama3.1-405b 512xH100 3d 1F1B fp8+compile": {"tp_comm_overlap": True},
-                "titan llama3.1-405b 512xH100 3d interleaved fp8+compile": {"tp_comm_overlap": True}}
+                "titan llama3.1-405b 512xH100 3d 1F1B fp8+compile": TORCHTITAN_405B_SPLIT,
+                "titan llama3.1-405b 512xH100 3d interleaved fp8+compile": TORCHTITAN_405B_SPLIT}
 
 
 def load(path: Path = DATA) -> tuple[dict, list[dict]]:
