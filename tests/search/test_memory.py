@@ -261,6 +261,11 @@ def test_inside_a_search_the_collector_frees_what_it_made_and_skips_what_was_ali
     gc.freeze()
     try:
         held = gc.get_freeze_count()
-        assert inside()[0] == held and gc.get_freeze_count() == held
+        seen, _ = inside()
+        after = gc.get_freeze_count()
+        # the caller's frozen objects stay frozen through and after the call (not unfrozen: 0) and none are
+        # added; the count only falls by frozen objects that die meanwhile (a finished frame's, another
+        # thread's: 2 of 667,345 in one CI run), so it is compared within 1 %, not to the object
+        assert 0.99 * held <= seen <= held and 0.99 * held <= after <= held, (held, seen, after)
     finally:
         gc.unfreeze()
