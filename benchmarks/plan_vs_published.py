@@ -123,7 +123,8 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
 TORCHTITAN_405B_SPLIT = {"tp_comm_overlap": True, "pipeline_ends_as_layers": True}
 ROW_WORKLOAD = {"titan llama3.1-70b 256xH100 2d asyncTP fp8+compile": {"tp_comm_overlap": True},
                 "titan llama3.1-405b 512xH100 3d 1F1B fp8+compile": TORCHTITAN_405B_SPLIT,
-                "titan llama3.1-405b 512xH100 3d interleaved fp8+compile": TORCHTITAN_405B_SPLIT}
+                "titan llama3.1-405b 512xH100 3d interleaved fp8+compile": TORCHTITAN_405B_SPLIT,
+                "titan llama3.1-405b 512xH100 3d 32k 1F1B fp8+compile": TORCHTITAN_405B_SPLIT}
 
 
 def load(path: Path = DATA) -> tuple[dict, list[dict]]:
