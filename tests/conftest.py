@@ -1,7 +1,7 @@
 """The unit / multi-process split holds: a test that launches processes must be marked ``multirank``.
 
 ``pytest -m "not multirank"`` (``make test-unit``) is then the fast single-process suite, and
-``make test-multirank`` the rest. A test without the marker that spawns ranks (through
+``make test-multirank`` the rest. A test without the marker that starts ranks (through
 ``atorch.testing.launcher`` or ``torch.multiprocessing``) or starts torchrun fails here, naming the
 marker, instead of silently landing in the wrong half.
 """
@@ -27,8 +27,8 @@ def _multi_process_launches_need_the_marker(request, monkeypatch):
     real_get_context, real_popen_init = torch.multiprocessing.get_context, subprocess.Popen.__init__
 
     def get_context(method=None):
-        if method == "spawn":
-            refuse("spawns ranks")
+        if method in ("spawn", "forkserver"):
+            refuse("starts ranks")
         return real_get_context(method)
 
     def popen_init(self, args, *rest, **kwargs):  # the class itself stays subprocess.Popen (picklable)

@@ -3,6 +3,14 @@
 One shared launcher with a hard timeout: if any rank raises, or the run outlives ``timeout_s``, every
 rank is terminated and the caller gets an error naming the rank and its traceback, so a hang fails a
 test instead of CI.
+
+Ranks start from a fork server by default: one process imports torch and atorch once, and every rank
+of every later launch is forked from it, ready in a fraction of a second instead of the seconds a fresh
+interpreter spends importing torch (most of a short multi-rank test's time). A forked rank would see the
+server's environment, so each launch sends the caller's environment and applies it before anything
+runs (the working directory and ``sys.path`` multiprocessing sends itself). ``start_method="spawn"``
+(or ``ATORCH_START_METHOD=spawn``) starts fresh interpreters instead: for what a process reads only
+when it starts (glibc's ``MALLOC_*`` variables).
 """
 from __future__ import annotations
 
@@ -12,7 +20,7 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,7 +39,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+START_METHODS = ("forkserver", "spawn")
+# imported once by the fork server: what the ranks import anyway (see that module)
+FORKSERVER_PRELOAD = ["atorch.testing.warm_imports"]
+
+
+def _context(start_method: Optional[str]) -> Any:
+    """The multiprocessing context for ``start_method`` (None: ``ATORCH_START_METHOD`` or forkserver)."""
+    method = start_method or os.environ.get("ATORCH_START_METHOD") or "forkserver"
+    if method not in START_METHODS:
+        raise ValueError(f"start_method {method!r} is not one of {START_METHODS}")
+    if method == "forkserver" and "forkserver" not in mp.get_all_start_methods():
+        method = "spawn"  # a platform without fork (Windows): fresh interpreters
+    context = mp.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return context
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any,
+            environ: dict[str, str]) -> None:
+    os.environ.clear()  # the caller's environment at launch, not the fork server's at its start
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
@@ -53,17 +82,19 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.0,
-                    may_die: tuple[int, ...] = ()) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` spawned ranks; returns the values ordered by rank.
+                    may_die: tuple[int, ...] = (), start_method: Optional[str] = None) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` new ranks; returns the values ordered by rank.
 
     ``fn`` must be importable (module level). Raises DistributedRunError on the first failure.
     Ranks in ``may_die`` (tests that kill a rank on purpose) may exit without a value: theirs is None.
+    ``start_method``: "forkserver" (default) or "spawn", see the module's docstring.
     """
-    context = mp.get_context("spawn")
+    context = _context(start_method)
     results = context.Queue()
     port = free_port()
     procs = [
-        context.Process(target=_worker, args=(rank, world_size, port, fn, args, results), daemon=True)
+        context.Process(target=_worker, args=(rank, world_size, port, fn, args, results, dict(os.environ)),
+                        daemon=True)
         for rank in range(world_size)
     ]
     for proc in procs:

@@ -110,7 +110,7 @@ def test_no_process_holds_a_whole_copy_while_loading_and_training(tmp_path, monk
     del model
     gc.collect()
 
-    per_rank = run_distributed(every_strategy, WORLD, directory, timeout_s=300)
+    per_rank = run_distributed(every_strategy, WORLD, directory, timeout_s=300, start_method="spawn")
 
     reference = transformers.LlamaForCausalLM.from_pretrained(directory)
     data = dataset()

@@ -167,7 +167,7 @@ def test_each_overloaded_word_names_one_thing():
 
 def test_a_process_launch_without_the_multirank_marker_fails(tmp_path):
     """tests/conftest.py keeps ``-m "not multirank"`` exact: run on a file of its own, an unmarked test
-    that spawns ranks fails naming the marker, and the same test marked passes."""
+    that starts ranks (spawned or forked) fails naming the marker, and the same test marked passes."""
     import shutil
     import subprocess
     import sys
@@ -175,9 +175,11 @@ def test_a_process_launch_without_the_multirank_marker_fails(tmp_path):
     shutil.copy(ROOT.parent / "tests" / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_spawn.py").write_text(
         "import pytest\nimport torch.multiprocessing as mp\n\n"
-        "def test_unmarked():\n    mp.get_context('spawn')\n\n"
-        "@pytest.mark.multirank\ndef test_marked():\n    mp.get_context('spawn')\n")
+        "@pytest.mark.parametrize('method', ['spawn', 'forkserver'])\n"
+        "def test_unmarked(method):\n    mp.get_context(method)\n\n"
+        "@pytest.mark.multirank\ndef test_marked():\n    mp.get_context('forkserver')\n")
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "markers=multirank",
                            str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert "1 failed, 1 passed" in done.stdout, done.stdout + done.stderr
-    assert "test_unmarked spawns ranks but is not marked multirank" in done.stdout, done.stdout
+    assert "2 failed, 1 passed" in done.stdout, done.stdout + done.stderr
+    for method in ("spawn", "forkserver"):
+        assert f"test_unmarked[{method}] starts ranks but is not marked multirank" in done.stdout, done.stdout

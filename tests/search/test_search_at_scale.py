@@ -95,7 +95,7 @@ def search_and_train() -> dict:
 # glibc raises its mmap threshold as large blocks are freed, then serves gloo's per-collective temporaries
 # from its heap and keeps the freed pages: a process's RSS then grows by tens of MiB that hold nothing
 # (20 all-gathers of 4 MiB: +66 MiB). A fixed threshold makes RSS follow the live bytes, as a device's
-# allocated memory does; the ranks inherit it when they start.
+# allocated memory does; the ranks read it when they start (spawned: a forked rank's malloc started before).
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
@@ -104,7 +104,7 @@ def searched() -> list[dict]:
     with pytest.MonkeyPatch.context() as patch:
         for name, value in ALLOCATOR_ENV.items():
             patch.setenv(name, value)
-        return run_distributed(search_and_train, 4, timeout_s=600)
+        return run_distributed(search_and_train, 4, timeout_s=600, start_method="spawn")
 
 
 def test_the_model_cannot_be_trained_whole_within_the_limit(searched):

@@ -1,0 +1,50 @@
+"""The test launcher (``atorch.testing.run_distributed``): ranks forked from its fork server must see
+the caller's environment and working directory at launch, as spawned ranks do, and a rank's failure
+must reach the caller with its traceback."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from atorch.testing import DistributedRunError, run_distributed
+from atorch.testing.launcher import START_METHODS
+
+pytestmark = pytest.mark.multirank
+NAME = "ATORCH_LAUNCHER_TEST_VALUE"
+
+
+def _seen() -> tuple:
+    import torch
+    import torch.distributed as dist
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    return os.environ.get(NAME), os.getcwd(), os.environ["RANK"], total.item(), torch.get_num_threads()
+
+
+def _raise_on_rank_1() -> None:
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        raise KeyError("raised on rank 1")
+    dist.barrier()  # rank 0 waits here for a peer that never comes: the launcher must end it
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_ranks_see_the_environment_and_directory_of_each_launch(start_method, tmp_path, monkeypatch):
+    for value in ("first", "second"):  # the second launch reuses the fork server started by the first
+        monkeypatch.setenv(NAME, value)
+        monkeypatch.chdir(tmp_path)
+        seen = run_distributed(_seen, 2, start_method=start_method)
+        assert seen == [(value, str(tmp_path), "0", 3.0, 1), (value, str(tmp_path), "1", 3.0, 1)]
+    monkeypatch.delenv(NAME)
+    assert run_distributed(_seen, 2, start_method=start_method)[0][0] is None  # a removed variable is gone
+
+
+def test_a_rank_that_raises_ends_the_run_with_its_traceback():
+    with pytest.raises(DistributedRunError, match=r"rank 1 failed:(.|\n)*KeyError: 'raised on rank 1'"):
+        run_distributed(_raise_on_rank_1, 2, timeout_s=60)
+
+
+def test_an_unknown_start_method_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"'fork'.*\('forkserver', 'spawn'\)"):
+        run_distributed(_seen, 2, start_method="fork")
