@@ -387,6 +387,14 @@ def tiny_olmo2() -> nn.Module:
     return transformers.Olmo2ForCausalLM._from_config(_decoder_config("Olmo2Config"))
 
 
+def tiny_cohere() -> nn.Module:
+    """Cohere (Command R): q / k LayerNorms over each head's features with a weight per head and feature
+    ([heads, head size]), the attention and the MLP in parallel on one norm's output, logits scaled."""
+    import transformers
+
+    return transformers.CohereForCausalLM._from_config(_decoder_config("CohereConfig", use_qk_norm=True))
+
+
 def tiny_llama4() -> nn.Module:
     """Llama 4's text model: a bank called with every expert's rows (each token repeated per expert,
     scaled by its score) beside a shared expert, complex-valued rotary embeddings, per-head L2 q / k
@@ -512,6 +520,7 @@ MORE_MOE: dict[str, ZooModel] = {m.name: m for m in (
     ZooModel("qwen3_moe", tiny_qwen3_moe, token_dataset, hf_loss, "unpack_dict", "Qwen3MoeDecoderLayer", "decoder"),
     ZooModel("olmoe", tiny_olmoe, token_dataset, hf_loss, "unpack_dict", "OlmoeDecoderLayer", "decoder"),
     ZooModel("olmo2", tiny_olmo2, token_dataset, hf_loss, "unpack_dict", "Olmo2DecoderLayer", "decoder"),
+    ZooModel("cohere", tiny_cohere, token_dataset, hf_loss, "unpack_dict", "CohereDecoderLayer", "decoder"),
     ZooModel("llama4", tiny_llama4, token_dataset, hf_loss, "unpack_dict", "Llama4TextDecoderLayer", "decoder"),
     ZooModel("deepseek_v3", tiny_deepseek_v3, token_dataset, hf_loss, "unpack_dict", "DeepseekV3DecoderLayer",
              "decoder"),

@@ -269,6 +269,16 @@ def inspect_zoo_layouts() -> dict:
         out["olmo2"][label] = {"split_norms": report["split_norms"], "share": report["split_share"],
                                "q_norm": (tuple(norm.to_local().shape), [str(p) for p in norm.placements]),
                                "losses": run["losses"], "weights": run["weights"]}
+    out["cohere"] = {}
+    for label, strategy in (("tp", [TP2, "tensor_parallel"]), ("sp", SP)):
+        run = train_gpt(strategy, hf_model="cohere", steps=2)
+        report = run["result"].args.extras["tensor_parallel"]
+        norms = {n: getattr(run["result"].model.get_submodule(f"model.layers.0.self_attn.{n}"), "weight")
+                 for n in ("q_norm", "k_norm")}
+        out["cohere"][label] = {"per_head_params": report["per_head_params"], "replicated": report["replicated"],
+                                "norms": {n: (tuple(w.to_local().shape), [str(p) for p in w.placements])
+                                          for n, w in norms.items()},
+                                "losses": run["losses"], "weights": run["weights"]}
     return out
 
 
@@ -691,6 +701,22 @@ def test_norms_over_a_whole_split_projection_are_split_with_it(two_ranks):
             assert weight_difference(run["weights"], reference["weights"]) < TOL, (rank, label)
         olmoe = per_rank["zoo"]["more_moe"]["olmoe"]
         assert sorted(olmoe["split_norms"]) == sorted(norms), (rank, olmoe["split_norms"])
+
+
+def test_norms_with_a_weight_per_head_are_split_with_the_heads(two_ranks):
+    """Cohere's q / k LayerNorms normalise each head's features with a weight per head and feature
+    ([4, 8] for the queries, [2, 8] for the 2 key / value heads): each process keeps its heads' rows
+    (Shard(0)), so its 2 query heads and 1 key / value head meet their own weights; the step as in one
+    process under tensor and tensor + sequence parallelism."""
+    reference = train_gpt([], hf_model="cohere", steps=2)
+    norms = [f"model.layers.{i}.self_attn.{n}_norm.weight" for i in range(4) for n in "qk"]
+    for rank, per_rank in enumerate(two_ranks):
+        for label, run in per_rank["zoo"]["cohere"].items():
+            assert sorted(run["per_head_params"]) == sorted(norms), (rank, label, run["per_head_params"])
+            assert not [n for n in run["replicated"] if n.endswith("_norm") and "self_attn" in n], run["replicated"]
+            assert run["norms"] == {"q_norm": ((2, 8), ["S(0)"]), "k_norm": ((1, 8), ["S(0)"])}, (rank, label)
+            assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, label, run["losses"])
+            assert weight_difference(run["weights"], reference["weights"]) < TOL, (rank, label)
 
 
 def test_t5_relative_position_bias_is_split_with_the_heads(two_ranks):

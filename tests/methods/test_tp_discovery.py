@@ -35,7 +35,7 @@ pytest.importorskip("transformers", reason="transformers is a test extra")
 
 
 def _plan(name: str, tp: int = 2):
-    zoo = ZOO[name]
+    zoo = zoo_model(name)
     torch.manual_seed(0)
     model = zoo.build()
     split_mha(model)
@@ -82,6 +82,16 @@ def test_a_norm_over_each_head_runs_on_the_local_heads_and_does_not_stop_the_spl
     plan = _plan("qwen3")
     assert plan.head_norms == {f"model.layers.{i}.self_attn.{n}_norm": -2 for i in range(4) for n in "qk"}
     assert not any("norm" in name for name in plan.styles) and "model.layers.0.self_attn.q_norm" not in plan.replicated
+
+
+def test_a_norm_with_a_weight_per_head_is_split_on_its_heads_dimension():
+    """Cohere's q / k LayerNorms also normalise each head's features, but with a weight per head and
+    feature ([heads, head size], read off the norm's input [..., heads, head size]): not a norm shared by
+    the heads, its weight's rows split with the heads they scale (dimension 0)."""
+    plan = _plan("cohere")
+    assert plan.head_params == {f"model.layers.{i}.self_attn.{n}_norm": {"weight": 0} for i in range(4) for n in "qk"}
+    assert not plan.head_norms and not [n for n in plan.replicated if "self_attn" in n], plan.replicated
+    assert _plan("qwen3").head_params == {}  # its norms' one head-sized weight is shared: head_norms
 
 
 def test_a_projection_fused_head_by_head_is_split_as_it_is():

@@ -362,16 +362,17 @@ def _sum_output_gradient(projection: nn.Module, tp_mesh) -> None:
     projection.register_forward_hook(lambda module, args, output: gradient_summed(output, tp_mesh))
 
 
-def _split_head_params(module: nn.Module, names: list[str], tp_mesh) -> None:
-    """An attention's own per-head parameters, heads last (gpt-oss's sinks, Swin's relative position bias
-    table): sharded on their last dimension over the tensor group, so checkpoints see them whole, and
-    this rank's heads' values as plain tensors while the module runs (its code mixes them with the
-    scores of its own heads; their gradients flow back to the shards)."""
-    for name in names:
+def _split_head_params(module: nn.Module, heads_dims: dict[str, int], tp_mesh) -> None:
+    """An attention's own per-head parameters (gpt-oss's sinks and Swin's relative position bias table,
+    heads last; Cohere's per-head norm weights, heads first): sharded on their heads dimension over the
+    tensor group, so checkpoints see them whole, and this rank's heads' values as plain tensors while the
+    module runs (its code mixes them with its own heads; their gradients flow back to the shards)."""
+    names = list(heads_dims)
+    for name, dim in heads_dims.items():
         param = getattr(module, name)
         if not isinstance(param, DTensor):
             module.register_parameter(name, nn.Parameter(
-                distribute_tensor(param.data, tp_mesh, [Shard(param.dim() - 1)]), requires_grad=param.requires_grad))
+                distribute_tensor(param.data, tp_mesh, [Shard(dim % param.dim())]), requires_grad=param.requires_grad))
     registered: dict[str, nn.Parameter] = {}
 
     def local_in(mod: nn.Module, args: tuple) -> None:

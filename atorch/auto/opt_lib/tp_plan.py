@@ -48,9 +48,10 @@ class TPPlan:
     # projections of the one key / value head every query head reads (multi-query attention): whole, the
     # gradient of their output summed over the tensor group
     shared_kv: list[str] = field(default_factory=list)
-    # module in a split attention -> its own parameters of one value per query head along their last
-    # dimension (gpt-oss's attention sinks, Swin's relative position bias table): split with the heads
-    head_params: dict[str, list[str]] = field(default_factory=dict)
+    # module in a split attention -> its own per-head parameters -> the dimension holding the heads: one
+    # value per query head along the last (gpt-oss's attention sinks, Swin's relative position bias table),
+    # or a norm's weight per head and feature, [heads, head size] (Cohere's q / k norms): split with the heads
+    head_params: dict[str, dict[str, int]] = field(default_factory=dict)
     # (module, its attribute, the split parameter's full name): a parameter of a vocabulary-split head that a
     # module above it holds too (BERT-style LM heads' bias), pointed at the split parameter again
     aliases: list[tuple[str, str, str]] = field(default_factory=list)
@@ -123,7 +124,7 @@ def find_tp_plan(model: nn.Module, tp: int, flow: Optional[Dataflow] = None) -> 
     for name, module in model.named_modules():
         leaf = not list(module.children())
         if (leaf and any(True for _ in module.parameters(recurse=False)) and name not in split
-                and name not in plan.head_norms and name not in plan.feature_norms):
+                and name not in plan.head_norms and name not in plan.feature_norms and name not in plan.head_params):
             plan.replicated.append(name)
     return plan
 
@@ -142,7 +143,7 @@ def plan_from_structure(model: nn.Module, flow: Dataflow, tp: int) -> TPPlan:
     plan.shared_kv = list(found.shared_kv)
     plan.head_norms = _head_norms(model, flow, found)
     plan.feature_norms = _feature_norms(model, flow, found)
-    plan.head_params = _head_params(model, found)
+    plan.head_params = {**_head_params(model, found), **_per_head_norm_weights(model, flow, found)}
     for attention in found.attentions:
         if attention.shared_heads:
             names = [n for names in attention.inputs.values() for n in names] + attention.outputs
@@ -167,7 +168,16 @@ def _head_norms(model: nn.Module, flow: Dataflow, found: Discovery) -> dict[str,
     dimension is the head size with a heads dimension before it (returned, counted from the end). They
     run on this rank's heads with their parameters replicated, so their gradients are summed over
     the ranks."""
-    norms: dict[str, int] = {}
+    return {name: dim for name, (dim, per_head_weights) in _norms_on_heads(model, flow, found).items()
+            if not per_head_weights}
+
+
+def _norms_on_heads(model: nn.Module, flow: Dataflow, found: Discovery) -> dict[str, tuple[int, bool]]:
+    """Modules inside a split attention called on a tensor of heads, [..., heads, head size], holding
+    parameters of one head's size (Qwen3's q / k norms: shared by the heads) or of that tensor's last two
+    dimensions (Cohere's: a weight per head and feature): name -> (the heads dimension counted from the
+    end, whether the parameters are per head)."""
+    norms: dict[str, tuple[int, bool]] = {}
     for attention in found.attentions:
         names = [n for names in attention.inputs.values() for n in names] + attention.outputs
         region = _common_parent(names)
@@ -177,21 +187,31 @@ def _head_norms(model: nn.Module, flow: Dataflow, found: Discovery) -> dict[str,
             params = list(module.parameters(recurse=False))
             shape = flow.module_inputs.get(name, ())
             if (not name.startswith(prefix) or name in names or not params or _is_linear(module) or len(shape) < 3
-                    or shape[-1] != attention.head_dim or any(p.numel() != attention.head_dim for p in params)):
+                    or shape[-1] != attention.head_dim):
                 continue
-            dim = next((d for d in range(-2, -len(shape) - 1, -1) if shape[d] in heads), None)
-            if dim is not None:
-                norms[name] = dim
+            if all(p.numel() == attention.head_dim for p in params):
+                dim = next((d for d in range(-2, -len(shape) - 1, -1) if shape[d] in heads), None)
+                if dim is not None:
+                    norms[name] = (dim, False)
+            elif shape[-2] in heads and all(tuple(p.shape) == tuple(shape[-2:]) for p in params):
+                norms[name] = (-2, True)
     return norms
 
 
-def _head_params(model: nn.Module, found: Discovery) -> dict[str, list[str]]:
+def _per_head_norm_weights(model: nn.Module, flow: Dataflow, found: Discovery) -> dict[str, dict[str, int]]:
+    """Norms on each head's features whose weights hold a row per head (Cohere's q / k norms, [heads,
+    head size]): their parameters split on the heads dimension (0) like the heads they scale."""
+    return {name: {n: 0 for n, _ in model.get_submodule(name).named_parameters(recurse=False)}
+            for name, (_, per_head_weights) in _norms_on_heads(model, flow, found).items() if per_head_weights}
+
+
+def _head_params(model: nn.Module, found: Discovery) -> dict[str, dict[str, int]]:
     """A split attention's own parameters with one value per query head along their last dimension, held
     by the attention's modules other than its Linears: gpt-oss's attention sinks (a logit per head joined
     to the scores), Swin's relative position bias tables ([relative positions, heads], a bias per head
     added to the scores; BEiT's, held by the layer outside its attention, is not found here). Each rank
     keeps its heads' values (their last dimension split)."""
-    out: dict[str, list[str]] = {}
+    out: dict[str, dict[str, int]] = {}
     for attention in found.attentions:
         names = [n for names in attention.inputs.values() for n in names] + attention.outputs
         parent = _common_parent(names)
@@ -201,10 +221,10 @@ def _head_params(model: nn.Module, found: Discovery) -> dict[str, list[str]]:
         for name, module in model.get_submodule(parent).named_modules(prefix=parent):
             if name in names or name in found.head_bias or _is_linear(module) or isinstance(module, nn.Embedding):
                 continue  # per-head embeddings (T5's relative bias) are split as embeddings: head_bias
-            found_here = [n for n, p in module.named_parameters(recurse=False)
-                          if p.dim() in (1, 2) and p.shape[-1] == q_heads and (p.dim() == 1 or p.shape[0] != q_heads)]
+            found_here = {n: -1 for n, p in module.named_parameters(recurse=False)
+                          if p.dim() in (1, 2) and p.shape[-1] == q_heads and (p.dim() == 1 or p.shape[0] != q_heads)}
             if found_here:
-                out[name] = sorted(set(out.get(name, [])) | set(found_here))
+                out[name] = dict(sorted({**out.get(name, {}), **found_here}.items()))
     return out
 
 
