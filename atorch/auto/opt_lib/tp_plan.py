@@ -141,9 +141,9 @@ def plan_from_structure(model: nn.Module, flow: Dataflow, tp: int) -> TPPlan:
     plan.fused = {n: parts for n, parts in found.fused.items() if n not in found.parts_within_heads}
     plan.head_bias = list(found.head_bias)
     plan.shared_kv = list(found.shared_kv)
-    plan.head_norms = _head_norms(model, flow, found)
+    plan.head_norms, per_head_weights = _head_norms(model, flow, found)
     plan.feature_norms = _feature_norms(model, flow, found)
-    plan.head_params = {**_head_params(model, found), **_per_head_norm_weights(model, flow, found)}
+    plan.head_params = {**_head_params(model, found), **per_head_weights}
     for attention in found.attentions:
         if attention.shared_heads:
             names = [n for names in attention.inputs.values() for n in names] + attention.outputs
@@ -162,47 +162,35 @@ def plan_from_structure(model: nn.Module, flow: Dataflow, tp: int) -> TPPlan:
     return plan
 
 
-def _head_norms(model: nn.Module, flow: Dataflow, found: Discovery) -> dict[str, int]:
-    """Modules inside a split attention that normalise each head's features (Qwen3's, Gemma 3's q / k
-    norms): they hold parameters of one head's size only and were called on a tensor whose last
-    dimension is the head size with a heads dimension before it (returned, counted from the end). They
-    run on this rank's heads with their parameters replicated, so their gradients are summed over
-    the ranks."""
-    return {name: dim for name, (dim, per_head_weights) in _norms_on_heads(model, flow, found).items()
-            if not per_head_weights}
-
-
-def _norms_on_heads(model: nn.Module, flow: Dataflow, found: Discovery) -> dict[str, tuple[int, bool]]:
-    """Modules inside a split attention called on a tensor of heads, [..., heads, head size], holding
-    parameters of one head's size (Qwen3's q / k norms: shared by the heads) or of that tensor's last two
-    dimensions (Cohere's: a weight per head and feature): name -> (the heads dimension counted from the
-    end, whether the parameters are per head)."""
-    norms: dict[str, tuple[int, bool]] = {}
+def _head_norms(model: nn.Module, flow: Dataflow,
+                found: Discovery) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """Modules inside a split attention that normalise each head's features: called on a tensor whose
+    last dimension is the head size with a heads dimension before it. Those whose parameters are of one
+    head's size (Qwen3's, Gemma 3's q / k norms: shared by the heads) run on this rank's heads with their
+    parameters replicated, so their gradients are summed over the ranks: name -> the heads dimension,
+    counted from the end (the first dict). Those whose parameters are that tensor's last two dimensions
+    (Cohere's: a weight per head and feature, [heads, head size]) have them split on the heads
+    dimension (0) like the heads they scale: name -> {parameter: 0} (the second, for ``head_params``)."""
+    shared: dict[str, int] = {}
+    per_head: dict[str, dict[str, int]] = {}
     for attention in found.attentions:
         names = [n for names in attention.inputs.values() for n in names] + attention.outputs
         region = _common_parent(names)
         heads = {h for n in attention.heads for h in part_heads(attention, n)}
         prefix = f"{region}." if region else ""
         for name, module in model.named_modules():
-            params = list(module.parameters(recurse=False))
+            params = dict(module.named_parameters(recurse=False))
             shape = flow.module_inputs.get(name, ())
             if (not name.startswith(prefix) or name in names or not params or _is_linear(module) or len(shape) < 3
                     or shape[-1] != attention.head_dim):
                 continue
-            if all(p.numel() == attention.head_dim for p in params):
+            if all(p.numel() == attention.head_dim for p in params.values()):
                 dim = next((d for d in range(-2, -len(shape) - 1, -1) if shape[d] in heads), None)
                 if dim is not None:
-                    norms[name] = (dim, False)
-            elif shape[-2] in heads and all(tuple(p.shape) == tuple(shape[-2:]) for p in params):
-                norms[name] = (-2, True)
-    return norms
-
-
-def _per_head_norm_weights(model: nn.Module, flow: Dataflow, found: Discovery) -> dict[str, dict[str, int]]:
-    """Norms on each head's features whose weights hold a row per head (Cohere's q / k norms, [heads,
-    head size]): their parameters split on the heads dimension (0) like the heads they scale."""
-    return {name: {n: 0 for n, _ in model.get_submodule(name).named_parameters(recurse=False)}
-            for name, (_, per_head_weights) in _norms_on_heads(model, flow, found).items() if per_head_weights}
+                    shared[name] = dim
+            elif shape[-2] in heads and all(tuple(p.shape) == tuple(shape[-2:]) for p in params.values()):
+                per_head[name] = dict.fromkeys(params, 0)
+    return shared, per_head
 
 
 def _head_params(model: nn.Module, found: Discovery) -> dict[str, dict[str, int]]:
