@@ -511,7 +511,9 @@ def sample_values(model: nn.Module) -> Iterator[None]:
     for name, module in model.named_modules():
         if _own_meta_tensors(module):
             swap = _SampleSwap(module, meta)
-            hooks.append(module.register_forward_pre_hook(swap.fill))
+            # first among the module's pre-hooks: one that reads its tensors (tensor_parallel's per-head
+            # parameters, handed to the module as local shards) must meet the sample values
+            hooks.append(module.register_forward_pre_hook(swap.fill, prepend=True))
             hooks.append(module.register_forward_hook(swap.empty, always_call=True))
     try:
         with _SampleOperands(meta):

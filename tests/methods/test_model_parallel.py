@@ -4,6 +4,8 @@ model zoo, and all final weights: relative difference < 1e-4). Every case trains
 seed document's training loop, unchanged (``optim.backward`` when ``args.use_optim_backward``)."""
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,6 +16,7 @@ from atorch.auto.opt_lib.pipeline_parallel import balance_stages, plan_stages
 from atorch.distributed import mesh
 from atorch.models import GPT, GPTConfig
 from atorch.testing import run_distributed
+from atorch.testing.hf_models import zoo_model
 from atorch.testing.training import relative_difference, train_gpt, weight_difference
 from atorch.utils.modules import full_state_dict
 from tests.parity import case_parts, run_suite
@@ -269,9 +272,18 @@ def inspect_zoo_layouts() -> dict:
         out["olmo2"][label] = {"split_norms": report["split_norms"], "share": report["split_share"],
                                "q_norm": (tuple(norm.to_local().shape), [str(p) for p in norm.placements]),
                                "losses": run["losses"], "weights": run["weights"]}
+    # also built on the meta device, its weights loaded after the split ("tp_meta"): the plan's check runs
+    # the meta model on sample values, which its per-head norm weights (local shards in the norms) must meet
+    directory = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(directory)
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        zoo_model("cohere").build().save_pretrained(directory[0])
+    dist.barrier()
     out["cohere"] = {}
-    for label, strategy in (("tp", [TP2, "tensor_parallel"]), ("sp", SP)):
-        run = train_gpt(strategy, hf_model="cohere", steps=2)
+    for label, strategy, pretrained in (("tp", [TP2, "tensor_parallel"], None), ("sp", SP, None),
+                                        ("tp_meta", [TP2, "tensor_parallel"], directory[0])):
+        run = train_gpt(strategy, hf_model="cohere", steps=2, pretrained=pretrained)
         report = run["result"].args.extras["tensor_parallel"]
         norms = {n: getattr(run["result"].model.get_submodule(f"model.layers.0.self_attn.{n}"), "weight")
                  for n in ("q_norm", "k_norm")}
@@ -707,7 +719,8 @@ def test_norms_with_a_weight_per_head_are_split_with_the_heads(two_ranks):
     """Cohere's q / k LayerNorms normalise each head's features with a weight per head and feature
     ([4, 8] for the queries, [2, 8] for the 2 key / value heads): each process keeps its heads' rows
     (Shard(0)), so its 2 query heads and 1 key / value head meet their own weights; the step as in one
-    process under tensor and tensor + sequence parallelism."""
+    process under tensor and tensor + sequence parallelism, and under tensor parallelism built on the
+    meta device with its weights loaded after the split."""
     reference = train_gpt([], hf_model="cohere", steps=2)
     norms = [f"model.layers.{i}.self_attn.{n}_norm.weight" for i in range(4) for n in "qk"]
     for rank, per_rank in enumerate(two_ranks):
