@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 VOCAB, SEQ, DIM, HEADS, DEPTH = 64, 16, 32, 4, 4
@@ -256,13 +257,17 @@ class Block(nn.Module):
 
 class TimmViT(nn.Module):
     """timm-style VisionTransformer: ``patch_embed`` (a Conv2d), a ``cls_token`` and ``pos_embed``
-    Parameters on the model itself, ``blocks`` an ``nn.Sequential``, attention with one fused
-    ``qkv`` whose forward reads the width from the input (``B, N, C = x.shape``; a tensor-parallel
-    split of ``qkv`` must keep that reading right), final ``norm`` and ``head`` on the class token."""
+    Parameters on the model itself, ``blocks`` an ``nn.Sequential`` (with ``grad_checkpointing``, iterated
+    block by block under activation checkpointing as timm's ``checkpoint_seq`` does, the Sequential itself
+    never called), attention with one fused ``qkv`` whose forward reads the width from the input
+    (``B, N, C = x.shape``; a tensor-parallel split of ``qkv`` must keep that reading right), final
+    ``norm`` and ``head`` on the class token."""
 
     def __init__(self, img_size: int = 16, patch_size: int = 8, in_chans: int = 3, num_classes: int = 4,
-                 embed_dim: int = DIM, depth: int = DEPTH, num_heads: int = HEADS, mlp_ratio: float = 2.0):
+                 embed_dim: int = DIM, depth: int = DEPTH, num_heads: int = HEADS, mlp_ratio: float = 2.0,
+                 grad_checkpointing: bool = False):
         super().__init__()
+        self.grad_checkpointing = grad_checkpointing
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim))
@@ -275,7 +280,12 @@ class TimmViT(nn.Module):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x)
         x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1) + self.pos_embed
-        return self.norm(self.blocks(x))
+        if self.grad_checkpointing and self.training:  # timm's checkpoint_seq: the Sequential is iterated, not called
+            for block in self.blocks:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        else:
+            x = self.blocks(x)
+        return self.norm(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.forward_features(x)[:, 0])

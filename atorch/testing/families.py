@@ -47,7 +47,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "llama4_text": dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=64, head_dim=8),
     "smollm3": {}, "ernie4_5": {}, "gpt_neo": dict(attention_types=[[["global", "local"], 2]], window_size=8),
     "codegen": dict(rotary_dim=4), "xglm": {}, "helium": dict(head_dim=8), "exaone4": {}, "seed_oss": {},
-    "apertus": {},
+    "apertus": {}, "bitnet": {},
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=8,
                     layer_types=["sliding_attention", "full_attention"] * 2),
 }

@@ -16,6 +16,7 @@ reference runs the per-rank chunks one after another (``norm_chunks``).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -395,6 +396,14 @@ def tiny_cohere() -> nn.Module:
     return transformers.CohereForCausalLM._from_config(_decoder_config("CohereConfig", use_qk_norm=True))
 
 
+def tiny_bitnet() -> nn.Module:
+    """BitNet b1.58 (unquantised): Llama's layout with an RMSNorm over the attention's whole output before
+    ``o_proj`` (``attn_sub_norm``) and one over the MLP's product before ``down_proj`` (``ffn_sub_norm``)."""
+    import transformers
+
+    return transformers.BitNetForCausalLM._from_config(_decoder_config("BitNetConfig"))
+
+
 def tiny_llama4() -> nn.Module:
     """Llama 4's text model: a bank called with every expert's rows (each token repeated per expert,
     scaled by its score) beside a shared expert, complex-valued rotary embeddings, per-head L2 q / k
@@ -521,6 +530,7 @@ MORE_MOE: dict[str, ZooModel] = {m.name: m for m in (
     ZooModel("olmoe", tiny_olmoe, token_dataset, hf_loss, "unpack_dict", "OlmoeDecoderLayer", "decoder"),
     ZooModel("olmo2", tiny_olmo2, token_dataset, hf_loss, "unpack_dict", "Olmo2DecoderLayer", "decoder"),
     ZooModel("cohere", tiny_cohere, token_dataset, hf_loss, "unpack_dict", "CohereDecoderLayer", "decoder"),
+    ZooModel("bitnet", tiny_bitnet, token_dataset, hf_loss, "unpack_dict", "BitNetDecoderLayer", "decoder"),
     ZooModel("llama4", tiny_llama4, token_dataset, hf_loss, "unpack_dict", "Llama4TextDecoderLayer", "decoder"),
     ZooModel("deepseek_v3", tiny_deepseek_v3, token_dataset, hf_loss, "unpack_dict", "DeepseekV3DecoderLayer",
              "decoder"),
@@ -532,6 +542,9 @@ MORE_MOE: dict[str, ZooModel] = {m.name: m for m in (
     ZooModel("phi3", tiny_phi3, token_dataset, hf_loss, "unpack_dict", "Phi3DecoderLayer", "decoder"),
     ZooModel("swin", tiny_swin, image_dataset, hf_loss, "unpack_dict", "SwinLayer", "vision"),
     ZooModel("deberta", tiny_deberta, token_dataset, hf_loss, "unpack_dict", "DebertaV2Layer", "encoder"),
+    # timm's grad_checkpointing: the blocks' nn.Sequential is iterated (checkpoint_seq), never called
+    ZooModel("timm_vit_checkpoint_seq", functools.partial(TimmViT, grad_checkpointing=True), picture_dataset,
+             cnn_loss, None, "Block", "vision", hf=False),
 )}
 
 

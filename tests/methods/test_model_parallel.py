@@ -264,14 +264,17 @@ def inspect_zoo_layouts() -> dict:
     out["swin"] = {"per_head_params": run["result"].args.extras["tensor_parallel"]["per_head_params"],
                    "table": (tuple(table.to_local().shape), [str(p) for p in table.placements]),
                    "losses": run["losses"], "weights": run["weights"]}
-    out["olmo2"] = {}
-    for label, strategy in (("tp", [TP2, "tensor_parallel"]), ("sp", SP)):
-        run = train_gpt(strategy, hf_model="olmo2", steps=2)
-        report = run["result"].args.extras["tensor_parallel"]
-        norm = run["result"].model.get_submodule("model.layers.0.self_attn.q_norm").weight
-        out["olmo2"][label] = {"split_norms": report["split_norms"], "share": report["split_share"],
-                               "q_norm": (tuple(norm.to_local().shape), [str(p) for p in norm.placements]),
-                               "losses": run["losses"], "weights": run["weights"]}
+    # norms over a split tensor's whole features: OLMo 2's q_norm, BitNet's ffn_sub_norm (one of each checked)
+    for family, norm_path in (("olmo2", "model.layers.0.self_attn.q_norm"),
+                              ("bitnet", "model.layers.0.mlp.ffn_sub_norm")):
+        out[family] = {}
+        for label, strategy in (("tp", [TP2, "tensor_parallel"]), ("sp", SP)):
+            run = train_gpt(strategy, hf_model=family, steps=2)
+            report = run["result"].args.extras["tensor_parallel"]
+            norm = run["result"].model.get_submodule(norm_path).weight
+            out[family][label] = {"split_norms": report["split_norms"], "share": report["split_share"],
+                                  "rowwise": report["rowwise"], "losses": run["losses"], "weights": run["weights"],
+                                  "norm": (tuple(norm.to_local().shape), [str(p) for p in norm.placements])}
     # also built on the meta device, its weights loaded after the split ("tp_meta"): the plan's check runs
     # the meta model on sample values, which its per-head norm weights (local shards in the norms) must meet
     directory = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
@@ -707,12 +710,29 @@ def test_norms_over_a_whole_split_projection_are_split_with_it(two_ranks):
     for rank, per_rank in enumerate(two_ranks):
         for label, run in per_rank["zoo"]["olmo2"].items():
             assert sorted(run["split_norms"]) == sorted(norms), (rank, label, run["split_norms"])
-            assert run["q_norm"] == ((16,), ["S(0)"]), (rank, label, run["q_norm"])
+            assert run["norm"] == ((16,), ["S(0)"]), (rank, label, run["norm"])
             assert run["share"] > 0.99, (rank, label, run["share"])
             assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, label, run["losses"])
             assert weight_difference(run["weights"], reference["weights"]) < TOL, (rank, label)
         olmoe = per_rank["zoo"]["more_moe"]["olmoe"]
         assert sorted(olmoe["split_norms"]) == sorted(norms), (rank, olmoe["split_norms"])
+
+
+def test_norms_before_a_row_wise_projection_are_split_with_its_input(two_ranks):
+    """BitNet's RMSNorms over the attention's whole output (before o_proj) and over the MLP's product
+    (before down_proj): the projections around them split as in Llama, each norm holding its share of
+    the features (ffn_sub_norm's 64 as 32 per process, Shard(0)); the step as in one process under
+    tensor and tensor + sequence parallelism."""
+    reference = train_gpt([], hf_model="bitnet", steps=2)
+    norms = [f"model.layers.{i}.{n}" for i in range(4) for n in ("self_attn.attn_sub_norm", "mlp.ffn_sub_norm")]
+    for rank, per_rank in enumerate(two_ranks):
+        for label, run in per_rank["zoo"]["bitnet"].items():
+            assert sorted(run["split_norms"]) == sorted(norms), (rank, label, run["split_norms"])
+            assert {f"model.layers.{i}.{n}" for i in range(4) for n in ("self_attn.o_proj", "mlp.down_proj")} <= set(
+                run["rowwise"]), (rank, label, run["rowwise"])
+            assert run["norm"] == ((32,), ["S(0)"]), (rank, label, run["norm"])
+            assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, label, run["losses"])
+            assert weight_difference(run["weights"], reference["weights"]) < TOL, (rank, label)
 
 
 def test_norms_with_a_weight_per_head_are_split_with_the_heads(two_ranks):

@@ -17,10 +17,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from atorch.auto import opt_lib
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason
-from atorch.auto.opt_lib.fsdp import FSDPConfig, units_keeping_ties
+from atorch.auto.opt_lib.fsdp import FSDPConfig, units_called, units_keeping_ties
+from atorch.auto.opt_lib.tp_check import Probe
 from atorch.models import GPT
 from atorch.testing import run_distributed
-from atorch.testing.hf_models import ZOO
+from atorch.testing.hf_models import ZOO, zoo_model
 from atorch.testing.training import SMALL_GPT, train_gpt
 from tests.parity import BF16, CKPT, assert_matches, case_parts, run_suite
 
@@ -76,6 +77,13 @@ FSDP_OPTIONS = {
                             "hf_model": "t5"},
     "fsdp_tied_gpt_embedding": {"strategy": ["parallel_mode", ("fsdp", {"atorch_wrap_cls": ("Embedding", "GPTBlock")})],
                                 "config": TIED_GPT},
+    # an nn.Sequential the model iterates (timm's checkpoint_seq) is never called: its blocks are the units,
+    # whether it is named or the size rule chooses it
+    "fsdp_iterated_sequential": {"strategy": ["parallel_mode", ("fsdp", {"atorch_wrap_cls": ("Sequential",)})],
+                                 "hf_model": "timm_vit_checkpoint_seq"},
+    "fsdp_size_based_iterated_sequential": {
+        "strategy": ["parallel_mode", ("fsdp", {"atorch_size_based_min_num_params": 20000})],
+        "hf_model": "timm_vit_checkpoint_seq"},
 }
 
 
@@ -236,6 +244,27 @@ def test_a_unit_holding_a_tied_parameter_is_sharded_by_its_parts():
     assert units_keeping_ties(gpt, [gpt.wte, gpt.wpe, *gpt.blocks]) == [gpt.wpe, *gpt.blocks]
     untied = GPT(SMALL_GPT)
     assert units_keeping_ties(untied, [untied.wte, *untied.blocks]) == [untied.wte, *untied.blocks]
+
+
+def test_an_iterated_sequential_is_sharded_by_its_called_parts():
+    """A Sequential unit the model calls stays one unit; one it iterates (in training mode only, as
+    timm's checkpoint_seq under HF-style ``if self.training``) becomes its blocks. The probe leaves the
+    model's values, mode and RNG as they were. A module without a forward becomes its parts (those
+    holding parameters)."""
+    for name, iterated in (("timm_vit", False), ("timm_vit_checkpoint_seq", True)):
+        model = zoo_model(name).build()
+        zoo = zoo_model(name)
+        probe = Probe(zoo.make_dataset(1, 0)[0][None], lambda m, x: m(x))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        rng = torch.get_rng_state()
+        units = units_called(model, [model.blocks], probe)
+        assert units == (list(model.blocks) if iterated else [model.blocks]), name
+        assert units_called(model, [model.blocks], None) == [model.blocks]
+        assert model.training and torch.equal(torch.get_rng_state(), rng)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    holder = torch.nn.Module()  # no forward of its own: never called, whatever the probe
+    holder.first, holder.second = torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU())
+    assert units_called(holder, [holder], None) == [holder.first]
 
 
 def test_clipping_changes_the_reference():

@@ -94,6 +94,24 @@ def test_a_norm_with_a_weight_per_head_is_split_on_its_heads_dimension():
     assert _plan("qwen3").head_params == {}  # its norms' one head-sized weight is shared: head_norms
 
 
+def test_a_norm_between_the_split_and_the_row_wise_projection_is_split_with_the_features():
+    """BitNet normalises the attention's whole output before o_proj and the MLP's product before down_proj
+    (RMSNorms of their widths, 32 and 64): each norm's reduction runs over the split features, so the
+    attention and the MLP are still split, the norms with them (``feature_norms``); OLMo 2's norms before
+    the attention stay found the same way."""
+    plan = _plan("bitnet")
+    layer = "model.layers.{}"
+    for i in range(4):
+        assert plan.styles[f"{layer.format(i)}.self_attn.o_proj"] == "rowwise"
+        assert plan.styles[f"{layer.format(i)}.mlp.down_proj"] == "rowwise"
+        assert plan.styles[f"{layer.format(i)}.mlp.gate_proj"] == "colwise"
+    assert plan.feature_norms == {**{f"model.layers.{i}.self_attn.attn_sub_norm": 32 for i in range(4)},
+                                  **{f"model.layers.{i}.mlp.ffn_sub_norm": 64 for i in range(4)}}
+    assert _plan("olmo2").feature_norms == {f"model.layers.{i}.self_attn.{n}_norm": w
+                                            for i in range(4) for n, w in (("q", 32), ("k", 16))}
+    assert _plan("llama").feature_norms == {}
+
+
 def test_a_projection_fused_head_by_head_is_split_as_it_is():
     """GPT-NeoX's query_key_value is laid out [h0: q k v | h1: q k v | ...]: a contiguous column split already
     gives each rank whole heads, so it is not reordered as GPT-2's [q | k | v] c_attn is."""

@@ -7,7 +7,9 @@ follows (the README repeats this table):
   ``fully_shard`` (its parameters are gathered just for its forward and backward); the root is
   always sharded last. A match holding a parameter tied to a module outside it (T5's stacks and their
   shared embedding) is sharded by its parts instead, the tied parameter with the root
-  (``units_keeping_ties``): FSDP2 cannot split a tie between units.
+  (``units_keeping_ties``): FSDP2 cannot split a tie between units. A match the model never calls (an
+  ``nn.Sequential`` it iterates, a holder of layers without a forward) is sharded by its parts
+  (``units_called``): a unit must be called.
 - ``atorch_size_based_min_num_params``: instead of classes, shard every submodule whose not yet
   sharded parameters reach this count (children first).
 - ``atorch_ignored_cls``: their parameters are not sharded; they stay replicated and their
@@ -51,6 +53,7 @@ except ImportError:  # pragma: no cover
 
 from atorch.auto.opt_lib.activation_checkpoint import matching_modules
 from atorch.auto.opt_lib.base import SHARDED_STAGES, SHARDED_STAGES_WHY, Optimization
+from atorch.auto.opt_lib.tp_check import Probe, probe_from_context
 from atorch.distributed import mesh
 from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, ModuleTargets, option, validate_config
@@ -136,6 +139,7 @@ def shard_model(ctx, config: FSDPConfig, reshard_after_forward: bool) -> None:
     if ignored:
         kwargs["ignored_params"] = ignored
     blocks = _blocks_to_shard(model, config)
+    blocks = units_called(model, blocks, probe_from_context(ctx))
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -259,6 +263,70 @@ def _blocks_to_shard(model: torch.nn.Module, config: FSDPConfig) -> list[torch.n
         ignored_modules = set(matching_modules(model, ignored_types))
         blocks = [b for b in blocks if b not in ignored_modules]
     return units_keeping_ties(model, blocks)
+
+
+def units_called(model: torch.nn.Module, blocks: list[torch.nn.Module],
+                 probe: Optional[Probe]) -> list[torch.nn.Module]:
+    """The blocks, with each one the model never calls replaced by its parts.
+
+    FSDP2 gathers a unit's parameters in that unit's forward: a block the model iterates instead of
+    calling would leave them sharded when its parts run, a crash inside the first step. A module without
+    a ``forward`` of its own (a plain holder of layers) is never called. An ``nn.Sequential`` may be
+    called or iterated (timm's ``checkpoint_seq``, ``for block in self.blocks``): a fact of the model's
+    code, read from one forward of a sample row (in training mode, as the loop runs it; no gradients,
+    the RNG forked, norms' running statistics restored), run only when a chosen block is a Sequential.
+    Other modules are called where they are used."""
+    sequentials = [m for b in blocks for m in _outer_sequentials(b)]
+    called = _modules_called(model, sequentials, probe) if sequentials and probe is not None else None
+    units: list[torch.nn.Module] = []
+    for block in blocks:
+        parts = _called_parts(block, called)
+        if parts != [block]:
+            logger.info("fsdp: %s is not called by the model (it iterates its parts): sharding its %d part(s) "
+                        "instead", type(block).__name__, len(parts))
+        units.extend(p for p in parts if all(p is not u for u in units))
+    return units
+
+
+def _outer_sequentials(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The Sequentials a block's parts could be taken from: itself, and on down through Sequentials and
+    modules without a forward (a Sequential inside a block that is called needs no probe)."""
+    if not (isinstance(module, torch.nn.Sequential) or _without_forward(module)):
+        return []
+    own = [module] if isinstance(module, torch.nn.Sequential) else []
+    return own + [m for child in module.children() for m in _outer_sequentials(child)]
+
+
+def _without_forward(module: torch.nn.Module) -> bool:
+    return type(module).forward is torch.nn.Module.forward
+
+
+def _called_parts(module: torch.nn.Module, called: Optional[set[int]]) -> list[torch.nn.Module]:
+    """``module`` when it is called (or when that is unknown: no probe), else its called parts."""
+    iterated = _without_forward(module) or (
+        isinstance(module, torch.nn.Sequential) and called is not None and id(module) not in called)
+    if not iterated:
+        return [module] if any(True for _ in module.parameters()) else []
+    return [part for child in module.children() for part in _called_parts(child, called)]
+
+
+def _modules_called(model: torch.nn.Module, modules: list[torch.nn.Module], probe: Probe) -> set[int]:
+    """ids of ``modules`` whose forward runs in one training-mode forward of the probe."""
+    called: set[int] = set()
+    handles = [m.register_forward_pre_hook(lambda module, args: called.add(id(module))) for m in modules]
+    saved = [(buffer, buffer.detach().clone()) for module in model.modules() if isinstance(module, _NormBase)
+             for buffer in module.buffers(recurse=False)]
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            probe.run(model)
+    finally:
+        for handle in handles:
+            handle.remove()
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+    return called
 
 
 def units_keeping_ties(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> list[torch.nn.Module]:

@@ -433,7 +433,12 @@ def _run_on_local_features(module: nn.Module, tp_mesh) -> None:
         return (DTensor.from_local(inputs[0], device_mesh, [Shard(inputs[0].dim() - 1)], run_check=False),
                 *inputs[1:])
 
-    distribute_module(module, tp_mesh, shard_params, features_in, lambda mod, output, device_mesh: output.to_local())
+    def features_out(mod: nn.Module, output: DTensor, device_mesh) -> torch.Tensor:
+        # an elementwise norm keeps the features sharded; one the DTensor rules compute whole (layer_norm
+        # over a sharded dimension) is cut back to this rank's features, which the next projection reads
+        return output.redistribute(device_mesh, [Shard(output.dim() - 1)]).to_local()
+
+    distribute_module(module, tp_mesh, shard_params, features_in, features_out)
 
 
 def _record(model: nn.Module, probe: Probe):

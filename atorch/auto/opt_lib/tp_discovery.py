@@ -17,6 +17,8 @@ One forward of a sample batch is recorded (``atorch.utils.dataflow``). In that g
   split with the heads. A norm over each head's features on the way to the operands (Qwen3's and
   Gemma 3's q / k norms: a reduction over a last dimension of the head size, with the heads before it)
   stays inside a head, so it does not stop the split (``tp_plan``'s ``head_norms`` run on this rank's heads);
+  nor does a norm module over a split tensor's whole features (OLMo 2's q / k norms, BitNet's norms before
+  its row-wise projections), which runs on the rank's features with its reduction over the tensor group;
 - everything else (norms, routers, position embeddings, heads of a classifier) stays whole.
 
 A Linear whose column split would leak, because its output also reaches a norm, a residual sum, a
@@ -33,6 +35,7 @@ from typing import Optional
 from torch import nn
 
 from atorch.utils.dataflow import BROADCASTS, SOFTMAX, Dataflow, Op, is_transparent
+from atorch.utils.modules import repeated_blocks
 
 
 @dataclass
@@ -87,15 +90,36 @@ def _within_head(flow: Dataflow, head_dim: int, feature_widths: frozenset = froz
     def passes(op: Op) -> bool:
         if is_transparent(op):
             return True
-        if op.kind != "other" or op.name not in HEAD_LOCAL_REDUCTIONS or not op.operands or op.operands[0] is None:
+        shape = _reduced_shape(flow, op)
+        if shape is None:
             return False
-        shape = flow.shapes.get(op.operands[0], ())
         if len(shape) >= 3 and shape[-1] == head_dim:
             return _reduces_last_only(op, len(shape), head_dim)
         width = shape[-1] if shape else 0
         return (width in feature_widths and width > head_dim > 0 and width % head_dim == 0
                 and _reduces_last_only(op, len(shape), width))
     return passes
+
+
+def through_feature_norms(flow: Dataflow, feature_widths: frozenset):
+    """``_passes``, and also a reduction or norm over only the last dimension of a tensor whose width is
+    one of ``feature_widths`` (the model's norm modules' widths): a norm over a split tensor's whole
+    features between the split and the Linear that reads it (BitNet's ``attn_sub_norm`` after the
+    attention, its ``ffn_sub_norm`` inside the MLP). Split, it runs on the rank's features with its
+    reduction over the tensor group (``tp_plan``'s ``feature_norms``), so it does not stop the split."""
+    def passes(op: Op) -> bool:
+        if is_transparent(op):
+            return True
+        shape = _reduced_shape(flow, op)
+        return bool(shape) and shape[-1] in feature_widths and _reduces_last_only(op, len(shape), shape[-1])
+    return passes
+
+
+def _reduced_shape(flow: Dataflow, op: Op) -> Optional[tuple]:
+    """The shape of the tensor a reduction or norm ``op`` reduces (None for any other op)."""
+    if op.kind != "other" or op.name not in HEAD_LOCAL_REDUCTIONS or not op.operands or op.operands[0] is None:
+        return None
+    return flow.shapes.get(op.operands[0], ())
 
 
 def feature_norm_widths(model: nn.Module, flow: Dataflow) -> frozenset:
@@ -129,12 +153,22 @@ def discover(model: nn.Module, flow: Dataflow) -> Discovery:
     found = Discovery()
     linear_modules = {op.module for op in flow.ops if op.kind == "linear"}
     role: dict[str, str] = {}
-    for attention in _attentions(flow, found, feature_norm_widths(model, flow)):
+    widths = feature_norm_widths(model, flow)
+    for attention in _attentions(flow, found, widths):
         found.attentions.append(attention)
         cols = [p for names in attention.inputs.values() for p in names]
         found.groups.append((list(dict.fromkeys(cols)), attention.outputs))
     for cols, rows in _mlp_groups(flow, linear_modules, found.why_whole):
         found.groups.append((cols, rows))
+    # then pairs with a norm over the split features inside (BitNet's ffn_sub_norm), among the Linears no
+    # pair or attention claimed: a low-rank projection through its norm into a split attention's input
+    # (DeepSeek's q_a_proj -> q_a_layernorm -> q_b_proj) stays whole, its consumer split by heads
+    # inside the repeated blocks only: a model's head (BERT's dense -> LayerNorm -> decoder) is split on its
+    # vocabulary instead
+    claimed = {n for cols, rows in found.groups for n in cols + rows}
+    candidates = (linear_modules - claimed) & inside_repeated_blocks(model)
+    lenient = _mlp_groups(flow, candidates, {}, through_feature_norms(flow, widths))  # the strict reasons stay
+    found.groups += [(cols, rows) for cols, rows in lenient if not claimed & {*cols, *rows}]
     for cols, rows in found.groups:
         for name in cols:
             role.setdefault(name, "colwise")
@@ -172,6 +206,13 @@ def discover(model: nn.Module, flow: Dataflow) -> Discovery:
     return found
 
 
+def inside_repeated_blocks(model: nn.Module) -> set[str]:
+    """Names of modules inside the repeated blocks: an MLP whose width equals the vocabulary is no head."""
+    classes = set(repeated_blocks(model)[0])
+    blocks = [n for n, m in model.named_modules() if type(m).__name__ in classes]
+    return {n for n, _ in model.named_modules() if any(n.startswith(b + ".") for b in blocks)}
+
+
 def _conflicts(groups: list[tuple[list[str], list[str]]]) -> set[str]:
     cols = [n for c, _ in groups for n in c]
     rows = [n for _, r in groups for n in r]
@@ -179,17 +220,18 @@ def _conflicts(groups: list[tuple[list[str], list[str]]]) -> set[str]:
 
 
 # --- MLPs ----------------------------------------------------------------------------------------------
-def _mlp_groups(flow: Dataflow, linear_modules: set[str], why: dict[str, str]) -> list[tuple[list[str], list[str]]]:
+def _mlp_groups(flow: Dataflow, linear_modules: set[str], why: dict[str, str],
+                passes=_passes) -> list[tuple[list[str], list[str]]]:
     """(column Linears, row Linears) per MLP: every call of a column Linear reaches only Linears,
-    and every call of a row Linear reads only column Linears' outputs."""
+    and every call of a row Linear reads only column Linears' outputs (through ops that ``passes``)."""
     reaches: dict[str, set[str]] = {}
     for name in sorted(linear_modules):
-        targets = _linear_targets(flow, name)
+        targets = _linear_targets(flow, name, passes)
         if targets:
             reaches[name] = targets
     groups: list[tuple[list[str], list[str]]] = []
     for down in sorted({t for ts in reaches.values() for t in ts}):
-        sources = _row_sources(flow, down)
+        sources = _row_sources(flow, down, passes)
         if not sources or any(s not in reaches or reaches[s] != {down} for s in sources):
             if sources:
                 why.setdefault(down, f"it reads {sorted(sources)}, not all of which feed it alone")
@@ -222,19 +264,19 @@ def _mlp_parts(flow: Dataflow, name: str) -> Optional[list[int]]:
     return None
 
 
-def _linear_targets(flow: Dataflow, name: str) -> set[str]:
+def _linear_targets(flow: Dataflow, name: str, passes=_passes) -> set[str]:
     """The Linears every call of ``name`` reaches through column-local ops; empty when any call
     also reaches something else (its split would leak)."""
     targets: set[str] = set()
     for call in flow.calls_of(name):
-        _, sinks = flow.forward_closure(call.outputs, _passes)
+        _, sinks = flow.forward_closure(call.outputs, passes)
         if not sinks or any(op.kind != "linear" or op.module == name for op, _ in sinks):
             return set()
         targets |= {op.module for op, _ in sinks}
     return targets
 
 
-def _row_sources(flow: Dataflow, name: str) -> set[str]:
+def _row_sources(flow: Dataflow, name: str, passes=_passes) -> set[str]:
     """The Linears whose outputs make up every call's input of ``name``; {"?"} when anything else
     (an attention, a norm, a model input) contributes."""
     sources: set[str] = set()
@@ -242,7 +284,7 @@ def _row_sources(flow: Dataflow, name: str) -> set[str]:
         activation = _activation_operand(call)
         if activation is None:
             return {"?"}
-        made_by = flow.backward_sources(activation, _passes)
+        made_by = flow.backward_sources(activation, passes)
         if not made_by:
             return {"?"}
         for op in made_by:
@@ -299,7 +341,7 @@ def _attentions(flow: Dataflow, found: Discovery, feature_widths: frozenset = fr
             attention.inputs[slot] = list(dict.fromkeys(linears))
         if not ok:
             continue
-        _, sinks = flow.forward_closure(outputs, _passes)
+        _, sinks = flow.forward_closure(outputs, through_feature_norms(flow, feature_widths))
         if not sinks or any(op.kind != "linear" for op, _ in sinks):
             for names in attention.inputs.values():
                 for name in names:

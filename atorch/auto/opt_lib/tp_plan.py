@@ -15,11 +15,18 @@ from typing import Optional
 import torch
 from torch import nn
 
-from atorch.auto.opt_lib.tp_discovery import SHARED_KV_WHY, Discovery, FoundAttention, discover
+from atorch.auto.opt_lib.tp_discovery import (
+    SHARED_KV_WHY,
+    Discovery,
+    FoundAttention,
+    discover,
+    feature_norm_widths,
+    inside_repeated_blocks,
+    through_feature_norms,
+)
 from atorch.auto.opt_lib.tp_experts import find_expert_banks
 from atorch.errors import MethodConfigError
-from atorch.utils.dataflow import Dataflow, is_transparent
-from atorch.utils.modules import repeated_blocks
+from atorch.utils.dataflow import SOFTMAX, Dataflow
 
 logger = logging.getLogger("atorch.auto.opt_lib.tensor_parallel")  # the method's log lines, as before
 
@@ -217,23 +224,34 @@ def _head_params(model: nn.Module, found: Discovery) -> dict[str, dict[str, int]
 
 
 def _feature_norms(model: nn.Module, flow: Dataflow, found: Discovery) -> dict[str, int]:
-    """Norms inside a split attention over the whole output of one of its column-split projections
-    (OLMo 2's q / k RMSNorm over every head's features): own parameters all 1-D of that width, called on
-    it. Split, they hold their parameters' share of the features and run on DTensors, whose reduction
-    over the sharded features is summed over the tensor group, so they compute as in one process."""
+    """Norms over the whole features of a split tensor, between the column-split projections and the
+    row-wise ones: OLMo 2's q / k RMSNorm over every head's features, BitNet's ``attn_sub_norm`` after its
+    attention and ``ffn_sub_norm`` inside its MLP. Own parameters all 1-D of that width, called on it
+    (a norm over one head's features is a head norm instead). Split, they hold their parameters' share of
+    the features and run on DTensors, whose reduction over the sharded features is summed over the
+    tensor group, so they compute as in one process."""
+    split = _split_feature_nodes(flow, found, feature_norm_widths(model, flow))
+    head_dims = {attention.head_dim for attention in found.attentions}
     norms: dict[str, int] = {}
-    for attention in found.attentions:
-        names = list(dict.fromkeys(n for names in attention.inputs.values() for n in names))
-        made = {node for n in names for call in flow.calls_of(n)
-                for node in flow.forward_closure(call.outputs, is_transparent)[0]}
-        for name, module in model.named_modules():
-            params = list(module.parameters(recurse=False))
-            shape = flow.module_inputs.get(name, ())
-            if (params and shape and flow.module_input_nodes.get(name) in made and not _is_linear(module)
-                    and all(p.dim() == 1 and p.numel() == shape[-1] for p in params)
-                    and shape[-1] != attention.head_dim):
-                norms[name] = shape[-1]
+    for name, module in model.named_modules():
+        params = list(module.parameters(recurse=False))
+        shape = flow.module_inputs.get(name, ())
+        if (params and shape and flow.module_input_nodes.get(name) in split and not _is_linear(module)
+                and all(p.dim() == 1 and p.numel() == shape[-1] for p in params) and shape[-1] not in head_dims):
+            norms[name] = shape[-1]
     return norms
+
+
+def _split_feature_nodes(flow: Dataflow, found: Discovery, widths: frozenset) -> set[int]:
+    """The tensors made from the column-split projections' outputs before a row-wise projection reads
+    them: through column-local ops, norms over the features and the attention cores."""
+    through_norms = through_feature_norms(flow, widths)
+
+    def passes(op) -> bool:
+        return through_norms(op) or op.kind in ("attention", "matmul") or op.name in SOFTMAX
+
+    starts = [node for name in found.colwise for call in flow.calls_of(name) for node in call.outputs]
+    return set(flow.forward_closure(starts, passes)[0])
 
 
 def _full_sizes(model: nn.Module, found: Discovery) -> dict[str, set[int]]:
@@ -365,7 +383,7 @@ def _find_vocab_parallel(model: nn.Module, tp: int, plan: TPPlan) -> None:
     for name, module in model.named_modules():
         for param in module.parameters(recurse=False):
             owners.setdefault(id(param), []).append(name)
-    in_blocks = _inside_blocks(model)
+    in_blocks = inside_repeated_blocks(model)
     for name, module in model.named_modules():
         if (not isinstance(module, nn.Linear) or module.out_features != vocab or name in plan.styles
                 or name in in_blocks):
@@ -404,13 +422,6 @@ def _ancestor_aliases(model: nn.Module, name: str, module: nn.Module) -> list[tu
             found += [(owner_name, attr, f"{name}.{param_name}") for attr, p in owner.named_parameters(recurse=False)
                       if p is param]
     return found
-
-
-def _inside_blocks(model: nn.Module) -> set[str]:
-    """Names of modules inside the repeated blocks: an MLP whose width equals the vocabulary is no head."""
-    classes = set(repeated_blocks(model)[0])
-    blocks = [n for n, m in model.named_modules() if type(m).__name__ in classes]
-    return {n for n, _ in model.named_modules() if any(n.startswith(b + ".") for b in blocks)}
 
 
 def _bert_style_outputs(model: nn.Module, plan: TPPlan) -> None:
