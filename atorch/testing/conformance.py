@@ -484,8 +484,9 @@ def page(cells: dict) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--columns", nargs="*", help=f"subset of {[c.key for c in COLUMNS]}")
-    parser.add_argument("--models", nargs="*", help=f"subset of {all_rows()}")
+    parser.add_argument("--columns", nargs="*", choices=[c.key for c in COLUMNS], metavar="COLUMN",
+                        help=f"subset of {[c.key for c in COLUMNS]}")
+    parser.add_argument("--models", nargs="*", choices=all_rows(), metavar="MODEL", help=f"subset of {all_rows()}")
     parser.add_argument("--write", help="write the page (e.g. docs/models.md); only with the whole matrix")
     parser.add_argument("--json", help="also write the cells as JSON")
     args = parser.parse_args(argv)

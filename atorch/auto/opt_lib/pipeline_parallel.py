@@ -552,6 +552,10 @@ class StageModule(nn.Module):
         first, last = structure.blocks[owned.start][1], structure.blocks[owned.stop - 1][1]
         if not self.is_first:
             first.register_forward_pre_hook(self._take_incoming, with_kwargs=True)
+            # the block before it (a pass-through here) hands on the received activation too: a block the
+            # user's own code checkpoints (timm's checkpoint_seq, HF's gradient checkpointing) is recomputed
+            # in backward from the input it was called with, after this stage's forward has returned
+            self.model.get_submodule(structure.blocks[owned.start - 1][0]).register_forward_hook(self._hand_on)
         if not self.is_last:
             last.register_forward_hook(self._leave)
 
@@ -576,9 +580,16 @@ class StageModule(nn.Module):
         return out
 
     def _take_incoming(self, module, args, kwargs):
+        if self._incoming is None:  # a recomputation in backward: its saved input is the received activation
+            return None
         if args:
             return (self._incoming,) + tuple(args[1:]), kwargs
         return args, dict(kwargs, hidden_states=self._incoming)
+
+    def _hand_on(self, module, args, output):
+        if self._incoming is None:
+            return None
+        return (self._incoming,) + tuple(output[1:]) if isinstance(output, tuple) else self._incoming
 
     @staticmethod
     def _leave(module, args, output):
