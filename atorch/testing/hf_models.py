@@ -404,6 +404,14 @@ def tiny_bitnet() -> nn.Module:
     return transformers.BitNetForCausalLM._from_config(_decoder_config("BitNetConfig"))
 
 
+def tiny_apertus() -> nn.Module:
+    """Apertus: Llama's layout with an MLP of up / down projections around xIELU, an activation with two
+    learned scalar parameters (and constant buffers) applied to every feature."""
+    import transformers
+
+    return transformers.ApertusForCausalLM._from_config(_decoder_config("ApertusConfig"))
+
+
 def tiny_llama4() -> nn.Module:
     """Llama 4's text model: a bank called with every expert's rows (each token repeated per expert,
     scaled by its score) beside a shared expert, complex-valued rotary embeddings, per-head L2 q / k
@@ -531,6 +539,7 @@ MORE_MOE: dict[str, ZooModel] = {m.name: m for m in (
     ZooModel("olmo2", tiny_olmo2, token_dataset, hf_loss, "unpack_dict", "Olmo2DecoderLayer", "decoder"),
     ZooModel("cohere", tiny_cohere, token_dataset, hf_loss, "unpack_dict", "CohereDecoderLayer", "decoder"),
     ZooModel("bitnet", tiny_bitnet, token_dataset, hf_loss, "unpack_dict", "BitNetDecoderLayer", "decoder"),
+    ZooModel("apertus", tiny_apertus, token_dataset, hf_loss, "unpack_dict", "ApertusDecoderLayer", "decoder"),
     ZooModel("llama4", tiny_llama4, token_dataset, hf_loss, "unpack_dict", "Llama4TextDecoderLayer", "decoder"),
     ZooModel("deepseek_v3", tiny_deepseek_v3, token_dataset, hf_loss, "unpack_dict", "DeepseekV3DecoderLayer",
              "decoder"),

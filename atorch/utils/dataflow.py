@@ -34,7 +34,12 @@ TRANSPARENT = frozenset({
     "__neg__", "cat", "concat", "stack", "masked_fill", "masked_fill_", "where", "clamp", "pow", "__pow__", "square",
     "exp", "sin", "cos", "abs", "sqrt", "rsqrt", "erf", "contiguous", "__and__", "detach", "view_as_complex",
     "view_as_real", "copy_",
+    # comparisons, more elementwise maths, and a minimum / maximum of two tensors (xIELU's, PReLU)
+    "gt", "lt", "ge", "le", "eq", "ne", "__gt__", "__lt__", "__ge__", "__le__", "__eq__", "__ne__", "expm1", "log1p",
+    "log", "prelu", "minimum", "maximum", "fmin", "fmax",
 })
+# reductions when given a dimension or one tensor, elementwise when given two tensors
+TWO_TENSOR_ELEMENTWISE = frozenset({"min", "max"})
 # ops that read only their tensor input's shape, dtype and device, never its values: no data flows through
 FACTORIES = frozenset({"new_empty", "new_zeros", "new_ones", "new_full", "empty_like", "zeros_like", "ones_like",
                        "full_like"})
@@ -123,7 +128,11 @@ class Dataflow:
 
 
 def is_transparent(op: Op) -> bool:
-    return op.kind == "other" and op.name in TRANSPARENT
+    if op.kind != "other":
+        return False
+    if op.name in TWO_TENSOR_ELEMENTWISE:  # torch.min(x, eps): elementwise; x.max(-1): a reduction
+        return len(op.operands) == 2 and not op.args
+    return op.name in TRANSPARENT
 
 
 class _Recorder(TorchFunctionMode):

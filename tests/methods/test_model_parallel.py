@@ -266,17 +266,19 @@ def inspect_zoo_layouts() -> dict:
     out["swin"] = {"per_head_params": run["result"].args.extras["tensor_parallel"]["per_head_params"],
                    "table": (tuple(table.to_local().shape), [str(p) for p in table.placements]),
                    "losses": run["losses"], "weights": run["weights"]}
-    # norms over a split tensor's whole features: OLMo 2's q_norm, BitNet's ffn_sub_norm (one of each checked)
-    for family, norm_path in (("olmo2", "model.layers.0.self_attn.q_norm"),
-                              ("bitnet", "model.layers.0.mlp.ffn_sub_norm")):
+    # modules with parameters of their own on a split tensor's whole features: OLMo 2's q_norm and BitNet's
+    # ffn_sub_norm (split), Apertus's xIELU activation (its scalars whole); one parameter of each checked
+    for family, param_path in (("olmo2", "model.layers.0.self_attn.q_norm.weight"),
+                               ("bitnet", "model.layers.0.mlp.ffn_sub_norm.weight"),
+                               ("apertus", "model.layers.0.mlp.act_fn.alpha_p")):
         out[family] = {}
         for label, strategy in (("tp", [TP2, "tensor_parallel"]), ("sp", SP)):
             run = train_gpt(strategy, hf_model=family, steps=2)
             report = run["result"].args.extras["tensor_parallel"]
-            norm = run["result"].model.get_submodule(norm_path).weight
-            out[family][label] = {"split_norms": report["split_norms"], "share": report["split_share"],
-                                  "rowwise": report["rowwise"], "losses": run["losses"], "weights": run["weights"],
-                                  "norm": (tuple(norm.to_local().shape), [str(p) for p in norm.placements])}
+            param = run["result"].model.get_parameter(param_path)
+            out[family][label] = {key: report[key] for key in ("split_norms", "feature_gains", "rowwise")}
+            out[family][label].update(share=report["split_share"], losses=run["losses"], weights=run["weights"],
+                                      param=(tuple(param.to_local().shape), [str(p) for p in param.placements]))
     # also built on the meta device, its weights loaded after the split ("tp_meta"): the plan's check runs
     # the meta model on sample values, which its per-head norm weights (local shards in the norms) must meet
     directory = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
@@ -712,7 +714,7 @@ def test_norms_over_a_whole_split_projection_are_split_with_it(two_ranks):
     for rank, per_rank in enumerate(two_ranks):
         for label, run in per_rank["zoo"]["olmo2"].items():
             assert sorted(run["split_norms"]) == sorted(norms), (rank, label, run["split_norms"])
-            assert run["norm"] == ((16,), ["S(0)"]), (rank, label, run["norm"])
+            assert run["param"] == ((16,), ["S(0)"]), (rank, label, run["param"])
             assert run["share"] > 0.99, (rank, label, run["share"])
             assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, label, run["losses"])
             assert weight_difference(run["weights"], reference["weights"]) < TOL, (rank, label)
@@ -732,7 +734,23 @@ def test_norms_before_a_row_wise_projection_are_split_with_its_input(two_ranks):
             assert sorted(run["split_norms"]) == sorted(norms), (rank, label, run["split_norms"])
             assert {f"model.layers.{i}.{n}" for i in range(4) for n in ("self_attn.o_proj", "mlp.down_proj")} <= set(
                 run["rowwise"]), (rank, label, run["rowwise"])
-            assert run["norm"] == ((32,), ["S(0)"]), (rank, label, run["norm"])
+            assert run["param"] == ((32,), ["S(0)"]), (rank, label, run["param"])
+            assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, label, run["losses"])
+            assert weight_difference(run["weights"], reference["weights"]) < TOL, (rank, label)
+
+
+def test_a_learned_activation_stays_whole_with_its_gradients_summed(two_ranks):
+    """Apertus's MLP is up_proj -> xIELU -> down_proj, xIELU with two learned scalars (and constant
+    buffers): the MLP splits, the activation runs on each process's features with its scalars whole
+    (replicated DTensors), their gradients summed over the tensor group, so the step (weights, the
+    scalars among them) is one process's under tensor and tensor + sequence parallelism."""
+    reference = train_gpt([], hf_model="apertus", steps=2)
+    gains = [f"model.layers.{i}.mlp.act_fn" for i in range(4)]
+    for rank, per_rank in enumerate(two_ranks):
+        for label, run in per_rank["zoo"]["apertus"].items():
+            assert run["feature_gains"] == gains and run["param"] == ((1,), ["R"]), (rank, label, run)
+            assert {f"model.layers.{i}.mlp.down_proj" for i in range(4)} <= set(run["rowwise"]), (rank, label)
+            assert run["share"] > 0.98, (rank, label, run["share"])
             assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, label, run["losses"])
             assert weight_difference(run["weights"], reference["weights"]) < TOL, (rank, label)
 

@@ -257,14 +257,14 @@ def test_an_iterated_sequential_is_sharded_by_its_called_parts():
         probe = Probe(zoo.make_dataset(1, 0)[0][None], lambda m, x: m(x))
         before = {k: v.clone() for k, v in model.state_dict().items()}
         rng = torch.get_rng_state()
-        units = units_called(model, [model.blocks], probe)
+        units = units_called(model, [model.blocks], lambda: probe)
         assert units == (list(model.blocks) if iterated else [model.blocks]), name
-        assert units_called(model, [model.blocks], None) == [model.blocks]
+        assert units_called(model, [model.blocks], lambda: None) == [model.blocks]
         assert model.training and torch.equal(torch.get_rng_state(), rng)
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     holder = torch.nn.Module()  # no forward of its own: never called, whatever the probe
     holder.first, holder.second = torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU())
-    assert units_called(holder, [holder], None) == [holder.first]
+    assert units_called(holder, [holder], lambda: None) == [holder.first]
 
 
 def test_clipping_changes_the_reference():

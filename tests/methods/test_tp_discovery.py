@@ -112,6 +112,32 @@ def test_a_norm_between_the_split_and_the_row_wise_projection_is_split_with_the_
     assert _plan("llama").feature_norms == {}
 
 
+class PReLUMLP(nn.Module):
+    """Residual MLPs whose activation is a one-parameter PReLU: a learned scalar applied to every feature."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(up=nn.Linear(16, 64), act=nn.PReLU(), down=nn.Linear(64, 16)))
+                                    for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block["down"](block["act"](block["up"](x)))
+        return x
+
+
+def test_an_activation_with_a_learned_scalar_does_not_stop_the_split():
+    """A PReLU (one learned slope) and Apertus's xIELU (two learned scalars, compared with a threshold,
+    expm1 of a minimum with a constant) are elementwise: the MLP around them splits and they are kept whole
+    as feature gains (their gradients are summed over the tensor group when applied)."""
+    model = PReLUMLP()
+    plan = find_tp_plan(model, 2, record_dataflow(model, lambda m: m(torch.randn(2, 3, 16))))
+    assert plan.styles == {f"blocks.{i}.{n}": s for i in range(2) for n, s in (("up", "colwise"), ("down", "rowwise"))}
+    assert plan.feature_gains == ["blocks.0.act", "blocks.1.act"] and not plan.feature_norms
+    assert _plan("apertus").feature_gains == [f"model.layers.{i}.mlp.act_fn" for i in range(4)]
+    assert _plan("llama").feature_gains == []
+
+
 def test_a_projection_fused_head_by_head_is_split_as_it_is():
     """GPT-NeoX's query_key_value is laid out [h0: q k v | h1: q k v | ...]: a contiguous column split already
     gives each rank whole heads, so it is not reordered as GPT-2's [q | k | v] c_attn is."""

@@ -37,7 +37,7 @@ import functools
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Callable, Literal, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -103,7 +103,10 @@ class FSDPOptimization(Optimization):
     distributed_only = True
     config_class = FSDPConfig
     stages = ("data_parallel", "optimizer")  # its data-parallel wrapper; the optimizer factory
-    reads = {"data_parallel": ("model", "amp_dtype"), "optimizer": ("optim_func", "optim_args")}
+    # the sample row (dataset ... model_input_format): whether a chosen Sequential is called (units_called)
+    reads = {"data_parallel": ("model", "amp_dtype", "dataset", "dataloader_args", "user_prepare_input", "input_dtype",
+                               "model_input_format", "loss_func"),
+             "optimizer": ("optim_func", "optim_args")}
     writes = {"data_parallel": ("model", "sync_toggles", "args")}
     record_writes = ("data_parallel_wrapper", "optimizer_factory")
     excludes = {"sharding": "choose one sharding level", SHARDED_STAGES: SHARDED_STAGES_WHY}
@@ -139,7 +142,7 @@ def shard_model(ctx, config: FSDPConfig, reshard_after_forward: bool) -> None:
     if ignored:
         kwargs["ignored_params"] = ignored
     blocks = _blocks_to_shard(model, config)
-    blocks = units_called(model, blocks, probe_from_context(ctx))
+    blocks = units_called(model, blocks, lambda: probe_from_context(ctx))
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -266,7 +269,7 @@ def _blocks_to_shard(model: torch.nn.Module, config: FSDPConfig) -> list[torch.n
 
 
 def units_called(model: torch.nn.Module, blocks: list[torch.nn.Module],
-                 probe: Optional[Probe]) -> list[torch.nn.Module]:
+                 make_probe: Callable[[], Optional[Probe]]) -> list[torch.nn.Module]:
     """The blocks, with each one the model never calls replaced by its parts.
 
     FSDP2 gathers a unit's parameters in that unit's forward: a block the model iterates instead of
@@ -277,7 +280,8 @@ def units_called(model: torch.nn.Module, blocks: list[torch.nn.Module],
     the RNG forked, norms' running statistics restored), run only when a chosen block is a Sequential.
     Other modules are called where they are used."""
     sequentials = [m for b in blocks for m in _outer_sequentials(b)]
-    called = _modules_called(model, sequentials, probe) if sequentials and probe is not None else None
+    probe = make_probe() if sequentials else None
+    called = _modules_called(model, sequentials, probe) if probe is not None else None
     units: list[torch.nn.Module] = []
     for block in blocks:
         parts = _called_parts(block, called)

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from atorch.auto.opt_lib.base import Optimization
@@ -63,6 +64,7 @@ from atorch.distributed import mesh
 from atorch.distributed.agreement import max_over_ranks
 from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, option
+from atorch.utils.forward_patch import patch_forward
 
 logger = logging.getLogger(__name__)
 
@@ -245,6 +247,7 @@ def _apply_to_stage(stage: nn.Module, whole: TPPlan, config: TensorParallelConfi
                                head_bias=list(_on_stage(stage, whole.head_bias)),
                                head_norms=_on_stage(stage, whole.head_norms, linear=False),
                                feature_norms=_on_stage(stage, whole.feature_norms, linear=False),
+                               feature_gains=_on_stage(stage, whole.feature_gains, linear=False),
                                shared_heads=_on_stage(stage, whole.shared_heads, linear=False),
                                shared_kv=_on_stage(stage, whole.shared_kv),
                                head_params=_on_stage(stage, whole.head_params, linear=False),
@@ -319,6 +322,8 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
         _run_on_local_heads(model.get_submodule(name), tp_mesh, heads_dim)
     for name in plan.feature_norms:
         _run_on_local_features(model.get_submodule(name), tp_mesh)
+    for name in plan.feature_gains:
+        _run_on_local_heads(model.get_submodule(name), tp_mesh, -1)
     for name, shared in plan.shared_heads.items():
         install_shared_head_gradients(model.get_submodule(name), shared, tp_mesh)
     for name in plan.shared_kv:
@@ -408,14 +413,23 @@ def _keep_moe_layers_whole(plan: TPPlan) -> None:
 
 
 def _run_on_local_heads(module: nn.Module, tp_mesh, heads_dim: int) -> None:
-    """A per-head norm: its parameters become replicated DTensors and its input this rank's heads
-    (sharded on ``heads_dim``, counted from the end), so it computes as in one process on those heads
-    and its parameters' gradients, partial on each rank, are summed over the tensor group."""
+    """A per-head norm (or, with ``heads_dim`` -1, a gain applied to every feature): its parameters become
+    replicated DTensors and its input this rank's heads (sharded on ``heads_dim``, counted from the end),
+    so it computes as in one process on those heads and its parameters' gradients, partial on each rank,
+    are summed over the tensor group. Plain tensors it holds (xIELU's constant buffers) count as
+    replicated in its forward."""
     def heads_in(mod: nn.Module, inputs: tuple, device_mesh) -> tuple:
         local = inputs[0]
         return (DTensor.from_local(local, device_mesh, [Shard(local.dim() + heads_dim)], run_check=False), *inputs[1:])
 
     distribute_module(module, tp_mesh, replicate_params, heads_in, lambda mod, output, device_mesh: output.to_local())
+    if any(True for _ in module.buffers(recurse=False)):
+        patch_forward(module, _with_implicit_replication)
+
+
+def _with_implicit_replication(forward, options: dict, *args, **kwargs):
+    with implicit_replication():
+        return forward(*args, **kwargs)
 
 
 def _run_on_local_features(module: nn.Module, tp_mesh) -> None:

@@ -50,6 +50,9 @@ class TPPlan:
     head_bias: list[str] = field(default_factory=list)          # per-head embeddings (T5 relative bias): column split
     head_norms: dict[str, int] = field(default_factory=dict)    # per-head norms (Qwen3 q / k norm) -> their heads dim
     feature_norms: dict[str, int] = field(default_factory=dict)  # norms over a split projection (OLMo 2) -> its width
+    # elementwise modules with scalar parameters on a split tensor (xIELU's, PReLU's one gain): whole, run on the
+    # rank's features, their gradients summed over the tensor group
+    feature_gains: list[str] = field(default_factory=list)
     # attention module -> tensors it broadcasts from one head to all (MLA's rotary key): (ndim, heads dim, last size)
     shared_heads: dict[str, list] = field(default_factory=dict)
     # projections of the one key / value head every query head reads (multi-query attention): whole, the
@@ -78,6 +81,7 @@ class TPPlan:
                 "rowwise": [n for n, s in self.styles.items() if s == "rowwise"],
                 "vocabulary": dict(self.vocab), "per_head": list(self.head_bias), "fused": dict(self.fused),
                 "per_head_norms": list(self.head_norms), "split_norms": list(self.feature_norms),
+                "feature_gains": list(self.feature_gains),
                 "experts": list(self.experts), "shared_kv": list(self.shared_kv),
                 "per_head_params": [f"{m}.{n}" for m, names in self.head_params.items() for n in names],
                 "replicated": list(self.replicated), "why_whole": dict(self.why_whole), "run_time_shapes": self.shapes,
@@ -131,7 +135,8 @@ def find_tp_plan(model: nn.Module, tp: int, flow: Optional[Dataflow] = None) -> 
     for name, module in model.named_modules():
         leaf = not list(module.children())
         if (leaf and any(True for _ in module.parameters(recurse=False)) and name not in split
-                and name not in plan.head_norms and name not in plan.feature_norms and name not in plan.head_params):
+                and name not in plan.head_norms and name not in plan.feature_norms and name not in plan.head_params
+                and name not in plan.feature_gains):
             plan.replicated.append(name)
     return plan
 
@@ -149,7 +154,7 @@ def plan_from_structure(model: nn.Module, flow: Dataflow, tp: int) -> TPPlan:
     plan.head_bias = list(found.head_bias)
     plan.shared_kv = list(found.shared_kv)
     plan.head_norms, per_head_weights = _head_norms(model, flow, found)
-    plan.feature_norms = _feature_norms(model, flow, found)
+    plan.feature_norms, plan.feature_gains = _feature_modules(model, flow, found)
     plan.head_params = {**_head_params(model, found), **per_head_weights}
     for attention in found.attentions:
         if attention.shared_heads:
@@ -223,23 +228,34 @@ def _head_params(model: nn.Module, found: Discovery) -> dict[str, dict[str, int]
     return out
 
 
-def _feature_norms(model: nn.Module, flow: Dataflow, found: Discovery) -> dict[str, int]:
-    """Norms over the whole features of a split tensor, between the column-split projections and the
-    row-wise ones: OLMo 2's q / k RMSNorm over every head's features, BitNet's ``attn_sub_norm`` after its
-    attention and ``ffn_sub_norm`` inside its MLP. Own parameters all 1-D of that width, called on it
-    (a norm over one head's features is a head norm instead). Split, they hold their parameters' share of
-    the features and run on DTensors, whose reduction over the sharded features is summed over the
-    tensor group, so they compute as in one process."""
+def _feature_modules(model: nn.Module, flow: Dataflow, found: Discovery) -> tuple[dict[str, int], list[str]]:
+    """Modules with parameters of their own that run on a split tensor's whole features, between the
+    column-split projections and the row-wise ones.
+
+    Norms (the first result, name -> width): own parameters all 1-D of that width, called on it (a norm
+    over one head's features is a head norm instead): OLMo 2's q / k RMSNorm over every head's
+    features, BitNet's ``attn_sub_norm`` after its attention and ``ffn_sub_norm`` inside its MLP. Split,
+    they hold their parameters' share of the features and run on DTensors, whose reduction over the
+    sharded features is summed over the tensor group, so they compute as in one process.
+
+    Gains (the second): leaves whose parameters are all single values applied to every feature
+    (Apertus's xIELU activation, a one-parameter PReLU). Whole, they run on this rank's features as
+    DTensors, so the gradients of their parameters, partial on each rank, are summed over the group."""
     split = _split_feature_nodes(flow, found, feature_norm_widths(model, flow))
     head_dims = {attention.head_dim for attention in found.attentions}
     norms: dict[str, int] = {}
+    gains: list[str] = []
     for name, module in model.named_modules():
         params = list(module.parameters(recurse=False))
         shape = flow.module_inputs.get(name, ())
-        if (params and shape and flow.module_input_nodes.get(name) in split and not _is_linear(module)
-                and all(p.dim() == 1 and p.numel() == shape[-1] for p in params) and shape[-1] not in head_dims):
+        if (not params or not shape or flow.module_input_nodes.get(name) not in split or _is_linear(module)
+                or list(module.children())):
+            continue
+        if all(p.dim() == 1 and p.numel() == shape[-1] for p in params) and shape[-1] not in head_dims:
             norms[name] = shape[-1]
-    return norms
+        elif all(p.numel() == 1 for p in params):
+            gains.append(name)
+    return norms, gains
 
 
 def _split_feature_nodes(flow: Dataflow, found: Discovery, widths: frozenset) -> set[int]:

@@ -152,7 +152,9 @@ class Zero2Optimization(Optimization):
     distributed_only = True
     config_class = Zero2Config
     stages = ("data_parallel", "optimizer")  # its data-parallel wrapper; the optimizer factory
-    reads = {"data_parallel": ("model", "amp_dtype"),
+    # the sample row (dataset ... model_input_format): FSDP2's units_called, when a chosen unit is a Sequential
+    reads = {"data_parallel": ("model", "amp_dtype", "dataset", "dataloader_args", "user_prepare_input", "input_dtype",
+                               "model_input_format", "loss_func"),
              "optimizer": ("model", "amp_dtype", "per_rank_batch_size", "optim_func", "optim_args")}
     writes = {"data_parallel": ("model", "grad_partition_group", "sync_toggles", "args"), "optimizer": ("model",)}
     record_writes = ("data_parallel_wrapper", "optimizer_factory", "args")  # args: DeepSpeed
