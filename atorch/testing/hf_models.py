@@ -412,6 +412,16 @@ def tiny_apertus() -> nn.Module:
     return transformers.ApertusForCausalLM._from_config(_decoder_config("ApertusConfig"))
 
 
+def tiny_mpt() -> nn.Module:
+    """MPT: ALiBi, a position bias built once for every head ([heads, 1, keys]) and added to each
+    attention's scores, a fused Wqkv."""
+    import transformers
+
+    config = transformers.MptConfig(n_layers=4, d_model=32, n_heads=4, expansion_ratio=2, vocab_size=VOCAB,
+                                    max_seq_len=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.MptForCausalLM._from_config(config)
+
+
 def tiny_llama4() -> nn.Module:
     """Llama 4's text model: a bank called with every expert's rows (each token repeated per expert,
     scaled by its score) beside a shared expert, complex-valued rotary embeddings, per-head L2 q / k
@@ -540,6 +550,7 @@ MORE_MOE: dict[str, ZooModel] = {m.name: m for m in (
     ZooModel("cohere", tiny_cohere, token_dataset, hf_loss, "unpack_dict", "CohereDecoderLayer", "decoder"),
     ZooModel("bitnet", tiny_bitnet, token_dataset, hf_loss, "unpack_dict", "BitNetDecoderLayer", "decoder"),
     ZooModel("apertus", tiny_apertus, token_dataset, hf_loss, "unpack_dict", "ApertusDecoderLayer", "decoder"),
+    ZooModel("mpt", tiny_mpt, token_dataset, hf_loss, "unpack_dict", "MptBlock", "decoder"),
     ZooModel("llama4", tiny_llama4, token_dataset, hf_loss, "unpack_dict", "Llama4TextDecoderLayer", "decoder"),
     ZooModel("deepseek_v3", tiny_deepseek_v3, token_dataset, hf_loss, "unpack_dict", "DeepseekV3DecoderLayer",
              "decoder"),

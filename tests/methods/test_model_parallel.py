@@ -279,6 +279,12 @@ def inspect_zoo_layouts() -> dict:
             out[family][label] = {key: report[key] for key in ("split_norms", "feature_gains", "rowwise")}
             out[family][label].update(share=report["split_share"], losses=run["losses"], weights=run["weights"],
                                       param=(tuple(param.to_local().shape), [str(p) for p in param.placements]))
+    out["mpt"] = {}
+    for label, strategy in (("tp", [TP2, "tensor_parallel"]), ("sp", SP)):
+        run = train_gpt(strategy, hf_model="mpt", steps=2)
+        report = run["result"].args.extras["tensor_parallel"]
+        out["mpt"][label] = {"colwise": report["colwise"], "share": report["split_share"],
+                             "losses": run["losses"], "weights": run["weights"]}
     # also built on the meta device, its weights loaded after the split ("tp_meta"): the plan's check runs
     # the meta model on sample values, which its per-head norm weights (local shards in the norms) must meet
     directory = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
@@ -751,6 +757,19 @@ def test_a_learned_activation_stays_whole_with_its_gradients_summed(two_ranks):
             assert run["feature_gains"] == gains and run["param"] == ((1,), ["R"]), (rank, label, run)
             assert {f"model.layers.{i}.mlp.down_proj" for i in range(4)} <= set(run["rowwise"]), (rank, label)
             assert run["share"] > 0.98, (rank, label, run["share"])
+            assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, label, run["losses"])
+            assert weight_difference(run["weights"], reference["weights"]) < TOL, (rank, label)
+
+
+def test_a_position_bias_built_for_every_head_meets_each_rank_s_heads(two_ranks):
+    """MPT's ALiBi bias ([4 heads, 1, keys]) is built once for all heads and added to the scores of the
+    process's 2 heads: the localizer gives each process its own heads' rows of it, so the attention
+    splits (before, the plan check refused the model) and the step is one process's under tensor and
+    tensor + sequence parallelism."""
+    reference = train_gpt([], hf_model="mpt", steps=2)
+    for rank, per_rank in enumerate(two_ranks):
+        for label, run in per_rank["zoo"]["mpt"].items():
+            assert "transformer.blocks.0.attn.Wqkv" in run["colwise"] and run["share"] > 0.99, (rank, label, run)
             assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, label, run["losses"])
             assert weight_difference(run["weights"], reference["weights"]) < TOL, (rank, label)
 

@@ -19,6 +19,7 @@ from atorch.auto.opt_lib.tp_mha import SeparateProjectionAttention, split_mha
 from atorch.auto.opt_lib.tp_plan import split_share
 from atorch.auto.opt_lib.tp_shapes import (
     local_part_index,
+    local_side_input,
     local_split_size,
     local_view_shape,
     localize_attributes,
@@ -136,6 +137,23 @@ def test_an_activation_with_a_learned_scalar_does_not_stop_the_split():
     assert plan.feature_gains == ["blocks.0.act", "blocks.1.act"] and not plan.feature_norms
     assert _plan("apertus").feature_gains == [f"model.layers.{i}.mlp.act_fn" for i in range(4)]
     assert _plan("llama").feature_gains == []
+
+
+def test_a_side_input_built_for_every_head_is_cut_to_the_rank_s_heads():
+    """MPT adds a bias built for all 4 heads ([4, 1, keys]) to the scores of a rank's 2 heads ([b, 2, q, k]):
+    the full operand is cut to this rank's contiguous heads, whichever side it is on; operands that
+    broadcast already, or differ by other than the tensor size, are left alone."""
+    scores, bias = torch.zeros(3, 2, 5, 5), torch.arange(4.0).view(4, 1, 1).expand(4, 1, 5)
+    for rank in (0, 1):
+        local, cut = local_side_input(scores, bias, {4, 32}, 2, rank)
+        assert local is scores and cut[:, 0, 0].tolist() == [2.0 * rank, 2.0 * rank + 1]
+        cut, local = local_side_input(bias, scores, {4, 32}, 2, rank)
+        assert local is scores and cut[:, 0, 0].tolist() == [2.0 * rank, 2.0 * rank + 1]
+    assert local_side_input(scores, torch.zeros(2, 1, 5), {4}, 2, 0) is None  # broadcasts as it is
+    assert local_side_input(scores, torch.zeros(6, 1, 5), {6}, 2, 0) is None  # 6 is not 2 x 2
+    assert local_side_input(scores, bias, {32}, 2, 0) is None  # 4 is no full size of the region
+    assert local_side_input(scores, 1.0, {4}, 2, 0) is None
+    assert local_side_input(scores, nn.Parameter(bias.clone()), {4}, 2, 0) is None  # a parameter: never cut
 
 
 def test_a_projection_fused_head_by_head_is_split_as_it_is():

@@ -336,7 +336,7 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
         apply_sequence_parallel(model, sequence_plan, tp_mesh)
     regions = {name: model.get_submodule(name) for name in plan.regions}
     localizers = {name: install_localizer(module, plan.regions[name], tp, _fused_parts_in(plan, name),
-                                          plan.region_head_dims.get(name, set()))
+                                          plan.region_head_dims.get(name, set()), tp_mesh.get_local_rank())
                   for name, module in regions.items()}
     if probe is not None and reference is not None:
         rows = frozenset(n for n, style in plan.styles.items() if style == "rowwise")

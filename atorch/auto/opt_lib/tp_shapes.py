@@ -18,7 +18,9 @@ wins):
    output (Phi-3's ``qkv[..., q_width : q_width + kv_width]``) whose bounds are one of its parts in the
    full layout is cut from the rank's own layout instead (each rank holds its share of every part, in
    order: ``tensor_parallel._interleave_fused``); such slices fit the local tensor but would read the
-   wrong part, so they are rewritten whether or not they fit.
+   wrong part, so they are rewritten whether or not they fit. A tensor built for every head and
+   broadcast against the rank's heads (MPT's ALiBi bias ``[heads, 1, keys]`` added to the scores) is cut
+   to the rank's contiguous heads (``local_side_input``); parameters are never cut.
 2. ``localize_attributes``: with 1, the integer attributes equal to a full head count (``n_heads``,
    ...) of the region module and of its parameter-free submodules become the per-rank values, for
    code that builds tensors from them (T5's zero position bias) or views by them (DeBERTa's);
@@ -44,9 +46,9 @@ class ShapeLocalizer(TorchFunctionMode):
     """Rewrites the shapes of views and splits that do not fit a rank's share (see module doc)."""
 
     def __init__(self, full_sizes: set[int], tp: int, fused_parts: Sequence[Sequence[int]] = (),
-                 head_dims: frozenset = frozenset()):
+                 head_dims: frozenset = frozenset(), rank: int = 0):
         super().__init__()
-        self.full_sizes, self.tp, self.head_dims = full_sizes, tp, frozenset(head_dims)
+        self.full_sizes, self.tp, self.head_dims, self.rank = full_sizes, tp, frozenset(head_dims), rank
         self.part_bounds = part_bounds(fused_parts, tp)
         self.rewrites = 0
 
@@ -73,7 +75,41 @@ class ShapeLocalizer(TorchFunctionMode):
             if index is not None:
                 self.rewrites += 1
                 args = (args[0], index)
+        elif name in BROADCASTING and len(args) >= 2:
+            local = local_side_input(args[0], args[1], self.full_sizes, self.tp, self.rank)
+            if local is not None:
+                self.rewrites += 1
+                args = (*local, *args[2:])
         return func(*args, **kwargs)
+
+
+# binary ops that broadcast their operands: a side input built for every head (ALiBi's per-head slopes,
+# MPT's position bias [heads, 1, keys]) meets the scores of this rank's heads there
+BROADCASTING = frozenset({"add", "__add__", "__radd__", "add_", "__iadd__", "sub", "__sub__", "__rsub__", "mul",
+                          "__mul__", "__rmul__"})
+
+
+def local_side_input(first: Any, second: Any, full_sizes: set[int], tp: int,
+                     rank: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(first, second) with the one that is a full size where the other holds its per-rank share (the
+    dimensions aligned from the right, as broadcasting aligns them; exactly one such dimension, every
+    other equal or 1) cut to this rank's contiguous share there; None when nothing needs cutting. A
+    parameter is never cut: a whole one used by a split computation gets a gradient per rank, which the
+    plan's check refuses (its forward mismatch names it first)."""
+    if not (isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)):
+        return None
+    if isinstance(first, nn.Parameter) or isinstance(second, nn.Parameter):
+        return None
+    pairs = list(zip(reversed(first.shape), reversed(second.shape)))
+    differ = [i for i, (a, b) in enumerate(pairs) if a != b and a != 1 and b != 1]
+    if len(differ) != 1:
+        return None
+    a, b = pairs[differ[0]]
+    full, share = max(a, b), min(a, b)
+    if full not in full_sizes or full != share * tp:
+        return None
+    cut = lambda t: t.narrow(t.dim() - 1 - differ[0], rank * share, share)  # noqa: E731
+    return (cut(first), second) if a == full else (first, cut(second))
 
 
 def part_bounds(fused_parts: Sequence[Sequence[int]], tp: int) -> dict[int, set[tuple[int, int]]]:
@@ -198,9 +234,10 @@ def local_split_size(tensor: torch.Tensor, size: Any, dim: int, full_sizes: set[
 
 
 def install_localizer(region: nn.Module, full_sizes: set[int], tp: int, fused_parts: Sequence[Sequence[int]] = (),
-                      head_dims: frozenset = frozenset()) -> ShapeLocalizer:
-    """Run ``region``'s forward under a ShapeLocalizer (its ``rewrites`` count tells whether it was needed)."""
-    return _run_under(region, ShapeLocalizer(full_sizes, tp, fused_parts, head_dims))
+                      head_dims: frozenset = frozenset(), rank: int = 0) -> ShapeLocalizer:
+    """Run ``region``'s forward under a ShapeLocalizer (its ``rewrites`` count tells whether it was needed);
+    ``rank``: this process's place in the tensor group (which share of a full side input it keeps)."""
+    return _run_under(region, ShapeLocalizer(full_sizes, tp, fused_parts, head_dims, rank))
 
 
 def _run_under(region: nn.Module, mode: TorchFunctionMode) -> TorchFunctionMode:
