@@ -262,6 +262,8 @@ def test_an_iterated_sequential_is_sharded_by_its_called_parts():
         assert units_called(model, [model.blocks], lambda: None) == [model.blocks]
         assert model.training and torch.equal(torch.get_rng_state(), rng)
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    failing = Probe(None, lambda m, x: m(torch.zeros(1, 5)))  # fails on the model: the blocks stay as given
+    assert units_called(model, [model.blocks], lambda: failing) == [model.blocks]
     holder = torch.nn.Module()  # no forward of its own: never called, whatever the probe
     holder.first, holder.second = torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU())
     assert units_called(holder, [holder], lambda: None) == [holder.first]

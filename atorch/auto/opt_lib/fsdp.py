@@ -55,6 +55,7 @@ from atorch.auto.opt_lib.activation_checkpoint import matching_modules
 from atorch.auto.opt_lib.base import SHARDED_STAGES, SHARDED_STAGES_WHY, Optimization
 from atorch.auto.opt_lib.tp_check import Probe, probe_from_context
 from atorch.distributed import mesh
+from atorch.distributed.agreement import max_over_ranks
 from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, ModuleTargets, option, validate_config
 from atorch.utils.meta_init import has_meta_tensors
@@ -280,8 +281,18 @@ def units_called(model: torch.nn.Module, blocks: list[torch.nn.Module],
     the RNG forked, norms' running statistics restored), run only when a chosen block is a Sequential.
     Other modules are called where they are used."""
     sequentials = [m for b in blocks for m in _outer_sequentials(b)]
-    probe = make_probe() if sequentials else None
+    if not sequentials:
+        return _called_units(blocks, None)
+    probe = make_probe()
     called = _modules_called(model, sequentials, probe) if probe is not None else None
+    if max_over_ranks([1.0 if called is None else 0.0])[0]:  # every rank shards the same units
+        logger.info("fsdp: the sample row did not run through the model on every rank; each chosen Sequential is "
+                    "taken to be called")
+        called = None
+    return _called_units(blocks, called)
+
+
+def _called_units(blocks: list[torch.nn.Module], called: Optional[set[int]]) -> list[torch.nn.Module]:
     units: list[torch.nn.Module] = []
     for block in blocks:
         parts = _called_parts(block, called)
@@ -314,8 +325,9 @@ def _called_parts(module: torch.nn.Module, called: Optional[set[int]]) -> list[t
     return [part for child in module.children() for part in _called_parts(child, called)]
 
 
-def _modules_called(model: torch.nn.Module, modules: list[torch.nn.Module], probe: Probe) -> set[int]:
-    """ids of ``modules`` whose forward runs in one training-mode forward of the probe."""
+def _modules_called(model: torch.nn.Module, modules: list[torch.nn.Module], probe: Probe) -> Optional[set[int]]:
+    """ids of ``modules`` whose forward runs in one training-mode forward of the probe; None when that
+    forward fails on one row (a BatchNorm over a batch of one in training mode): the blocks stay as given."""
     called: set[int] = set()
     handles = [m.register_forward_pre_hook(lambda module, args: called.add(id(module))) for m in modules]
     saved = [(buffer, buffer.detach().clone()) for module in model.modules() if isinstance(module, _NormBase)
@@ -324,6 +336,9 @@ def _modules_called(model: torch.nn.Module, modules: list[torch.nn.Module], prob
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             probe.run(model)
+    except Exception as error:  # the model's own failure on one row is not this method's to report
+        logger.info("fsdp: the sample row failed (%s: %s)", type(error).__name__, error)
+        return None
     finally:
         for handle in handles:
             handle.remove()
