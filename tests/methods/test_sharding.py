@@ -269,6 +269,21 @@ def test_an_iterated_sequential_is_sharded_by_its_called_parts():
     assert units_called(holder, [holder], lambda: None) == [holder.first]
 
 
+def _units_when_one_rank_s_probe_fails() -> list[str]:
+    model = zoo_model("timm_vit_checkpoint_seq").build()
+    row = zoo_model("timm_vit_checkpoint_seq").make_dataset(1, 0)[0][None]
+    if torch.distributed.get_rank() == 1:  # rank-local: this rank's row fails while rank 0's runs
+        row = torch.zeros(1, 5)
+    units = units_called(model, [model.blocks], lambda: Probe(row, lambda m, x: m(x)))
+    return [type(u).__name__ for u in units]
+
+
+def test_a_probe_failing_on_one_rank_leaves_every_rank_the_same_units():
+    """The row fails on rank 1 only while rank 0 is in the agreeing all-reduce: both keep the blocks as
+    given (the same units on every rank, no rank left waiting)."""
+    assert run_distributed(_units_when_one_rank_s_probe_fails, 2, timeout_s=120) == [["Sequential"]] * 2
+
+
 def test_clipping_changes_the_reference():
     """The clip cases would pass without clipping only if clipping did nothing: it must not."""
     clipped, plain = reference_for({"strategy": [], "max_grad_norm": CLIP}), reference_for([])

@@ -68,6 +68,7 @@ class Discovery:
     groups: list[tuple[list[str], list[str]]] = field(default_factory=list)  # (colwise, rowwise) that belong together
     why_whole: dict[str, str] = field(default_factory=dict)
     shared_kv: list[str] = field(default_factory=list)     # FoundAttention.shared_kv of the attentions kept
+    feature_widths: frozenset = frozenset()                # feature_norm_widths: reductions over them pass
 
 
 def _passes(op: Op) -> bool:
@@ -153,7 +154,7 @@ def discover(model: nn.Module, flow: Dataflow) -> Discovery:
     found = Discovery()
     linear_modules = {op.module for op in flow.ops if op.kind == "linear"}
     role: dict[str, str] = {}
-    widths = feature_norm_widths(model, flow)
+    widths = found.feature_widths = feature_norm_widths(model, flow)
     for attention in _attentions(flow, found, widths):
         found.attentions.append(attention)
         cols = [p for names in attention.inputs.values() for p in names]

@@ -20,7 +20,6 @@ from atorch.auto.opt_lib.tp_discovery import (
     Discovery,
     FoundAttention,
     discover,
-    feature_norm_widths,
     inside_repeated_blocks,
     through_feature_norms,
 )
@@ -241,7 +240,7 @@ def _feature_modules(model: nn.Module, flow: Dataflow, found: Discovery) -> tupl
     Gains (the second): leaves whose parameters are all single values applied to every feature
     (Apertus's xIELU activation, a one-parameter PReLU). Whole, they run on this rank's features as
     DTensors, so the gradients of their parameters, partial on each rank, are summed over the group."""
-    split = _split_feature_nodes(flow, found, feature_norm_widths(model, flow))
+    split = _split_feature_nodes(flow, found, found.feature_widths)
     head_dims = {attention.head_dim for attention in found.attentions}
     norms: dict[str, int] = {}
     gains: list[str] = []
