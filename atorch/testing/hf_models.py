@@ -109,8 +109,8 @@ def tiny_mixtral() -> nn.Module:
 
 
 def tiny_bloom() -> nn.Module:
-    """BLOOM: ALiBi attention scores through baddbmm (an attention tensor_parallel leaves whole), which
-    adds the residual itself."""
+    """BLOOM: ALiBi attention scores through ``alibi.baddbmm(q, k)`` with the batch and the heads merged
+    (the bias built once for every head, outside the blocks); its attention adds the residual itself."""
     import transformers
 
     config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=4, n_head=4, hidden_dropout=0.0,

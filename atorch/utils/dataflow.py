@@ -44,7 +44,10 @@ TWO_TENSOR_ELEMENTWISE = frozenset({"min", "max"})
 FACTORIES = frozenset({"new_empty", "new_zeros", "new_ones", "new_full", "empty_like", "zeros_like", "ones_like",
                        "full_like"})
 SOFTMAX = frozenset({"softmax", "_softmax", "log_softmax"})
-MATMUL = frozenset({"matmul", "__matmul__", "__rmatmul__", "bmm", "einsum"})
+MATMUL = frozenset({"matmul", "__matmul__", "__rmatmul__", "bmm", "einsum", "baddbmm"})
+# batched matmuls that add their product to a first tensor (``bias.baddbmm(q, k)``: BLOOM's ALiBi scores,
+# Megatron-style ``torch.baddbmm(buffer, q, k, beta=0)``); their operands are read as (batch1, batch2, input)
+ADD_MATMUL = frozenset({"baddbmm"})
 LINEAR = frozenset({"linear", "addmm", "mm", "matmul", "__matmul__"})
 ATTENTION = frozenset({"scaled_dot_product_attention"})
 EMBEDDING = frozenset({"embedding"})
@@ -194,9 +197,10 @@ class _Recorder(TorchFunctionMode):
         op = Op(len(self.flow.ops), name, "other")
         leaves = pytree.tree_leaves((args, kwargs))
         params = [t for t in leaves if isinstance(t, torch.Tensor) and tensor_key(t) in self.owners]
-        op.kind, op.module = self._kind(name, params, args)
+        positional = _add_matmul_operands(args, kwargs) if name in ADD_MATMUL else args
+        op.kind, op.module = self._kind(name, params, positional)
         op.operands = [self.node(a, True) if isinstance(a, torch.Tensor) and tensor_key(a) not in self.owners else None
-                       for a in args]
+                       for a in positional]
         op.args = tuple(a for a in args if not isinstance(a, torch.Tensor))
         op.inputs = [] if name in FACTORIES else [self.node(t, True) for t in leaves
                                                   if isinstance(t, torch.Tensor) and tensor_key(t) not in self.owners]
@@ -238,6 +242,15 @@ class _Recorder(TorchFunctionMode):
         if name in MATMUL and not params and sum(isinstance(a, torch.Tensor) for a in args) >= 2:
             return "matmul", ""
         return "other", ""
+
+
+def _add_matmul_operands(args: tuple, kwargs: dict) -> tuple:
+    """``baddbmm``'s (batch1, batch2, input), given by position or by keyword: the two factors first, as
+    a plain matmul's operands are, then the tensor the product is added to (a score bias)."""
+    names = ("input", "batch1", "batch2")
+    given = dict(zip(names, args))
+    given.update({k: v for k, v in kwargs.items() if k in names})
+    return tuple(given.get(n) for n in ("batch1", "batch2", "input"))
 
 
 def tensor_key(tensor: torch.Tensor) -> int:

@@ -18,6 +18,7 @@ from atorch.auto.opt_lib.tensor_parallel import find_tp_plan
 from atorch.auto.opt_lib.tp_mha import SeparateProjectionAttention, split_mha
 from atorch.auto.opt_lib.tp_plan import split_share
 from atorch.auto.opt_lib.tp_shapes import (
+    local_merged_heads_input,
     local_part_index,
     local_side_input,
     local_split_size,
@@ -156,6 +157,37 @@ def test_a_side_input_built_for_every_head_is_cut_to_the_rank_s_heads():
     assert local_side_input(scores, nn.Parameter(bias.clone()), {4}, 2, 0) is None  # a parameter: never cut
 
 
+def test_scores_made_by_baddbmm_onto_a_bias_are_an_attention():
+    """BLOOM computes its scores as ``alibi.baddbmm(batch1=q, batch2=k)`` with the batch and the heads merged in
+    one dimension: read as a matmul of its two keyword factors (the bias added is not an operand), its fused
+    query_key_value (laid out head by head) splits column-wise and dense row-wise, as Megatron splits them;
+    before, only the MLP split (67 % of the parameters)."""
+    plan = _plan("bloom")
+    attention = "transformer.h.0.self_attention"
+    assert plan.styles[f"{attention}.query_key_value"] == "colwise"
+    assert plan.styles[f"{attention}.dense"] == "rowwise"
+    assert f"{attention}.query_key_value" not in plan.fused  # head by head: split as it is
+    assert plan.region_heads[attention] == {4} and plan.region_head_dims[attention] == {8}
+    assert split_share(zoo_model("bloom").build(), plan) > 0.98
+
+
+def test_a_bias_built_for_every_head_with_the_batch_merged_is_cut_to_the_rank_s_heads():
+    """BLOOM's ALiBi bias is [batch * heads, 1, keys], batch-major, and is added to the scores of a rank's
+    heads ([batch * heads / tp, q, k]): each batch row keeps this rank's heads, in order; a size that times a
+    head size makes no full width (a width, not a head count), a bias that already fits, or a parameter is
+    left alone."""
+    batch, heads, keys = 3, 4, 5
+    bias = torch.arange(float(batch * heads)).view(batch * heads, 1, 1).expand(batch * heads, 1, keys)
+    q = torch.zeros(batch * heads // 2, 5, 8)
+    for rank in (0, 1):
+        cut = local_merged_heads_input(bias, q, {4, 32, 96}, frozenset({8}), 2, rank)
+        expected = [b * heads + h for b in range(batch) for h in (2 * rank, 2 * rank + 1)]
+        assert cut.shape == (6, 1, keys) and cut[:, 0, 0].tolist() == expected
+    assert local_merged_heads_input(bias, q, {4, 96}, frozenset({8}), 2, 0) is None  # 4 x 8 is no full width
+    assert local_merged_heads_input(bias[:6], q, {4, 32}, frozenset({8}), 2, 0) is None  # fits already
+    assert local_merged_heads_input(nn.Parameter(bias.clone()), q, {4, 32}, frozenset({8}), 2, 0) is None
+
+
 def test_a_projection_fused_head_by_head_is_split_as_it_is():
     """GPT-NeoX's query_key_value is laid out [h0: q k v | h1: q k v | ...]: a contiguous column split already
     gives each rank whole heads, so it is not reordered as GPT-2's [q | k | v] c_attn is."""
@@ -237,7 +269,7 @@ def test_a_weight_read_through_its_transpose_is_a_linear_of_its_module():
 
 
 def _sequence_plan(name: str):
-    zoo = ZOO[name]
+    zoo = zoo_model(name)
     torch.manual_seed(0)
     model = zoo.build()
     batch = torch.utils.data.default_collate([zoo.make_dataset(2, 0)[0]])
@@ -246,10 +278,11 @@ def _sequence_plan(name: str):
 
 
 @pytest.mark.parametrize("name, whole", [("mixtral", "model.layers.0.mlp"),
-                                         ("bloom", "transformer.h.0.self_attention")])
+                                         ("starcoder", "transformer.h.0.attn")])
 def test_a_layer_with_nothing_split_runs_whole_on_the_gathered_sequence(name, whole):
     """Under sequence_parallel a layer on the residual stream holding parameters with nothing split inside
-    (Mixtral's MoE layer, its experts left whole; BLOOM's ALiBi attention, left whole) gathers the sequence,
+    (Mixtral's MoE layer, its experts left whole; StarCoder's multi-query attention in one fused projection,
+    left whole) gathers the sequence,
     runs as in one process and is cut back: it may mix tokens, so it never runs on a shard."""
     plan = _sequence_plan(name)
     assert whole in plan.whole and whole in plan.reshard and whole in plan.plain_gathers

@@ -36,7 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from atorch.auto.opt_lib.tp_experts import gradient_summed
-from atorch.utils.dataflow import BROADCASTS
+from atorch.utils.dataflow import ADD_MATMUL, BROADCASTS
 
 VIEWS = frozenset({"view", "reshape"})
 SPLITS = frozenset({"split"})
@@ -75,12 +75,28 @@ class ShapeLocalizer(TorchFunctionMode):
             if index is not None:
                 self.rewrites += 1
                 args = (args[0], index)
+        elif name in ADD_MATMUL:
+            args, kwargs = self._localize_added_input(args, kwargs)
         elif name in BROADCASTING and len(args) >= 2:
             local = local_side_input(args[0], args[1], self.full_sizes, self.tp, self.rank)
             if local is not None:
                 self.rewrites += 1
                 args = (*local, *args[2:])
         return func(*args, **kwargs)
+
+
+    def _localize_added_input(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``baddbmm``'s added input (BLOOM's ALiBi bias, built for every head) cut to this rank's heads."""
+        names = ("input", "batch1", "batch2")
+        given = {**dict(zip(names, args)), **{k: v for k, v in kwargs.items() if k in names}}
+        local = local_merged_heads_input(given.get("input"), given.get("batch1"), self.full_sizes, self.head_dims,
+                                         self.tp, self.rank)
+        if local is None:
+            return args, kwargs
+        self.rewrites += 1
+        if args:
+            return (local, *args[1:]), kwargs
+        return args, {**kwargs, "input": local}
 
 
 # binary ops that broadcast their operands: a side input built for every head (ALiBi's per-head slopes,
@@ -110,6 +126,27 @@ def local_side_input(first: Any, second: Any, full_sizes: set[int], tp: int,
         return None
     cut = lambda t: t.narrow(t.dim() - 1 - differ[0], rank * share, share)  # noqa: E731
     return (cut(first), second) if a == full else (first, cut(second))
+
+
+def local_merged_heads_input(added: Any, batch1: Any, full_sizes: set[int], head_dims: frozenset, tp: int,
+                             rank: int) -> Optional[torch.Tensor]:
+    """The tensor a batched matmul adds its product to, built for every head with the batch and the heads
+    merged batch-major in its first dimension (BLOOM's ALiBi bias ``[batch * heads, 1, keys]``), cut to this
+    rank's contiguous heads of each batch row where the product holds 1/tp of those rows; None when it
+    needs no cut. The head count is the one full size that, times a head size of the region, is one of its
+    full widths (a width alone would group the rows wrongly); with several such sizes nothing is cut."""
+    if not (isinstance(added, torch.Tensor) and isinstance(batch1, torch.Tensor)) or isinstance(added, nn.Parameter):
+        return None
+    if added.dim() != batch1.dim() or added.shape[0] != batch1.shape[0] * tp:
+        return None
+    rows = added.shape[0]
+    heads = {h for h in full_sizes if h % tp == 0 and rows % h == 0 and any(h * d in full_sizes for d in head_dims)}
+    if len(heads) != 1:
+        return None
+    (count,) = heads
+    share = count // tp
+    grouped = added.reshape(rows // count, count, *added.shape[1:])
+    return grouped.narrow(1, rank * share, share).reshape(rows // tp, *added.shape[1:])
 
 
 def part_bounds(fused_parts: Sequence[Sequence[int]], tp: int) -> dict[int, set[tuple[int, int]]]:
