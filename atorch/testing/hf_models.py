@@ -422,6 +422,16 @@ def tiny_mpt() -> nn.Module:
     return transformers.MptForCausalLM._from_config(config)
 
 
+def tiny_jamba() -> nn.Module:
+    """Jamba: Mamba and attention layers of two classes alternating in one ``model.layers`` list (every
+    second layer's MLP a Mixture-of-Experts): the pipeline's blocks are all the list's layers."""
+    import transformers
+
+    return transformers.JambaForCausalLM._from_config(_decoder_config(
+        "JambaConfig", attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2,
+        num_experts=4, num_experts_per_tok=2, use_mamba_kernels=False, mamba_d_state=4, mamba_dt_rank=4))
+
+
 def tiny_llama4() -> nn.Module:
     """Llama 4's text model: a bank called with every expert's rows (each token repeated per expert,
     scaled by its score) beside a shared expert, complex-valued rotary embeddings, per-head L2 q / k
@@ -551,6 +561,7 @@ MORE_MOE: dict[str, ZooModel] = {m.name: m for m in (
     ZooModel("bitnet", tiny_bitnet, token_dataset, hf_loss, "unpack_dict", "BitNetDecoderLayer", "decoder"),
     ZooModel("apertus", tiny_apertus, token_dataset, hf_loss, "unpack_dict", "ApertusDecoderLayer", "decoder"),
     ZooModel("mpt", tiny_mpt, token_dataset, hf_loss, "unpack_dict", "MptBlock", "decoder"),
+    ZooModel("jamba", tiny_jamba, token_dataset, hf_loss, "unpack_dict", "JambaAttentionDecoderLayer", "decoder"),
     ZooModel("llama4", tiny_llama4, token_dataset, hf_loss, "unpack_dict", "Llama4TextDecoderLayer", "decoder"),
     ZooModel("deepseek_v3", tiny_deepseek_v3, token_dataset, hf_loss, "unpack_dict", "DeepseekV3DecoderLayer",
              "decoder"),

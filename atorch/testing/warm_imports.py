@@ -18,7 +18,7 @@ HF_MODEL_CLASSES = (
     "Qwen3ForCausalLM Qwen2ForCausalLM Phi3ForCausalLM Olmo2ForCausalLM OPTForCausalLM MptForCausalLM "
     "ModernBertForMaskedLM MistralForCausalLM Llama4ForCausalLM GptOssForCausalLM GemmaForCausalLM "
     "GPTNeoXForCausalLM GPTNeoForCausalLM GPTBigCodeForCausalLM FalconForCausalLM DeepseekV3ForCausalLM "
-    "DebertaV2ForMaskedLM CLIPModel BertForMaskedLM BloomForCausalLM CohereForCausalLM"
+    "DebertaV2ForMaskedLM CLIPModel BertForMaskedLM BloomForCausalLM CohereForCausalLM JambaForCausalLM"
 ).split()
 
 

@@ -42,6 +42,40 @@ def repeated_blocks(model: nn.Module) -> tuple[dict[str, int], dict[str, int]]:
     return {n: repeated[n] for n in order}, {n: sizes[n] for n in order}
 
 
+def block_stack(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's layers, in order, as (name, module): the instances of the largest repeated class
+    (``repeated_blocks``), or, where those sit in one list or sequence together with layers of other
+    classes, every layer of that list (Jamba's Mamba and attention layers alternate in ``model.layers``;
+    the attention layers alone would leave the Mamba layers between them, changing the hidden state a
+    pipeline stage boundary carries; Zamba's hybrid layers hold a Mamba layer of their own). A list holding
+    anything but layers (modules with parameters and sub-modules of their own: a final norm, a bare Linear)
+    is not taken as the stack."""
+    found, _ = repeated_blocks(model)
+    if not found:
+        return []
+    block_type = next(iter(found))
+    blocks = [(n, m) for n, m in model.named_modules() if type(m).__name__ == block_type]
+    parents = Counter(name.rpartition(".")[0] for name, _ in blocks)
+    parent_name = parents.most_common(1)[0][0]
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if not isinstance(parent, (nn.ModuleList, nn.Sequential)) or len(parent) == parents[parent_name]:
+        return blocks
+    prefix = f"{parent_name}." if parent_name else ""
+    layers = [(prefix + name, child) for name, child in parent.named_children()]
+    # every instance elsewhere must sit inside one of the list's layers (Zamba's hybrid layer holds a Mamba layer)
+    inside = all(any(name.startswith(layer + ".") for layer, _ in layers) for name, _ in blocks
+                 if name.rpartition(".")[0] != parent_name)
+    if not inside or not all(_is_layer(child) for _, child in layers):
+        return blocks
+    return layers
+
+
+def _is_layer(module: nn.Module) -> bool:
+    """A module with parameters and sub-modules of its own (not a leaf, not a bare container)."""
+    return (not isinstance(module, _CONTAINERS) and any(True for _ in module.children())
+            and any(True for _ in module.parameters()))
+
+
 def _stacks_blocks(module: nn.Module, name: str, repeated: dict[str, int]) -> bool:
     """Whether ``module`` (of class ``name``) holds, as a direct child, a list or sequence of two or more
     instances of one other repeating class that are layers: each made of sub-blocks (attention, MLP)

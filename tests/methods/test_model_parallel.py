@@ -73,8 +73,10 @@ CASES_2 = {
 }
 # the zoo under pipeline_parallel (pp2) and mixed_parallel (2x2): 3 steps at lr 0.05, against train_gpt([]);
 # timm_vit_checkpoint_seq checkpoints its blocks itself: the later stage's first block is recomputed in
-# backward from the activation it received
-ZOO_PP = ("gpt2", "gpt2_untied", "llama", "qwen2", "mistral", "bert", "vit", "mlp", "timm_vit_checkpoint_seq")
+# backward from the activation it received; jamba's Mamba and attention layers (two classes in one list) are
+# all blocks to cut at
+ZOO_PP = ("gpt2", "gpt2_untied", "llama", "qwen2", "mistral", "bert", "vit", "mlp", "timm_vit_checkpoint_seq",
+          "jamba")
 ZOO_KW = {"steps": 3, "lr": 0.05}
 PP2_1F1B = [PP2, ("pipeline_parallel", {"num_micro_batch": 4})]
 CASES_2.update({f"pp_zoo_{name}": {"strategy": PP2_1F1B, "hf_model": name, **ZOO_KW} for name in ZOO_PP})
@@ -102,7 +104,7 @@ CASES_4 = {
                             ("ds_3d_parallel", {"num_micro_batch": 2})]} if DEEPSPEED else {}),
     # gemma_mqa's whole key / value projections and gpt_oss's split sinks carried onto each pipeline stage
     **{f"mixed_zoo_{name}": {"strategy": MIXED_1F1B, "hf_model": name, **ZOO_KW}
-       for name in ("gpt2", "llama", "bert", "gemma_mqa", "gpt_oss")},
+       for name in ("gpt2", "llama", "bert", "gemma_mqa", "gpt_oss", "jamba")},
     "mixed_zoo_gpt2_clip": {"strategy": MIXED_1F1B, "hf_model": "gpt2", "max_grad_norm": 0.5, **ZOO_KW},
 }
 

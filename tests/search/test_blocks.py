@@ -2,7 +2,8 @@
 compilation and the planner's layer count all start from (``atorch.utils.modules.repeated_blocks``):
 derived from the module tree alone, never from a class name, it is the transformer layer of every zoo
 family; a stack of layers (T5's encoder and decoder, CLIP's two encoders) comes after its layers, and a
-list of experts inside a layer does not demote the layer."""
+list of experts inside a layer does not demote the layer. The pipeline's blocks (``block_stack``) are a list's
+layers of every class where the largest class shares its list with others (Jamba, Zamba)."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,7 @@ from torch import nn
 from atorch.auto.opt_lib.native_dynamo import compiled_blocks
 from atorch.auto.search.analyser import analyse_model
 from atorch.testing.hf_models import ZOO
-from atorch.utils.modules import repeated_blocks
+from atorch.utils.modules import block_stack, repeated_blocks
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
@@ -71,3 +72,42 @@ def test_a_stack_of_layers_comes_after_its_layers_and_a_layer_of_experts_stays_f
     experts = nn.ModuleList(ExpertLayer() for _ in range(3))
     counts, _ = repeated_blocks(nn.Sequential(experts))
     assert next(iter(counts)) == "ExpertLayer"
+
+
+class RecurrentLayer(nn.Module):
+    """A layer of another class (a Mamba-like mixer and a norm), smaller than ``Layer``."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.norm, self.mix = nn.LayerNorm(width), nn.Sequential(nn.Linear(width, width))
+
+
+class HybridLayer(nn.Module):
+    """A layer holding a ``Layer`` and a recurrent layer of its own (Zamba's hybrid layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.recurrent = Layer(), RecurrentLayer()
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: list[nn.Module]):
+        super().__init__()
+        self.embed, self.layers, self.norm = nn.Embedding(16, 8), nn.ModuleList(layers), nn.LayerNorm(8)
+
+
+def test_a_list_of_layers_of_several_classes_is_the_stack_of_blocks():
+    """The pipeline cuts at ``block_stack``'s layers: the largest repeated class's instances, or, where those
+    share one list with layers of other classes (Jamba's Mamba and attention layers alternating, Zamba's
+    hybrid layers holding a Mamba layer of their own), every layer of that list, in order; a list holding a
+    bare Linear beside the layers is not a stack, and one class alone stays as it is."""
+    mixed = Stack([RecurrentLayer(), Layer(), RecurrentLayer(), Layer()])
+    assert [n for n, _ in block_stack(mixed)] == [f"layers.{i}" for i in range(4)]
+    nested = Stack([Layer(), HybridLayer(), Layer(), Layer()])
+    assert [n for n, _ in block_stack(nested)] == [f"layers.{i}" for i in range(4)]
+    with_leaf = Stack([Layer(), nn.Linear(8, 8), Layer()])
+    assert [n for n, _ in block_stack(with_leaf)] == ["layers.0", "layers.2"]
+    plain = Stack([Layer() for _ in range(3)])
+    assert [n for n, _ in block_stack(plain)] == ["layers.0", "layers.1", "layers.2"]
+    towers = nn.ModuleDict({"text": Tower(3), "image": Tower(2)})  # two lists of one class: the layers as found
+    assert len(block_stack(nn.Sequential(towers))) == 5

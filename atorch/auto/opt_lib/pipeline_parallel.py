@@ -82,7 +82,7 @@ from atorch.errors import MethodConfigError
 from atorch.utils.batch import batch_of_call, first_tensor, loss_value, select_rows, tensors
 from atorch.utils.config import MethodConfig, option
 from atorch.utils.meta_init import sample_values
-from atorch.utils.modules import full_state_dict, repeated_blocks
+from atorch.utils.modules import block_stack, full_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -482,11 +482,7 @@ def call_stage_model(model: nn.Module, batch: Any, input_format: Optional[str]) 
 def _blocks(model: nn.Module, num_stages: int = 1, detail: str = "") -> list[tuple[str, nn.Module]]:
     """The model's repeated blocks, in order; MethodConfigError unless there are ``num_stages`` (one
     per stage at least)."""
-    found, _ = repeated_blocks(model)
-    blocks = []
-    if found:
-        block_type = next(iter(found))
-        blocks = [(n, m) for n, m in model.named_modules() if type(m).__name__ == block_type]
+    blocks = block_stack(model)
     if len(blocks) < max(num_stages, 1):
         check_supported(model, blocks)  # a model no cut can serve is refused for that, not for its block count
         what = f"{len(blocks)} ({type(blocks[0][1]).__name__})" if blocks else "none"
