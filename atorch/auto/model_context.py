@@ -27,7 +27,7 @@ from atorch.auto.stages import CONTEXT_WORK, STAGES
 from atorch.distributed import mesh
 from atorch.distributed.distributed import get_data_partition_rank_and_size  # noqa: F401  (ATorch's import path)
 from atorch.errors import AtorchError, IncompatibleMethodsError, InputError, nearest_name
-from atorch.utils.batch import call_with_batch, cast_floating, move_to_device
+from atorch.utils.batch import call_with_batch, cast_floating, dict_of_forward_arguments, move_to_device
 from atorch.utils.data import RankShareCollate, ResumableDataLoader
 from atorch.utils.meta_init import InitPlan, MaterializeRecord, has_meta_tensors, materialize, plan_initialisation
 
@@ -170,6 +170,26 @@ class ModelContext:
         self.dataloader: Optional[DataLoader] = None
         self.lr_scheduler: Any = None
         self.check_inputs()
+        self._infer_input_format()
+
+    def _infer_input_format(self) -> None:
+        """``model_input_format=None`` says ``model(batch)``; where the batch is a dict of the forward's own
+        arguments (an HF model's ``input_ids`` / ``attention_mask`` / ``labels``), ``model(batch)`` would pass
+        the whole dict as its first argument, which no model can mean: atorch calls it as ``model(**batch)``
+        ("unpack_dict") instead, and says so. Before, every call atorch makes itself (a tensor plan's sample,
+        a pipeline stage, the search's dry runs) failed or fell back on such a model. Read from a map-style
+        dataset's first row only: an iterable one is not read here (``unpack_dict`` must be given)."""
+        # a map-style row only: reading one from an iterable dataset here could move a stream's position
+        if self.model_input_format is not None or self.dataset is None or isinstance(self.dataset, IterableDataset):
+            return
+        try:
+            batch = self.sample_batch()
+        except Exception:  # a dataset that cannot give a row here is reported where it is read
+            return
+        if dict_of_forward_arguments(self.model, batch):
+            logger.info("auto_accelerate: the batch is a dict of the model's forward arguments (%s): it is passed as "
+                        "model(**batch) (model_input_format='unpack_dict')", ", ".join(map(str, batch)))
+            self.model_input_format = self.args.model_input_format = "unpack_dict"
 
     def release_training_objects(self) -> None:
         """Drop the model, optimizer, data loader and the wrappers' hooks this context built, after work

@@ -5,6 +5,8 @@ PyTorch knows (namedtuples, OrderedDict, HF ``ModelOutput``) keep their type.
 """
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
@@ -21,6 +23,26 @@ def call_with_batch(model: Any, batch: Any, input_format: Optional[str]) -> Any:
     if input_format == "unpack_dict":
         return model(**batch)
     return model(batch)
+
+
+def dict_of_forward_arguments(model: Any, batch: Any) -> bool:
+    """Whether ``model(batch)`` could only be a mistake for ``model(**batch)``: ``batch`` is a mapping
+    holding the name of the forward's first positional parameter (``model(batch)`` would bind the whole
+    mapping to it: HF's ``input_ids``), and every key is a parameter of the forward (or it takes
+    ``**kwargs``). A forward taking the mapping itself (``forward(self, batch)``, keys ``x`` / ``y``)
+    does not match, since its first parameter is not one of the keys."""
+    if not isinstance(batch, Mapping) or not batch or not all(isinstance(k, str) for k in batch):
+        return False
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return False
+    positional = [p for p in parameters.values()
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    if not positional or positional[0].name not in batch:
+        return False
+    open_keywords = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    return open_keywords or set(batch) <= set(parameters)
 
 
 def batch_of_call(args: tuple, kwargs: dict, input_format: Optional[str]) -> Any:

@@ -5,12 +5,14 @@ seed document's training loop, unchanged (``optim.backward`` when ``args.use_opt
 from __future__ import annotations
 
 import tempfile
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from atorch.auto.accelerate import auto_accelerate
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason
 from atorch.auto.opt_lib.pipeline_parallel import balance_stages, plan_stages
 from atorch.distributed import mesh
@@ -408,10 +410,59 @@ def pipeline_refusals() -> dict:
     return out
 
 
+# the sequence length of each batch: a new shape, then one seen before (its schedule kept)
+LENGTHS = (12, 9, 12)
+
+
+def rows_of_changing_length() -> list[dict]:
+    """Llama rows whose length changes from batch to batch (8 rows a batch, equal within one), given as
+    a dict of the forward's arguments with no model_input_format: a collator padding each batch to its
+    longest row gives such batches."""
+    generator = torch.Generator().manual_seed(3)
+    rows = []
+    for length in LENGTHS:
+        for _ in range(8):
+            ids = torch.randint(1, 64, (length,), generator=generator)
+            rows.append({"input_ids": ids, "labels": ids})
+    return rows
+
+
+def train_rows(model: torch.nn.Module, load_strategy: Any = None) -> dict:
+    """SGD over ``rows_of_changing_length`` in order: plainly (no strategy) or through auto_accelerate."""
+    loss_func = lambda batch, output: output.loss  # noqa: E731
+    rows = rows_of_changing_length()
+    if load_strategy is None:
+        optim, losses = torch.optim.SGD(model.parameters(), lr=0.1), []
+        for batch in torch.utils.data.DataLoader(rows, batch_size=8):
+            loss = loss_func(batch, model(**batch))
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(float(loss))
+        return {"losses": losses, "weights": full_state_dict(model)}
+    _, result, _ = auto_accelerate(model, torch.optim.SGD, rows, loss_func, optim_args={"lr": 0.1},
+                                   dataloader_args={"batch_size": 8}, load_strategy=load_strategy)
+    losses = []
+    for batch in result.dataloader:
+        batch = result.prepare_input(batch)
+        loss = result.loss_func(batch, result.model(**batch))
+        result.optim.backward(loss)
+        result.optim.step()
+        result.optim.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "weights": result.model.full_state_dict(), "format": result.args.model_input_format,
+            "schedules": len(result.model.schedules)}
+
+
+def pipeline_on_changing_lengths() -> dict:
+    torch.manual_seed(0)
+    return train_rows(zoo_model("llama").build(), PP2_1F1B)
+
+
 def launch_2(cases: dict) -> dict:
     return {"suite": run_suite(cases), "layouts": inspect_parallel_layouts(), "deepspeed": deepspeed_pipeline(),
             "zoo": inspect_zoo_layouts(), "residual_sequences": residual_blocks_on_sequences(),
-            "refusals": pipeline_refusals()}
+            "refusals": pipeline_refusals(), "lengths": pipeline_on_changing_lengths()}
 
 
 @pytest.fixture(scope="module")
@@ -459,6 +510,21 @@ def test_four_rank_mixed_layouts_match_reference(four_ranks):
 
 def test_eight_rank_tensor_pipeline_data_layout_matches_reference():
     _check(run_distributed(run_suite, 8, CASES_8, timeout_s=900), CASES_8)
+
+
+def test_a_pipeline_trains_batches_whose_sequence_length_changes(two_ranks):
+    """A stage learns the shapes it exchanges on its schedule's first step: a batch of another length
+    (padded to its own longest row) failed inside the loop ("size of tensor a (29) must match ... (28)").
+    Each new shape now gets its schedule, kept for when the shape comes again (12, 9, 12: two
+    schedules); 3 steps of pp2 as one process trains them, the batch a dict of HF Llama's forward
+    arguments passed without model_input_format (read as 'unpack_dict')."""
+    torch.manual_seed(0)
+    reference = train_rows(zoo_model("llama").build())
+    for rank, per_rank in enumerate(two_ranks):
+        run = per_rank["lengths"]
+        assert run["format"] == "unpack_dict" and run["schedules"] == 2, (rank, run["format"], run["schedules"])
+        assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, run["losses"])
+        assert weight_difference(run["weights"], reference["weights"]) < TOL, rank
 
 
 def test_pipeline_averages_gradients_over_the_data_group_once_a_step(four_ranks):

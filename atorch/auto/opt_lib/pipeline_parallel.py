@@ -49,11 +49,12 @@ loss (the same on every stage); ``optim.backward(loss)`` has nothing left to do
 """
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Optional
+from typing import Any, Callable, Iterable, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,8 @@ from atorch.utils.modules import block_stack, full_state_dict
 
 logger = logging.getLogger(__name__)
 
+# schedules kept for batch shapes seen before (PipelineModule.schedule_for)
+SCHEDULES_KEPT = 4
 SCHEDULES = {"1F1B": "Schedule1F1B", "PreferBackward": "Schedule1F1B", "GPipe": "ScheduleGPipe",
              "PreferForward": "ScheduleGPipe", "Interleaved1F1B": "ScheduleInterleaved1F1B"}
 
@@ -174,11 +177,12 @@ class PipelineOutput:
 class PipelineModule(nn.Module):
     """This rank's stage(s) and the schedule that drives them; ``parameters()`` are the stage's."""
 
-    def __init__(self, stage_modules: list, schedule, *, loss_func, input_format: Optional[str], group,
-                 is_last: bool, shared: Optional[SharedWeights] = None):
+    def __init__(self, stage_modules: list, build_schedule: Callable[[], Any], *, loss_func,
+                 input_format: Optional[str], group, is_last: bool, shared: Optional[SharedWeights] = None):
         super().__init__()
         self.stage_modules = nn.ModuleList(stage_modules)
-        self.schedule = schedule
+        self.build_schedule = build_schedule
+        self.schedules: collections.OrderedDict = collections.OrderedDict()  # batch shapes -> schedule
         self.user_loss = loss_func
         self.input_format = input_format
         self.group = group
@@ -195,7 +199,8 @@ class PipelineModule(nn.Module):
         inputs = dict(batch) if self.input_format == "unpack_dict" else {"input": batch}
         stashed = self.shared.stash() if self.shared else None
         # every stage gets the batch (its blocks may need masks or positions made from it)
-        self.schedule.step(target=index if self.is_last else None, losses=losses, return_outputs=False, **inputs)
+        self.schedule_for(batch).step(target=index if self.is_last else None, losses=losses, return_outputs=False,
+                                      **inputs)
         if self.shared:
             self.shared.sum_gradients(stashed)
         if losses:
@@ -205,6 +210,29 @@ class PipelineModule(nn.Module):
         dist.broadcast(loss, src=dist.get_global_rank(self.group, dist.get_world_size(self.group) - 1),
                        group=self.group)
         return PipelineOutput(loss)
+
+    def schedule_for(self, batch: Any) -> Any:
+        """The schedule for this batch's shapes. A stage learns the shapes it exchanges on its schedule's
+        first step and keeps receive buffers of those shapes, so batches padded to their own longest row
+        (a collator's ``padding=True``) need a schedule per shape: built on a new shape (the stages then
+        exchange its shapes once, one extra forward of each stage), the last ``SCHEDULES_KEPT`` kept for
+        shapes that come again. Every rank of the pipeline gets the same batch, so all build together."""
+        shapes = tuple(tuple(t.shape) for t in tensors(batch))
+        schedule = self.schedules.pop(shapes, None)
+        if schedule is None:
+            if self.schedules:
+                logger.info("pipeline_parallel: a batch of new shapes %s: its stages exchange them once (padding "
+                            "batches to a few fixed lengths saves that forward)", shapes)
+            schedule = self.build_schedule()
+        self.schedules[shapes] = schedule
+        while len(self.schedules) > SCHEDULES_KEPT:
+            self.schedules.popitem(last=False)
+        return schedule
+
+    @property
+    def schedule(self) -> Any:
+        """The schedule of the latest batch (None before the first)."""
+        return next(reversed(self.schedules.values()), None)
 
     @property
     def is_first(self) -> bool:
@@ -411,15 +439,18 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     indices = [rank + pp * v for v in range(per_rank)]
     modules = [StageModule(ctx.model if i == indices[-1] else copy.deepcopy(ctx.model), structure, i, bounds,
                            ctx.model_input_format, holders) for i in indices]
-    for stage_module in modules:
-        stage_module.agree_on_first_input(mesh.parallel_group("tensor"))
-    stages = [PipelineStage(m, i, num_stages, ctx.device, group=group) for m, i in zip(modules, indices)]
     holder: dict = {}
     loss_fn = lambda output, index: holder["module"].micro_loss(output, index)  # noqa: E731
     schedule_cls = getattr(schedules, SCHEDULES[config.schedule])
-    schedule = schedule_cls(stages if len(stages) > 1 else stages[0], micro, loss_fn=loss_fn)
+
+    def build_schedule() -> Any:
+        for stage_module in modules:
+            stage_module.agree_on_first_input(mesh.parallel_group("tensor"))
+        stages = [PipelineStage(m, i, num_stages, ctx.device, group=group) for m, i in zip(modules, indices)]
+        return schedule_cls(stages if len(stages) > 1 else stages[0], micro, loss_fn=loss_fn)
+
     shared = SharedWeights(modules, holders, group, ctx.device)
-    module = PipelineModule(modules, schedule, loss_func=ctx.loss_func, input_format=ctx.model_input_format,
+    module = PipelineModule(modules, build_schedule, loss_func=ctx.loss_func, input_format=ctx.model_input_format,
                             group=group, is_last=(num_stages - 1) in indices, shared=shared)
     holder["module"] = module
     ctx.model = module

@@ -63,8 +63,10 @@ from atorch.checkpoint.tensors import SAVED_ORDERS_ATTR
 from atorch.distributed import mesh
 from atorch.distributed.agreement import max_over_ranks
 from atorch.errors import MethodConfigError
+from atorch.utils.batch import dict_of_forward_arguments
 from atorch.utils.config import MethodConfig, option
 from atorch.utils.forward_patch import patch_forward
+from atorch.utils.modules import unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -456,8 +458,10 @@ def _run_on_local_features(module: nn.Module, tp_mesh) -> None:
 
 
 def _record(model: nn.Module, probe: Probe):
-    """The sample forward's dataflow and output; (None, None) when the sample does not run on the
-    model as it is (then the name lists serve, unchecked, and the log says so). Every rank takes the same
+    """The sample forward's dataflow and output; MethodConfigError when the sample does not run on the
+    model as it is (a plan from the name lists alone could not be checked, and would fail inside the
+    training loop instead; the error says when the batch only needs ``model_input_format='unpack_dict'``).
+    Every rank takes the same
     path: a sample that fails on some ranks only (a fault of that rank, not of the model) fails the
     method on every rank, its own error the reason, rather than leave the ranks with different plans,
     whose collectives would then wait for each other until they time out."""
@@ -473,8 +477,13 @@ def _record(model: nn.Module, probe: Probe):
     if some_failed and not failed:
         raise RuntimeError("tensor_parallel: the sample row failed on another rank (its reason is reported)")
     if failed:
-        logger.warning("tensor_parallel: the sample row did not run through the model (%s: %s); the plan is taken "
-                       "from projection names and cannot be checked before training", type(error).__name__, error)
+        hint = ""
+        if probe.input_format is None and dict_of_forward_arguments(unwrap_model(model), probe.batch):
+            hint = ("; the batch is a dict of the forward's arguments: pass model_input_format='unpack_dict' "
+                    "(model(**batch))")
+        raise MethodConfigError("tensor_parallel", f"the sample row does not run through the model "
+                                f"({type(error).__name__}: {error}){hint}: the plan can neither be read from the "
+                                "model's structure nor checked before training") from error
     return recorded
 
 

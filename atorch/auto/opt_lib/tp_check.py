@@ -40,6 +40,7 @@ class Probe:
     batch: Any
     call: Callable[[nn.Module, Any], Any]
     loss: Optional[Callable[[Any, Any], Any]] = None
+    input_format: Optional[str] = None  # how ``call`` passes the batch (model_input_format)
 
     def run(self, model: nn.Module) -> Any:
         with sample_values(model):  # a model still on the meta device runs on sample values
@@ -96,7 +97,7 @@ def probe_from_context(ctx) -> Optional[Probe]:
             return model(**data, **no_cache_kwargs(model, data))
         return call_with_batch(model, data, ctx.model_input_format)
 
-    return Probe(batch, call, ctx.loss_func)
+    return Probe(batch, call, ctx.loss_func, ctx.model_input_format)
 
 
 def _float_tensors(output: Any) -> list[torch.Tensor]:

@@ -1,0 +1,89 @@
+"""How atorch calls the model on a batch (``model_input_format``): with ``None``, a batch that is a dict of
+the model's own forward arguments (HF's ``input_ids`` / ``attention_mask`` / ``labels``) is passed as
+``model(**batch)``, since ``model(batch)`` would bind the whole dict to ``input_ids``; a model whose forward
+takes the dict itself keeps ``model(batch)``; and a tensor plan whose sample does not run is refused,
+naming the fix, instead of being taken unchecked from projection names."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import IterableDataset
+
+from atorch.auto.model_context import ModelContext
+from atorch.auto.opt_lib.tensor_parallel import _record
+from atorch.auto.opt_lib.tp_check import Probe
+from atorch.errors import MethodConfigError
+from atorch.testing.hf_models import zoo_model
+from atorch.utils.batch import dict_of_forward_arguments
+
+pytest.importorskip("transformers", reason="transformers is a test extra")
+
+
+class DictModel(nn.Module):
+    """The README's style: the forward takes the batch dict itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+
+    def forward(self, batch):
+        return self.layer(batch["x"])
+
+
+class Positional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+
+    def forward(self, input_ids, scale=1.0):
+        return self.layer(input_ids) * scale
+
+
+LOSS = lambda batch, output: output  # noqa: E731
+ROWS = [{"input_ids": torch.randint(1, 64, (8,)), "labels": torch.randint(1, 64, (8,))} for _ in range(4)]
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(ROWS)
+
+
+def test_a_dict_of_forward_arguments_is_read_only_where_model_batch_could_not_be_meant():
+    llama = zoo_model("llama").build()
+    assert dict_of_forward_arguments(llama, {"input_ids": 0, "attention_mask": 0, "labels": 0})
+    assert not dict_of_forward_arguments(DictModel(), {"x": 0, "y": 0})  # forward(self, batch): the dict itself
+    assert not dict_of_forward_arguments(Positional(), {"input_ids": 0, "mask": 0})  # 'mask' is no argument
+    assert dict_of_forward_arguments(Positional(), {"input_ids": 0, "scale": 2.0})
+    assert not dict_of_forward_arguments(llama, {"attention_mask": 0})  # not its first argument
+    assert not dict_of_forward_arguments(llama, [torch.zeros(2)])
+
+
+def test_a_map_style_batch_of_forward_arguments_is_passed_unpacked():
+    """The context (every method's and the loop's ``result.args``) says 'unpack_dict'; a format the user
+    gives, a model taking the dict and an iterable dataset (not read here: it could move a stream) keep
+    theirs."""
+    llama = zoo_model("llama").build()
+    context = ModelContext(llama, dataset=ROWS, loss_func=LOSS)
+    assert context.model_input_format == context.args.model_input_format == "unpack_dict"
+    given = ModelContext(llama, dataset=ROWS, loss_func=LOSS, model_input_format="unpack_sequence")
+    assert given.model_input_format == "unpack_sequence"
+    assert ModelContext(llama, dataset=Stream(), loss_func=LOSS).model_input_format is None
+    rows = [{"x": torch.zeros(4), "y": torch.zeros(1)}]
+    assert ModelContext(DictModel(), dataset=rows, loss_func=LOSS).model_input_format is None
+
+
+def _failing_call(model: nn.Module, data: dict) -> None:
+    raise ValueError("a fault of another kind")
+
+
+def test_a_tensor_plan_whose_sample_does_not_run_is_refused_with_the_fix():
+    """The sample forward of the plan failed (the dict passed as ``input_ids``): before, the plan was taken
+    from projection names, unchecked, and the first step failed inside the loop with a shape error."""
+    llama = zoo_model("llama").build()
+    batch = {"input_ids": torch.randint(1, 64, (1, 8)), "labels": torch.randint(1, 64, (1, 8))}
+    with pytest.raises(MethodConfigError, match="does not run through the model.*model_input_format='unpack_dict'"):
+        _record(llama, Probe(batch, lambda model, data: model(data)))
+    with pytest.raises(MethodConfigError, match="does not run through the model.*a fault of another kind") as raised:
+        _record(llama, Probe(batch, _failing_call, input_format="unpack_dict"))
+    assert "unpack_dict" not in str(raised.value)  # a failure of another kind: no such hint
