@@ -19,7 +19,7 @@ from atorch.distributed import mesh
 from atorch.models import GPT, GPTConfig
 from atorch.testing import run_distributed
 from atorch.testing.hf_models import zoo_model
-from atorch.testing.training import relative_difference, train_gpt, weight_difference
+from atorch.testing.training import relative_difference, train_gpt, train_returned, weight_difference
 from atorch.utils.modules import full_state_dict
 from tests.parity import case_parts, run_suite
 
@@ -442,14 +442,7 @@ def train_rows(model: torch.nn.Module, load_strategy: Any = None) -> dict:
         return {"losses": losses, "weights": full_state_dict(model)}
     _, result, _ = auto_accelerate(model, torch.optim.SGD, rows, loss_func, optim_args={"lr": 0.1},
                                    dataloader_args={"batch_size": 8}, load_strategy=load_strategy)
-    losses = []
-    for batch in result.dataloader:
-        batch = result.prepare_input(batch)
-        loss = result.loss_func(batch, result.model(**batch))
-        result.optim.backward(loss)
-        result.optim.step()
-        result.optim.zero_grad()
-        losses.append(float(loss))
+    losses = train_returned(result, len(LENGTHS))
     return {"losses": losses, "weights": result.model.full_state_dict(), "format": result.args.model_input_format,
             "schedules": len(result.model.schedules)}
 
