@@ -53,7 +53,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "olmo3": {}, "nemotron": {}, "glm4_moe": {}, "lfm2": {}, "minimax": {}, "qwen3_next": {},
     # hybrids of attention and recurrent (Mamba, RG-LRU) mixers: the recurrent mixers stay whole
     "jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2,
-                  num_experts=4, num_experts_per_tok=2, use_mamba_kernels=False, mamba_d_state=4, mamba_dt_rank=4),
+                  num_experts=4, num_experts_per_tok=2, mamba_d_state=4, mamba_dt_rank=4),
     "zamba": {}, "nemotron_h": {}, "recurrent_gemma": {},
 }
 DROPOUTS = ("attn_pdrop", "resid_pdrop", "embd_pdrop", "attention_dropout", "hidden_dropout", "dropout",

@@ -429,7 +429,7 @@ def tiny_jamba() -> nn.Module:
 
     return transformers.JambaForCausalLM._from_config(_decoder_config(
         "JambaConfig", attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2,
-        num_experts=4, num_experts_per_tok=2, use_mamba_kernels=False, mamba_d_state=4, mamba_dt_rank=4))
+        num_experts=4, num_experts_per_tok=2, mamba_d_state=4, mamba_dt_rank=4))
 
 
 def tiny_llama4() -> nn.Module:

@@ -11,7 +11,8 @@ from torch import nn
 
 from atorch.auto.opt_lib.native_dynamo import compiled_blocks
 from atorch.auto.search.analyser import analyse_model
-from atorch.testing.hf_models import ZOO
+from atorch.auto.search.candidates import Candidate
+from atorch.testing.hf_models import ZOO, zoo_model
 from atorch.utils.modules import block_stack, repeated_blocks
 
 
@@ -111,3 +112,17 @@ def test_a_list_of_layers_of_several_classes_is_the_stack_of_blocks():
     assert [n for n, _ in block_stack(plain)] == ["layers.0", "layers.1", "layers.2"]
     towers = nn.ModuleDict({"text": Tower(3), "image": Tower(2)})  # two lists of one class: the layers as found
     assert len(block_stack(nn.Sequential(towers))) == 5
+
+
+def test_the_search_checkpoints_and_shards_every_class_of_a_mixed_stack():
+    """Jamba's layers are of two classes: the search's candidates checkpoint and shard both (the attention
+    layers alone would leave every Mamba layer's activations kept and its parameters in the root unit,
+    gathered for the whole step)."""
+    profile = analyse_model(zoo_model("jamba").build())
+    assert profile.layer_classes == ("JambaMambaDecoderLayer", "JambaAttentionDecoderLayer")
+    candidate = Candidate("fsdp", "fp32", True, block=profile.block_classes)
+    items = {item.name: item.config for item in candidate.strategy(2)}
+    assert tuple(items["checkpoint"]) == profile.layer_classes
+    assert tuple(items["fsdp"]["atorch_wrap_cls"]) == profile.layer_classes
+    llama = analyse_model(zoo_model("llama").build())
+    assert llama.layer_classes == () and llama.block_classes == ("LlamaDecoderLayer",)

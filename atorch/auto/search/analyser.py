@@ -19,7 +19,7 @@ from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
 from atorch.utils.batch import batch_size_of, to_meta
-from atorch.utils.modules import repeated_blocks
+from atorch.utils.modules import block_stack, repeated_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +41,28 @@ class ModelProfile:
     tokens_per_sample: int = 1                # elements of the first input per sample (sequence length)
     layouts: Any = None                       # LayoutFacts: tensor / pipeline sizes the model supports
     notes: list[str] = field(default_factory=list)
+    # the classes of a stack of layers of several classes (Jamba's Mamba and attention layers), in order
+    layer_classes: tuple[str, ...] = ()
 
     @property
     def main_block(self) -> Optional[str]:
         return next(iter(self.repeated_blocks), None)
 
+    @property
+    def block_classes(self) -> tuple[str, ...]:
+        """What a candidate checkpoints and shards as units: every class of the layer stack, or the main
+        block alone (none without a repeated block)."""
+        return self.layer_classes or ((self.main_block,) if self.main_block else ())
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def layer_classes(model: nn.Module) -> tuple[str, ...]:
+    """The classes of the model's layer stack (``block_stack``) where it holds more than one, in order of
+    first appearance; () where the largest repeated class is the stack."""
+    classes = tuple(dict.fromkeys(type(module).__name__ for _, module in block_stack(model)))
+    return classes if len(classes) > 1 else ()
 
 
 def analyse_model(model: nn.Module, sample_batch: Any = None, run_model: Optional[Callable] = None) -> ModelProfile:
@@ -66,6 +81,7 @@ def analyse_model(model: nn.Module, sample_batch: Any = None, run_model: Optiona
         block_param_bytes=block_bytes,
         module_counts=module_counts(model),
         signature=model_signature(model),
+        layer_classes=layer_classes(model),
     )
     if sample_batch is not None and run_model is not None:
         try:

@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -56,7 +56,7 @@ class Candidate:
     checkpoint: bool = False
     compute: tuple[str, ...] = ()
     forced: tuple[StrategyItem, ...] = ()  # items the user forced with ``included``
-    block: Optional[str] = field(default=None, compare=False)
+    block: Union[str, tuple[str, ...], None] = field(default=None, compare=False)  # class(es) of the layers
     tensor: int = 1    # tensor-parallel size
     pipeline: int = 1  # pipeline-parallel size
     micro: int = 1     # micro-batches per per-rank batch (micro_batch); 1: the batch in one piece
@@ -72,6 +72,12 @@ class Candidate:
         parts += [f"tp{self.tensor}"] * (self.tensor > 1) + [f"pp{self.pipeline}"] * (self.pipeline > 1)
         parts += [item.name for item in self.forced]
         return "+".join(parts)
+
+    @property
+    def block_classes(self) -> tuple[str, ...]:
+        if not self.block:
+            return ()
+        return self.block if isinstance(self.block, tuple) else (self.block,)
 
     @property
     def layout_method(self) -> Optional[str]:
@@ -106,9 +112,9 @@ class Candidate:
         if self.precision in PRECISION_METHODS:
             items.append(PRECISION_METHODS[self.precision])
         if self.checkpoint:
-            items.append(("checkpoint", (self.block,)))
+            items.append(("checkpoint", self.block_classes))
         if self.sharding == "fsdp":
-            items.append(("fsdp", {"atorch_wrap_cls": (self.block,)} if self.block else {}))
+            items.append(("fsdp", {"atorch_wrap_cls": self.block_classes} if self.block else {}))
         elif self.sharding in ("zero1", "zero2"):
             items.append(self.sharding)
         if self.layout_method:
@@ -261,7 +267,8 @@ def enumerate_candidates(space: SearchSpace) -> tuple[list[Candidate], dict[str,
         precision_names.append("half_bf16")
     compute = [m for m in COMPUTE_METHODS if not _note(skipped, m, _method_unavailable(m))]
     forced = tuple(_forced_items(space.included))
-    block = space.profile.main_block
+    classes = space.profile.block_classes
+    block = classes if len(classes) > 1 else space.profile.main_block
     # compute methods forced by ``included`` are in every candidate; the others are tried as
     # refinements of the winner (their effect is not predictable from the single-rank profile)
     forced_compute = tuple(m for m in compute if m in included_names)
