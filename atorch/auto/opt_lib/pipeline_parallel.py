@@ -177,11 +177,12 @@ class PipelineOutput:
 class PipelineModule(nn.Module):
     """This rank's stage(s) and the schedule that drives them; ``parameters()`` are the stage's."""
 
-    def __init__(self, stage_modules: list, build_schedule: Callable[[], Any], *, loss_func,
+    def __init__(self, stage_modules: list, build_schedule: Callable[[int], Any], micro: int, *, loss_func,
                  input_format: Optional[str], group, is_last: bool, shared: Optional[SharedWeights] = None):
         super().__init__()
         self.stage_modules = nn.ModuleList(stage_modules)
-        self.build_schedule = build_schedule
+        self.build_schedule = build_schedule  # micro-batches -> a schedule
+        self.micro = micro
         self.schedules: collections.OrderedDict = collections.OrderedDict()  # batch shapes -> schedule
         self.user_loss = loss_func
         self.input_format = input_format
@@ -223,11 +224,21 @@ class PipelineModule(nn.Module):
             if self.schedules:
                 logger.info("pipeline_parallel: a batch of new shapes %s: its stages exchange them once (padding "
                             "batches to a few fixed lengths saves that forward)", shapes)
-            schedule = self.build_schedule()
+            schedule = self.build_schedule(self._micro_batches_for(_first_tensor(batch).shape[0]))
         self.schedules[shapes] = schedule
         while len(self.schedules) > SCHEDULES_KEPT:
             self.schedules.popitem(last=False)
         return schedule
+
+    def _micro_batches_for(self, rows: int) -> int:
+        """The configured micro-batch count, or for a batch of fewer or other rows (an epoch's last batch,
+        without drop_last) the largest count up to it that divides them: every micro-batch of one step
+        must have the same shape, and equal micro-batches keep the step's mean loss the batch's."""
+        count = next(c for c in range(min(self.micro, rows), 0, -1) if rows % c == 0)
+        if count != self.micro:
+            logger.info("pipeline_parallel: a batch of %d rows runs as %d micro-batches, not %d", rows, count,
+                        self.micro)
+        return count
 
     @property
     def schedule(self) -> Any:
@@ -443,14 +454,21 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     loss_fn = lambda output, index: holder["module"].micro_loss(output, index)  # noqa: E731
     schedule_cls = getattr(schedules, SCHEDULES[config.schedule])
 
-    def build_schedule() -> Any:
+    def build_schedule(micro_batches: int) -> Any:
         for stage_module in modules:
             stage_module.agree_on_first_input(mesh.parallel_group("tensor"))
         stages = [PipelineStage(m, i, num_stages, ctx.device, group=group) for m, i in zip(modules, indices)]
-        return schedule_cls(stages if len(stages) > 1 else stages[0], micro, loss_fn=loss_fn)
+        try:
+            return schedule_cls(stages if len(stages) > 1 else stages[0], micro_batches, loss_fn=loss_fn)
+        except ValueError as error:  # a count the schedule cannot run (interleaving needs enough of them)
+            raise MethodConfigError("pipeline_parallel", f"{config.schedule} cannot run {micro_batches} "
+                                    f"micro-batches ({error}); a batch whose rows do not divide into {micro} "
+                                    "micro-batches (an epoch's last) runs fewer: set drop_last=True in "
+                                    "dataloader_args") from error
 
     shared = SharedWeights(modules, holders, group, ctx.device)
-    module = PipelineModule(modules, build_schedule, loss_func=ctx.loss_func, input_format=ctx.model_input_format,
+    module = PipelineModule(modules, build_schedule, micro, loss_func=ctx.loss_func,
+                            input_format=ctx.model_input_format,
                             group=group, is_last=(num_stages - 1) in indices, shared=shared)
     holder["module"] = module
     ctx.model = module
