@@ -166,7 +166,7 @@ def _build_engine(ctx, config: DS3DParallelConfig, stages: Optional["DeepSpeedSt
     loss_fn = lambda output, index: holder["wrapper"].micro_loss(output, index)  # noqa: E731
     if stages is None:
         module = DSPipelineModule(layers=list(ctx.model), num_stages=pp, topology=topology, loss_fn=loss_fn,
-                                  partition_method=config.partition_method or "parameters")
+                                  partition_method=config.partition_method or "parameters", dynamic_shape=True)
     else:
         module = stages.pipeline_module(DSPipelineModule, topology, loss_fn)
         ctx.args.extras["ds_3d_parallel"] = stages.describe()
@@ -281,7 +281,8 @@ class DeepSpeedStages:
         specs = [LayerSpec(DeepSpeedStage, self._this_stage, index, self.holder, self.input_format)
                  for index in range(self.pp)]
         module = _with_tied_stage_weights(base)(layers=specs, num_stages=self.pp, topology=topology, loss_fn=loss_fn,
-                                                partition_method="uniform")  # one layer per stage
+                                                partition_method="uniform",  # one layer per stage
+                                                dynamic_shape=True)
         module.shared = SharedWeights([self.stage], self.tied, module.mpu().get_pipe_parallel_group(), self.device)
         if module.shared:
             module.shared.copies()  # every stage holding a tied weight takes the lowest holder's value, now
@@ -328,6 +329,10 @@ class DeepSpeedPipeline(nn.Module):
         batch = batch_of_call(args, kwargs, self.stages.input_format if self.stages is not None else None)
         self._batch = batch
         size = batch_size_of(batch)
+        if size % self.micro:
+            raise MethodConfigError("ds_3d_parallel", f"a batch of {size} rows does not split into its {self.micro} "
+                                    "micro-batches, and DeepSpeed's engine runs a fixed count (an epoch's last "
+                                    "batch): set drop_last=True in dataloader_args")
         index = torch.arange(size, device=next(self.engine.parameters()).device)
         if self.stages is not None:  # every stage reads its micro-batch's rows of the batch
             self.stages.holder.batch = batch
