@@ -156,6 +156,19 @@ def weight_difference(weights: dict, reference: dict) -> float:
     return relative_difference(flat, flat_reference)
 
 
+def train_plainly(model: torch.nn.Module, batches: Any, loss_func: Any, lr: float = 0.1) -> list[float]:
+    """Plain PyTorch SGD over ``batches`` (dicts of the forward's arguments), one step each: the
+    single-process reference a strategy's run is compared with; each step's loss."""
+    optim, losses = torch.optim.SGD(model.parameters(), lr=lr), []
+    for batch in batches:
+        loss = loss_func(batch, model(**batch))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
 def train_returned(result: Any, steps: int, input_format: Optional[str] = "unpack_dict") -> list[float]:
     """Train what ``auto_accelerate`` returned for ``steps`` steps with the user's loop, as the contract
     writes it; the global mean loss of each step."""

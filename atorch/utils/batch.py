@@ -45,6 +45,20 @@ def dict_of_forward_arguments(model: Any, batch: Any) -> bool:
     return open_keywords or set(batch) <= set(parameters)
 
 
+def equal_chunks(rows: int, preferred: int, largest: Optional[int] = None) -> int:
+    """How many equal micro-batches a batch of ``rows`` rows runs as: ``preferred`` when it divides them
+    into chunks of at most ``largest`` rows (the configured micro-batch's size); else the fewest equal
+    chunks of at most that many rows (an epoch's last batch, without drop_last: 6 rows for 4 micro-batches
+    of 2 run as 3 of 2; 7 rows as 7 of 1); without ``largest``, the most equal chunks up to ``preferred``.
+    Equal chunks keep the mean of the micro-steps' mean losses the batch's mean, and no chunk is larger
+    than the ones memory was planned for."""
+    if not largest:
+        return next(c for c in range(min(preferred, rows), 0, -1) if rows % c == 0)
+    if rows % preferred == 0 and rows // preferred <= largest:
+        return preferred
+    return next(c for c in range(1, rows + 1) if rows % c == 0 and rows // c <= largest)
+
+
 def batch_of_call(args: tuple, kwargs: dict, input_format: Optional[str]) -> Any:
     """The batch a wrapper's ``forward(*args, **kwargs)`` was called with (the inverse of
     ``call_with_batch``): the keywords, the positional tuple, or the one argument."""

@@ -14,7 +14,8 @@ from atorch.auto.accelerate import auto_accelerate
 from atorch.errors import IncompatibleMethodsError, MethodConfigError
 from atorch.models import GPTConfig, SyntheticTokenDataset, gpt_loss
 from atorch.testing import run_distributed
-from atorch.testing.training import build_gpt, train_gpt
+from atorch.testing.training import build_gpt, train_gpt, train_plainly, train_returned
+from atorch.utils.batch import equal_chunks
 from tests.parity import assert_matches, run_suite
 
 MB2 = ("micro_batch", {"num_micro_batch": 2})
@@ -182,3 +183,23 @@ def test_search_splits_a_batch_whose_activations_do_not_fit(tmp_path, monkeypatc
         result.optim.zero_grad()
         losses.append(float(loss))
     assert len(losses) == 6 and losses[-1] < losses[0], losses
+
+
+def test_a_batch_of_other_rows_runs_as_equal_micro_steps_no_larger_than_planned():
+    """An epoch's last batch (6 of 14 rows at batch 8, no drop_last) does not divide into 4 micro-steps: it
+    failed inside the loop; it now runs as 3 micro-steps of 2 rows (the planned size), and the two steps
+    train as the plain loop over the same batches does. ``equal_chunks`` is the rule (the pipeline's too)."""
+    assert [equal_chunks(rows, 4, 2) for rows in (8, 6, 7, 4, 1)] == [4, 3, 7, 4, 1]
+    assert equal_chunks(6, 4) == 3 and equal_chunks(5, 4) == 1  # no planned size: the most up to 4
+    dataset = SyntheticTokenDataset(14, 16, 64)
+    model = build_gpt(0)
+    reference = train_plainly(model, torch.utils.data.DataLoader(dataset, batch_size=8), gpt_loss)
+    status, result, _ = auto_accelerate(build_gpt(0), torch.optim.SGD, dataset, gpt_loss, optim_args={"lr": 0.1},
+                                        dataloader_args={"batch_size": 8}, model_input_format="unpack_dict",
+                                        load_strategy=[MB4])
+    losses = train_returned(result, 2)
+    assert status
+    assert losses == pytest.approx(reference, rel=1e-5)
+    weights = dict(result.model.module.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(weights[name], param, rtol=1e-5, atol=1e-6)

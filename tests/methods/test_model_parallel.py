@@ -20,7 +20,13 @@ from atorch.errors import MethodConfigError
 from atorch.models import GPT, GPTConfig
 from atorch.testing import run_distributed
 from atorch.testing.hf_models import zoo_model
-from atorch.testing.training import relative_difference, train_gpt, train_returned, weight_difference
+from atorch.testing.training import (
+    relative_difference,
+    train_gpt,
+    train_plainly,
+    train_returned,
+    weight_difference,
+)
 from atorch.utils.modules import full_state_dict
 from tests.parity import case_parts, run_suite
 
@@ -434,13 +440,7 @@ def train_rows(model: torch.nn.Module, load_strategy: Any = None) -> dict:
     loss_func = lambda batch, output: output.loss  # noqa: E731
     rows = rows_of_changing_length()
     if load_strategy is None:
-        optim, losses = torch.optim.SGD(model.parameters(), lr=0.1), []
-        for batch in torch.utils.data.DataLoader(rows, batch_size=8):
-            loss = loss_func(batch, model(**batch))
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-            losses.append(float(loss))
+        losses = train_plainly(model, torch.utils.data.DataLoader(rows, batch_size=8), loss_func)
         return {"losses": losses, "weights": full_state_dict(model)}
     _, result, _ = auto_accelerate(model, torch.optim.SGD, rows, loss_func, optim_args={"lr": 0.1},
                                    dataloader_args={"batch_size": 8}, load_strategy=load_strategy)

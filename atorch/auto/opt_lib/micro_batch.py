@@ -32,6 +32,7 @@ Gradient synchronisation, ``grad_sync`` (the same numerics either way):
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -41,8 +42,10 @@ from torch import nn
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.errors import MethodConfigError
-from atorch.utils.batch import batch_of_call, batch_size_of, call_with_batch, loss_value, map_tensors
+from atorch.utils.batch import batch_of_call, batch_size_of, call_with_batch, equal_chunks, loss_value, map_tensors
 from atorch.utils.config import MethodConfig, option
+
+logger = logging.getLogger(__name__)
 
 LAST_MICRO_STEP, EACH_MICRO_STEP = "last_micro_step", "each_micro_step"
 GRAD_SYNCS = (LAST_MICRO_STEP, EACH_MICRO_STEP)
@@ -80,20 +83,22 @@ class MicroBatchModule(nn.Module):
     """Runs ``num_micro_batch`` forward / loss / backward micro-steps on one per-rank batch."""
 
     def __init__(self, model: nn.Module, loss_func: Any, optim: Optional[AtorchOptimizer], outer: Any,
-                 num_micro_batch: int, input_format: Optional[str], grad_sync: str = LAST_MICRO_STEP):
+                 num_micro_batch: int, input_format: Optional[str], grad_sync: str = LAST_MICRO_STEP,
+                 chunk_rows: Optional[int] = None):
         super().__init__()
         self.module = model
         self.user_loss, self.optim, self.outer = loss_func, optim, outer
         self.num_micro_batch, self.input_format, self.grad_sync = num_micro_batch, input_format, grad_sync
+        self.chunk_rows = chunk_rows  # a micro-step's rows as planned; a batch of other rows keeps to it
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (torch.is_grad_enabled() and self.training):
             return self.module(*args, **kwargs)  # evaluation: the whole batch, the user's output
         batch = batch_of_call(args, kwargs, self.input_format)
-        rows, k = batch_size_of(batch), self.num_micro_batch
-        if rows % k:
-            raise MethodConfigError("micro_batch", f"the batch of {rows} rows does not split into {k} micro-batches "
-                                    f"(num_micro_batch must divide the per-rank batch)")
+        rows = batch_size_of(batch)
+        k = equal_chunks(rows, self.num_micro_batch, self.chunk_rows)
+        if k != self.num_micro_batch:
+            logger.info("micro_batch: a batch of %d rows runs as %d micro-steps, not %d", rows, k, self.num_micro_batch)
         losses = []
         for index in range(k):
             micro = map_tensors(lambda t: t.narrow(0, index * rows // k, rows // k), batch)
@@ -160,7 +165,7 @@ def apply_micro_batch(ctx, config: MicroBatchConfig) -> None:
                                 "num_micro_batch instead")
     outer = MicroBatchOptimizer(ctx.optim) if ctx.optim is not None else None
     ctx.model = MicroBatchModule(ctx.model, ctx.loss_func, ctx.optim, outer, k, ctx.model_input_format,
-                                 config.grad_sync)
+                                 config.grad_sync, batch // k if batch is not None else None)
     ctx.loss_func = micro_batch_loss(ctx.loss_func)
     ctx.optim = outer
     ctx.args.use_optim_backward = True

@@ -80,7 +80,7 @@ from atorch.auto.opt_lib.pipeline_structure import (
 )
 from atorch.distributed import mesh
 from atorch.errors import MethodConfigError
-from atorch.utils.batch import batch_of_call, first_tensor, loss_value, select_rows, tensors
+from atorch.utils.batch import batch_of_call, equal_chunks, first_tensor, loss_value, select_rows, tensors
 from atorch.utils.config import MethodConfig, option
 from atorch.utils.meta_init import sample_values
 from atorch.utils.modules import block_stack, full_state_dict
@@ -177,12 +177,13 @@ class PipelineOutput:
 class PipelineModule(nn.Module):
     """This rank's stage(s) and the schedule that drives them; ``parameters()`` are the stage's."""
 
-    def __init__(self, stage_modules: list, build_schedule: Callable[[int], Any], micro: int, *, loss_func,
+    def __init__(self, stage_modules: list, build_schedule: Callable[[int], Any], micro: int,
+                 chunk_rows: Optional[int] = None, *, loss_func,
                  input_format: Optional[str], group, is_last: bool, shared: Optional[SharedWeights] = None):
         super().__init__()
         self.stage_modules = nn.ModuleList(stage_modules)
         self.build_schedule = build_schedule  # micro-batches -> a schedule
-        self.micro = micro
+        self.micro, self.chunk_rows = micro, chunk_rows
         self.schedules: collections.OrderedDict = collections.OrderedDict()  # batch shapes -> schedule
         self.user_loss = loss_func
         self.input_format = input_format
@@ -231,10 +232,11 @@ class PipelineModule(nn.Module):
         return schedule
 
     def _micro_batches_for(self, rows: int) -> int:
-        """The configured micro-batch count, or for a batch of fewer or other rows (an epoch's last batch,
-        without drop_last) the largest count up to it that divides them: every micro-batch of one step
-        must have the same shape, and equal micro-batches keep the step's mean loss the batch's."""
-        count = next(c for c in range(min(self.micro, rows), 0, -1) if rows % c == 0)
+        """The configured micro-batch count, or for a batch of other rows (an epoch's last batch, without
+        drop_last) the fewest equal micro-batches no larger than the configured ones (``equal_chunks``):
+        every micro-batch of one step must have the same shape, equal ones keep the step's mean loss the
+        batch's, and none is larger than memory was planned for."""
+        count = equal_chunks(rows, self.micro, self.chunk_rows)
         if count != self.micro:
             logger.info("pipeline_parallel: a batch of %d rows runs as %d micro-batches, not %d", rows, count,
                         self.micro)
@@ -463,11 +465,11 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
         except ValueError as error:  # a count the schedule cannot run (interleaving needs enough of them)
             raise MethodConfigError("pipeline_parallel", f"{config.schedule} cannot run {micro_batches} "
                                     f"micro-batches ({error}); a batch whose rows do not divide into {micro} "
-                                    "micro-batches (an epoch's last) runs fewer: set drop_last=True in "
+                                    "micro-batches (an epoch's last) runs another count: set drop_last=True in "
                                     "dataloader_args") from error
 
     shared = SharedWeights(modules, holders, group, ctx.device)
-    module = PipelineModule(modules, build_schedule, micro, loss_func=ctx.loss_func,
+    module = PipelineModule(modules, build_schedule, micro, per_rank_batch // micro, loss_func=ctx.loss_func,
                             input_format=ctx.model_input_format,
                             group=group, is_last=(num_stages - 1) in indices, shared=shared)
     holder["module"] = module
