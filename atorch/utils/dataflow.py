@@ -244,12 +244,16 @@ class _Recorder(TorchFunctionMode):
         return "other", ""
 
 
-def _add_matmul_operands(args: tuple, kwargs: dict) -> tuple:
-    """``baddbmm``'s (batch1, batch2, input), given by position or by keyword: the two factors first, as
-    a plain matmul's operands are, then the tensor the product is added to (a score bias)."""
+def add_matmul_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """``baddbmm``'s tensors by name ("input", "batch1", "batch2"), given by position or by keyword."""
     names = ("input", "batch1", "batch2")
-    given = dict(zip(names, args))
-    given.update({k: v for k, v in kwargs.items() if k in names})
+    return {**dict(zip(names, args)), **{k: v for k, v in kwargs.items() if k in names}}
+
+
+def _add_matmul_operands(args: tuple, kwargs: dict) -> tuple:
+    """``baddbmm``'s (batch1, batch2, input): the two factors first, as a plain matmul's operands are, then
+    the tensor the product is added to (a score bias)."""
+    given = add_matmul_arguments(args, kwargs)
     return tuple(given.get(n) for n in ("batch1", "batch2", "input"))
 
 

@@ -243,11 +243,6 @@ class PipelineModule(nn.Module):
         return count
 
     @property
-    def schedule(self) -> Any:
-        """The schedule of the latest batch (None before the first)."""
-        return next(reversed(self.schedules.values()), None)
-
-    @property
     def is_first(self) -> bool:
         return dist.get_rank(self.group) == 0
 

@@ -36,7 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from atorch.auto.opt_lib.tp_experts import gradient_summed
-from atorch.utils.dataflow import ADD_MATMUL, BROADCASTS
+from atorch.utils.dataflow import ADD_MATMUL, BROADCASTS, add_matmul_arguments
 
 VIEWS = frozenset({"view", "reshape"})
 SPLITS = frozenset({"split"})
@@ -87,8 +87,7 @@ class ShapeLocalizer(TorchFunctionMode):
 
     def _localize_added_input(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``baddbmm``'s added input (BLOOM's ALiBi bias, built for every head) cut to this rank's heads."""
-        names = ("input", "batch1", "batch2")
-        given = {**dict(zip(names, args)), **{k: v for k, v in kwargs.items() if k in names}}
+        given = add_matmul_arguments(args, kwargs)
         local = local_merged_heads_input(given.get("input"), given.get("batch1"), self.full_sizes, self.head_dims,
                                          self.tp, self.rank)
         if local is None:
