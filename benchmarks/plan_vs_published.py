@@ -71,9 +71,11 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # configuration for H100, TP 4, sequence 4096 among its defaults (ub_tp_comm_overlap)
                    # Megatron-Core lays ranks out tensor fastest, the pipeline outermost (its RankGenerator's
                    # order "tp-cp-ep-dp-pp"), as Megatron-Bridge's runs and DeepSpeed's topology below do
+                   # Megatron-Core's context parallelism exchanges keys and values in Transformer Engine's ring
+                   # (cp_comm_type "p2p", its default) beside the attention it feeds: context_comm_overlap
                    "nemo": {"distributed_optimizer": True, "hopper_attention": True, "grad_reduce_overlap": True,
                             "param_gather_overlap": True, "pipeline_p2p_overlap": True, "tp_comm_overlap": True,
-                            "rank_order": "tensor-data-pipeline"},
+                            "rank_order": "tensor-data-pipeline", "context_comm_overlap": True},
                    # the pipeline split counts the embedding and the output layer + loss as a block each: one
                    # block fewer on the first and the last stage (the paper's section 3.3.2; 126 = 16 x 8 - 2).
                    # The same section runs the interleaved schedule and says the first stage's first model chunk
@@ -112,7 +114,7 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    "megatron-bridge": {"distributed_optimizer": True, "hopper_attention": True, "tp_comm_overlap": True,
                                        "grad_reduce_overlap": True, "param_gather_overlap": True,
                                        "grad_reduce_dtype": "bf16", "fused_swiglu": True,
-                                       "rank_order": "tensor-data-pipeline"}}
+                                       "rank_order": "tensor-data-pipeline", "context_comm_overlap": True}}
 
 
 # facts of single rows that their source's other rows do not share
@@ -124,19 +126,19 @@ TORCHTITAN_405B_SPLIT = {"tp_comm_overlap": True, "pipeline_ends_as_layers": Tru
 ROW_WORKLOAD = {"titan llama3.1-70b 256xH100 2d asyncTP fp8+compile": {"tp_comm_overlap": True},
                 "titan llama3.1-405b 512xH100 3d 1F1B fp8+compile": TORCHTITAN_405B_SPLIT,
                 "titan llama3.1-405b 512xH100 3d interleaved fp8+compile": TORCHTITAN_405B_SPLIT,
-                "titan llama3.1-405b 512xH100 3d 32k 1F1B fp8+compile": TORCHTITAN_405B_SPLIT}
+                "titan llama3.1-405b 512xH100 3d 32k 1F1B fp8+compile": TORCHTITAN_405B_SPLIT,
+                "titan llama3.1-405b 512xH100 4d 64k cp2 1F1B fp8+compile": TORCHTITAN_405B_SPLIT,
+                "titan llama3.1-405b 512xH100 4d 128k cp4 1F1B fp8+compile": TORCHTITAN_405B_SPLIT,
+                "titan llama3.1-405b 512xH100 4d 256k cp8 1F1B fp8+compile": TORCHTITAN_405B_SPLIT,
+                # the 405B recipe sets account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split
+                # (recipes/llama/h100/llama3.py llama31_405b_pretrain_256gpu_h100_bf16_config @ 067f987d)
+                "mbridge llama3.1-405b pretrain 1024gpu tp8pp8cp2vp8 26.06.01": {"pipeline_ends_as_layers": True}}
 
 
 def load(path: Path = DATA) -> tuple[dict, list[dict]]:
     data = json.loads(path.read_text())
     rows = [dict(zip(data["columns"], values)) for values in data["rows"]]
     return data, rows
-
-
-def not_modelled(row: dict) -> Optional[str]:
-    if row["context"] > 1:
-        return "context parallelism"
-    return None
 
 
 # A compiled block's saved activations under torchtitan's op-level selective checkpointing over the
@@ -176,7 +178,7 @@ def predict_row(row: dict, models: dict) -> Prediction:
         spec, cluster, global_batch=row["global_batch"], seq_len=row["seq_len"], tensor=row["tensor"],
         pipeline=row["pipeline"], sharding=row["sharding"], precision=row["precision"],
         activation_checkpointing=row["checkpointing"], micro_batch_size=micro,
-        optimizer_states=row["optimizer_states"], attention_span=row["attention_span"])
+        optimizer_states=row["optimizer_states"], attention_span=row["attention_span"], context=row["context"])
     # a source-level fact overrides a column the row could only assume
     work = dataclasses.replace(work, **{"virtual_stages": row["virtual"], **SOURCE_WORKLOAD.get(row["source"], {}),
                                         **ROW_WORKLOAD.get(row["id"], {}), **compiled(row)})
@@ -206,7 +208,7 @@ def evaluate(rows: list[dict], models: dict, sources: Optional[dict] = None) -> 
         allocated = sources.get(row["source"], {}).get("memory") == "allocated"
         memory = (p.allocated_bytes if allocated else p.memory_bytes) / GIB
         out.append({**row, "pred": p, "published": published, "ratio": p.tokens_per_s_per_gpu / published,
-                    "mem_ratio": memory / row["memory_gib"] if row["memory_gib"] else None, "skip": not_modelled(row)})
+                    "mem_ratio": memory / row["memory_gib"] if row["memory_gib"] else None})
     return out
 
 
@@ -232,22 +234,17 @@ def print_rows(results: list[dict]) -> None:
         mem = f"{r['memory_gib']:>6.1f}" if r["memory_gib"] else f"{'':>6}"
         predicted = r["memory_gib"] * r["mem_ratio"] if r["mem_ratio"] else p.memory_bytes / GIB
         print(f"{r['id']:<46}{r['role']:<12}{r['published']:>10.0f}{p.tokens_per_s_per_gpu:>9.0f}{r['ratio']:>7.2f}"
-               f"{predicted:>9.1f}{mem}  {'yes' if p.fits else 'NO'}"
-              + (f"  (not modelled: {r['skip']})" if r["skip"] else ""))
+               f"{predicted:>9.1f}{mem}  {'yes' if p.fits else 'NO'}")
 
 
 def print_tables(results: list[dict]) -> None:
-    counted = [r for r in results if not r["skip"]]
     for role in ("held-out", "calibration"):
-        subset = [r for r in counted if r["role"] == role]
+        subset = [r for r in results if r["role"] == role]
         print(f"\n{role} rows (tokens/s per GPU, predicted vs published)")
         print(f"  {'all':<22}{summary(subset)}")
         for key in ("source", "device"):
             for value in dict.fromkeys(r[key] for r in subset):
                 print(f"  {value:<22}{summary([r for r in subset if r[key] == value])}")
-    skipped = [r for r in results if r["skip"]]
-    if skipped:
-        print(f"\nnot counted (not modelled): {len(skipped)} rows: " + ", ".join(sorted({r['skip'] for r in skipped})))
 
 
 # --- fitting -----------------------------------------------------------------------------------------

@@ -202,7 +202,7 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
              elementwise_bytes: Optional[tuple[float, float, float]] = None,
              optimizer_bytes_per_param: Optional[float] = None, grad_accumulation_bytes_per_param: float = 0.0,
              rank_order: str = "tensor-pipeline-data", vocab_parallel_loss: bool = True,
-             saves_gathered_inputs: bool = False) -> Prediction:
+             saves_gathered_inputs: bool = False, context: int = 1, context_comm_overlap: bool = False) -> Prediction:
     """How fast and how big is the one configuration you name ("what I run today")?
 
     The same analytic model ``plan()`` ranks its candidates with, so a configuration that ``plan()``
@@ -296,6 +296,15 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     after its norms, and the output layer) save the all-gathered input they ran on for their weight
     gradients (DTensor's ColwiseParallel: torchtitan, atorch's tensor_parallel with sequence_parallel);
     default False: Megatron saves the sequence shard and gathers it again in backward.
+    ``context``: context parallelism, each sequence split over this many ranks (torch's context_parallel
+    as torchtitan runs it, Megatron-Core's --context-parallel-size, Llama 3's CP), load-balanced for the
+    causal mask; the data ranks are world / (tensor x pipeline x context), and FSDP, the distributed
+    optimizer and the gradient reduction span data x context ranks, as in those frameworks. A rank's
+    activations, logits and matmuls are its seq_len / context tokens'; its attention runs them against
+    the whole sequence's keys, gathered from the context group in forward and backward (their gradients
+    sent back): ``context_comm_overlap`` says whether that exchange hides behind the attention
+    (Megatron-Core's ring, Transformer Engine's "p2p") or not (default False: torch's "allgather",
+    torchtitan's default, and Llama 3's all-gather).
     Returns a ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``, ``memory_bytes``, ``fits`` and the
     time breakdown)."""
     spec, cluster, candidate, work = configuration(
@@ -310,7 +319,8 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
         reduce_cast_copy=reduce_cast_copy, attention_span=attention_span, elementwise_bytes=elementwise_bytes,
         optimizer_bytes_per_param=optimizer_bytes_per_param,
         grad_accumulation_bytes_per_param=grad_accumulation_bytes_per_param, rank_order=rank_order,
-        vocab_parallel_loss=vocab_parallel_loss, saves_gathered_inputs=saves_gathered_inputs)
+        vocab_parallel_loss=vocab_parallel_loss, saves_gathered_inputs=saves_gathered_inputs, context=context,
+        context_comm_overlap=context_comm_overlap)
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 
@@ -345,7 +355,8 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                   attention_span: Optional[int] = None, elementwise_bytes: Optional[tuple[float, float, float]] = None,
                   optimizer_bytes_per_param: Optional[float] = None, grad_accumulation_bytes_per_param: float = 0.0,
                   rank_order: str = "tensor-pipeline-data", vocab_parallel_loss: bool = True,
-                  saves_gathered_inputs: bool = False) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
+                  saves_gathered_inputs: bool = False, context: int = 1,
+                  context_comm_overlap: bool = False) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
     """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
     callers that adjust the workload further, such as the published-runs benchmark)."""
     spec, cluster = model_spec(model), cluster_spec(cluster)
@@ -360,6 +371,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     _check_choice("attention", attention, ATTENTIONS)
     _check_choice("rank_order", rank_order, RANK_ORDERS)
     _check_attention_span(attention_span, seq_len, attention)
+    _check_context(context, seq_len, attention, context_comm_overlap)
     elementwise_bytes = _elementwise_bytes(elementwise_bytes)
     _check_optimizer_bytes(optimizer_bytes_per_param)
     _check_accumulation_bytes(grad_accumulation_bytes_per_param)
@@ -368,7 +380,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                         ("sequence_parallel", sequence_parallel), ("half_grads_kept", half_grads_kept),
                         ("reduce_cast_copy", reduce_cast_copy), ("vocab_parallel_loss", vocab_parallel_loss),
                         ("saves_gathered_inputs", saves_gathered_inputs),
-                        ("stage_outputs_kept", stage_outputs_kept)):
+                        ("stage_outputs_kept", stage_outputs_kept), ("context_comm_overlap", context_comm_overlap)):
         _check_flag(name, value, (True, False))
     for name, value in (("grad_reduce_overlap", grad_reduce_overlap), ("param_gather_overlap", param_gather_overlap),
                         ("pipeline_p2p_overlap", pipeline_p2p_overlap)):
@@ -377,7 +389,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
         raise InputError(f"distributed_optimizer=True is not valid with sharding={sharding!r}: the distributed "
                          "optimizer is zero1's sharding; give sharding='zero1'")
     world = cluster.world_size
-    data = _check_layout(spec, cluster, tensor, pipeline)
+    data = _check_layout(spec, cluster, tensor, pipeline, context)
     _check_grad_reduce_dtype(grad_reduce_dtype, sharding, precision, tensor, pipeline, distributed_optimizer)
     _check_kept(sharding, precision, tensor, pipeline, distributed_optimizer, half_grads_kept, stage_outputs_kept,
                 reduce_cast_copy, grad_reduce_dtype)
@@ -390,8 +402,9 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
         raise InputError(f"virtual_stages={virtual_stages} is not valid: {spec.layers} blocks cannot fill "
                          f"{pipeline} stages x {virtual_stages} chunks")
     if global_batch % data:
+        split = f" / context {context}" if context > 1 else ""
         raise InputError(f"global_batch={global_batch} does not split over {data} data ranks "
-                         f"(world {world} / tensor {tensor} / pipeline {pipeline})")
+                         f"(world {world} / tensor {tensor} / pipeline {pipeline}{split})")
     per_rank = global_batch // data
     micro = 1
     if micro_batch_size is not None:
@@ -406,7 +419,10 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     sync = grad_sync if micro > 1 and sharding in ("fsdp", "zero2") else "last_micro_step"
     candidate = Candidate(sharding, PRECISIONS[precision], activation_checkpointing != "none", block=spec.block,
                           tensor=tensor, pipeline=pipeline, micro=micro, shard=shard, grad_sync=sync)
-    work = Workload(global_batch, seq_len, activation_checkpointing, micro_batch_size=micro_batch_size,
+    # under context parallelism a rank runs shards of the sequences: global_batch x context shards of
+    # seq_len / context tokens over data x context ranks (Workload.context)
+    work = Workload(global_batch * context, seq_len // context, activation_checkpointing,
+                    micro_batch_size=micro_batch_size,
                     optimizer_states=optimizer_states, pipeline_ends_as_layers=bool(pipeline_ends_as_layers),
                     virtual_stages=virtual_stages, distributed_optimizer=distributed_optimizer,
                     sync_each_micro_step=grad_sync == "each_micro_step", tp_comm_overlap=tp_comm_overlap,
@@ -418,7 +434,8 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                     elementwise_bytes=elementwise_bytes, optimizer_bytes_per_param=optimizer_bytes_per_param,
                     grad_accumulation_bytes_per_param=float(grad_accumulation_bytes_per_param),
                     rank_order=rank_order, vocab_parallel_loss=vocab_parallel_loss,
-                    saves_gathered_inputs=saves_gathered_inputs)
+                    saves_gathered_inputs=saves_gathered_inputs, context=context,
+                    context_comm_overlap=context_comm_overlap)
     return spec, cluster, candidate, work
 
 
@@ -494,19 +511,37 @@ def _check_kept(sharding: str, precision: str, tensor: int, pipeline: int, distr
                          "keeps until their backward; give pipeline > 1")
 
 
-def _check_layout(spec: TransformerSpec, cluster: ClusterSpec, tensor: int, pipeline: int) -> int:
-    """The data size of a tensor x pipeline layout, after the checks the planner's candidates pass."""
+def _check_context(context: Any, seq_len: int, attention: str, overlap: Any) -> None:
+    """A context split needs a sequence that divides over it and a fused attention kernel (the
+    exchange of key / value shards is a flash attention's); its overlap flag needs a split to act on."""
+    _check_positive("context", context)
+    if seq_len % context:
+        raise InputError(f"context={context} is not valid with seq_len={seq_len}: each sequence is split over the "
+                         "context ranks; give a context size that divides seq_len")
+    if context > 1 and attention != "flash":
+        raise InputError(f"context={context} is not valid with attention={attention!r}: context parallelism "
+                         "exchanges key / value shards between flash attention kernels; give attention='flash' "
+                         "or context=1")
+    if overlap is True and context == 1:
+        raise InputError("context_comm_overlap=True is not valid with context=1: it is the overlap of the context "
+                         "group's key / value exchange; give context > 1")
+
+
+def _check_layout(spec: TransformerSpec, cluster: ClusterSpec, tensor: int, pipeline: int, context: int = 1) -> int:
+    """The data size of a tensor x pipeline (x context) layout, after the checks the planner's candidates
+    pass."""
     _check_positive("tensor", tensor)
     _check_positive("pipeline", pipeline)
     world = cluster.world_size
-    if world % (tensor * pipeline):
-        raise InputError(f"tensor={tensor} x pipeline={pipeline} does not divide the {world} GPUs of {cluster.label}")
+    if world % (tensor * pipeline * context):
+        layout = f"tensor={tensor} x pipeline={pipeline}" + (f" x context={context}" if context > 1 else "")
+        raise InputError(f"{layout} does not divide the {world} GPUs of {cluster.label}")
     if spec.heads % tensor or spec.kv_heads % tensor:
         raise InputError(f"tensor={tensor} is not valid: it must divide {spec.heads} attention heads and "
                          f"{spec.kv_heads} key-value heads")
     if pipeline > spec.layers:
         raise InputError(f"pipeline={pipeline} is not valid: {spec.layers} blocks cannot fill {pipeline} stages")
-    return world // (tensor * pipeline)
+    return world // (tensor * pipeline * context)
 
 
 def _check_choice(name: str, value: Any, choices: tuple) -> None:

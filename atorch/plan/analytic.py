@@ -182,15 +182,33 @@ class Workload:
     # one of RANK_ORDERS: which groups a node holds, so which collectives and sends stay on NVLink and how
     # many of a group's ranks share a node's network
     rank_order: str = "tensor-pipeline-data"
+    # context parallelism: each sequence split over ``context`` ranks (torch's context_parallel,
+    # Megatron-Core's --context-parallel-size, Llama 3's CP), load-balanced for the causal mask. The
+    # planner counts such a run as it runs on a rank: ``global_batch`` and ``seq_len`` are then the
+    # sequence shards (global batch x context shards of seq_len / context tokens, the data dimension's
+    # ranks times context holding them, which FSDP and the distributed optimizer shard over and
+    # gradients are reduced over, as the three frameworks do), each attending over the whole sequence,
+    # ``seq_len`` x ``context`` keys; ``atorch.plan.configuration`` builds it from the full sequence
+    context: int = 1
+    # the context group's key / value exchange overlaps the attention it feeds (Megatron-Core's default
+    # ring, Transformer Engine's cp_comm_type "p2p"); False: exposed (torch's "allgather" rotate method,
+    # torchtitan's default; Llama 3's all-gather)
+    context_comm_overlap: bool = False
 
     @property
     def tokens(self) -> int:
         return self.global_batch * self.seq_len
 
     @property
+    def sequence(self) -> int:
+        """The length of a whole sequence: ``seq_len`` times the ranks of its context group."""
+        return self.seq_len * self.context
+
+    @property
     def attended(self) -> int:
-        """The tokens' attention length: ``attention_span`` within packed documents, else the sequence."""
-        return min(self.attention_span or self.seq_len, self.seq_len)
+        """The tokens' attention length: ``attention_span`` within packed documents, else the whole
+        sequence (under context parallelism longer than a rank's shard of it)."""
+        return min(self.attention_span or self.sequence, self.sequence)
 
     def overlaps(self, what: str, candidate: Candidate) -> bool:
         """Whether ``what`` (grad_reduce / param_gather / pipeline_p2p) overlaps compute: the option
@@ -267,7 +285,8 @@ def comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSp
     """All communication of the step, hidden or not."""
     return (data_comm_seconds(candidate, spec, cluster, facts, work)
             + tensor_comm_seconds(candidate, spec, cluster, work)
-            + pipeline_comm_seconds(candidate, spec, cluster, work))
+            + pipeline_comm_seconds(candidate, spec, cluster, work)
+            + context_comm_seconds(candidate, spec, cluster, work))
 
 
 def exposed_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,
@@ -323,7 +342,10 @@ def exposed_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: C
     pipe = pipeline_comm_seconds(candidate, spec, cluster, work)
     if work.overlaps("pipeline_p2p", candidate):
         pipe = max(0.0, pipe - busy)
-    return exposed + tensor + pipe
+    context = context_comm_seconds(candidate, spec, cluster, work)
+    if work.context_comm_overlap:
+        context = max(0.0, context - attention_seconds(candidate, spec, cluster, work))
+    return exposed + tensor + pipe + context
 
 
 def overlap_window(candidate: Candidate, work: Workload, steps: int) -> float:
@@ -400,6 +422,7 @@ def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload
             "full": spec.hidden * residual / sequence}[mode]  # the block input, sequence-split too
     blocks = layers * kept * tokens * in_flight
     working = per_token * tokens * (2 if mode == "full" else 1)  # one block's backward (and its recompute)
+    working += context_gather_bytes(candidate, spec, work, tokens, tensor)
     logits = loss_bytes(spec, work, tokens, tensor) if head else 0.0  # only the stage holding the head
     if head and gathers_whole(work, tensor):  # the output layer's gathered input, kept through the loss
         logits += tokens * spec.hidden * width
@@ -433,6 +456,24 @@ def block_bytes_per_token(candidate: Candidate, spec: TransformerSpec, work: Wor
     if gathers_whole(work, tensor):  # the two norm outputs (their fp8 casts under fp8) saved gathered
         per_token += 2 * spec.hidden * (1 if fp8 else width) * (1 - 1 / tensor)
     return per_token
+
+
+def context_gather_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload, tokens: float,
+                         tensor: int = 1) -> float:
+    """Context parallelism's transient in one block's attention backward: the other ranks' key and value
+    shards gathered for ``tokens`` tokens of this rank's (in the compute dtype) and their gradients,
+    accumulated in fp32 before they are sent back. Nothing is kept between blocks: each block's
+    attention saves only its own shard."""
+    if work.context == 1:
+        return 0.0
+    width = 4 if candidate.precision == "fp32" else 2
+    return tokens * (work.context - 1) * 2 * local_kv_width(spec, tensor) * (width + 4)
+
+
+def local_kv_width(spec: TransformerSpec, tensor: int) -> float:
+    """A tensor rank's key (or value) width: its share of the key / value heads, at least one head
+    (fewer key / value heads than tensor ranks are replicated)."""
+    return max(spec.kv_dim / tensor, spec.head_dim)
 
 
 def gathers_whole(work: Workload, tensor: int) -> bool:
@@ -996,6 +1037,24 @@ def pipeline_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: 
     activation = work.tokens / data * spec.hidden * width / t
     link = cluster.link_bytes_per_s(p, pipeline_stride(candidate, work, data))
     return 2 * max(work.virtual_stages, 1) * activation / link
+
+
+def context_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
+    """Context parallelism's key / value exchange over the rank's blocks: each attention gathers the other
+    ``context - 1`` ranks' key and value shards in forward (once more under full recompute) and in backward,
+    and sends their gradients back, each pass (c - 1) shards the size of the rank's own. The context group
+    is the dimension next to the tensor group in all three frameworks' rank orders (tensor ranks apart)."""
+    c = work.context
+    if c == 1:
+        return 0.0
+    data = candidate.data_size(cluster.world_size)
+    width = 4 if candidate.precision == "fp32" else 2
+    tokens = work.tokens / data  # this rank's shard of its sequences, per step
+    shard = tokens * 2 * local_kv_width(spec, candidate.tensor) * width
+    passes = 4 if checkpointing(candidate, work) == "full" else 3
+    layers = max(stage_blocks(spec, candidate.pipeline, work))
+    latency = passes * layers * micro_steps(candidate, work, data) * COLLECTIVE_LATENCY_S
+    return passes * layers * (c - 1) * shard / cluster.link_bytes_per_s(c, candidate.tensor) + latency
 
 
 # --- layouts -----------------------------------------------------------------------------------------

@@ -637,6 +637,71 @@ def test_a_bad_attention_span_is_refused_by_name(bad, named):
     assert named in str(error.value)
 
 
+def test_context_parallelism_gives_a_rank_its_share_of_the_tokens_and_the_whole_sequences_keys():
+    """context=c at c times the sequence and 1/c of the sequences: every rank holds as many tokens as
+    the run without it (same matmuls, the same activations but the key / value gather of one block's
+    attention), each attending over c times the keys (attention c times slower, the MFU's attention term
+    at the whole sequence), plus the exchange of key / value shards, which the overlap option hides
+    behind the attention. FSDP shards over data x context: the states are the same."""
+    from atorch.plan import configuration
+    from atorch.plan.analytic import attention_seconds, context_comm_seconds, context_gather_bytes, matmul_seconds
+
+    common = dict(sharding="fsdp", activation_checkpointing="full", micro_batch_size=1)
+    base_args = dict(global_batch=8, seq_len=8192, **common)
+    split_args = dict(global_batch=4, seq_len=16384, context=2, **common)
+    spec, cluster, candidate, base_work = configuration("llama3-8b", "8xH100-80GB", **base_args)
+    *_, split_candidate, work = configuration("llama3-8b", "8xH100-80GB", **split_args)
+    assert split_candidate == candidate  # the same layout: 8 ranks of data x context
+    base, split = (candidate, spec, cluster, base_work), (candidate, spec, cluster, work)
+    assert (work.seq_len, work.global_batch, work.sequence, work.attended) == (8192, 8, 16384, 16384)
+    assert matmul_seconds(*split) == matmul_seconds(*base)
+    assert attention_seconds(*split) == pytest.approx(2 * attention_seconds(*base), rel=1e-12)
+    exchange = context_comm_seconds(*split)
+    assert exchange > 0 and context_comm_seconds(*base) == 0
+    # 4 passes (forward, its recompute, backward, gradients) x 32 blocks x 1 other shard of 8192 tokens'
+    # keys and values (2 x 1024 bf16) at NVLink speed, plus each pass's latency
+    volume = 4 * 32 * 8192 * 2 * 1024 * 2
+    assert exchange == pytest.approx(volume / cluster.device.nvlink_bytes_per_s + 4 * 32 * COLLECTIVE_LATENCY_S)
+    whole, shared = atorch.estimate("llama3-8b", "8xH100-80GB", **base_args), atorch.estimate(
+        "llama3-8b", "8xH100-80GB", **split_args)
+    transient = context_gather_bytes(candidate, spec, work, 8192)
+    assert transient == 8192 * 2 * 1024 * (2 + 4)
+    assert whole.allocated_bytes <= shared.allocated_bytes <= whole.allocated_bytes + transient
+    assert shared.tokens_per_s_per_gpu < whole.tokens_per_s_per_gpu
+    assert shared.mfu / shared.tokens_per_s_per_gpu == pytest.approx(
+        spec.model_flops_per_token(16384) / spec.model_flops_per_token(8192) * whole.mfu / whole.tokens_per_s_per_gpu)
+    hidden = atorch.estimate("llama3-8b", "8xH100-80GB", context_comm_overlap=True, **split_args)
+    assert hidden.step_time_s == pytest.approx(shared.step_time_s - exchange, rel=1e-9)  # the attention outlasts it
+    assert atorch.estimate("llama3-8b", "8xH100-80GB", context=1, **base_args) == whole
+
+
+def test_context_parallelism_spans_the_data_groups_sharding_and_its_reduction():
+    """The data ranks the batch splits over are world / (tensor x pipeline x context); the distributed
+    optimizer shards its states over data x context, as Megatron-Core does (and FSDP in torchtitan)."""
+    args = dict(global_batch=16, seq_len=8192, sharding="zero1", distributed_optimizer=True)
+    from atorch.plan import configuration
+
+    spec, cluster, candidate, work = configuration("llama3-8b", "16xH100-80GB", context=2, **args)
+    assert candidate.data_size(cluster.world_size) == 16 and work.global_batch == 32
+    with pytest.raises(InputError, match="global_batch=12 does not split over 8 data ranks"):
+        atorch.estimate("llama3-8b", "16xH100-80GB", global_batch=12, seq_len=8192, context=2)
+
+
+@pytest.mark.parametrize("bad, named", [
+    (dict(context=0), "context=0 is not valid: give a positive int"),
+    (dict(context=2.0), "context=2.0"),
+    (dict(context=3), "context=3 is not valid with seq_len=4096"),
+    (dict(context=16), "tensor=1 x pipeline=1 x context=16 does not divide the 8 GPUs"),
+    (dict(context=2, attention="materialised"), "context=2 is not valid with attention='materialised'"),
+    (dict(context_comm_overlap=True), "context_comm_overlap=True is not valid with context=1"),
+    (dict(context=2, context_comm_overlap=1), "context_comm_overlap=1 is not valid; choose one of [True, False]"),
+])
+def test_a_bad_context_parallel_configuration_is_refused_by_name(bad, named):
+    with pytest.raises(InputError) as error:
+        atorch.estimate("llama2-7b", "8xH100-80GB", global_batch=32, seq_len=4096, **bad)
+    assert named in str(error.value)
+
+
 def test_the_rank_order_decides_which_groups_stay_inside_a_node():
     """Two nodes of 8, pipeline 2 x data 8. atorch's order (tensor, pipeline, data) puts both stages of a
     pipeline on one node (sends over NVLink) and spreads each data group over both nodes (4 ranks a node:

@@ -82,7 +82,7 @@ def test_workload_facts_are_recorded_per_source_never_per_row():
 
 def _held_out(source: str) -> list[dict]:
     return [r for r in BENCH.evaluate(ROWS, DATA["models"], DATA["sources"])
-            if r["role"] == "held-out" and not r["skip"] and r["source"] == source]
+            if r["role"] == "held-out" and r["source"] == source]
 
 
 # sources none of whose rows set a constant: their rows test a model that never saw them
@@ -91,17 +91,29 @@ INDEPENDENT = sorted({row["source"] for row in ROWS}
 # Issue 32 (open): where the model misses a source's runs, and why, as far as it is understood. Strict: a
 # source that starts meeting its goal fails here until its entry is removed.
 KNOWN_MISSES = {
-    "throughput": {},
+    "throughput": {
+        "llama3": "MAE 11.3 %: its CP 16 long-context row at 0.83 of the published throughput, where the attention "
+                  "over 131072 keys is two thirds of the predicted compute at the Hopper attention efficiency fitted "
+                  "on FlashAttention-2 runs (the paper does not say which attention kernel it ran); its 8K rows at "
+                  "0.90 / 0.92",
+        "megatron-bridge": "MAE 15.4 %: every row under (0.82, 0.89, 0.83): these 2026 containers' FP8 runs are "
+                           "faster than the Hopper efficiency fitted on earlier runs; the parameter gather "
+                           "overlapped with the optimizer step is not modelled",
+    },
     "memory": {
         "torchtitan-h100": "its 405B 1F1B run at 0.83 of the published reservation with torchtitan's own pipeline "
                            "split (0.87 under the even split, which overcounts its first stage); its published peak "
                            "is 10 GiB above the interleaved run's, which keeps more chunk inputs in flight, and "
-                           "what holds that is not known (docs/plan.md)",
+                           "what holds that is not known (docs/plan.md); and its 405B run with context "
+                           "parallelism 8 at 0.81: its published peak is 7.8 GiB above the same pipeline's at "
+                           "context 4, with the same tokens a rank and the same sharding",
     },
     "fits": {
-        "llama3": "both runs, as section 3.3.2 describes them (FSDP keeping the weights gathered after forward: "
-                  "zero2; interleaved one-block chunks; no activation checkpointing): 103 and 95 GiB predicted, "
-                  "where they ran in 80 GB (see the source's workload note)",
+        "llama3": "all three runs, as section 3.3.2 describes them (FSDP keeping the weights gathered after "
+                  "forward: zero2; interleaved one-block chunks; no activation checkpointing): 103, 95 and 96 GiB "
+                  "predicted, where they ran in 80 GB (see the source's workload note)",
+        "nemo": "its Llama 3 8B run with context parallelism 2 (no activation checkpointing, the distributed "
+                "optimizer's fp32 gradient buffer: NeMo 24.07's default): 79 GiB predicted where it ran in 80 GB",
     },
 }
 
