@@ -42,7 +42,9 @@ from atorch.plan.analytic import (
     RANK_ORDERS,
     Prediction,
     Workload,
+    chunk_blocks,
     predict,
+    recomputed_block_share,
     spec_layout_facts,
 )
 from atorch.plan.hardware_specs import ClusterSpec, DeviceSpec, cluster_spec
@@ -202,7 +204,8 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
              elementwise_bytes: Optional[tuple[float, float, float]] = None,
              optimizer_bytes_per_param: Optional[float] = None, grad_accumulation_bytes_per_param: float = 0.0,
              rank_order: str = "tensor-pipeline-data", vocab_parallel_loss: bool = True,
-             saves_gathered_inputs: bool = False, context: int = 1, context_comm_overlap: bool = False) -> Prediction:
+             saves_gathered_inputs: bool = False, context: int = 1, context_comm_overlap: bool = False,
+             recompute_layers: Optional[int] = None) -> Prediction:
     """How fast and how big is the one configuration you name ("what I run today")?
 
     The same analytic model ``plan()`` ranks its candidates with, so a configuration that ``plan()``
@@ -305,6 +308,9 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     sent back): ``context_comm_overlap`` says whether that exchange hides behind the attention
     (Megatron-Core's ring, Transformer Engine's "p2p") or not (default False: torch's "allgather",
     torchtitan's default, and Llama 3's all-gather).
+    ``recompute_layers``: with ``activation_checkpointing="full"``, only the first N blocks of each
+    pipeline model chunk (of the model without a pipeline) are recomputed, the others keep all their
+    activations (Megatron-Core's --recompute-method block --recompute-num-layers N); None: every block.
     Returns a ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``, ``memory_bytes``, ``fits`` and the
     time breakdown)."""
     spec, cluster, candidate, work = configuration(
@@ -320,7 +326,7 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
         optimizer_bytes_per_param=optimizer_bytes_per_param,
         grad_accumulation_bytes_per_param=grad_accumulation_bytes_per_param, rank_order=rank_order,
         vocab_parallel_loss=vocab_parallel_loss, saves_gathered_inputs=saves_gathered_inputs, context=context,
-        context_comm_overlap=context_comm_overlap)
+        context_comm_overlap=context_comm_overlap, recompute_layers=recompute_layers)
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 
@@ -355,8 +361,8 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                   attention_span: Optional[int] = None, elementwise_bytes: Optional[tuple[float, float, float]] = None,
                   optimizer_bytes_per_param: Optional[float] = None, grad_accumulation_bytes_per_param: float = 0.0,
                   rank_order: str = "tensor-pipeline-data", vocab_parallel_loss: bool = True,
-                  saves_gathered_inputs: bool = False, context: int = 1,
-                  context_comm_overlap: bool = False) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
+                  saves_gathered_inputs: bool = False, context: int = 1, context_comm_overlap: bool = False,
+                  recompute_layers: Optional[int] = None) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
     """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
     callers that adjust the workload further, such as the published-runs benchmark)."""
     spec, cluster = model_spec(model), cluster_spec(cluster)
@@ -436,7 +442,25 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                     rank_order=rank_order, vocab_parallel_loss=vocab_parallel_loss,
                     saves_gathered_inputs=saves_gathered_inputs, context=context,
                     context_comm_overlap=context_comm_overlap)
+    if recompute_layers is not None:
+        work = dataclasses.replace(work, recomputed_blocks=_recomputed_blocks(
+            spec, work, pipeline, recompute_layers, activation_checkpointing))
     return spec, cluster, candidate, work
+
+
+def _recomputed_blocks(spec: TransformerSpec, work: Workload, pipeline: int, layers: Any, checkpointing: str) -> float:
+    """The share of blocks ``recompute_layers`` recomputes, after checking it names a real block count of
+    a full-checkpointing run (a count beyond a chunk's blocks would silently mean every block)."""
+    _check_positive("recompute_layers", layers)
+    if checkpointing != "full":
+        raise InputError(f"recompute_layers={layers} is not valid with activation_checkpointing={checkpointing!r}: "
+                         "it is the number of blocks of each pipeline chunk that full checkpointing recomputes; "
+                         "give activation_checkpointing='full', or recompute_layers=None")
+    largest = max(blocks for stage in chunk_blocks(spec, work, pipeline) for blocks in stage)
+    if layers > math.ceil(largest):
+        raise InputError(f"recompute_layers={layers} is not valid: the largest pipeline chunk holds "
+                         f"{math.ceil(largest)} blocks; give at most that, or None to recompute every block")
+    return recomputed_block_share(spec, work, pipeline, layers)
 
 
 def _is_finite_number(value: Any) -> bool:

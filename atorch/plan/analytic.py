@@ -194,6 +194,11 @@ class Workload:
     # ring, Transformer Engine's cp_comm_type "p2p"); False: exposed (torch's "allgather" rotate method,
     # torchtitan's default; Llama 3's all-gather)
     context_comm_overlap: bool = False
+    # under full checkpointing, the share of the blocks recomputed: Megatron-Core's block method
+    # (--recompute-method block --recompute-num-layers N) recomputes the first N blocks of each pipeline
+    # chunk and keeps all activations of the others; 1.0: every block (``recompute_layers`` in
+    # ``atorch.plan.configuration`` sets it, ``recomputed_block_share``)
+    recomputed_blocks: float = 1.0
 
     @property
     def tokens(self) -> int:
@@ -420,6 +425,8 @@ def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload
     selective = calibration.value("selective activation share") * work.selective_saved_scale
     kept = {"none": per_token, "selective": selective * per_token,
             "full": spec.hidden * residual / sequence}[mode]  # the block input, sequence-split too
+    if mode == "full":  # the blocks not recomputed keep all their activations
+        kept = work.recomputed_blocks * kept + (1 - work.recomputed_blocks) * per_token
     blocks = layers * kept * tokens * in_flight
     working = per_token * tokens * (2 if mode == "full" else 1)  # one block's backward (and its recompute)
     working += context_gather_bytes(candidate, spec, work, tokens, tensor)
@@ -851,7 +858,20 @@ def recomputed_share(candidate: Candidate, work: Workload) -> float:
     mode = checkpointing(candidate, work)
     if mode == "selective":
         return 1.0 - calibration.value("selective activation share")
-    return 1.0 if mode == "full" else 0.0
+    return full_recompute_share(candidate, work)
+
+
+def full_recompute_share(candidate: Candidate, work: Workload) -> float:
+    """The share of the blocks whose forward runs again whole: under full checkpointing every block, or
+    the workload's ``recomputed_blocks`` of them (Megatron's block method); none otherwise."""
+    return work.recomputed_blocks if checkpointing(candidate, work) == "full" else 0.0
+
+
+def recomputed_block_share(spec: TransformerSpec, work: Workload, pipeline: int, layers_per_chunk: int) -> float:
+    """The share of all blocks that Megatron-Core's block method recomputes: the first
+    ``layers_per_chunk`` blocks of every pipeline model chunk (``chunk_blocks``), all of a smaller one."""
+    chunks = [blocks for stage in chunk_blocks(spec, work, pipeline) for blocks in stage]
+    return sum(min(layers_per_chunk, blocks) for blocks in chunks) / sum(chunks)
 
 
 def attention_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
@@ -861,13 +881,12 @@ def attention_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
     the whole s x s square (the causal mask skips nothing): 4 s d FLOPs per token, layer and head forward,
     8 backward, 4 more under full recompute, at the matmul efficiency of a matmul as wide as a head."""
     if work.attention == "materialised":
-        per_token = (12.0 + 4.0 * (checkpointing(candidate, work) == "full")) * spec.layers * spec.q_dim * work.seq_len
+        per_token = (12.0 + 4.0 * full_recompute_share(candidate, work)) * spec.layers * spec.q_dim * work.seq_len
         peak = cluster.device.fp32_flops if candidate.precision == "fp32" else cluster.device.bf16_flops
         efficiency = width_efficiency(spec.head_dim, cluster)
         return work.tokens * per_token / cluster.world_size / (peak * efficiency)
     per_token = ATTENTION_FLOPS_PER_SEQ_DIM * spec.layers * spec.q_dim * work.attended
-    if checkpointing(candidate, work) == "full":
-        per_token += 2.0 * spec.layers * spec.q_dim * work.attended
+    per_token += 2.0 * spec.layers * spec.q_dim * work.attended * full_recompute_share(candidate, work)
     peak = cluster.device.fp32_flops if candidate.precision == "fp32" else cluster.device.bf16_flops
     family = attention_family(cluster)
     efficiency = matmul_efficiency(candidate, spec, cluster) * calibration.value(f"{family} attention efficiency")
@@ -1021,7 +1040,7 @@ def tensor_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cl
     data = candidate.data_size(cluster.world_size)
     width = 4 if candidate.precision == "fp32" else 2
     activation = work.tokens / data * spec.hidden * width
-    per_block = 6 if checkpointing(candidate, work) == "full" else 4
+    per_block = 4 + 2 * full_recompute_share(candidate, work)
     layers = max(stage_blocks(spec, candidate.pipeline, work))
     latency = per_block * layers * micro_steps(candidate, work, data) * COLLECTIVE_LATENCY_S
     return per_block * layers * 2 * (1 - 1 / t) * activation / cluster.link_bytes_per_s(t) + latency
@@ -1051,7 +1070,7 @@ def context_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: C
     width = 4 if candidate.precision == "fp32" else 2
     tokens = work.tokens / data  # this rank's shard of its sequences, per step
     shard = tokens * 2 * local_kv_width(spec, candidate.tensor) * width
-    passes = 4 if checkpointing(candidate, work) == "full" else 3
+    passes = 3 + full_recompute_share(candidate, work)
     layers = max(stage_blocks(spec, candidate.pipeline, work))
     latency = passes * layers * micro_steps(candidate, work, data) * COLLECTIVE_LATENCY_S
     return passes * layers * (c - 1) * shard / cluster.link_bytes_per_s(c, candidate.tensor) + latency

@@ -702,6 +702,51 @@ def test_a_bad_context_parallel_configuration_is_refused_by_name(bad, named):
     assert named in str(error.value)
 
 
+def test_recompute_layers_recomputes_the_first_blocks_of_each_pipeline_chunk():
+    """Megatron-Core's block method: recompute_layers=N recomputes N blocks of each model chunk and keeps
+    all activations of the rest. All of a chunk's blocks is full checkpointing exactly; fewer keep more
+    memory and recompute less (monotone between none and full); the share counts per chunk, so with
+    the embedding and the output layer taking a block's place at the two ends, the end chunks' smaller
+    block counts are recomputed whole."""
+    from atorch.plan import configuration
+    from atorch.plan.analytic import recomputed_share
+
+    args = dict(global_batch=64, seq_len=4096, tensor=4, pipeline=4, sharding="zero1", micro_batch_size=1)
+    full = atorch.estimate("llama2-70b", "8x8xH100-80GB", activation_checkpointing="full", **args)
+    none = atorch.estimate("llama2-70b", "8x8xH100-80GB", activation_checkpointing="none", **args)
+    assert atorch.estimate("llama2-70b", "8x8xH100-80GB", activation_checkpointing="full", recompute_layers=20,
+                           **args) == full  # 80 blocks / 4 stages: every block of every chunk
+    partial = [atorch.estimate("llama2-70b", "8x8xH100-80GB", activation_checkpointing="full", recompute_layers=n,
+                               **args) for n in (1, 5, 10, 19)]
+    memory = [none.memory_bytes] + [p.memory_bytes for p in partial] + [full.memory_bytes]
+    speed = [none.tokens_per_s_per_gpu] + [p.tokens_per_s_per_gpu for p in partial] + [full.tokens_per_s_per_gpu]
+    assert memory == sorted(memory, reverse=True) and len(set(memory)) == len(memory)
+    assert speed == sorted(speed, reverse=True) and len(set(speed)) == len(speed)
+    *_, candidate, work = configuration("llama2-70b", "8x8xH100-80GB", activation_checkpointing="full",
+                                        recompute_layers=5, **args)
+    assert recomputed_share(candidate, work) == pytest.approx(5 / 20)
+    # 40 blocks and the two ends over 2 stages x 3 chunks: 7 blocks a chunk, the first and the last 6
+    # beside the embedding / output layer
+    ends = dict(args, pipeline=2, activation_checkpointing="full", pipeline_ends_as_layers=True, virtual_stages=3)
+    *_, candidate, work = configuration("llama2-13b", "8x8xH100-80GB", recompute_layers=6, **ends)
+    assert recomputed_share(candidate, work) == pytest.approx(6 * 6 / 40)
+    *_, candidate, work = configuration("llama2-13b", "8x8xH100-80GB", recompute_layers=7, **ends)
+    assert recomputed_share(candidate, work) == 1.0
+
+
+@pytest.mark.parametrize("bad, named", [
+    (dict(recompute_layers=0, activation_checkpointing="full"), "recompute_layers=0 is not valid: give a positive int"),
+    (dict(recompute_layers=2.0, activation_checkpointing="full"), "recompute_layers=2.0"),
+    (dict(recompute_layers=2), "recompute_layers=2 is not valid with activation_checkpointing='none'"),
+    (dict(recompute_layers=2, activation_checkpointing="selective"), "activation_checkpointing='selective'"),
+    (dict(recompute_layers=9, activation_checkpointing="full", pipeline=4), "the largest pipeline chunk holds 8"),
+])
+def test_a_bad_recompute_layers_is_refused_by_name(bad, named):
+    with pytest.raises(InputError) as error:
+        atorch.estimate("llama2-7b", "8xH100-80GB", global_batch=32, seq_len=4096, **bad)
+    assert named in str(error.value)
+
+
 def test_the_rank_order_decides_which_groups_stay_inside_a_node():
     """Two nodes of 8, pipeline 2 x data 8. atorch's order (tensor, pipeline, data) puts both stages of a
     pipeline on one node (sends over NVLink) and spreads each data group over both nodes (4 ranks a node:
