@@ -1,14 +1,16 @@
-"""``python -m atorch.plan``: the planner's ranked table from the command line (see ``atorch.plan``)."""
+"""``python -m atorch.plan``: the planner's ranked table from the command line (see ``atorch.plan``), or
+with ``--estimate`` the one configuration its layout options name (``atorch.estimate``)."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
-from typing import Optional
+from typing import Any, Optional
 
-from atorch.errors import AtorchError
-from atorch.plan import plan, plot_plan
-from atorch.plan.hardware_specs import DEVICES
+from atorch.errors import AtorchError, InputError
+from atorch.plan import GIB, estimate, model_spec, plan, plot_plan
+from atorch.plan.hardware_specs import DEVICES, cluster_spec
 from atorch.plan.model_specs import BUILTIN_CONFIGS
 
 
@@ -20,6 +22,50 @@ def _three_numbers(text: str) -> tuple[float, float, float]:
         return tuple(float(part) for part in parts)  # type: ignore[return-value]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: give three comma-separated numbers, HIDDEN,FFN,KV") from None
+
+
+# estimate()'s options with a flag of their own (the rest through --set KEY=VALUE)
+LAYOUT_FLAGS = {"tensor": int, "pipeline": int, "context": int, "virtual_stages": int, "sharding": str,
+                "precision": str, "activation_checkpointing": str, "recompute_layers": int, "micro_batch_size": int}
+
+
+def _estimate_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The layout flags given, the --set pairs (values read as JSON where they parse: true, 2, null; else
+    as text), and the workload options the ranked table takes too; a key estimate() does not take is
+    refused by name with the valid ones."""
+    options = {name: getattr(args, name) for name in LAYOUT_FLAGS if getattr(args, name) is not None}
+    options.update(attention_span=args.attention_span, elementwise_bytes=args.elementwise_bytes)
+    valid = [name for name, p in inspect.signature(estimate).parameters.items()
+             if p.kind is p.KEYWORD_ONLY and name not in ("global_batch", "seq_len")]  # flags of their own
+    for pair in args.set:
+        key, sep, text = pair.partition("=")
+        if not sep or key not in valid:
+            raise InputError(f"--set {pair!r} is not valid: give KEY=VALUE with KEY one of {sorted(valid)}")
+        try:
+            options[key] = json.loads(text)
+        except ValueError:
+            options[key] = text
+    return options
+
+
+def _print_estimate(args: argparse.Namespace, options: dict[str, Any], device: Optional[dict]) -> None:
+    cluster = cluster_spec(args.cluster)
+    if device:  # the user's own device on the cluster's nodes, as plan() takes it
+        cluster = cluster_spec({"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node, "device": device})
+    spec = model_spec(args.model)
+    pred = estimate(spec, cluster, global_batch=args.global_batch, seq_len=args.seq_len, **options)
+    t, p, c = options.get("tensor", 1), options.get("pipeline", 1), options.get("context", 1)
+    named = ", ".join(f"{k}={v}" for k, v in options.items() if k not in ("tensor", "pipeline", "context")
+                      and v is not None)
+    print(f"model {spec.name}: {spec.param_count / 1e9:.2f} B parameters; cluster {cluster.label} "
+          f"({cluster.device.memory_bytes / GIB:.1f} GiB per GPU); global batch {args.global_batch} x "
+          f"{args.seq_len} tokens")
+    print(f"configuration: tensor {t} x pipeline {p} x context {c} x data {cluster.world_size // (t * p * c)}"
+          + (f"; {named}" if named else ""))
+    print(f"memory: {pred.memory_bytes / GIB:.1f} GiB per GPU reserved ({pred.allocated_bytes / GIB:.1f} allocated)"
+          f" -> {'fits' if pred.fits else 'does NOT fit'}")
+    print(f"step: {pred.step_time_s:.3f} s (compute {pred.compute_s:.3f} s, communication {pred.comm_s:.3f} s "
+          f"before overlap); {pred.tokens_per_s_per_gpu:.0f} tokens/s per GPU, MFU {pred.mfu * 100:.1f}%")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -40,9 +86,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--top", type=int, default=20, help="rows to print (0: all)")
     parser.add_argument("--plot", help="write a PNG of the candidates here (needs matplotlib)")
     parser.add_argument("--strategy-out", help="write the top plan's strategy (JSON) here")
+    parser.add_argument("--estimate", action="store_true",
+                        help="predict the one configuration the options below name (atorch.estimate) instead of "
+                             "ranking the candidates")
+    for name, kind in LAYOUT_FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, help=f"with --estimate: estimate()'s {name}")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --estimate: any other estimate() option, VALUE as JSON (true, 2, null) or text "
+                             "(--set rank_order=tensor-data-pipeline --set tp_comm_overlap=true)")
     args = parser.parse_args(argv)
+    given = [name for name in LAYOUT_FLAGS if getattr(args, name) is not None] + (["set"] if args.set else [])
+    if given and not args.estimate:
+        parser.error(f"--{given[0].replace('_', '-')} names one configuration: add --estimate (the ranked table "
+                     "searches the layouts itself)")
     try:
         device = json.loads(open(args.device).read()) if args.device else None
+        if args.estimate:
+            _print_estimate(args, _estimate_options(args), device)
+            return 0
         result = plan(args.model, args.cluster, args.global_batch, args.seq_len, args.exclude, device=device,
                       attention_span=args.attention_span, elementwise_bytes=args.elementwise_bytes)
     except (AtorchError, OSError, ValueError) as error:

@@ -857,6 +857,32 @@ def test_plan_ranks_with_the_workload_options_estimate_takes():
         atorch.plan("llama2-7b", "8xH100-80GB", 64, 4096, elementwise_bytes=(1.0, 2.0))
 
 
+def test_cli_estimates_the_one_configuration_its_layout_options_name(capsys):
+    """--estimate: the layout flags and --set KEY=VALUE reach atorch.estimate, whose figures are printed;
+    a key estimate() does not take is refused naming the valid ones, and a layout flag without
+    --estimate is refused rather than ignored by the ranked table."""
+    from atorch.plan.__main__ import main
+
+    base = ["--model", "llama3-8b", "--cluster", "8xH100-80GB", "--global-batch", "4", "--seq-len", "16384"]
+    assert main(base + ["--estimate", "--context", "2", "--sharding", "fsdp", "--activation-checkpointing", "full",
+                        "--set", "context_comm_overlap=true", "--set", "rank_order=tensor-data-pipeline"]) == 0
+    out = capsys.readouterr().out
+    expected = atorch.estimate("llama3-8b", "8xH100-80GB", global_batch=4, seq_len=16384, context=2, sharding="fsdp",
+                               activation_checkpointing="full", context_comm_overlap=True,
+                               rank_order="tensor-data-pipeline")
+    assert "tensor 1 x pipeline 1 x context 2 x data 4" in out and "context_comm_overlap=True" in out
+    assert f"{expected.tokens_per_s_per_gpu:.0f} tokens/s per GPU" in out
+    assert f"{expected.memory_bytes / 2**30:.1f} GiB per GPU reserved" in out and "-> fits" in out
+    assert main(base + ["--estimate", "--set", "tensor_overlap=true"]) == 2
+    err = capsys.readouterr().err
+    assert "--set 'tensor_overlap=true' is not valid" in err and "'tp_comm_overlap'" in err and "'seq_len'" not in err
+    assert main(base + ["--estimate", "--context", "3"]) == 2
+    assert "context=3 is not valid with seq_len=16384" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(base + ["--tensor", "2"])
+    assert "--tensor names one configuration: add --estimate" in capsys.readouterr().err
+
+
 def test_cli_takes_the_workload_options_and_refuses_a_malformed_triple(capsys):
     from atorch.plan.__main__ import main
 
