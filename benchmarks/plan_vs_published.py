@@ -132,7 +132,13 @@ ROW_WORKLOAD = {"titan llama3.1-70b 256xH100 2d asyncTP fp8+compile": {"tp_comm_
                 "titan llama3.1-405b 512xH100 4d 256k cp8 1F1B fp8+compile": TORCHTITAN_405B_SPLIT,
                 # the 405B recipe sets account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split
                 # (recipes/llama/h100/llama3.py llama31_405b_pretrain_256gpu_h100_bf16_config @ 067f987d)
-                "mbridge llama3.1-405b pretrain 1024gpu tp8pp8cp2vp8 26.06.01": {"pipeline_ends_as_layers": True}}
+                "mbridge llama3.1-405b pretrain 1024gpu tp8pp8cp2vp8 26.06": {"pipeline_ends_as_layers": True},
+                # recipes/qwen/h100/qwen3_moe.py qwen3_235b_a22b_pretrain_256gpu_h100_bf16_config (@ 067f987d):
+                # expert_tensor_parallel_size 1 and both pipeline-split accounts; its perf recipe
+                # (perf_recipes/qwen/h100/qwen3_moe.py @ 56ae11df) sets moe_a2a_overlap and
+                # overlap_moe_expert_parallel_comm
+                "mbridge qwen3-235b-a22b pretrain 256gpu tp2pp8vp4ep32 26.04.01": {
+                    "expert_tensor": 1, "pipeline_ends_as_layers": True, "expert_comm_overlap": True}}
 
 
 def load(path: Path = DATA) -> tuple[dict, list[dict]]:
@@ -178,11 +184,22 @@ def predict_row(row: dict, models: dict) -> Prediction:
         spec, cluster, global_batch=row["global_batch"], seq_len=row["seq_len"], tensor=row["tensor"],
         pipeline=row["pipeline"], sharding=row["sharding"], precision=row["precision"],
         activation_checkpointing=row["checkpointing"], micro_batch_size=micro,
-        optimizer_states=row["optimizer_states"], attention_span=row["attention_span"], context=row["context"])
+        optimizer_states=row["optimizer_states"], attention_span=row["attention_span"], context=row["context"],
+        **expert_arguments(row))
     # a source-level fact overrides a column the row could only assume
     work = dataclasses.replace(work, **{"virtual_stages": row["virtual"], **SOURCE_WORKLOAD.get(row["source"], {}),
                                         **ROW_WORKLOAD.get(row["id"], {}), **compiled(row)})
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
+
+
+def expert_arguments(row: dict) -> dict:
+    """A row's expert parallelism as ``configuration`` checks it: its size, with the facts of its source and
+    row it is checked against (the distributed optimizer, the expert tensor size)."""
+    if row["expert"] == 1:
+        return {}
+    facts = {**SOURCE_WORKLOAD.get(row["source"], {}), **ROW_WORKLOAD.get(row["id"], {})}
+    return {"expert": row["expert"], **{k: facts[k] for k in ("distributed_optimizer", "expert_tensor",
+                                                               "expert_comm_overlap") if k in facts}}
 
 
 def published_tokens(row: dict, models: dict) -> float:

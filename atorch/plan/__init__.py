@@ -205,7 +205,8 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
              optimizer_bytes_per_param: Optional[float] = None, grad_accumulation_bytes_per_param: float = 0.0,
              rank_order: str = "tensor-pipeline-data", vocab_parallel_loss: bool = True,
              saves_gathered_inputs: bool = False, context: int = 1, context_comm_overlap: bool = False,
-             recompute_layers: Optional[int] = None) -> Prediction:
+             recompute_layers: Optional[int] = None, expert: int = 1, expert_tensor: Optional[int] = None,
+             expert_comm_overlap: bool = False) -> Prediction:
     """How fast and how big is the one configuration you name ("what I run today")?
 
     The same analytic model ``plan()`` ranks its candidates with, so a configuration that ``plan()``
@@ -311,6 +312,13 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     ``recompute_layers``: with ``activation_checkpointing="full"``, only the first N blocks of each
     pipeline model chunk (of the model without a pipeline) are recomputed, the others keep all their
     activations (Megatron-Core's --recompute-method block --recompute-num-layers N); None: every block.
+    ``expert``: expert parallelism for a Mixture-of-Experts model (Megatron-Core's
+    --expert-model-parallel-size): each block's routed experts dealt out over this many ranks of the data
+    (x context) dimension, each split over ``expert_tensor`` ranks (None: the tensor size, Megatron-Core's
+    default), the tokens sent to their experts and back by all-to-all (exposed unless
+    ``expert_comm_overlap``: beside another micro-batch's compute). A rank holds 1 / expert of the routed
+    experts' weights and gradient buffers; their sharded states are the same bytes. Modelled for
+    Megatron-Core's layouts (the distributed optimizer, or tensor / pipeline > 1).
     Returns a ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``, ``memory_bytes``, ``fits`` and the
     time breakdown)."""
     spec, cluster, candidate, work = configuration(
@@ -326,7 +334,8 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
         optimizer_bytes_per_param=optimizer_bytes_per_param,
         grad_accumulation_bytes_per_param=grad_accumulation_bytes_per_param, rank_order=rank_order,
         vocab_parallel_loss=vocab_parallel_loss, saves_gathered_inputs=saves_gathered_inputs, context=context,
-        context_comm_overlap=context_comm_overlap, recompute_layers=recompute_layers)
+        context_comm_overlap=context_comm_overlap, recompute_layers=recompute_layers, expert=expert,
+        expert_tensor=expert_tensor, expert_comm_overlap=expert_comm_overlap)
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 
@@ -362,7 +371,8 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                   optimizer_bytes_per_param: Optional[float] = None, grad_accumulation_bytes_per_param: float = 0.0,
                   rank_order: str = "tensor-pipeline-data", vocab_parallel_loss: bool = True,
                   saves_gathered_inputs: bool = False, context: int = 1, context_comm_overlap: bool = False,
-                  recompute_layers: Optional[int] = None) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
+                  recompute_layers: Optional[int] = None, expert: int = 1, expert_tensor: Optional[int] = None,
+                  expert_comm_overlap: bool = False) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
     """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
     callers that adjust the workload further, such as the published-runs benchmark)."""
     spec, cluster = model_spec(model), cluster_spec(cluster)
@@ -445,7 +455,39 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     if recompute_layers is not None:
         work = dataclasses.replace(work, recomputed_blocks=_recomputed_blocks(
             spec, work, pipeline, recompute_layers, activation_checkpointing))
+    if expert != 1 or expert_tensor is not None or expert_comm_overlap is not False:
+        _check_experts(spec, cluster.world_size, candidate, work, expert, expert_tensor, expert_comm_overlap)
+        work = dataclasses.replace(work, expert=expert, expert_tensor=expert_tensor,
+                                   expert_comm_overlap=expert_comm_overlap)
     return spec, cluster, candidate, work
+
+
+def _check_experts(spec: TransformerSpec, world: int, candidate: Candidate, work: Workload, expert: Any,
+                   expert_tensor: Any, overlap: Any) -> None:
+    """Expert parallelism needs experts to deal out, a size that divides them and the ranks of a pipeline
+    stage with the expert tensor size, and one of the layouts it is modelled for; its two companion
+    options need it."""
+    _check_positive("expert", expert)
+    _check_flag("expert_comm_overlap", overlap, (True, False))
+    if expert == 1:
+        named = "expert_tensor" if expert_tensor is not None else "expert_comm_overlap"
+        raise InputError(f"{named} is not valid with expert=1: it belongs to expert parallelism; give expert > 1")
+    if not spec.experts:
+        raise InputError(f"expert={expert} is not valid: {spec.name} has no Mixture-of-Experts blocks to deal out")
+    if spec.experts % expert:
+        raise InputError(f"expert={expert} is not valid: it must divide the {spec.experts} experts of a block")
+    if expert_tensor is not None:
+        _check_positive("expert_tensor", expert_tensor)
+    split = expert_tensor or candidate.tensor
+    if (world // candidate.pipeline) % (expert * split):
+        raise InputError(f"expert={expert} x expert_tensor={split} does not divide the {world // candidate.pipeline} "
+                         f"ranks of a pipeline stage")
+    megatron_layout = candidate.tensor * candidate.pipeline > 1 or (
+        candidate.sharding == "zero1" and work.distributed_optimizer)
+    if not megatron_layout:
+        raise InputError(f"expert={expert} is not valid with sharding={candidate.sharding!r} and tensor = pipeline "
+                         "= 1: expert parallelism is modelled for Megatron-Core's layouts; give tensor or "
+                         "pipeline > 1, or sharding='zero1' with distributed_optimizer=True")
 
 
 def _recomputed_blocks(spec: TransformerSpec, work: Workload, pipeline: int, layers: Any, checkpointing: str) -> float:

@@ -26,7 +26,8 @@ def _three_numbers(text: str) -> tuple[float, float, float]:
 
 # estimate()'s options with a flag of their own (the rest through --set KEY=VALUE)
 LAYOUT_FLAGS = {"tensor": int, "pipeline": int, "context": int, "virtual_stages": int, "sharding": str,
-                "precision": str, "activation_checkpointing": str, "recompute_layers": int, "micro_batch_size": int}
+                "precision": str, "activation_checkpointing": str, "recompute_layers": int, "micro_batch_size": int,
+                "expert": int}
 
 
 def _estimate_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -199,6 +199,14 @@ class Workload:
     # chunk and keeps all activations of the others; 1.0: every block (``recompute_layers`` in
     # ``atorch.plan.configuration`` sets it, ``recomputed_block_share``)
     recomputed_blocks: float = 1.0
+    # expert parallelism (Megatron-Core's --expert-model-parallel-size): a Mixture-of-Experts block's
+    # routed experts dealt out over ``expert`` ranks of the data (x context) dimension, each expert split
+    # over ``expert_tensor`` ranks (--expert-tensor-parallel-size; None: the tensor size, Megatron-Core's
+    # default), the tokens sent to their experts and back by all-to-all; ``expert_comm_overlap``: those
+    # all-to-alls run beside another micro-batch's compute (Megatron-Core's overlap_moe_expert_parallel_comm)
+    expert: int = 1
+    expert_tensor: Optional[int] = None
+    expert_comm_overlap: bool = False
 
     @property
     def tokens(self) -> int:
@@ -291,7 +299,8 @@ def comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSp
     return (data_comm_seconds(candidate, spec, cluster, facts, work)
             + tensor_comm_seconds(candidate, spec, cluster, work)
             + pipeline_comm_seconds(candidate, spec, cluster, work)
-            + context_comm_seconds(candidate, spec, cluster, work))
+            + context_comm_seconds(candidate, spec, cluster, work)
+            + expert_comm_seconds(candidate, spec, cluster, work))
 
 
 def exposed_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,
@@ -350,7 +359,10 @@ def exposed_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: C
     context = context_comm_seconds(candidate, spec, cluster, work)
     if work.context_comm_overlap:
         context = max(0.0, context - attention_seconds(candidate, spec, cluster, work))
-    return exposed + tensor + pipe + context
+    experts = expert_comm_seconds(candidate, spec, cluster, work)
+    if work.expert_comm_overlap:  # beside another micro-batch's forward or backward
+        experts = max(0.0, experts - busy)
+    return exposed + tensor + pipe + context + experts
 
 
 def overlap_window(candidate: Candidate, work: Workload, steps: int) -> float:
@@ -538,7 +550,7 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
     world, t, p = cluster.world_size, candidate.tensor, candidate.pipeline
     data = candidate.data_size(world)
     P, G, O = state_bytes(candidate, spec, work.optimizer_states)  # noqa: E741 (the docstring's P / G / O)
-    if t * p > 1 or (candidate.sharding == "zero1" and work.distributed_optimizer):
+    if t * p > 1 or (candidate.sharding == "zero1" and work.distributed_optimizer) or work.expert > 1:
         return layout_memory(candidate, spec, work, facts, data, fp8, reserved)
     tokens = work.tokens / data
     if work.syncs_each_micro_step(candidate):  # one micro-batch's activations, no unsharded gradients kept
@@ -586,11 +598,13 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
         share = _largest_stage(spec, t, p, stage_blocks(spec, p, work)) / spec.param_count
     amp = half_states(candidate, work).precision.startswith("amp")
     micro = pipeline_micro_batches(candidate, work, data) if p > 1 else micro_steps(candidate, work, data)
+    whole = whole_params_share(candidate, spec, work, share)  # what expert parallelism leaves a rank whole
     if candidate.sharding == "zero2" and data > 1:
-        gathered = (0.5 if amp else 1.0) * P * share + unreduced_grads(candidate, spec, work, G * share, micro)
+        gathered = ((0.5 if amp else 1.0) * P * share * whole
+                    + unreduced_grads(candidate, spec, work, G * share * whole, micro))
         states = (P + G + O) * share / data + gathered
     elif candidate.sharding in ("fsdp", "hsdp") and data > 1:
-        block = spec.block_params * (2 if amp else P / spec.param_count) / t
+        block = rank_block_params(candidate, spec, work) * (2 if amp else P / spec.param_count)
         states = (P + G + O) * share / data + 2 * block
     elif candidate.sharding == "zero1" and data > 1:
         weights = P / 2 if amp else P
@@ -600,10 +614,10 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
         main_grads = G / data if buffer < G else 0.0
         half_grads = P / 2 if amp and work.half_grads_kept else 0.0  # the parameters' own bf16 gradients
         cast_copy = buffer / 2 if amp and work.reduce_cast_copy and buffer == G else 0.0  # fp32 buffer, bf16 copy
-        states = (weights + buffer + main_grads + half_grads + cast_copy + (P if amp else 0.0) / data
+        states = ((weights + buffer + half_grads + cast_copy) * whole + main_grads + (P if amp else 0.0) / data
                   + O / data) * share
     else:
-        states = (P + G + O) * share + (G * share if data > 1 else 0.0)
+        states = ((P + G + O) * share + (G * share if data > 1 else 0.0)) * whole
     tokens = work.tokens / data / micro
     if p > 1:
         # each stage's blocks times the micro-batches it holds (the first the most, the last the logits)
@@ -632,7 +646,37 @@ def unreduced_grads(candidate: Candidate, spec: TransformerSpec, work: Workload,
         return grad_buffer_bytes(candidate, work, grads)
     compute = 2.0 if amp else 4.0
     reduce_copy = 4.0 if amp and grad_buffer_bytes(candidate, work, 4.0) == 4.0 else 0.0
-    return spec.block_params / candidate.tensor * (compute + reduce_copy)
+    return rank_block_params(candidate, spec, work) * (compute + reduce_copy)
+
+
+def expert_tensor_size(candidate: Candidate, work: Workload) -> int:
+    """The ranks each routed expert is split over: the workload's ``expert_tensor``, else the tensor size."""
+    return work.expert_tensor or candidate.tensor
+
+
+def rank_expert_params(candidate: Candidate, spec: TransformerSpec, work: Workload) -> float:
+    """The routed-expert weights of one block a rank holds beyond what expert parallelism leaves it:
+    without it every expert split over the tensor ranks; with it 1 / (expert x expert_tensor) of them."""
+    held = spec.routed_expert_params / candidate.tensor
+    return held - spec.routed_expert_params / (work.expert * expert_tensor_size(candidate, work))
+
+
+def rank_block_params(candidate: Candidate, spec: TransformerSpec, work: Workload) -> float:
+    """One block's parameters on a rank: its tensor share, less the routed experts expert parallelism
+    deals to other ranks."""
+    return spec.block_params / candidate.tensor - rank_expert_params(candidate, spec, work)
+
+
+def whole_params_share(candidate: Candidate, spec: TransformerSpec, work: Workload, share: float) -> float:
+    """The share of a rank's parameters (``share`` of the model: its tensor and pipeline share) it still
+    holds under expert parallelism, where it holds them whole (weights, gradient buffers, gathered
+    units): its stage's blocks' routed experts shrink to 1 / expert of them. Sharded states do not move:
+    an expert's states are sharded over the data ranks that hold it, expert times fewer, so a rank keeps
+    the same bytes of them."""
+    if work.expert == 1 or not spec.experts:
+        return 1.0
+    blocks = max(stage_blocks(spec, candidate.pipeline, work))
+    return 1.0 - blocks * rank_expert_params(candidate, spec, work) / (share * spec.param_count)
 
 
 def kept_stage_outputs(candidate: Candidate, spec: TransformerSpec, work: Workload, tokens: float, stage: int,
@@ -845,10 +889,31 @@ def matmul_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
     if spec.tied:
         flops += 6.0 * spec.embedding_params  # the tied head is still a matmul
     flops += 2.0 * spec.layers * spec.active_block_params * recomputed_share(candidate, work)
-    per_gpu = work.tokens * flops / cluster.world_size
+    # a Mixture-of-Experts block's routed experts run as grouped matmuls of their own width on the few
+    # tokens each expert gets: at the efficiency of that shape (``expert_matmul_efficiency``)
+    routed = (6.0 + 2.0 * recomputed_share(candidate, work)) * spec.layers * spec.routed_active_params
     fp8 = candidate.precision == "fp8" and cluster.device.fp8_flops
     peak = cluster.device.fp8_flops if fp8 else None
-    return per_gpu / (_peak(candidate, cluster) * matmul_efficiency(candidate, spec, cluster, peak))
+    seconds = work.tokens * (flops - routed) / cluster.world_size / (
+        _peak(candidate, cluster) * matmul_efficiency(candidate, spec, cluster, peak))
+    if routed:
+        seconds += work.tokens * routed / cluster.world_size / (
+            _peak(candidate, cluster) * expert_matmul_efficiency(candidate, spec, cluster, work, peak))
+    return seconds
+
+
+def expert_matmul_efficiency(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,
+                             peak: Optional[float] = None) -> float:
+    """The efficiency of a routed expert's matmuls: FLOPs per byte of an m x k by k x n matmul go as
+    2 / (1/m + 1/k + 1/n) (the weight matmuls' 2 h / (1 + t) is its many-token limit), with k the hidden
+    size, n the expert's width over its tensor ranks and m the tokens each expert gets in a micro-batch:
+    the expert group's tokens (a data rank's micro-batch on each of ``expert`` ranks) times the experts
+    a token goes to, over the experts."""
+    data = candidate.data_size(cluster.world_size)
+    tokens = work.tokens / data / max(micro_steps(candidate, work, data), 1)
+    m = tokens * work.expert * spec.experts_per_token / spec.experts
+    n = spec.expert_ffn / expert_tensor_size(candidate, work)
+    return width_efficiency(2.0 / (1.0 / m + 1.0 / spec.hidden + 1.0 / n), cluster, peak)
 
 
 def recomputed_share(candidate: Candidate, work: Workload) -> float:
@@ -1000,6 +1065,9 @@ def data_comm_parts(candidate: Candidate, spec: TransformerSpec, cluster: Cluste
         return 0.0, 0.0
     P, G, _ = state_bytes(candidate, spec, work.optimizer_states if work is not None else "fp32")
     share = facts.state_share.get((t, p), 1 / (t * p)) if facts and t * p > 1 else 1.0 / (t * p)
+    # under expert parallelism a rank reduces (gathers) only the experts it holds, over their data ranks
+    # (expert times fewer: counted as the data group here)
+    share *= whole_params_share(candidate, spec, work, share) if work is not None else 1.0
     P, G = P * share, G * share
     # weights are gathered in the compute dtype: bf16 unless the whole run is fp32
     compute_params = (4.0 if candidate.precision == "fp32" else 2.0) * spec.param_count * share
@@ -1074,6 +1142,29 @@ def context_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: C
     layers = max(stage_blocks(spec, candidate.pipeline, work))
     latency = passes * layers * micro_steps(candidate, work, data) * COLLECTIVE_LATENCY_S
     return passes * layers * (c - 1) * shard / cluster.link_bytes_per_s(c, candidate.tensor) + latency
+
+
+def expert_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
+    """Expert parallelism's all-to-alls over the rank's blocks: each block sends every token's hidden
+    state to its ``experts_per_token`` experts and gets their outputs back, forward and backward (the
+    dispatch once more under recompute), the expert group's (expert - 1) / expert of it leaving the rank.
+    The expert group sits next to the tensor and context groups in Megatron-Core's rank order; a
+    rank's share to ranks of its own node moves over NVLink, the rest through its own NIC, both at once."""
+    e = work.expert
+    if e == 1 or not spec.experts:
+        return 0.0
+    data = candidate.data_size(cluster.world_size)
+    width = 4 if candidate.precision == "fp32" else 2
+    sequence = candidate.tensor if work.sequence_parallel else 1
+    sent = work.tokens / data / sequence * spec.experts_per_token * spec.hidden * width  # per pass, per step
+    passes = 4 + 2 * full_recompute_share(candidate, work)
+    layers = max(stage_blocks(spec, candidate.pipeline, work))
+    stride = candidate.tensor * work.context
+    inside = min(e, max(1, cluster.gpus_per_node // stride))  # the group's ranks on one node
+    nvlink = sent * (inside - 1) / e / cluster.device.nvlink_bytes_per_s
+    network = sent * (e - inside) / e / cluster.device.network_bytes_per_s if e > inside else 0.0
+    latency = passes * layers * micro_steps(candidate, work, data) * COLLECTIVE_LATENCY_S
+    return passes * layers * max(nvlink, network) + latency
 
 
 # --- layouts -----------------------------------------------------------------------------------------

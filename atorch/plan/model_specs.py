@@ -109,6 +109,17 @@ class TransformerSpec:
         return attention + self.mlp_params + 2 * self.hidden
 
     @property
+    def routed_expert_params(self) -> int:
+        """One block's routed experts' weights (not the shared experts', not the router's): what expert
+        parallelism deals out; 0 for a dense block."""
+        return self._matrices * self.hidden * self.experts * self.expert_ffn if self.experts else 0
+
+    @property
+    def routed_active_params(self) -> int:
+        """The routed experts' weights one token multiplies with in a block (its experts_per_token)."""
+        return self._matrices * self.hidden * self.experts_per_token * self.expert_ffn if self.experts else 0
+
+    @property
     def active_block_params(self) -> int:
         """The parameters one token's forward multiplies with: its routed experts, not all of them."""
         if not self.experts:
