@@ -45,7 +45,8 @@ BUILTIN_CONFIGS["llama3.1-405b"] = BUILTIN_CONFIGS["llama3-405b"]
 GATED_MODEL_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo",
                      "olmo2", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "granite", "granitemoe", "llama4",
                      "llama4_text", "deepseek_v2", "deepseek_v3", "cohere", "helium", "smollm3", "glm", "stablelm",
-                     "exaone4", "seed_oss", "ernie4_5"}
+                     "exaone4", "seed_oss", "ernie4_5", "ernie4_5_moe", "gpt_oss", "olmo3", "qwen3_next", "glm4",
+                     "glm4_moe", "minimax", "jamba", "bitnet", "cohere2", "granitemoeshared", "zamba", "zamba2"}
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 _ALIASES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
@@ -196,7 +197,7 @@ def model_spec(value: Union[str, Mapping[str, Any], nn.Module, TransformerSpec])
 
 def from_hf_config(config: Mapping[str, Any], name: str = "") -> TransformerSpec:
     """The shape keys of a transformers config (GPT-2's n_embd / n_layer / n_head are accepted too)."""
-    data = {_ALIASES.get(k, k): v for k, v in config.items()}
+    data = _standard_names({_ALIASES.get(k, k): v for k, v in config.items()})
     missing = [k for k in _REQUIRED if not isinstance(data.get(k), int)]
     if missing:
         raise InputError(f"model config: missing or non-integer key(s) {missing}; required: {list(_REQUIRED)}")
@@ -204,14 +205,58 @@ def from_hf_config(config: Mapping[str, Any], name: str = "") -> TransformerSpec
     arch = (data.get("architectures") or [""])[0]
     gated = model_type in GATED_MODEL_TYPES
     head_size = data.get("head_dim")
-    mlp = {"ffn": data.get("intermediate_size") or 4 * hidden, **_experts(data)}
+    mlp = {"ffn": _mlp_width(config, data), **_experts(data)}
     return TransformerSpec(
         name=name or data.get("_name_or_path") or model_type or "model", hidden=hidden,
         layers=data["num_hidden_layers"], heads=data["num_attention_heads"],
-        kv_heads=data.get("num_key_value_heads") or data["num_attention_heads"], vocab=data["vocab_size"],
+        kv_heads=_kv_heads(data), vocab=data["vocab_size"],
         tied=bool(data.get("tie_word_embeddings", not gated)), gated=gated,
         block=arch.replace("ForCausalLM", "DecoderLayer") if arch.endswith("ForCausalLM") else "Block",
         head_size=head_size if isinstance(head_size, int) else 0, **mlp)
+
+
+def _standard_names(data: dict[str, Any]) -> dict[str, Any]:
+    """A config dict whose shape keys are named as its model names them (MPT's d_model / n_layers /
+    n_heads, GPT-Neo's num_layers / num_heads, XGLM's attention_heads) gets the standard names too,
+    through its transformers config class's ``attribute_map`` (as a module's config is read); only
+    where a required key is missing, and only when transformers knows the model type."""
+    if all(isinstance(data.get(k), int) for k in _REQUIRED):
+        return data
+    try:
+        from transformers import CONFIG_MAPPING
+        config_class = CONFIG_MAPPING[str(data.get("model_type"))]
+    except (ImportError, KeyError):
+        return data
+    for standard, own in getattr(config_class, "attribute_map", {}).items():
+        if not isinstance(data.get(standard), int) and isinstance(data.get(own), int):
+            data[standard] = data[own]
+    return data
+
+
+def _mlp_width(config: Mapping[str, Any], data: Mapping[str, Any]) -> int:
+    """The MLP's width as the model reads it: GPT-2-style models read ``n_inner``, Falcon
+    ``ffn_hidden_size``, OPT and XGLM ``ffn_dim`` (4 x hidden where unset), MPT ``expansion_ratio`` x
+    d_model, whatever else the config holds; the rest ``intermediate_size``."""
+    hidden = data["hidden_size"]
+    for own in ("n_inner", "ffn_hidden_size", "ffn_dim"):
+        if own in config:
+            return config[own] or 4 * hidden
+    if isinstance(config.get("expansion_ratio"), (int, float)):
+        return int(config["expansion_ratio"] * hidden)
+    return data.get("intermediate_size") or 4 * hidden
+
+
+def _kv_heads(data: Mapping[str, Any]) -> int:
+    """Key / value heads as the model reads them: Falcon's new decoder architecture its ``num_kv_heads``;
+    Falcon-7B's and GPT-BigCode's ``multi_query`` flag one shared head (the key those models read, not
+    ``num_key_value_heads``); otherwise ``num_key_value_heads`` (grouped-query attention), or every head."""
+    heads = data["num_attention_heads"]
+    if data.get("new_decoder_architecture") and isinstance(data.get("num_kv_heads"), int):
+        return data["num_kv_heads"]
+    if "multi_query" in data:
+        return 1 if data["multi_query"] else heads
+    value = data.get("num_key_value_heads")
+    return value if isinstance(value, int) and value > 0 else heads
 
 
 def _experts(data: Mapping[str, Any]) -> dict[str, int]:
