@@ -950,8 +950,9 @@ def attention_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
         peak = cluster.device.fp32_flops if candidate.precision == "fp32" else cluster.device.bf16_flops
         efficiency = width_efficiency(spec.head_dim, cluster)
         return work.tokens * per_token / cluster.world_size / (peak * efficiency)
-    per_token = ATTENTION_FLOPS_PER_SEQ_DIM * spec.layers * spec.q_dim * work.attended
-    per_token += 2.0 * spec.layers * spec.q_dim * work.attended * full_recompute_share(candidate, work)
+    length = spec.attention_length(work.attended)  # over the layers: sliding windows count their window
+    per_token = ATTENTION_FLOPS_PER_SEQ_DIM * spec.q_dim * length
+    per_token += 2.0 * spec.q_dim * length * full_recompute_share(candidate, work)
     peak = cluster.device.fp32_flops if candidate.precision == "fp32" else cluster.device.bf16_flops
     family = attention_family(cluster)
     efficiency = matmul_efficiency(candidate, spec, cluster) * calibration.value(f"{family} attention efficiency")

@@ -78,6 +78,10 @@ class TransformerSpec:
     experts_per_token: int = 0
     expert_ffn: int = 0             # one routed expert's width
     shared_ffn: int = 0             # the shared (always-on) experts' total width
+    # sliding-window attention: ``windowed_layers`` of the layers attend to the last ``window`` tokens
+    # only (gpt-oss, Gemma 2 / 3, Mistral 7B v0.1); 0: every layer attends to the whole sequence
+    window: int = 0
+    windowed_layers: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -149,12 +153,22 @@ class TransformerSpec:
 
     def model_flops_per_token(self, seq_len: int) -> float:
         """Forward + backward FLOPs per token as MFU is usually counted (torchtitan, PaLM): 6 per
-        non-embedding parameter a token meets plus attention's 12 * layers * (heads x head size) * sequence."""
-        return 6.0 * (self.active_param_count - self.embedding_params) + 12.0 * self.layers * self.q_dim * seq_len
+        non-embedding parameter a token meets plus attention's 12 * layers * (heads x head size) * sequence
+        (a sliding-window layer's twice its window: ``attention_length``)."""
+        attention = 12.0 * self.q_dim * self.attention_length(seq_len)
+        return 6.0 * (self.active_param_count - self.embedding_params) + attention
 
     def recompute_flops_per_token(self, seq_len: int) -> float:
         """One more forward of every block (full activation checkpointing)."""
-        return 2.0 * self.layers * self.active_block_params + 4.0 * self.layers * self.q_dim * seq_len
+        return 2.0 * self.layers * self.active_block_params + 4.0 * self.q_dim * self.attention_length(seq_len)
+
+    def attention_length(self, attended: float) -> float:
+        """The attention length summed over the layers, in the units causal attention over ``attended``
+        tokens counts: a layer of the whole sequence ``attended`` (its queries see attended / 2 keys on
+        average), a sliding-window layer twice its window (its queries see the window), at most
+        ``attended``."""
+        windowed = self.windowed_layers if self.window else 0
+        return (self.layers - windowed) * attended + windowed * min(2 * self.window, attended)
 
     def block_activation_elements(self) -> int:
         """Elements a block saves for backward, per token, with fused (flash / SDPA) attention: norm
@@ -205,7 +219,7 @@ def from_hf_config(config: Mapping[str, Any], name: str = "") -> TransformerSpec
     arch = (data.get("architectures") or [""])[0]
     gated = model_type in GATED_MODEL_TYPES
     head_size = data.get("head_dim")
-    mlp = {"ffn": _mlp_width(config, data), **_experts(data)}
+    mlp = {"ffn": _mlp_width(config, data), **_experts(data), **_sliding_window(data)}
     return TransformerSpec(
         name=name or data.get("_name_or_path") or model_type or "model", hidden=hidden,
         layers=data["num_hidden_layers"], heads=data["num_attention_heads"],
@@ -231,6 +245,29 @@ def _standard_names(data: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(data.get(standard), int) and isinstance(data.get(own), int):
             data[standard] = data[own]
     return data
+
+
+def _sliding_window(data: Mapping[str, Any]) -> dict[str, int]:
+    """Which layers attend within a sliding window, as the model's config says: its ``layer_types``
+    ("sliding_attention": gpt-oss, Gemma 2 / 3, and the configs transformers writes), Gemma 3's
+    ``sliding_window_pattern`` (all but every p-th layer), Gemma 2's alternation, every layer of
+    Mistral / Mixtral with a ``sliding_window``; {} where none does (Qwen2's window is off unless
+    ``use_sliding_window``)."""
+    window, layers = data.get("sliding_window"), data["num_hidden_layers"]
+    if not isinstance(window, int) or window <= 0 or data.get("use_sliding_window") is False:
+        return {}
+    types = data.get("layer_types")
+    if isinstance(types, list) and types:
+        windowed = sum(str(t).startswith("sliding") for t in types)
+    elif isinstance(data.get("sliding_window_pattern"), int) and data["sliding_window_pattern"] > 0:
+        windowed = layers - layers // data["sliding_window_pattern"]
+    elif data.get("model_type") == "gemma2":
+        windowed = layers - layers // 2
+    elif data.get("model_type") in ("mistral", "mixtral"):
+        windowed = layers
+    else:
+        return {}
+    return {"window": window, "windowed_layers": windowed} if windowed else {}
 
 
 def _mlp_width(config: Mapping[str, Any], data: Mapping[str, Any]) -> int:

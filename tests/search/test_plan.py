@@ -117,6 +117,39 @@ def test_a_familys_config_dict_gives_the_parameter_count_of_the_model_it_builds(
     assert model_spec(model.config.to_dict()).param_count == pytest.approx(real, rel=0.15)
 
 
+@pytest.mark.parametrize("config, windowed, window", [
+    ({"model_type": "gpt_oss", "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 18}, 18,
+     128),
+    ({"model_type": "gemma3_text", "sliding_window": 1024, "sliding_window_pattern": 6}, 30, 1024),
+    ({"model_type": "gemma2", "sliding_window": 4096}, 18, 4096),
+    ({"model_type": "mistral", "sliding_window": 4096}, 36, 4096),
+    ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}, 0, 0),
+    ({"model_type": "llama", "sliding_window": None}, 0, 0),
+])
+def test_sliding_window_layers_attend_over_their_window(config, windowed, window):
+    """The layers a config puts in a sliding window (layer_types, Gemma 3's pattern, Gemma 2's alternation,
+    Mistral's every layer; none where the window is off) count twice their window of attention length (a
+    query sees the window where a causal one sees half the sequence), at most the sequence: attention's
+    time and the MFU's attention term go with it, the weights' matmuls do not."""
+    from atorch.plan import configuration
+    from atorch.plan.analytic import attention_seconds, matmul_seconds
+
+    base = {"hidden_size": 2048, "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4,
+            "intermediate_size": 8192, "vocab_size": 32000}
+    spec = model_spec({**base, **config})
+    assert (spec.windowed_layers, spec.window) == (windowed, window)
+    expected = (36 - windowed) * 32768 + windowed * min(2 * window, 32768)
+    assert spec.attention_length(32768) == expected
+    args = dict(global_batch=8, seq_len=32768, activation_checkpointing="full")
+    full_config = {**base, "model_type": config["model_type"]}
+    windows, whole = (configuration(c, "8xH100-80GB", **args) for c in ({**base, **config}, full_config))
+    ratio = attention_seconds(windows[2], windows[0], windows[1], windows[3]) / attention_seconds(
+        whole[2], whole[0], whole[1], whole[3])
+    assert ratio == pytest.approx(expected / (36 * 32768))
+    assert matmul_seconds(windows[2], windows[0], windows[1], windows[3]) == matmul_seconds(
+        whole[2], whole[0], whole[1], whole[3])
+
+
 def test_an_moe_model_is_planned_with_all_its_experts_in_memory_and_its_routed_ones_in_time():
     """Mixtral against the dense model of the same shape that runs one expert's MLP twice as wide (the same
     FLOPs per token): about the same compute (a little more: each expert's matmuls run on the quarter of
