@@ -199,7 +199,9 @@ def model_spec(value: Union[str, Mapping[str, Any], nn.Module, TransformerSpec])
             path = path / "config.json"
         if path.is_file():
             try:
-                return from_hf_config(json.loads(path.read_text()), name=path.parent.name or path.stem)
+                # named by its directory (a checkpoint's config.json), or by the file itself
+                named = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
+                return from_hf_config(json.loads(path.read_text()), name=named)
             except ValueError as error:
                 raise InputError(f"model config {text!r} is not valid JSON: {error}") from error
         close = nearest_name(text, BUILTIN_CONFIGS)

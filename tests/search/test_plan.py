@@ -57,6 +57,17 @@ def test_cli_names_a_bad_cluster_and_the_valid_devices():
     assert done.returncode == 2 and "H100-96GB" in done.stderr and "Did you mean" in done.stderr
 
 
+def test_a_config_file_names_the_model_by_its_directory_or_its_own_name(tmp_path):
+    """A checkpoint's config.json is named by its directory, any other JSON file by itself (not by the
+    directory it happens to sit in)."""
+    (tmp_path / "llama-3-8b").mkdir()
+    (tmp_path / "llama-3-8b" / "config.json").write_text(json.dumps(LLAMA3_8B_CONFIG))
+    (tmp_path / "qwen3-30b.json").write_text(json.dumps(QWEN3_30B_A3B))
+    assert model_spec(str(tmp_path / "llama-3-8b")).name == "llama-3-8b"
+    assert model_spec(str(tmp_path / "llama-3-8b" / "config.json")).name == "llama-3-8b"
+    assert model_spec(str(tmp_path / "qwen3-30b.json")).name == "qwen3-30b"
+
+
 def test_builtin_shapes_have_their_published_parameter_counts():
     counts = {name: model_spec(name).param_count / 1e9 for name in BUILTIN_CONFIGS}
     assert counts["llama2-7b"] == pytest.approx(6.74, abs=0.01)
