@@ -173,12 +173,13 @@ class TransformerSpec:
     def block_activation_elements(self) -> int:
         """Elements a block saves for backward, per token, with fused (flash / SDPA) attention: norm
         inputs and outputs, q / k / v, the attention output, and the MLP's intermediate tensors."""
-        mlp = (4 if self.gated else 2) * self.ffn
-        return 4 * self.hidden + 2 * self.q_dim + 2 * self.kv_dim + mlp
+        return 4 * self.hidden + self.split_activation_elements()
 
     def split_activation_elements(self) -> int:
-        """The part of ``block_activation_elements`` that tensor parallelism splits (heads, MLP width)."""
-        mlp = (4 if self.gated else 2) * self.ffn
+        """The part of ``block_activation_elements`` that tensor parallelism splits (heads, MLP width). An
+        MoE block also keeps the token's hidden state once for each expert it is routed to: the copies
+        dispatched to the experts, which their first matmuls save for the weight gradient."""
+        mlp = (4 if self.gated else 2) * self.ffn + self.experts_per_token * self.hidden
         return 2 * self.q_dim + 2 * self.kv_dim + mlp
 
 

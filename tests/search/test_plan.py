@@ -161,6 +161,18 @@ def test_sliding_window_layers_attend_over_their_window(config, windowed, window
         whole[2], whole[0], whole[1], whole[3])
 
 
+def test_an_moe_block_keeps_the_copies_of_each_token_dispatched_to_its_experts():
+    """Beside the routed experts' intermediate tensors (as a dense MLP's, at the width a token runs
+    through), an MoE block saves each token's hidden state once per expert it goes to: the dispatched
+    copies the experts' first matmuls keep for their weight gradient (Qwen3-30B-A3B: 8 x 2048 a token)."""
+    moe = model_spec(QWEN3_30B_A3B)
+    dense_same_width = model_spec({**QWEN3_30B_A3B, "model_type": "qwen3", "num_experts": 0,
+                                   "intermediate_size": moe.ffn})
+    assert moe.ffn == dense_same_width.ffn == 8 * 768
+    assert moe.block_activation_elements() - dense_same_width.block_activation_elements() == 8 * 2048
+    assert moe.split_activation_elements() - dense_same_width.split_activation_elements() == 8 * 2048
+
+
 def test_an_moe_model_is_planned_with_all_its_experts_in_memory_and_its_routed_ones_in_time():
     """Mixtral against the dense model of the same shape that runs one expert's MLP twice as wide (the same
     FLOPs per token): about the same compute (a little more: each expert's matmuls run on the quarter of
