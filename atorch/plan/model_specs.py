@@ -215,6 +215,10 @@ def model_spec(value: Union[str, Mapping[str, Any], nn.Module, TransformerSpec])
 def from_hf_config(config: Mapping[str, Any], name: str = "") -> TransformerSpec:
     """The shape keys of a transformers config (GPT-2's n_embd / n_layer / n_head are accepted too)."""
     data = _standard_names({_ALIASES.get(k, k): v for k, v in config.items()})
+    if data.get("is_encoder_decoder"):
+        raise InputError(f"model config: {data.get('model_type') or 'this model'} is an encoder-decoder model "
+                         "(is_encoder_decoder), which the planner does not describe: it reads decoder-only "
+                         "transformers, and would count one stack of the two; give a decoder-only config")
     missing = [k for k in _REQUIRED if not isinstance(data.get(k), int)]
     if missing:
         raise InputError(f"model config: missing or non-integer key(s) {missing}; required: {list(_REQUIRED)}")

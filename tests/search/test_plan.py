@@ -68,6 +68,15 @@ def test_a_config_file_names_the_model_by_its_directory_or_its_own_name(tmp_path
     assert model_spec(str(tmp_path / "qwen3-30b.json")).name == "qwen3-30b"
 
 
+def test_an_encoder_decoder_config_is_refused_rather_than_counted_as_one_stack():
+    """T5's config reads as 6 layers of 512 (its encoder alone: 35 M of its 60 M parameters): refused by
+    name rather than planned at half its size."""
+    t5 = {"model_type": "t5", "d_model": 512, "num_layers": 6, "num_decoder_layers": 6, "num_heads": 8,
+          "d_ff": 2048, "vocab_size": 32128, "is_encoder_decoder": True}
+    with pytest.raises(InputError, match="t5 is an encoder-decoder model"):
+        model_spec(t5)
+
+
 def test_builtin_shapes_have_their_published_parameter_counts():
     counts = {name: model_spec(name).param_count / 1e9 for name in BUILTIN_CONFIGS}
     assert counts["llama2-7b"] == pytest.approx(6.74, abs=0.01)
