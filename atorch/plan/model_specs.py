@@ -220,6 +220,11 @@ def from_hf_config(config: Mapping[str, Any], name: str = "") -> TransformerSpec
                          "(is_encoder_decoder), which the planner does not describe: it reads decoder-only "
                          "transformers, and would count one stack of the two; give a decoder-only config")
     missing = [k for k in _REQUIRED if not isinstance(data.get(k), int)]
+    if missing and isinstance(data.get("text_config"), Mapping):
+        # a multimodal config (Llama 4, Gemma 3, Mistral 3): its language model, the vision tower left out
+        text = data["text_config"]
+        label = name or data.get("_name_or_path") or data.get("model_type") or "model"
+        return from_hf_config(text, name=f"{label} (language model)")
     if missing:
         raise InputError(f"model config: missing or non-integer key(s) {missing}; required: {list(_REQUIRED)}")
     hidden, model_type = data["hidden_size"], str(data.get("model_type", ""))

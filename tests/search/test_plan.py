@@ -77,6 +77,18 @@ def test_an_encoder_decoder_config_is_refused_rather_than_counted_as_one_stack()
         model_spec(t5)
 
 
+def test_a_multimodal_config_is_read_as_its_language_model():
+    """Llama 4's and Gemma 3's config.json nest the decoder's shape in text_config: the planner reads
+    that (named as the language model; the vision tower is not counted) instead of refusing the config."""
+    multimodal = {"model_type": "llama4", "text_config": {**LLAMA3_8B_CONFIG, "model_type": "llama4_text"},
+                  "vision_config": {"hidden_size": 1408, "num_hidden_layers": 34}}
+    spec = model_spec(multimodal)
+    assert spec.name == "llama4 (language model)"
+    assert spec.param_count == model_spec(LLAMA3_8B_CONFIG).param_count
+    with pytest.raises(InputError, match="missing or non-integer key"):
+        model_spec({"model_type": "llama4", "vision_config": {"hidden_size": 1408}})
+
+
 def test_builtin_shapes_have_their_published_parameter_counts():
     counts = {name: model_spec(name).param_count / 1e9 for name in BUILTIN_CONFIGS}
     assert counts["llama2-7b"] == pytest.approx(6.74, abs=0.01)
