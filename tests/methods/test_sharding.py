@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from atorch.auto import opt_lib
-from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason
+from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason, without_shared_memory_allreduce
 from atorch.auto.opt_lib.fsdp import FSDPConfig, units_called, units_keeping_ties
 from atorch.auto.opt_lib.tp_check import Probe
 from atorch.models import GPT
@@ -294,6 +294,16 @@ def test_clipping_changes_the_reference():
 @pytest.mark.skipif(HAS_DEEPSPEED, reason="DeepSpeed is installed; its cases run in the sharding launch")
 def test_deepspeed_absent_is_reported():
     assert "DeepSpeed" in (deepspeed_unavailable_reason() or "")
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed")
+def test_deepspeeds_backend_is_made_without_its_shared_memory_allreduce():
+    """atorch's engines reduce through torch.distributed: DeepSpeed's CPU shared-memory all-reduce
+    extension (its inference all-reduce only) is neither built nor started in their processes."""
+    from deepspeed.comm.torch import build_shm_op
+
+    without_shared_memory_allreduce()
+    assert build_shm_op() is None
 
 
 @pytest.mark.parametrize("name, config, words", [

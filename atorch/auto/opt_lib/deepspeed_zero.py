@@ -41,6 +41,18 @@ def deepspeed_unavailable_reason() -> Optional[str]:
     return None
 
 
+def without_shared_memory_allreduce() -> None:
+    """Keep DeepSpeed from building and starting its CPU shared-memory all-reduce extension
+    (``deepspeed_shm_comm``, compiled with its own OpenMP runtime and started for every process of the
+    group when DeepSpeed makes its communication backend). Only DeepSpeed's inference all-reduce uses it;
+    its training collectives, and so atorch's engines, go through torch.distributed. One native runtime
+    less in the training process: a CI run aborted with heap corruption at a thread's shutdown in a
+    process where it had started (cause not proven). Call before DeepSpeed makes its backend."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def forget_deepspeed_groups() -> None:
     """After atorch rebuilt the process group (a failed dry run, see ``atorch.distributed.fault``),
     DeepSpeed's cached groups belong to the aborted one: drop them so its next engine makes new ones."""
@@ -83,6 +95,7 @@ def use_deepspeed_zero(ctx, method: str, stage: int) -> None:
 def _build_engine(ctx, params: Any, method: str, stage: int) -> "DeepSpeedOptimizer":
     import deepspeed
 
+    without_shared_memory_allreduce()
     dp_size = mesh.data_parallel_size()
     if dist.is_initialized() and dp_size != dist.get_world_size():
         raise MethodConfigError(method, f"use_ds_zero supports pure data parallelism "

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from atorch.auto.opt_lib.base import Optimization
-from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason
+from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason, without_shared_memory_allreduce
 from atorch.auto.opt_lib.pipeline_parallel import (
     PipelineOutput,
     SharedWeights,
@@ -160,6 +160,7 @@ def _build_engine(ctx, config: DS3DParallelConfig, stages: Optional["DeepSpeedSt
     # every rank passes a collective (which a peer's failure ends) before DeepSpeed makes its groups, whose
     # creation waits on the store for every rank
     all_ranks_true(True)
+    without_shared_memory_allreduce()
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)  # wraps our process group
     holder: dict = {}
     topology = _topology_like_the_mesh(pp, dp)
