@@ -43,6 +43,7 @@ from atorch.plan.analytic import (
     Prediction,
     Workload,
     chunk_blocks,
+    counted_per_stage,
     predict,
     recomputed_block_share,
     spec_layout_facts,
@@ -482,9 +483,7 @@ def _check_experts(spec: TransformerSpec, world: int, candidate: Candidate, work
     if (world // candidate.pipeline) % (expert * split):
         raise InputError(f"expert={expert} x expert_tensor={split} does not divide the {world // candidate.pipeline} "
                          f"ranks of a pipeline stage")
-    megatron_layout = candidate.tensor * candidate.pipeline > 1 or (
-        candidate.sharding == "zero1" and work.distributed_optimizer)
-    if not megatron_layout:
+    if not counted_per_stage(candidate, work):
         raise InputError(f"expert={expert} is not valid with sharding={candidate.sharding!r} and tensor = pipeline "
                          "= 1: expert parallelism is modelled for Megatron-Core's layouts; give tensor or "
                          "pipeline > 1, or sharding='zero1' with distributed_optimizer=True")

@@ -547,10 +547,10 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
     fp8 = candidate.precision == "fp8"
     if fp8:
         candidate = dataclasses.replace(candidate, precision="amp_bf16")
-    world, t, p = cluster.world_size, candidate.tensor, candidate.pipeline
+    world = cluster.world_size
     data = candidate.data_size(world)
     P, G, O = state_bytes(candidate, spec, work.optimizer_states)  # noqa: E741 (the docstring's P / G / O)
-    if t * p > 1 or (candidate.sharding == "zero1" and work.distributed_optimizer) or work.expert > 1:
+    if counted_per_stage(candidate, work) or work.expert > 1:
         return layout_memory(candidate, spec, work, facts, data, fp8, reserved)
     tokens = work.tokens / data
     if work.syncs_each_micro_step(candidate):  # one micro-batch's activations, no unsharded gradients kept
@@ -567,6 +567,13 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
     memory = estimate(stated, variant, shard_group, _profile(spec, P), _hardware(cluster)).memory_bytes
     cached = cached_block_bytes(candidate, spec, work, tokens / max(candidate.micro, 1), fp8=fp8) if reserved else 0.0
     return memory + fp32_gather_bytes(candidate, spec, work, shard_group) + cached
+
+
+def counted_per_stage(candidate: Candidate, work: Workload) -> bool:
+    """Whether a rank's memory is counted as its stage's share of the model (``layout_memory``): under
+    tensor / pipeline parallelism and Megatron's distributed optimizer; pure data parallelism goes
+    through the search's cost model instead."""
+    return candidate.tensor * candidate.pipeline > 1 or (candidate.sharding == "zero1" and work.distributed_optimizer)
 
 
 def fp32_gather_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload, shard: int) -> float:
