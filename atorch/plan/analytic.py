@@ -838,11 +838,43 @@ def compute_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cluste
                + memory_bound_seconds(candidate, spec, cluster, work, tokens)
                + optimizer_seconds(candidate, spec, cluster, work)
                + accumulation_seconds(candidate, spec, cluster, work))
+    seconds += head_stage_excess_seconds(candidate, spec, cluster, work)
     # the host launches asynchronously: its per-block cost is a floor under the GPU's time, not added to it
     host = HOST_SECONDS_PER_BLOCK * max(stage_blocks(spec, p, work)) * micro_steps(candidate, work, data)
     host *= 1 + recomputed_share(candidate, work) / 3  # recompute launches the forward's kernels again
     seconds = max(seconds, host)
     return seconds * (1 + pipeline_bubble(candidate, work, data))
+
+
+def head_stage_excess_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,
+                              work: Workload) -> float:
+    """What the pipeline's slowest stage adds over the time counted evenly: every stage waits for the
+    slowest one each micro-batch (Llama 3's paper, section 3.3.2: the output layer and the loss make the
+    last stage the bottleneck). The blocks' matmuls and attention are dealt out by the blocks each rank
+    holds (the sum of its model chunks: ``chunk_blocks``; the two ends a block lighter where the split
+    counts the embedding and the output layer as blocks); the output layer's matmul and the loss's
+    memory-bound passes run on the last stage alone. The even count spread the matmuls over all GPUs
+    and the loss whole on each: the difference is returned (negative where a middle stage with one
+    more block than the ends is the slowest and the loss was counted on it)."""
+    p = candidate.pipeline
+    if p == 1:
+        return 0.0
+    matmul = matmul_seconds(candidate, spec, cluster, work)
+    flops = 6.0 * (spec.active_param_count - spec.embedding_params - spec.head_params)
+    flops += 2.0 * spec.layers * spec.active_block_params * recomputed_share(candidate, work)
+    head = matmul * 6.0 * spec.embedding_params / (flops + 6.0 * spec.embedding_params)
+    blocks = matmul - head + attention_seconds(candidate, spec, cluster, work)
+    loss = loss_seconds(candidate, spec, cluster, work.tokens / candidate.data_size(cluster.world_size))
+    ranks = [sum(chunks) for chunks in chunk_blocks(spec, work, p)]
+    stages = [blocks * p * held / sum(ranks) for held in ranks]
+    stages[-1] += head * p + loss
+    return max(stages) - (blocks + head + loss)
+
+
+def loss_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, tokens: float) -> float:
+    """The loss's memory-bound passes over a data rank's ``tokens`` logits, split over the tensor ranks."""
+    hbm = cluster.device.hbm_bytes_per_s
+    return LOSS_BYTES_PER_LOGIT * spec.vocab * tokens / candidate.tensor / hbm if hbm else 0.0
 
 
 def pipeline_bubble(candidate: Candidate, work: Workload, data: int) -> float:
@@ -993,14 +1025,13 @@ def memory_bound_seconds(candidate: Candidate, spec: TransformerSpec, cluster: C
         scores = MATERIALISED_FORWARD_BYTES * (1 + recomputed_share(candidate, work)) + MATERIALISED_BACKWARD_BYTES
         per_block += scores * spec.heads * work.seq_len
     blocks = per_block * spec.layers * tokens / (t * candidate.pipeline)
-    loss = LOSS_BYTES_PER_LOGIT * spec.vocab * tokens / candidate.tensor
     weights = 0.0
     if candidate.precision == "fp8":  # each weight cast (and transposed) once per step, per micro-step
         gathers_per_micro_step = candidate.sharding in FSDP_KINDS
         passes = micro_steps(candidate, work, candidate.data_size(cluster.world_size)) if gathers_per_micro_step else 1
         weights = (FP8_WEIGHT_CAST_BYTES * spec.layers * spec.block_params
                    / (candidate.tensor * candidate.pipeline) * passes)
-    return (blocks + loss + weights) / hbm
+    return (blocks + weights) / hbm + loss_seconds(candidate, spec, cluster, tokens)
 
 
 def block_elementwise_bytes(spec: TransformerSpec, work: Workload, width: int) -> float:

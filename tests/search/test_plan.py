@@ -471,6 +471,37 @@ def test_interleaved_chunks_that_hold_only_an_end_hold_no_block():
         126 / 16 * analytic.micro_batches_in_flight(16, 8, 0))
 
 
+def test_the_last_stage_runs_the_output_layer_and_the_loss_and_the_pipeline_waits_for_it():
+    """Each micro-batch waits for the slowest stage. Under an even split the last stage runs its blocks plus
+    the whole output layer, so the step is (p - 1) x the output layer's matmul (counted spread over the
+    p stages) longer than an even count, whatever the vocabulary; counting the ends as blocks moves a block
+    off the last stage, which then no longer bounds the step."""
+    from atorch.plan import analytic, configuration
+
+    def parts(vocab, ends=False):
+        spec = model_spec({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+                           "intermediate_size": 5632, "num_hidden_layers": 16, "num_attention_heads": 16,
+                           "num_key_value_heads": 4, "vocab_size": vocab, "tie_word_embeddings": False})
+        spec, cluster, candidate, work = configuration(spec, "1x8xH100-80GB", global_batch=64, seq_len=4096,
+                                                       tensor=2, pipeline=4, sharding="zero1", micro_batch_size=1,
+                                                       pipeline_ends_as_layers=ends)
+        return (analytic.head_stage_excess_seconds(candidate, spec, cluster, work),
+                analytic.matmul_seconds(candidate, spec, cluster, work), spec, cluster, candidate, work)
+
+    small, large = parts(32000), parts(256000)
+    assert small[0] > 0
+    assert large[0] - small[0] == pytest.approx(3 * (large[1] - small[1]), rel=1e-9)
+    excess = large[0]
+    ends = parts(256000, ends=True)[0]
+    assert ends < excess  # 18 places, 4.5 a stage: 3.5, 4.5, 4.5, 3.5 blocks
+    big = dict(global_batch=64, seq_len=4096, tensor=2, pipeline=4, sharding="zero1", micro_batch_size=1)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+              "intermediate_size": 5632, "num_hidden_layers": 16, "num_attention_heads": 16,
+              "num_key_value_heads": 4, "vocab_size": 256000, "tie_word_embeddings": False}
+    assert (atorch.estimate(config, "1x8xH100-80GB", pipeline_ends_as_layers=True, **big).tokens_per_s_per_gpu
+            > atorch.estimate(config, "1x8xH100-80GB", **big).tokens_per_s_per_gpu)
+
+
 def test_logits_are_split_on_the_vocabulary_only_where_the_loss_runs_on_the_split_logits():
     """Megatron's vocab-parallel cross-entropy and torchtitan's loss_parallel hold 1/tp of the logits a tensor
     rank; atorch's tensor_parallel gathers them whole (the user's loss reads one tensor), and plan(), whose
