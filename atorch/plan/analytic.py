@@ -859,11 +859,8 @@ def head_stage_excess_seconds(candidate: Candidate, spec: TransformerSpec, clust
     p = candidate.pipeline
     if p == 1:
         return 0.0
-    matmul = matmul_seconds(candidate, spec, cluster, work)
-    flops = 6.0 * (spec.active_param_count - spec.embedding_params - spec.head_params)
-    flops += 2.0 * spec.layers * spec.active_block_params * recomputed_share(candidate, work)
-    head = matmul * 6.0 * spec.embedding_params / (flops + 6.0 * spec.embedding_params)
-    blocks = matmul - head + attention_seconds(candidate, spec, cluster, work)
+    head = head_matmul_seconds(candidate, spec, cluster, work)
+    blocks = matmul_seconds(candidate, spec, cluster, work) - head + attention_seconds(candidate, spec, cluster, work)
     loss = loss_seconds(candidate, spec, cluster, work.tokens / candidate.data_size(cluster.world_size))
     ranks = [sum(chunks) for chunks in chunk_blocks(spec, work, p)]
     stages = [blocks * p * held / sum(ranks) for held in ranks]
@@ -922,11 +919,10 @@ def _peak(candidate: Candidate, cluster: ClusterSpec) -> float:
 
 
 def matmul_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
-    """Weight matmuls: 6 FLOPs per non-embedding parameter and token (the head included), one more
-    forward of the blocks under full recompute (or of their matmul-free parts under selective: none)."""
-    flops = 6.0 * (spec.active_param_count - spec.embedding_params - (spec.head_params if spec.tied else 0))
-    if spec.tied:
-        flops += 6.0 * spec.embedding_params  # the tied head is still a matmul
+    """Weight matmuls: the blocks' 6 FLOPs per parameter and token, one more forward of the blocks under
+    full recompute (or of their matmul-free parts under selective: none), and the output layer's
+    (``head_matmul_seconds``)."""
+    flops = 6.0 * (spec.active_param_count - spec.embedding_params - spec.head_params)
     flops += 2.0 * spec.layers * spec.active_block_params * recomputed_share(candidate, work)
     # a Mixture-of-Experts block's routed experts run as grouped matmuls of their own width on the few
     # tokens each expert gets: at the efficiency of that shape (``expert_matmul_efficiency``)
@@ -938,7 +934,18 @@ def matmul_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
     if routed:
         seconds += work.tokens * routed / cluster.world_size / (
             _peak(candidate, cluster) * expert_matmul_efficiency(candidate, spec, cluster, work, peak))
-    return seconds
+    return seconds + head_matmul_seconds(candidate, spec, cluster, work)
+
+
+def head_matmul_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
+    """The output layer's matmul (tied to the embedding or not): 6 FLOPs per token and weight, spread
+    over the GPUs. In bf16 under fp8: the fp8 recipes convert the blocks' linear layers only
+    (Megatron-Core builds the output layer as a plain ColumnParallelLinear outside Transformer Engine,
+    torchtitan's float8 conversion filters the module named output, llm-foundry's te.Linear replaces the
+    blocks' layers and MPT's head is its tied embedding)."""
+    peak = cluster.device.bf16_flops if candidate.precision == "fp8" else _peak(candidate, cluster)
+    flops = 6.0 * spec.vocab * spec.hidden
+    return work.tokens * flops / cluster.world_size / (peak * matmul_efficiency(candidate, spec, cluster))
 
 
 def expert_matmul_efficiency(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,

@@ -42,7 +42,7 @@ FITTED: dict[str, Fitted] = {
         0.5677, ("titan llama3.1-8b 8xH100 fsdp",),
         0.2, 0.95, "the same on the power-capped 500 W H100 96 GB (torchtitan's Grand Teton parts)"),
     "fp8 efficiency": Fitted(
-        0.9097, ("lf H100-80GB 3b s2048 8gpu fp8", "lf H100-80GB 1b s8192 8gpu fp8"),
+        0.9431, ("lf H100-80GB 3b s2048 8gpu fp8", "lf H100-80GB 1b s8192 8gpu fp8"),
         0.1, 1.0, "fp8 matmuls' share of the fp8 peak, relative to bf16 matmuls' share of theirs"),
     "matmul half width per ridge": Fitted(
         1.401, ("lf A100-80GB 760m s2048 8gpu", "lf A100-40GB 350m s2048 8gpu", "lf H100-80GB 760m s2048 8gpu",

@@ -502,6 +502,22 @@ def test_the_last_stage_runs_the_output_layer_and_the_loss_and_the_pipeline_wait
             > atorch.estimate(config, "1x8xH100-80GB", **big).tokens_per_s_per_gpu)
 
 
+def test_under_fp8_the_output_layer_stays_in_bf16():
+    """The fp8 recipes convert the blocks' linear layers, not the output layer: its matmul takes the same
+    time under fp8 as under bf16, while the blocks' take less."""
+    from atorch.plan import analytic, configuration
+
+    def seconds(precision):
+        spec, cluster, candidate, work = configuration("llama3-8b", "1x8xH100-80GB", global_batch=64, seq_len=4096,
+                                                       sharding="zero1", micro_batch_size=1, precision=precision)
+        head = analytic.head_matmul_seconds(candidate, spec, cluster, work)
+        return head, analytic.matmul_seconds(candidate, spec, cluster, work) - head
+
+    (head_bf16, blocks_bf16), (head_fp8, blocks_fp8) = seconds("bf16"), seconds("fp8")
+    assert head_fp8 == pytest.approx(head_bf16) and head_fp8 > 0
+    assert blocks_fp8 < 0.7 * blocks_bf16
+
+
 def test_logits_are_split_on_the_vocabulary_only_where_the_loss_runs_on_the_split_logits():
     """Megatron's vocab-parallel cross-entropy and torchtitan's loss_parallel hold 1/tp of the logits a tensor
     rank; atorch's tensor_parallel gathers them whole (the user's loss reads one tensor), and plan(), whose
