@@ -34,6 +34,7 @@ from _block_implementations import (  # noqa: E402
 from atorch.plan import (
     calibration,  # noqa: E402
     configuration,  # noqa: E402
+    parse_pipeline_layout,  # noqa: E402
 )
 from atorch.plan.analytic import LOSS_PARALLEL_LOGIT_BYTES, Prediction, predict, spec_layout_facts  # noqa: E402
 from atorch.plan.elementwise import elementwise_bytes  # noqa: E402
@@ -130,6 +131,11 @@ ROW_WORKLOAD = {"titan llama3.1-70b 256xH100 2d asyncTP fp8+compile": {"tp_comm_
                 "titan llama3.1-405b 512xH100 4d 64k cp2 1F1B fp8+compile": TORCHTITAN_405B_SPLIT,
                 "titan llama3.1-405b 512xH100 4d 128k cp4 1F1B fp8+compile": TORCHTITAN_405B_SPLIT,
                 "titan llama3.1-405b 512xH100 4d 256k cp8 1F1B fp8+compile": TORCHTITAN_405B_SPLIT,
+                # the 70B pretraining perf recipe (perf_recipes/llama/h100/llama3.py @ 56ae11df,
+                # llama3_70b_pretrain_64gpu_h100_fp8cs_config) splits its 80 blocks by an explicit layout: the
+                # embedding beside the first chunk's 2 blocks, one chunk of 3, the loss beside a last chunk of 1
+                "mbridge llama3-70b pretrain 64gpu tp4pp8vp5 26.04.01": {
+                    "pipeline_layout": parse_pipeline_layout("Et*2|(t*2|)*34,t*3|(t*2|)*3,tL", 8, 80)},
                 # the 405B recipe sets account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split
                 # (recipes/llama/h100/llama3.py llama31_405b_pretrain_256gpu_h100_bf16_config @ 067f987d)
                 "mbridge llama3.1-405b pretrain 1024gpu tp8pp8cp2vp8 26.06": {"pipeline_ends_as_layers": True},

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Union
@@ -207,7 +208,7 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
              rank_order: str = "tensor-pipeline-data", vocab_parallel_loss: bool = True,
              saves_gathered_inputs: bool = False, context: int = 1, context_comm_overlap: bool = False,
              recompute_layers: Optional[int] = None, expert: int = 1, expert_tensor: Optional[int] = None,
-             expert_comm_overlap: bool = False) -> Prediction:
+             expert_comm_overlap: bool = False, pipeline_layout: Optional[str] = None) -> Prediction:
     """How fast and how big is the one configuration you name ("what I run today")?
 
     The same analytic model ``plan()`` ranks its candidates with, so a configuration that ``plan()``
@@ -222,6 +223,9 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     each, one block fewer on the first and the last stage (Megatron-Core's
     account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split);
     ``virtual_stages``: model chunks per pipeline stage (Megatron's interleaved schedule; 1: plain 1F1B);
+    ``pipeline_layout``: an explicit split as Megatron-Core's ``pipeline_model_parallel_layout`` writes it
+    ("Et*2|(t*2|)*34,t*3|(t*2|)*3,tL": each chunk's layers, E the embedding, t a block, L the output layer
+    and loss; it sets the chunks per stage, ``parse_pipeline_layout``);
     ``distributed_optimizer``: with ``sharding="zero1"``, Megatron's distributed optimizer (bf16 weights
     and the gradient buffer whole, fp32 master weights and moments sharded; reduce-scatter, then gather)
     also without tensor / pipeline parallelism, where zero1 is it anyway.
@@ -336,8 +340,58 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
         grad_accumulation_bytes_per_param=grad_accumulation_bytes_per_param, rank_order=rank_order,
         vocab_parallel_loss=vocab_parallel_loss, saves_gathered_inputs=saves_gathered_inputs, context=context,
         context_comm_overlap=context_comm_overlap, recompute_layers=recompute_layers, expert=expert,
-        expert_tensor=expert_tensor, expert_comm_overlap=expert_comm_overlap)
+        expert_tensor=expert_tensor, expert_comm_overlap=expert_comm_overlap, pipeline_layout=pipeline_layout)
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
+
+
+# Megatron-Core's pipeline_model_parallel_layout letters this planner counts (its "m", a multi-token
+# prediction layer, is not modelled)
+PIPELINE_LAYOUT_LETTERS = {"E": "the embedding", "t": "a block", "L": "the output layer and the loss"}
+
+
+def parse_pipeline_layout(layout: str, pipeline: int, layers: int) -> tuple[int, ...]:
+    """Megatron-Core's ``pipeline_model_parallel_layout`` string as the blocks of each model chunk, in model
+    order (chunk i runs on stage i mod ``pipeline``, its ``i // pipeline``-th chunk there). The string
+    lists the chunks separated by ``|``, each as its layers' letters (``PIPELINE_LAYOUT_LETTERS``);
+    ``x*n`` repeats a letter, ``(...)*n`` a group, commas are cosmetic: "Et*2|(t*2|)*34,t*3|(t*2|)*3,tL"
+    (Megatron-Bridge's Llama 3 70B on 8 stages x 5 chunks). The embedding must open the first chunk and
+    the loss close the last, each once; the blocks must be the model's; the chunks a multiple of the
+    stages."""
+    if not isinstance(layout, str) or not layout.strip():
+        raise InputError(f"pipeline_layout={layout!r} is not a layout string: give Megatron-Core's "
+                         "pipeline_model_parallel_layout, e.g. 'Et*2|(t*2|)*38,t*2L'")
+    text = layout.replace(",", "").replace(" ", "")
+    text = re.sub(r"\(([^()]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    text = re.sub(r"([^()|*\d])\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    bad = sorted({c for c in text if c != "|" and c not in PIPELINE_LAYOUT_LETTERS})
+    if bad:
+        valid = ", ".join(f"{k} ({v})" for k, v in PIPELINE_LAYOUT_LETTERS.items())
+        raise InputError(f"pipeline_layout={layout!r}: {bad} not understood; the letters are {valid}, with "
+                         "'|' between chunks, x*n and (...)*n repeats (a multi-token prediction layer, m, is not "
+                         "modelled)")
+    chunks = text.split("|")
+    if len(chunks) % pipeline:
+        raise InputError(f"pipeline_layout={layout!r} has {len(chunks)} chunks, not a multiple of pipeline={pipeline}")
+    if not text.startswith("E") or text.count("E") != 1 or not text.endswith("L") or text.count("L") != 1:
+        raise InputError(f"pipeline_layout={layout!r}: the embedding (E) must open the first chunk and the loss "
+                         "(L) close the last, each once")
+    if text.count("t") != layers:
+        raise InputError(f"pipeline_layout={layout!r} places {text.count('t')} blocks (t); the model has {layers}")
+    return tuple(chunk.count("t") for chunk in chunks)
+
+
+def _layout_virtual_stages(layout: str, chunks: tuple[int, ...], pipeline: int, virtual_stages: int,
+                           ends_as_layers: bool) -> int:
+    """The layout's chunks per stage, which ``virtual_stages`` may repeat but not contradict; it places the
+    embedding and the loss itself, so ``pipeline_ends_as_layers`` has nothing to add."""
+    per_stage = len(chunks) // pipeline
+    if virtual_stages not in (1, per_stage):
+        raise InputError(f"virtual_stages={virtual_stages} contradicts pipeline_layout={layout!r}: "
+                         f"{len(chunks)} chunks over pipeline={pipeline} are {per_stage} a stage")
+    if ends_as_layers:
+        raise InputError("pipeline_ends_as_layers=True is not valid with pipeline_layout: the layout places the "
+                         "embedding and the loss itself")
+    return per_stage
 
 
 def _check_grad_reduce_dtype(dtype: str, sharding: str, precision: str, tensor: int, pipeline: int,
@@ -373,7 +427,8 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                   rank_order: str = "tensor-pipeline-data", vocab_parallel_loss: bool = True,
                   saves_gathered_inputs: bool = False, context: int = 1, context_comm_overlap: bool = False,
                   recompute_layers: Optional[int] = None, expert: int = 1, expert_tensor: Optional[int] = None,
-                  expert_comm_overlap: bool = False) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
+                  expert_comm_overlap: bool = False,
+                  pipeline_layout: Optional[str] = None) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
     """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
     callers that adjust the workload further, such as the published-runs benchmark)."""
     spec, cluster = model_spec(model), cluster_spec(cluster)
@@ -411,11 +466,16 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     _check_kept(sharding, precision, tensor, pipeline, distributed_optimizer, half_grads_kept, stage_outputs_kept,
                 reduce_cast_copy, grad_reduce_dtype)
     _check_positive("virtual_stages", virtual_stages)
+    chunks = None
+    if pipeline_layout is not None:
+        chunks = parse_pipeline_layout(pipeline_layout, pipeline, spec.layers)
+        virtual_stages = _layout_virtual_stages(pipeline_layout, chunks, pipeline, virtual_stages,
+                                                pipeline_ends_as_layers)
     if virtual_stages > 1 and pipeline == 1:
         raise InputError(f"virtual_stages={virtual_stages} is not valid with pipeline=1: the interleaved schedule "
                          "splits each pipeline stage into model chunks; give pipeline > 1 or virtual_stages=1")
     ends = 2 if pipeline_ends_as_layers and pipeline > 1 else 0
-    if pipeline * virtual_stages > spec.layers + ends:
+    if pipeline * virtual_stages > spec.layers + ends and chunks is None:
         raise InputError(f"virtual_stages={virtual_stages} is not valid: {spec.layers} blocks cannot fill "
                          f"{pipeline} stages x {virtual_stages} chunks")
     if global_batch % data:
@@ -452,7 +512,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                     grad_accumulation_bytes_per_param=float(grad_accumulation_bytes_per_param),
                     rank_order=rank_order, vocab_parallel_loss=vocab_parallel_loss,
                     saves_gathered_inputs=saves_gathered_inputs, context=context,
-                    context_comm_overlap=context_comm_overlap)
+                    context_comm_overlap=context_comm_overlap, pipeline_layout=chunks)
     if recompute_layers is not None:
         work = dataclasses.replace(work, recomputed_blocks=_recomputed_blocks(
             spec, work, pipeline, recompute_layers, activation_checkpointing))

@@ -110,6 +110,10 @@ class Workload:
     # first and the last stage hold one block fewer (Megatron-Core's account_for_embedding_in_pipeline_split
     # and account_for_loss_in_pipeline_split; Llama 3 405B's 126 blocks on 16 stages)
     pipeline_ends_as_layers: bool = False
+    # an explicit split (Megatron-Core's pipeline_model_parallel_layout, ``parse_pipeline_layout``): the
+    # blocks of each model chunk in model order, chunk i on stage i mod pipeline; the embedding on the
+    # first stage, the output layer and the loss on the last. None: the even split (or the ends as blocks)
+    pipeline_layout: Optional[tuple[int, ...]] = None
     # Communication overlapped with compute. ``tp_comm_overlap``: the tensor-parallel all-gathers and
     # reduce-scatters run beside the matmuls they feed (Megatron-Core's --tp-comm-overlap, torchtitan's
     # async TP; both off by default). ``grad_reduce_overlap`` / ``param_gather_overlap``: the data
@@ -601,7 +605,7 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
     t, p = candidate.tensor, candidate.pipeline
     P, G, O = state_bytes(candidate, spec, work.optimizer_states)  # noqa: E741 (the docstring's P / G / O)
     share = facts.state_share[(t, p)] if facts and (t, p) in facts.state_share else 1.0 / (t * p)
-    if work.pipeline_ends_as_layers and p > 1:
+    if (work.pipeline_ends_as_layers or work.pipeline_layout) and p > 1:
         share = _largest_stage(spec, t, p, stage_blocks(spec, p, work)) / spec.param_count
     amp = half_states(candidate, work).precision.startswith("amp")
     micro = pipeline_micro_batches(candidate, work, data) if p > 1 else micro_steps(candidate, work, data)
@@ -712,6 +716,8 @@ def stage_blocks(spec: TransformerSpec, pipeline: int, work: Optional[Workload] 
     """Blocks on each pipeline stage: ceil(L / p) each, or, when the split counts the embedding and the
     output layer as a block each (``pipeline_ends_as_layers``), ceil((L + 2) / p) with one fewer on the
     first and the last stage."""
+    if work and work.pipeline_layout and pipeline > 1:
+        return [int(sum(chunks)) for chunks in chunk_blocks(spec, work, pipeline)]
     if not (work and work.pipeline_ends_as_layers) or pipeline < 2:
         return [math.ceil(spec.layers / pipeline)] * pipeline
     per = math.ceil((spec.layers + 2) / pipeline)
@@ -736,9 +742,12 @@ def held_blocks(spec: TransformerSpec, work: Workload, pipeline: int, stage: int
 def chunk_blocks(spec: TransformerSpec, work: Workload, pipeline: int) -> list[list[float]]:
     """Blocks of each model chunk, by stage: chunk j of stage k is the (j p + k)-th slice of the model.
     Evenly L / (p v) each; with ``pipeline_ends_as_layers`` the embedding and the output layer take a
-    block's place at the two ends, so the very first and very last chunk hold one block fewer."""
+    block's place at the two ends, so the very first and very last chunk hold one block fewer; an explicit
+    ``pipeline_layout`` gives each chunk's own."""
     v = max(work.virtual_stages, 1)
     chunks = pipeline * v
+    if work.pipeline_layout:
+        return [[float(work.pipeline_layout[j * pipeline + k]) for j in range(v)] for k in range(pipeline)]
     if not work.pipeline_ends_as_layers:
         return [[spec.layers / chunks] * v for _ in range(pipeline)]
     per = (spec.layers + 2) / chunks

@@ -518,6 +518,49 @@ def test_under_fp8_the_output_layer_stays_in_bf16():
     assert blocks_fp8 < 0.7 * blocks_bf16
 
 
+LLAMA3_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+              "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+              "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False}
+
+
+def test_a_megatron_pipeline_layout_gives_each_chunk_its_blocks():
+    """Megatron-Core's pipeline_model_parallel_layout: Megatron-Bridge's Llama 3 70B layout puts 3 blocks in
+    chunk 35 (stage 3) and 1 beside the loss in chunk 39 (stage 7): stage 3 holds 11 blocks, stage 7 nine
+    and the output layer. The even split written as a layout predicts exactly what the even split does."""
+    from atorch.plan import analytic, configuration, parse_pipeline_layout
+
+    chunks = parse_pipeline_layout("Et*2|(t*2|)*34,t*3|(t*2|)*3,tL", 8, 80)
+    assert len(chunks) == 40 and chunks[35] == 3 and chunks[39] == 1 and sum(chunks) == 80
+    args = dict(global_batch=256, seq_len=8192, tensor=4, pipeline=8, sharding="zero1", micro_batch_size=1,
+                precision="fp8")
+    spec, _, _, work = configuration(LLAMA3_70B, "8x8xH100-80GB", pipeline_layout="Et*2|(t*2|)*34,t*3|(t*2|)*3,tL",
+                                     **args)
+    assert work.virtual_stages == 5
+    assert analytic.stage_blocks(spec, 8, work) == [10, 10, 10, 11, 10, 10, 10, 9]
+    even = atorch.estimate(LLAMA3_70B, "8x8xH100-80GB", virtual_stages=5, **args)
+    written = atorch.estimate(LLAMA3_70B, "8x8xH100-80GB", pipeline_layout="E(t*2|)*39,t*2L", **args)
+    assert written.step_time_s == pytest.approx(even.step_time_s) and written.memory_bytes == even.memory_bytes
+    tuned = atorch.estimate(LLAMA3_70B, "8x8xH100-80GB", pipeline_layout="Et*2|(t*2|)*34,t*3|(t*2|)*3,tL", **args)
+    assert tuned.step_time_s < even.step_time_s  # the last stage's output layer outweighs one block
+
+
+@pytest.mark.parametrize("layout, extra, named", [
+    ("Et*2|(t*2|)*38,t*2Lm", {}, "'m'"),
+    ("Et*2|(t*2|)*38,t*2X", {}, "'X'"),
+    ("Et*2|(t*2|)*37,t*2L", {}, "not a multiple"),
+    ("t*2|E(t*2|)*38,L", {}, "embedding (E) must open"),
+    ("Et*2|(t*2|)*38,tL", {}, "places 79 blocks"),
+    ("E(t*2|)*39,t*2L", {"virtual_stages": 4}, "contradicts"),
+    ("E(t*2|)*39,t*2L", {"pipeline_ends_as_layers": True}, "places the embedding and the loss itself"),
+    ("", {}, "not a layout string"),
+])
+def test_a_bad_pipeline_layout_is_refused_by_name(layout, extra, named):
+    with pytest.raises(InputError) as raised:
+        atorch.estimate(LLAMA3_70B, "8x8xH100-80GB", global_batch=256, seq_len=8192, tensor=4, pipeline=8,
+                        sharding="zero1", pipeline_layout=layout, **extra)
+    assert named.replace("(", "").replace(")", "") in str(raised.value).replace("(", "").replace(")", "")
+
+
 def test_logits_are_split_on_the_vocabulary_only_where_the_loss_runs_on_the_split_logits():
     """Megatron's vocab-parallel cross-entropy and torchtitan's loss_parallel hold 1/tp of the logits a tensor
     rank; atorch's tensor_parallel gathers them whole (the user's loss reads one tensor), and plan(), whose
