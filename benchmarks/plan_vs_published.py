@@ -74,7 +74,11 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # order "tp-cp-ep-dp-pp"), as Megatron-Bridge's runs and DeepSpeed's topology below do
                    # Megatron-Core's context parallelism exchanges keys and values in Transformer Engine's ring
                    # (cp_comm_type "p2p", its default) beside the attention it feeds: context_comm_overlap
+                   # the launcher's H100 FP8 Llama pretraining scripts (examples/training/llama/h100/llama*_fp8.sh
+                   # @ 9352b045: the table's global batch 128 and node counts) and its SFT config reduce gradients in
+                   # bf16 (optim.grad_sync_dtype=bf16: Apex's DistributedFusedAdam keeps a bf16 gradient buffer)
                    "nemo": {"distributed_optimizer": True, "hopper_attention": True, "grad_reduce_overlap": True,
+                            "grad_reduce_dtype": "bf16",
                             "param_gather_overlap": True, "pipeline_p2p_overlap": True, "tp_comm_overlap": True,
                             "rank_order": "tensor-data-pipeline", "context_comm_overlap": True},
                    # the pipeline split counts the embedding and the output layer + loss as a block each: one
