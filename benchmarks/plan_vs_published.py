@@ -135,6 +135,9 @@ ROW_WORKLOAD = {"titan llama3.1-70b 256xH100 2d asyncTP fp8+compile": {"tp_comm_
                 "titan llama3.1-405b 512xH100 4d 64k cp2 1F1B fp8+compile": TORCHTITAN_405B_SPLIT,
                 "titan llama3.1-405b 512xH100 4d 128k cp4 1F1B fp8+compile": TORCHTITAN_405B_SPLIT,
                 "titan llama3.1-405b 512xH100 4d 256k cp8 1F1B fp8+compile": TORCHTITAN_405B_SPLIT,
+                # NeMo-Framework-Launcher's gpt3/175b.yaml @ 9352b045: ub_tp_comm_overlap False
+                "nemo gpt3-175b pretrain 128gpu tp4pp8vp6": {"tp_comm_overlap": False},
+                "nemo gpt3-175b pretrain 512gpu tp4pp8vp6": {"tp_comm_overlap": False},
                 # the 70B pretraining perf recipe (perf_recipes/llama/h100/llama3.py @ 56ae11df,
                 # llama3_70b_pretrain_64gpu_h100_fp8cs_config) splits its 80 blocks by an explicit layout: the
                 # embedding beside the first chunk's 2 blocks, one chunk of 3, the loss beside a last chunk of 1
