@@ -96,10 +96,10 @@ KNOWN_MISSES = {
                   "over 131072 keys is two thirds of the predicted compute at the Hopper attention efficiency fitted "
                   "on FlashAttention-2 runs (the paper does not say which attention kernel it ran); its 8K rows at "
                   "0.90 / 0.92, a middle stage's 8 blocks bounding the step",
-        "nemo": "MAE 10.2 % since its four GPT3 rows came in (9.5 % on its eight Llama rows): eleven of its twelve "
-                "rows under (0.81 to 0.95; GPT3 175B on 512 GPUs 0.81), as Megatron-Bridge's Llama rows: Megatron-Core's "
-                "FP8 runs are faster than the Hopper and FP8 efficiencies fitted on llm-foundry's runs; every row within "
-                "+-20 %",
+        "nemo": "MAE 10.2 % since its four GPT3 rows came in (9.5 % on its eight Llama rows): eleven of its "
+                "twelve rows under (0.81 to 0.95; GPT3 175B on 512 GPUs 0.81), as Megatron-Bridge's Llama rows: "
+                "Megatron-Core's FP8 runs are faster than the Hopper and FP8 efficiencies fitted on llm-foundry's "
+                "runs; every row within +-20 %",
         "megatron-bridge": "MAE 19.5 %: its Llama 3 pretraining rows under (70B 0.78, 405B 0.85): these 2026 "
                            "containers' FP8 runs are faster than the Hopper efficiency fitted on earlier runs, and "
                            "the parameter gather overlapped with the optimizer step is not modelled; its Qwen3 235B "
