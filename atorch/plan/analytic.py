@@ -904,10 +904,35 @@ def matmul_efficiency(candidate: Candidate, spec: TransformerSpec, cluster: Clus
     width at which it halves is proportional to the chip's ridge point (``peak`` FLOPs over HBM bytes
     per second; bf16 unless given): a matmul of width w does about w FLOPs per byte it moves, so the
     faster the math beside the memory (Hopper over Ampere, fp8 over bf16) the wider a matmul must be
-    to hide its loads. The proportion is fitted. Under tensor parallelism each weight matmul keeps one
-    side whole (the hidden size) and splits the other: its FLOPs per byte go as the harmonic mean of
-    the two, 2 h (h / t) / (h + h / t) = 2 h / (1 + t)."""
+    to hide its loads. The proportion is fitted. This one is a hidden-square matmul split over the
+    tensor ranks, 2 h (h / t) / (h + h / t) = 2 h / (1 + t): the reference attention's fitted share is
+    taken of (``attention_seconds``); the weight matmuls are timed at their own shapes
+    (``weight_matmul_efficiency``)."""
     return width_efficiency(2 * spec.hidden / (1 + candidate.tensor), cluster, peak)
+
+
+def weight_matmul_efficiency(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,
+                             peak: Optional[float] = None) -> float:
+    """The efficiency of a block's weight matmuls, each at its own shape (``weight_matmul_width``)."""
+    return width_efficiency(weight_matmul_width(spec, candidate.tensor), cluster, peak)
+
+
+def weight_matmul_width(spec: TransformerSpec, tensor: int) -> float:
+    """The width, in ``width_efficiency``'s sense, at which a block's weight matmuls together take the time
+    they take each at their own: over many tokens an input-k by output-n matmul on a tensor rank moves
+    about k + n values per k n multiply-adds, so its width is 2 k n / (k + n); the attention's fused q / k /
+    v projection (hidden by (q + 2 kv) / t), its output projection (q / t by hidden), the MLP's input
+    projection (hidden by 2 x ffn / t where gated: gate and up fused, Megatron-Core's linear_fc1) and its
+    output one (ffn / t by hidden; under MoE the shared experts, the routed ones apart:
+    ``expert_matmul_efficiency``). Their times add, each FLOPs x (1 + half / width), so the width that
+    gives the sum is the FLOP-weighted harmonic mean of theirs."""
+    t = tensor
+    ffn = spec.shared_ffn if spec.experts else spec.ffn
+    shapes = [(spec.hidden, (spec.q_dim + 2 * spec.kv_dim) / t), (spec.q_dim / t, spec.hidden)]
+    if ffn:
+        shapes += [(spec.hidden, (2 if spec.gated else 1) * ffn / t), (ffn / t, spec.hidden)]
+    flops = [k * n for k, n in shapes]
+    return sum(flops) / sum(f * (k + n) / (2 * k * n) for f, (k, n) in zip(flops, shapes))
 
 
 def width_efficiency(width: float, cluster: ClusterSpec, peak: Optional[float] = None) -> float:
@@ -939,7 +964,7 @@ def matmul_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
     fp8 = candidate.precision == "fp8" and cluster.device.fp8_flops
     peak = cluster.device.fp8_flops if fp8 else None
     seconds = work.tokens * (flops - routed) / cluster.world_size / (
-        _peak(candidate, cluster) * matmul_efficiency(candidate, spec, cluster, peak))
+        _peak(candidate, cluster) * weight_matmul_efficiency(candidate, spec, cluster, peak))
     if routed:
         seconds += work.tokens * routed / cluster.world_size / (
             _peak(candidate, cluster) * expert_matmul_efficiency(candidate, spec, cluster, work, peak))
@@ -954,7 +979,9 @@ def head_matmul_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cl
     blocks' layers and MPT's head is its tied embedding)."""
     peak = cluster.device.bf16_flops if candidate.precision == "fp8" else _peak(candidate, cluster)
     flops = 6.0 * spec.vocab * spec.hidden
-    return work.tokens * flops / cluster.world_size / (peak * matmul_efficiency(candidate, spec, cluster))
+    columns = spec.vocab / candidate.tensor  # its own shape: hidden in, the rank's share of the vocabulary out
+    width = 2.0 * spec.hidden * columns / (spec.hidden + columns)
+    return work.tokens * flops / cluster.world_size / (peak * width_efficiency(width, cluster))
 
 
 def expert_matmul_efficiency(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,

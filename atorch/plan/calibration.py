@@ -33,27 +33,28 @@ class Fitted:
 
 FITTED: dict[str, Fitted] = {
     "ampere efficiency": Fitted(
-        0.6828, ("lf A100-80GB 7b s2048 8gpu", "lf A100-80GB 13b s2048 8gpu", "atorch llama2-7b 8xA100 fsdp"),
+        0.6811, ("lf A100-80GB 7b s2048 8gpu", "lf A100-80GB 13b s2048 8gpu", "atorch llama2-7b 8xA100 fsdp"),
         0.3, 0.95, "share of the bf16 peak that large dense matmuls reach on A100 (40 and 80 GB: one chip)"),
     "hopper efficiency": Fitted(
-        0.526, ("lf H100-80GB 7b s2048 8gpu", "lf H100-80GB 13b s2048 8gpu", "lf H100-80GB 30b s2048 8gpu"),
+        0.5224, ("lf H100-80GB 7b s2048 8gpu", "lf H100-80GB 13b s2048 8gpu", "lf H100-80GB 30b s2048 8gpu"),
         0.2, 0.95, "the same on H100 SXM 700 W (and H200 / GH200, the same chip with other memory)"),
     "hopper 500W efficiency": Fitted(
-        0.5677, ("titan llama3.1-8b 8xH100 fsdp",),
+        0.5602, ("titan llama3.1-8b 8xH100 fsdp",),
         0.2, 0.95, "the same on the power-capped 500 W H100 96 GB (torchtitan's Grand Teton parts)"),
     "fp8 efficiency": Fitted(
-        0.9431, ("lf H100-80GB 3b s2048 8gpu fp8", "lf H100-80GB 1b s8192 8gpu fp8"),
+        0.9334, ("lf H100-80GB 3b s2048 8gpu fp8", "lf H100-80GB 1b s8192 8gpu fp8"),
         0.1, 1.0, "fp8 matmuls' share of the fp8 peak, relative to bf16 matmuls' share of theirs"),
     "matmul half width per ridge": Fitted(
-        1.401, ("lf A100-80GB 760m s2048 8gpu", "lf A100-40GB 350m s2048 8gpu", "lf H100-80GB 760m s2048 8gpu",
+        2.003, ("lf A100-80GB 760m s2048 8gpu", "lf A100-40GB 350m s2048 8gpu", "lf H100-80GB 760m s2048 8gpu",
               "lf A100-80GB 125m s2048 8gpu", "lf A100-40GB 125m s2048 8gpu"),
-        0.0, 20.0, "the matmul width (hidden / tensor) at which matmuls run at half the chip's efficiency, "
+        0.0, 20.0, "the matmul width (2 k n / (k + n) of its shape on a tensor rank) at which matmuls run at "
+        "half the chip's efficiency, "
         "over the chip's ridge point (peak FLOPs / HBM bytes per second)"),
     "ampere attention efficiency": Fitted(
-        0.5828, ("lf A100-80GB 7b s32768 8gpu",),
+        0.5967, ("lf A100-80GB 7b s32768 8gpu",),
         0.1, 1.5, "flash attention's share of the chip's dense-matmul efficiency on A100"),
     "hopper attention efficiency": Fitted(
-        0.4125, ("lf H100-80GB 1b s32768 8gpu",),
+        0.4448, ("lf H100-80GB 1b s32768 8gpu",),
         0.1, 1.5, "the same on Hopper parts (H100, H200, GH200)"),
     "selective activation share": Fitted(
         0.5122, ("titan llama3.1-8b 8xH100 fsdp",), 0.1, 1.0,
