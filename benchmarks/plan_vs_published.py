@@ -7,9 +7,10 @@ row, then per source and per device, separately for calibration and held-out row
 share within +-10 % and +-20 % of the published tokens/s, the mean absolute error, how many are
 predicted to fit (all of them ran) and the memory error where memory was published. It asserts
 nothing. ``--fit`` refits every constant of ``atorch/plan/calibration.py`` on its own
-calibration rows only and prints the values.
+calibration rows only and prints the values; ``--explain TEXT`` prints where the predicted step of every
+row whose id contains TEXT goes (compute parts, collectives before and after overlap, memory).
 
-    .venv/bin/python benchmarks/plan_vs_published.py [--fit] [--rows]
+    .venv/bin/python benchmarks/plan_vs_published.py [--fit] [--rows] [--explain TEXT]
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from _block_implementations import (  # noqa: E402
 )
 
 from atorch.plan import (
+    analytic,  # noqa: E402
     calibration,  # noqa: E402
     configuration,  # noqa: E402
     parse_pipeline_layout,  # noqa: E402
@@ -185,6 +187,13 @@ def row_spec(row: dict, models: dict):
 
 
 def predict_row(row: dict, models: dict) -> Prediction:
+    spec, cluster, candidate, work = row_configuration(row, models)
+    return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
+
+
+def row_configuration(row: dict, models: dict) -> tuple:
+    """The row's model, cluster, candidate and workload as the planner predicts them: its columns through
+    ``configuration``, then its source's and its own facts."""
     spec = row_spec(row, models)
     device = DEVICES[row["device"]]
     if row["network_gbps_per_gpu"]:
@@ -202,7 +211,39 @@ def predict_row(row: dict, models: dict) -> Prediction:
     # a source-level fact overrides a column the row could only assume
     work = dataclasses.replace(work, **{"virtual_stages": row["virtual"], **SOURCE_WORKLOAD.get(row["source"], {}),
                                         **ROW_WORKLOAD.get(row["id"], {}), **compiled(row)})
-    return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
+    return spec, cluster, candidate, work
+
+
+def explain(row: dict, models: dict) -> str:
+    """Where a row's predicted step goes: the compute parts (one GPU's share, seconds a step), the
+    pipeline's slowest-stage excess and bubble, each collective before and after overlap, and the memory."""
+    spec, cluster, candidate, work = row_configuration(row, models)
+    facts = spec_layout_facts(spec, cluster.world_size)
+    prediction = predict(candidate, spec, cluster, work, facts)
+    data = candidate.data_size(cluster.world_size)
+    parts = {"weight matmuls": analytic.matmul_seconds(candidate, spec, cluster, work),
+             "  of which the output layer": analytic.head_matmul_seconds(candidate, spec, cluster, work),
+             "attention": analytic.attention_seconds(candidate, spec, cluster, work),
+             "memory-bound": analytic.memory_bound_seconds(candidate, spec, cluster, work, work.tokens / data),
+             "optimizer": analytic.optimizer_seconds(candidate, spec, cluster, work),
+             "gradient accumulation": analytic.accumulation_seconds(candidate, spec, cluster, work),
+             "slowest stage's excess": analytic.head_stage_excess_seconds(candidate, spec, cluster, work),
+             "compute with the bubble": prediction.compute_s,
+             "data collectives": analytic.data_comm_seconds(candidate, spec, cluster, facts, work),
+             "tensor collectives": analytic.tensor_comm_seconds(candidate, spec, cluster, work),
+             "pipeline sends": analytic.pipeline_comm_seconds(candidate, spec, cluster, work),
+             "context exchange": analytic.context_comm_seconds(candidate, spec, cluster, work),
+             "expert all-to-all": analytic.expert_comm_seconds(candidate, spec, cluster, work),
+             "exposed communication": prediction.step_time_s - prediction.compute_s,
+             "step": prediction.step_time_s}
+    published = row["tokens_per_s_per_gpu"] or "-"
+    lines = [f"{row['id']}: {prediction.tokens_per_s_per_gpu:.0f} tokens/s per GPU predicted, {published} published; "
+             f"{prediction.memory_bytes / GIB:.1f} GiB ({row['memory_gib'] or '-'} published)",
+             f"  bubble {analytic.pipeline_bubble(candidate, work, data):.3f} of the busy time, "
+             f"{analytic.micro_steps(candidate, work, data)} micro-steps a step, weight matmuls at "
+             f"{analytic.weight_matmul_width(spec, candidate.tensor):.0f} wide"]
+    lines += [f"  {name:<30} {seconds:9.3f} s" for name, seconds in parts.items()]
+    return "\n".join(lines)
 
 
 def expert_arguments(row: dict) -> dict:
@@ -340,9 +381,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--fit", action="store_true",
                         help="refit the calibrated constants on their rows and print them")
     parser.add_argument("--rows", action="store_true", help="print every row")
+    parser.add_argument("--explain", metavar="TEXT",
+                        help="print where the predicted step goes for every row whose id contains TEXT")
     args = parser.parse_args(argv)
     data, rows = load()
     models = data["models"]
+    if args.explain:
+        chosen = [row for row in rows if args.explain in row["id"]]
+        if not chosen:
+            raise SystemExit(f"--explain {args.explain!r}: no row's id contains it")
+        print("\n\n".join(explain(row, models) for row in chosen))
+        return
     if args.fit:
         calibration_only = [r for r in rows if r["role"] == "calibration"]
         values = fit(calibration_only, models)

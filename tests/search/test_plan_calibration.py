@@ -156,3 +156,13 @@ def test_a_row_that_runs_non_default_optimizer_states_says_where_that_comes_from
         if row["optimizer_states"] != "fp32":
             assert "optimizer_states" in DATA["sources"][row["source"]], row["id"]
             assert "optimizer states" in row["note"], row["id"]
+
+
+def test_explain_shows_where_a_rows_predicted_step_goes():
+    """``--explain``: the parts of one row's step, ending with the step the benchmark compares."""
+    row = next(r for r in ROWS if r["id"] == "mbridge llama3-70b pretrain 64gpu tp4pp8vp5 26.04.01")
+    text = BENCH.explain(row, DATA["models"])
+    step = BENCH.predict_row(row, DATA["models"]).step_time_s
+    assert text.splitlines()[-1].split()[-2] == f"{step:.3f}"
+    assert "slowest stage's excess" in text and "weight matmuls" in text
+
