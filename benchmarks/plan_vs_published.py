@@ -66,6 +66,10 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    "torchtitan-h100": {"elementwise_bytes": elementwise_bytes(TorchtitanLlamaBlock),
                                        "rank_order": "tensor-data-pipeline", "saves_gathered_inputs": True,
                                        "loss_parallel_logit_bytes": LOSS_PARALLEL_LOGIT_BYTES},
+                   # torchtitan's async-TP benchmark of 2025-06 runs the same code paths at 820504e (its source's
+                   # workload note: DTensor's gathered inputs, loss_parallel, the mesh order)
+                   "torchtitan-asynctp": {"rank_order": "tensor-data-pipeline", "saves_gathered_inputs": True,
+                                          "loss_parallel_logit_bytes": LOSS_PARALLEL_LOGIT_BYTES},
                    # Megatron-Core's distributed optimizer; Transformer Engine's attention, which prefers
                    # cuDNN's fused kernel on Hopper (TransformerEngine dot_product_attention/utils.py)
                    # NeMo-Framework-Launcher's Llama configs (launcher_scripts/conf/training/llama/*.yaml @
@@ -131,6 +135,8 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
 # split that counts the two ends as a block each (pipeline_ends_as_layers)
 TORCHTITAN_405B_SPLIT = {"tp_comm_overlap": True, "pipeline_ends_as_layers": True}
 ROW_WORKLOAD = {"titan llama3.1-70b 256xH100 2d asyncTP fp8+compile": {"tp_comm_overlap": True},
+                **{f"asynctp llama3.1-{size} {precision} asyncTP": {"tp_comm_overlap": True}
+                   for size in ("70b 256xH100", "8b 64xH100") for precision in ("bf16", "fp8")},
                 "titan llama3.1-405b 512xH100 3d 1F1B fp8+compile": TORCHTITAN_405B_SPLIT,
                 "titan llama3.1-405b 512xH100 3d interleaved fp8+compile": TORCHTITAN_405B_SPLIT,
                 "titan llama3.1-405b 512xH100 3d 32k 1F1B fp8+compile": TORCHTITAN_405B_SPLIT,
