@@ -63,6 +63,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/plan_vs_published.py
 	$(PY) benchmarks/elementwise_traffic.py
 	$(PY) benchmarks/compiled_activations.py
+	$(PY) benchmarks/compiled_loss.py
 	$(PY) benchmarks/gpu.py
 
 clean:  # a VENV you pointed at yourself is never deleted: only what make added to it

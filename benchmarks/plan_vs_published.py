@@ -45,6 +45,12 @@ from atorch.plan.model_specs import from_hf_config, model_spec  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "published_runs.json"
 GIB = 2**30
+# A compiled cross-entropy (Inductor fuses the fp32 upcast, the log-softmax and its backward) holds the bf16
+# logits and their bf16 gradient: 2 + 2 bytes a logit, the least a loss can hold (first principles;
+# benchmarks/compiled_loss.py measures 4.00 on CPU, where eager holds 14.00: the GPU's eager 10 plus one
+# fp32 tensor its CPU backward keeps). Used where a source's code compiles the loss with the model.
+COMPILED_LOSS_LOGIT_BYTES = 4
+
 # source-level facts of how a run's code differs from the planner's defaults (never one row's)
 SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_kept": True},
                    # Composer reduce-scatters every micro-batch; MPT's default loss is flash-attn's fused
@@ -70,6 +76,10 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # workload note: DTensor's gathered inputs, loss_parallel, the mesh order)
                    "torchtitan-asynctp": {"rank_order": "tensor-data-pipeline", "saves_gathered_inputs": True,
                                           "loss_parallel_logit_bytes": LOSS_PARALLEL_LOGIT_BYTES},
+                   # Trainy's H200 runs of torchtitan @ e7c0cae: torchtitan's mesh order (its source's workload note);
+                   # that version compiles the loss with the model (components/loss.py: loss_fn = torch.compile)
+                   "trainy-whitefiber": {"rank_order": "tensor-data-pipeline",
+                                         "logit_bytes": COMPILED_LOSS_LOGIT_BYTES},
                    # Megatron-Core's distributed optimizer; Transformer Engine's attention, which prefers
                    # cuDNN's fused kernel on Hopper (TransformerEngine dot_product_attention/utils.py)
                    # NeMo-Framework-Launcher's Llama configs (launcher_scripts/conf/training/llama/*.yaml @

@@ -31,6 +31,7 @@ SMALLEST = {
     "plan_vs_published.py": ([], "calibrated constants"),
     "elementwise_traffic.py": (["--tiny"], "measured / predicted"),
     "compiled_activations.py": (["--tiny"], "compiled / eager"),
+    "compiled_loss.py": (["--tiny"], "compiled / eager"),
     "gpu.py": (["--tiny"], "auto / expert = "),  # checked further below
 }
 
