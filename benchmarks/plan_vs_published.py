@@ -231,34 +231,18 @@ def row_configuration(row: dict, models: dict) -> tuple:
 
 
 def explain(row: dict, models: dict) -> str:
-    """Where a row's predicted step goes: the compute parts (one GPU's share, seconds a step), the
-    pipeline's slowest-stage excess and bubble, each collective before and after overlap, and the memory."""
+    """Where a row's predicted step goes (``analytic.step_breakdown``), with its memory beside the published."""
     spec, cluster, candidate, work = row_configuration(row, models)
     facts = spec_layout_facts(spec, cluster.world_size)
     prediction = predict(candidate, spec, cluster, work, facts)
     data = candidate.data_size(cluster.world_size)
-    parts = {"weight matmuls": analytic.matmul_seconds(candidate, spec, cluster, work),
-             "  of which the output layer": analytic.head_matmul_seconds(candidate, spec, cluster, work),
-             "attention": analytic.attention_seconds(candidate, spec, cluster, work),
-             "memory-bound": analytic.memory_bound_seconds(candidate, spec, cluster, work, work.tokens / data),
-             "optimizer": analytic.optimizer_seconds(candidate, spec, cluster, work),
-             "gradient accumulation": analytic.accumulation_seconds(candidate, spec, cluster, work),
-             "slowest stage's excess": analytic.head_stage_excess_seconds(candidate, spec, cluster, work),
-             "compute with the bubble": prediction.compute_s,
-             "data collectives": analytic.data_comm_seconds(candidate, spec, cluster, facts, work),
-             "tensor collectives": analytic.tensor_comm_seconds(candidate, spec, cluster, work),
-             "pipeline sends": analytic.pipeline_comm_seconds(candidate, spec, cluster, work),
-             "context exchange": analytic.context_comm_seconds(candidate, spec, cluster, work),
-             "expert all-to-all": analytic.expert_comm_seconds(candidate, spec, cluster, work),
-             "exposed communication": prediction.step_time_s - prediction.compute_s,
-             "step": prediction.step_time_s}
     published = row["tokens_per_s_per_gpu"] or "-"
     lines = [f"{row['id']}: {prediction.tokens_per_s_per_gpu:.0f} tokens/s per GPU predicted, {published} published; "
              f"{prediction.memory_bytes / GIB:.1f} GiB ({row['memory_gib'] or '-'} published)",
-             f"  bubble {analytic.pipeline_bubble(candidate, work, data):.3f} of the busy time, "
-             f"{analytic.micro_steps(candidate, work, data)} micro-steps a step, weight matmuls at "
+             f"  {analytic.micro_steps(candidate, work, data)} micro-steps a step, weight matmuls at "
              f"{analytic.weight_matmul_width(spec, candidate.tensor):.0f} wide"]
-    lines += [f"  {name:<30} {seconds:9.3f} s" for name, seconds in parts.items()]
+    parts = analytic.step_breakdown(candidate, spec, cluster, work, facts)
+    lines += [f"  {name:<42} {seconds:9.3f} s" for name, seconds in parts.items()]
     return "\n".join(lines)
 
 

@@ -9,7 +9,8 @@ import sys
 from typing import Any, Optional
 
 from atorch.errors import AtorchError, InputError
-from atorch.plan import GIB, estimate, model_spec, plan, plot_plan
+from atorch.plan import GIB, configuration, estimate, model_spec, plan, plot_plan
+from atorch.plan.analytic import spec_layout_facts, step_breakdown
 from atorch.plan.hardware_specs import DEVICES, cluster_spec
 from atorch.plan.model_specs import BUILTIN_CONFIGS
 
@@ -67,6 +68,12 @@ def _print_estimate(args: argparse.Namespace, options: dict[str, Any], device: O
           f" -> {'fits' if pred.fits else 'does NOT fit'}")
     print(f"step: {pred.step_time_s:.3f} s (compute {pred.compute_s:.3f} s, communication {pred.comm_s:.3f} s "
           f"before overlap); {pred.tokens_per_s_per_gpu:.0f} tokens/s per GPU, MFU {pred.mfu * 100:.1f}%")
+    spec, cluster, candidate, work = configuration(spec, cluster, global_batch=args.global_batch,
+                                                   seq_len=args.seq_len, **options)
+    print("where the step goes (one GPU, seconds):")
+    for name, seconds in step_breakdown(candidate, spec, cluster, work,
+                                        spec_layout_facts(spec, cluster.world_size)).items():
+        print(f"  {name:<42} {seconds:9.3f}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -297,6 +297,38 @@ def predict(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, w
                       compute, comm, allocated_bytes=int(allocated), checkpointing=checkpointing(candidate, work))
 
 
+def step_breakdown(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,
+                   facts: Optional[LayoutFacts] = None) -> dict[str, float]:
+    """Where one GPU's step goes, seconds, in the order ``predict`` adds it up: the compute parts (the
+    output layer's matmul is part of the weight matmuls), the host's launch floor, the pipeline's slowest
+    stage and its bubble; then each collective before overlap, the share no compute hides, and the step.
+    For people reading a prediction (``python -m atorch.plan --estimate``, the published-runs benchmark's
+    ``--explain``), not for ranking."""
+    data = candidate.data_size(cluster.world_size)
+    parts = {"weight matmuls": matmul_seconds(candidate, spec, cluster, work),
+             "  of which the output layer": head_matmul_seconds(candidate, spec, cluster, work),
+             "attention": attention_seconds(candidate, spec, cluster, work),
+             "memory-bound": memory_bound_seconds(candidate, spec, cluster, work, work.tokens / data),
+             "optimizer": optimizer_seconds(candidate, spec, cluster, work),
+             "gradient accumulation": accumulation_seconds(candidate, spec, cluster, work),
+             "slowest stage's excess": head_stage_excess_seconds(candidate, spec, cluster, work)}
+    compute = compute_seconds(candidate, spec, cluster, work)
+    busy = compute / (1 + pipeline_bubble(candidate, work, data))
+    summed = sum(v for k, v in parts.items() if not k.startswith(" "))
+    parts["host launch floor (above the GPU's work)"] = max(0.0, busy - summed)
+    parts["pipeline bubble"] = compute - busy
+    parts["compute"] = compute
+    parts.update({"data collectives": data_comm_seconds(candidate, spec, cluster, facts, work),
+                  "tensor collectives": tensor_comm_seconds(candidate, spec, cluster, work),
+                  "pipeline sends": pipeline_comm_seconds(candidate, spec, cluster, work),
+                  "context exchange": context_comm_seconds(candidate, spec, cluster, work),
+                  "expert all-to-all": expert_comm_seconds(candidate, spec, cluster, work)})
+    exposed = exposed_comm_seconds(candidate, spec, cluster, facts, work, compute)
+    parts["communication not hidden"] = exposed
+    parts["step"] = compute + exposed
+    return parts
+
+
 def comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,
                  facts: Optional[LayoutFacts], work: Workload) -> float:
     """All communication of the step, hidden or not."""

@@ -1115,6 +1115,25 @@ def test_plan_ranks_with_the_workload_options_estimate_takes():
         atorch.plan("llama2-7b", "8xH100-80GB", 64, 4096, elementwise_bytes=(1.0, 2.0))
 
 
+@pytest.mark.parametrize("layout", [dict(tensor=4, pipeline=4, virtual_stages=5, sharding="zero1"),
+                                    dict(sharding="fsdp", micro_batch_size=1, activation_checkpointing="full")])
+def test_the_step_breakdown_adds_up_to_the_predicted_step(layout):
+    """step_breakdown's compute parts, the host's floor and the bubble add up to the compute, and with the
+    communication no compute hides to the step predict() reports."""
+    from atorch.plan import analytic, configuration
+
+    spec, cluster, candidate, work = configuration("llama2-70b", "4x8xH100-80GB", global_batch=64, seq_len=4096,
+                                                   **layout)
+    facts = analytic.spec_layout_facts(spec, cluster.world_size)
+    parts = analytic.step_breakdown(candidate, spec, cluster, work, facts)
+    compute_parts = ["weight matmuls", "attention", "memory-bound", "optimizer", "gradient accumulation",
+                     "slowest stage's excess", "host launch floor (above the GPU's work)", "pipeline bubble"]
+    assert sum(parts[k] for k in compute_parts) == pytest.approx(parts["compute"])
+    predicted = analytic.predict(candidate, spec, cluster, work, facts)
+    assert parts["compute"] + parts["communication not hidden"] == pytest.approx(predicted.step_time_s)
+    assert parts["step"] == pytest.approx(predicted.step_time_s)
+
+
 def test_cli_estimates_the_one_configuration_its_layout_options_name(capsys):
     """--estimate: the layout flags and --set KEY=VALUE reach atorch.estimate, whose figures are printed;
     a key estimate() does not take is refused naming the valid ones, and a layout flag without
@@ -1131,6 +1150,8 @@ def test_cli_estimates_the_one_configuration_its_layout_options_name(capsys):
     assert "tensor 1 x pipeline 1 x context 2 x data 4" in out and "context_comm_overlap=True" in out
     assert f"{expected.tokens_per_s_per_gpu:.0f} tokens/s per GPU" in out
     assert f"{expected.memory_bytes / 2**30:.1f} GiB per GPU reserved" in out and "-> fits" in out
+    assert "where the step goes" in out and "context exchange" in out
+    assert out.strip().splitlines()[-1].split() == ["step", f"{expected.step_time_s:.3f}"]
     assert main(base + ["--estimate", "--set", "tensor_overlap=true"]) == 2
     err = capsys.readouterr().err
     assert "--set 'tensor_overlap=true' is not valid" in err and "'tp_comm_overlap'" in err and "'seq_len'" not in err
