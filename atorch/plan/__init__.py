@@ -48,6 +48,7 @@ from atorch.plan.analytic import (
     predict,
     recomputed_block_share,
     spec_layout_facts,
+    step_breakdown,
 )
 from atorch.plan.hardware_specs import ClusterSpec, DeviceSpec, cluster_spec
 from atorch.plan.model_specs import TransformerSpec, model_spec
@@ -88,6 +89,18 @@ class Plan:
 
     def table(self, limit: Optional[int] = None) -> str:
         return format_plan(self, limit)
+
+    def breakdown(self, prediction: Optional[Prediction] = None) -> dict[str, float]:
+        """Where ``prediction``'s step goes (the best plan's if None; ``analytic.step_breakdown``): the
+        workload it was ranked under, selective checkpointing's for a selective row."""
+        prediction = prediction or self.best
+        if prediction is None:
+            raise InputError("no plan fits, so there is no best plan to break down; pass one of plan.predictions")
+        work = self.workload
+        if prediction.checkpointing == "selective":
+            work = dataclasses.replace(work, activation_checkpointing="selective")
+        facts = spec_layout_facts(self.model, self.cluster.world_size)
+        return step_breakdown(prediction.candidate, self.model, self.cluster, work, facts)
 
 
 def plan(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],

@@ -118,6 +118,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(result.table(args.top or None))
+    if result.best is not None:
+        print(f"where the top plan's step goes ({result.best.candidate.label}; one GPU, seconds):")
+        for name, seconds in result.breakdown().items():
+            print(f"  {name:<42} {seconds:9.3f}")
     if args.plot:
         print(f"plot: {plot_plan(result, args.plot) or 'not written (matplotlib is not installed)'}")
     if args.strategy_out and result.strategy is not None:

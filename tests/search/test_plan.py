@@ -1134,6 +1134,23 @@ def test_the_step_breakdown_adds_up_to_the_predicted_step(layout):
     assert parts["step"] == pytest.approx(predicted.step_time_s)
 
 
+def test_a_plans_breakdown_gives_each_ranked_rows_own_step():
+    """Plan.breakdown: the parts of a ranked row's step under the workload it was ranked with (selective
+    checkpointing's for its rows), ending at the step the table shows; a plan where nothing fits has no
+    best to break down, and says so."""
+    from atorch.plan import plan
+
+    result = plan("llama3-8b", "2x8xH100-80GB", 64, 4096)
+    selective = next(p for p in result.predictions if p.checkpointing == "selective")
+    for prediction in (result.best, selective, result.predictions[-1]):
+        assert result.breakdown(prediction)["step"] == pytest.approx(prediction.step_time_s)
+    assert result.breakdown() == result.breakdown(result.best)
+    nothing_fits = plan("llama2-70b", "1xA100-40GB", 8, 4096)
+    assert nothing_fits.best is None
+    with pytest.raises(InputError, match="no plan fits"):
+        nothing_fits.breakdown()
+
+
 def test_cli_estimates_the_one_configuration_its_layout_options_name(capsys):
     """--estimate: the layout flags and --set KEY=VALUE reach atorch.estimate, whose figures are printed;
     a key estimate() does not take is refused naming the valid ones, and a layout flag without
