@@ -51,6 +51,11 @@ GIB = 2**30
 # fp32 tensor its CPU backward keeps). Used where a source's code compiles the loss with the model.
 COMPILED_LOSS_LOGIT_BYTES = 4
 
+# torchtitan's parallelism as its code runs it (the torchtitan sources' workload notes): the device mesh
+# ["pp", "dp", "cp", "tp"], the pipeline outermost; DTensor tensor parallelism saving each column-parallel
+# matmul's gathered input; the loss under loss_parallel
+TORCHTITAN_PARALLELISM = {"rank_order": "tensor-data-pipeline", "saves_gathered_inputs": True,
+                          "loss_parallel_logit_bytes": LOSS_PARALLEL_LOGIT_BYTES}
 # source-level facts of how a run's code differs from the planner's defaults (never one row's)
 SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_kept": True},
                    # Composer reduce-scatters every micro-batch; MPT's default loss is flash-attn's fused
@@ -70,12 +75,10 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # its DTensor tensor parallelism saves the matmuls' all-gathered inputs (parallelize_llama.py:
                    # ColwiseParallel / Float8ColwiseParallel with input_layouts Shard(1), the output layer too)
                    "torchtitan-h100": {"elementwise_bytes": elementwise_bytes(TorchtitanLlamaBlock),
-                                       "rank_order": "tensor-data-pipeline", "saves_gathered_inputs": True,
-                                       "loss_parallel_logit_bytes": LOSS_PARALLEL_LOGIT_BYTES},
+                                       **TORCHTITAN_PARALLELISM},
                    # torchtitan's async-TP benchmark of 2025-06 runs the same code paths at 820504e (its source's
                    # workload note: DTensor's gathered inputs, loss_parallel, the mesh order)
-                   "torchtitan-asynctp": {"rank_order": "tensor-data-pipeline", "saves_gathered_inputs": True,
-                                          "loss_parallel_logit_bytes": LOSS_PARALLEL_LOGIT_BYTES},
+                   "torchtitan-asynctp": TORCHTITAN_PARALLELISM,
                    # Trainy's H200 runs of torchtitan @ e7c0cae: torchtitan's mesh order (its source's workload note);
                    # that version compiles the loss with the model (components/loss.py: loss_fn = torch.compile)
                    "trainy-whitefiber": {"rank_order": "tensor-data-pipeline",

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from atorch.errors import AtorchError, InputError
 from atorch.plan import GIB, configuration, estimate, model_spec, plan, plot_plan
-from atorch.plan.analytic import spec_layout_facts, step_breakdown
+from atorch.plan.analytic import predict, spec_layout_facts, step_breakdown
 from atorch.plan.hardware_specs import DEVICES, cluster_spec
 from atorch.plan.model_specs import BUILTIN_CONFIGS
 
@@ -54,8 +54,10 @@ def _print_estimate(args: argparse.Namespace, options: dict[str, Any], device: O
     cluster = cluster_spec(args.cluster)
     if device:  # the user's own device on the cluster's nodes, as plan() takes it
         cluster = cluster_spec({"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node, "device": device})
-    spec = model_spec(args.model)
-    pred = estimate(spec, cluster, global_batch=args.global_batch, seq_len=args.seq_len, **options)
+    spec, cluster, candidate, work = configuration(model_spec(args.model), cluster, global_batch=args.global_batch,
+                                                   seq_len=args.seq_len, **options)
+    facts = spec_layout_facts(spec, cluster.world_size)
+    pred = predict(candidate, spec, cluster, work, facts)  # what estimate() returns, its inputs kept
     t, p, c = options.get("tensor", 1), options.get("pipeline", 1), options.get("context", 1)
     named = ", ".join(f"{k}={v}" for k, v in options.items() if k not in ("tensor", "pipeline", "context")
                       and v is not None)
@@ -68,11 +70,12 @@ def _print_estimate(args: argparse.Namespace, options: dict[str, Any], device: O
           f" -> {'fits' if pred.fits else 'does NOT fit'}")
     print(f"step: {pred.step_time_s:.3f} s (compute {pred.compute_s:.3f} s, communication {pred.comm_s:.3f} s "
           f"before overlap); {pred.tokens_per_s_per_gpu:.0f} tokens/s per GPU, MFU {pred.mfu * 100:.1f}%")
-    spec, cluster, candidate, work = configuration(spec, cluster, global_batch=args.global_batch,
-                                                   seq_len=args.seq_len, **options)
-    print("where the step goes (one GPU, seconds):")
-    for name, seconds in step_breakdown(candidate, spec, cluster, work,
-                                        spec_layout_facts(spec, cluster.world_size)).items():
+    _print_breakdown("where the step goes", step_breakdown(candidate, spec, cluster, work, facts))
+
+
+def _print_breakdown(heading: str, parts: dict[str, float]) -> None:
+    print(f"{heading} (one GPU, seconds):")
+    for name, seconds in parts.items():
         print(f"  {name:<42} {seconds:9.3f}")
 
 
@@ -119,9 +122,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     print(result.table(args.top or None))
     if result.best is not None:
-        print(f"where the top plan's step goes ({result.best.candidate.label}; one GPU, seconds):")
-        for name, seconds in result.breakdown().items():
-            print(f"  {name:<42} {seconds:9.3f}")
+        _print_breakdown(f"where the top plan's step goes ({result.best.candidate.label})", result.breakdown())
     if args.plot:
         print(f"plot: {plot_plan(result, args.plot) or 'not written (matplotlib is not installed)'}")
     if args.strategy_out and result.strategy is not None:
