@@ -221,7 +221,8 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
              rank_order: str = "tensor-pipeline-data", vocab_parallel_loss: bool = True,
              saves_gathered_inputs: bool = False, context: int = 1, context_comm_overlap: bool = False,
              recompute_layers: Optional[int] = None, expert: int = 1, expert_tensor: Optional[int] = None,
-             expert_comm_overlap: bool = False, pipeline_layout: Optional[str] = None) -> Prediction:
+             expert_comm_overlap: bool = False, expert_permute_fused: bool = False,
+             pipeline_layout: Optional[str] = None) -> Prediction:
     """How fast and how big is the one configuration you name ("what I run today")?
 
     The same analytic model ``plan()`` ranks its candidates with, so a configuration that ``plan()``
@@ -337,6 +338,12 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     ``expert_comm_overlap``: beside another micro-batch's compute). A rank holds 1 / expert of the routed
     experts' weights and gradient buffers; their sharded states are the same bytes. Modelled for
     Megatron-Core's layouts (the distributed optimizer, or tensor / pipeline > 1).
+    ``expert_permute_fused``: a Mixture-of-Experts block's routed tokens are grouped by expert inside the
+    communication kernels, with no gather / scatter passes of their own (Megatron-Core's flex dispatcher on
+    Hybrid-EP with moe_permute_fusion_into_hybridep; without it Hybrid-EP permutes in kernels of its own);
+    default False: each token's copies are permuted into expert order and back by their own
+    memory-bound kernels, forward and backward (Megatron-Core's alltoall dispatcher, torchtitan's and Hugging
+    Face's index gathers; ``analytic.expert_permute_bytes``).
     Returns a ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``, ``memory_bytes``, ``fits`` and the
     time breakdown)."""
     spec, cluster, candidate, work = configuration(
@@ -353,7 +360,8 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
         grad_accumulation_bytes_per_param=grad_accumulation_bytes_per_param, rank_order=rank_order,
         vocab_parallel_loss=vocab_parallel_loss, saves_gathered_inputs=saves_gathered_inputs, context=context,
         context_comm_overlap=context_comm_overlap, recompute_layers=recompute_layers, expert=expert,
-        expert_tensor=expert_tensor, expert_comm_overlap=expert_comm_overlap, pipeline_layout=pipeline_layout)
+        expert_tensor=expert_tensor, expert_comm_overlap=expert_comm_overlap,
+        expert_permute_fused=expert_permute_fused, pipeline_layout=pipeline_layout)
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 
@@ -440,7 +448,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                   rank_order: str = "tensor-pipeline-data", vocab_parallel_loss: bool = True,
                   saves_gathered_inputs: bool = False, context: int = 1, context_comm_overlap: bool = False,
                   recompute_layers: Optional[int] = None, expert: int = 1, expert_tensor: Optional[int] = None,
-                  expert_comm_overlap: bool = False,
+                  expert_comm_overlap: bool = False, expert_permute_fused: bool = False,
                   pipeline_layout: Optional[str] = None) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
     """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
     callers that adjust the workload further, such as the published-runs benchmark)."""
@@ -533,6 +541,12 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
         _check_experts(spec, cluster.world_size, candidate, work, expert, expert_tensor, expert_comm_overlap)
         work = dataclasses.replace(work, expert=expert, expert_tensor=expert_tensor,
                                    expert_comm_overlap=expert_comm_overlap)
+    if expert_permute_fused is not False:
+        _check_flag("expert_permute_fused", expert_permute_fused, (True, False))
+        if not spec.experts:
+            raise InputError(f"expert_permute_fused=True is not valid: {spec.name} has no Mixture-of-Experts blocks "
+                             "whose tokens are grouped by expert")
+        work = dataclasses.replace(work, expert_permute_fused=True)
     return spec, cluster, candidate, work
 
 

@@ -211,6 +211,11 @@ class Workload:
     expert: int = 1
     expert_tensor: Optional[int] = None
     expert_comm_overlap: bool = False
+    # the routed tokens are grouped by expert inside the communication kernels (Megatron-Core's flex
+    # dispatcher on Hybrid-EP with moe_permute_fusion_into_hybridep): no permutation passes of their own
+    # (``expert_permute_bytes``); False: gathered and scattered by kernels of their own (Megatron-Core's
+    # alltoall dispatcher, its flex one otherwise, torchtitan's and Hugging Face's index gathers)
+    expert_permute_fused: bool = False
 
     @property
     def tokens(self) -> int:
@@ -1095,6 +1100,7 @@ def memory_bound_seconds(candidate: Candidate, spec: TransformerSpec, cluster: C
     unsplit = 0 if work.sequence_parallel or t == 1 else (t - 1) * ELEMENTWISE_UNSPLIT_HIDDEN_WIDTHS
     per_block = block_elementwise_bytes(spec, work, width) + unsplit * spec.hidden * width
     per_block *= 1 + recomputed_share(candidate, work) / 3  # the forward's share once more
+    per_block += expert_permute_bytes(spec, work, width)
     per_block += fp8_cast_bytes(spec) if candidate.precision == "fp8" else 0.0
     if work.attention == "materialised":  # the scores, per head and key, forward (again under recompute), backward
         scores = MATERIALISED_FORWARD_BYTES * (1 + recomputed_share(candidate, work)) + MATERIALISED_BACKWARD_BYTES
@@ -1126,11 +1132,34 @@ def fp8_cast_bytes(spec: TransformerSpec) -> float:
     """Bytes per token and block that fp8 matmuls add (Transformer Engine's cast-transpose, first
     principles): every GEMM input in the forward (the attention and MLP inputs, the attention output,
     the MLP's intermediate) and every output gradient in the backward is read in bf16 (2 bytes, its
-    amax in the same pass) and written as fp8 twice, row- and column-major (1 + 1)."""
+    amax in the same pass) and written as fp8 twice, row- and column-major (1 + 1). The routed experts'
+    input is the token's copy for each of its experts (and its output gradient one per expert), the
+    shared experts' the token itself."""
     mlp_out = (2 if spec.gated else 1) * spec.ffn
-    forward = 3 * spec.hidden + spec.ffn
-    backward = (spec.hidden + 2 * spec.kv_dim) + spec.hidden + mlp_out + spec.hidden
+    mlp_in = spec.hidden
+    if spec.experts:
+        mlp_in = spec.experts_per_token * spec.hidden + (spec.hidden if spec.shared_ffn else 0)
+    forward = 2 * spec.hidden + mlp_in + spec.ffn
+    backward = (spec.hidden + 2 * spec.kv_dim) + spec.hidden + mlp_out + mlp_in
     return FP8_CAST_BYTES_PER_ELEMENT * (forward + backward)
+
+
+def expert_permute_bytes(spec: TransformerSpec, work: Workload, width: int) -> float:
+    """Bytes per token and block that grouping the routed tokens by expert moves, where the dispatch
+    kernels do not do it themselves (``Workload.expert_permute_fused``; first principles, k the experts a
+    token goes to, in hidden-wide elements): forward, the permutation gathers the token's k copies into
+    expert order (read k, write k) and the unpermutation reads the k expert outputs and adds them, weighted,
+    into the token (read k, write 1); under expert parallelism with more than one expert a rank, the copies
+    a rank receives are sorted by its local experts and sorted back after them (read k, write k, twice).
+    Backward runs each pass's mirror, and the routing weights' gradient reads the k outputs once more."""
+    if not spec.experts or work.expert_permute_fused:
+        return 0.0
+    k = spec.experts_per_token
+    forward = 2 * k + (k + 1)
+    if work.expert > 1 and spec.experts // work.expert > 1:
+        forward += 2 * 2 * k
+    backward = forward + k
+    return (forward + backward) * spec.hidden * width
 
 
 def optimizer_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,

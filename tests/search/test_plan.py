@@ -985,7 +985,41 @@ def test_expert_parallelism_deals_the_routed_experts_out_and_sends_tokens_to_the
     assert efficiency[0] < efficiency[1] < matmul_efficiency(candidate, spec, cluster)
 
 
+def test_grouping_the_routed_tokens_by_expert_is_memory_bound_traffic_unless_the_dispatcher_fuses_it():
+    """An MoE block gathers each token's k copies into expert order and adds the experts' outputs back,
+    forward and backward (under expert parallelism with several experts a rank, the received copies are
+    sorted by local expert and back too): that traffic runs at HBM bandwidth over the rank's share of the
+    tokens, and expert_permute_fused (a dispatcher that permutes inside its communication kernels) takes
+    exactly it away. Under fp8 the routed experts cast each copy of the token, not the token once. A dense
+    model has nothing to group."""
+    from atorch.plan import configuration
+    from atorch.plan.analytic import expert_permute_bytes, fp8_cast_bytes, memory_bound_seconds
+
+    args = dict(global_batch=64, seq_len=4096, sharding="zero1", distributed_optimizer=True, micro_batch_size=1)
+    spec, cluster, candidate, work = configuration(QWEN3_30B_A3B, "8xH100-80GB", expert=8, **args)
+    fused = configuration(QWEN3_30B_A3B, "8xH100-80GB", expert=8, expert_permute_fused=True, **args)[3]
+    k, h = spec.experts_per_token, spec.hidden
+    forward = 2 * k + (k + 1) + 4 * k  # permute, unpermute, sort and unsort by the 16 local experts
+    assert expert_permute_bytes(spec, work, 2) == (2 * forward + k) * h * 2
+    assert expert_permute_bytes(spec, fused, 2) == 0.0
+    tokens = work.tokens / candidate.data_size(cluster.world_size)
+    difference = memory_bound_seconds(candidate, spec, cluster, work, tokens) - memory_bound_seconds(
+        candidate, spec, cluster, fused, tokens)
+    assert difference == pytest.approx(expert_permute_bytes(spec, work, 2) * spec.layers * tokens
+                                       / cluster.device.hbm_bytes_per_s)
+    alone = configuration(QWEN3_30B_A3B, "8xH100-80GB", **args)[3]  # every expert on the rank: no sort
+    assert expert_permute_bytes(spec, alone, 2) == (2 * (3 * k + 1) + k) * h * 2
+    dense = model_spec("llama2-7b")
+    assert expert_permute_bytes(dense, work, 2) == 0.0
+    assert fp8_cast_bytes(spec) - fp8_cast_bytes(dataclasses.replace(spec, experts_per_token=1)) == 4 * 2 * (k - 1) * h
+    slower = atorch.estimate(QWEN3_30B_A3B, "8xH100-80GB", expert=8, **args)
+    faster = atorch.estimate(QWEN3_30B_A3B, "8xH100-80GB", expert=8, expert_permute_fused=True, **args)
+    assert faster.tokens_per_s_per_gpu > slower.tokens_per_s_per_gpu
+
+
 @pytest.mark.parametrize("model, bad, named", [
+    ("llama2-7b", dict(expert_permute_fused=True), "expert_permute_fused=True is not valid: llama2-7b has no"),
+    (QWEN3_30B_A3B, dict(expert_permute_fused="yes"), "expert_permute_fused='yes' is not valid"),
     ("llama2-7b", dict(expert=2), "expert=2 is not valid: llama2-7b has no Mixture-of-Experts blocks"),
     (QWEN3_30B_A3B, dict(expert=3), "it must divide the 128 experts"),
     (QWEN3_30B_A3B, dict(expert=0), "expert=0 is not valid: give a positive int"),
