@@ -957,19 +957,25 @@ def weight_matmul_efficiency(candidate: Candidate, spec: TransformerSpec, cluste
 def weight_matmul_width(spec: TransformerSpec, tensor: int) -> float:
     """The width, in ``width_efficiency``'s sense, at which a block's weight matmuls together take the time
     they take each at their own: over many tokens an input-k by output-n matmul on a tensor rank moves
-    about k + n values per k n multiply-adds, so its width is 2 k n / (k + n); the attention's fused q / k /
-    v projection (hidden by (q + 2 kv) / t), its output projection (q / t by hidden), the MLP's input
+    about k + n values per k n multiply-adds, so its width is 2 k n / (k + n); the attention's
+    (``TransformerSpec.attention_matmul_shapes``: the fused q / k / v projection, hidden by (q + 2 kv) / t,
+    and the output one, its value width / t by hidden; latent attention's down and up projections), the MLP's input
     projection (hidden by 2 x ffn / t where gated: gate and up fused, Megatron-Core's linear_fc1) and its
     output one (ffn / t by hidden; under MoE the shared experts, the routed ones apart:
     ``expert_matmul_efficiency``). Their times add, each FLOPs x (1 + half / width), so the width that
     gives the sum is the FLOP-weighted harmonic mean of theirs."""
     t = tensor
-    ffn = spec.shared_ffn if spec.experts else spec.ffn
-    shapes = [(spec.hidden, (spec.q_dim + 2 * spec.kv_dim) / t), (spec.q_dim / t, spec.hidden)]
-    if ffn:
-        shapes += [(spec.hidden, (2 if spec.gated else 1) * ffn / t), (ffn / t, spec.hidden)]
-    flops = [k * n for k, n in shapes]
-    return sum(flops) / sum(f * (k + n) / (2 * k * n) for f, (k, n) in zip(flops, shapes))
+    shapes = [(k, n, 1.0) for k, n in spec.attention_matmul_shapes(t)]
+    # the MLPs by the share of the layers they run in: a dense model's every layer; an MoE model's shared
+    # experts in its routed layers and its dense layers' MLP in the others
+    mlps = [(spec.ffn, 1.0)]
+    if spec.experts:
+        mlps = [(spec.shared_ffn, spec.moe_share), (spec.dense_ffn, 1 - spec.moe_share)]
+    for ffn, share in mlps:
+        if ffn and share:
+            shapes += [(spec.hidden, (2 if spec.gated else 1) * ffn / t, share), (ffn / t, spec.hidden, share)]
+    flops = [k * n * share for k, n, share in shapes]
+    return sum(flops) / sum(f * (k + n) / (2 * k * n) for f, (k, n, _) in zip(flops, shapes))
 
 
 def width_efficiency(width: float, cluster: ClusterSpec, peak: Optional[float] = None) -> float:
@@ -1065,13 +1071,14 @@ def attention_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
     the whole s x s square (the causal mask skips nothing): 4 s d FLOPs per token, layer and head forward,
     8 backward, 4 more under full recompute, at the matmul efficiency of a matmul as wide as a head."""
     if work.attention == "materialised":
-        per_token = (12.0 + 4.0 * full_recompute_share(candidate, work)) * spec.layers * spec.q_dim * work.seq_len
+        per_token = ((12.0 + 4.0 * full_recompute_share(candidate, work)) * spec.layers * spec.attention_width
+                     * work.seq_len)
         peak = cluster.device.fp32_flops if candidate.precision == "fp32" else cluster.device.bf16_flops
         efficiency = width_efficiency(spec.head_dim, cluster)
         return work.tokens * per_token / cluster.world_size / (peak * efficiency)
     length = spec.attention_length(work.attended)  # over the layers: sliding windows count their window
-    per_token = ATTENTION_FLOPS_PER_SEQ_DIM * spec.q_dim * length
-    per_token += 2.0 * spec.q_dim * length * full_recompute_share(candidate, work)
+    per_token = ATTENTION_FLOPS_PER_SEQ_DIM * spec.attention_width * length
+    per_token += 2.0 * spec.attention_width * length * full_recompute_share(candidate, work)
     peak = cluster.device.fp32_flops if candidate.precision == "fp32" else cluster.device.bf16_flops
     family = attention_family(cluster)
     efficiency = matmul_efficiency(candidate, spec, cluster) * calibration.value(f"{family} attention efficiency")
@@ -1137,8 +1144,9 @@ def fp8_cast_bytes(spec: TransformerSpec) -> float:
     shared experts' the token itself."""
     mlp_out = (2 if spec.gated else 1) * spec.ffn
     mlp_in = spec.hidden
-    if spec.experts:
-        mlp_in = spec.experts_per_token * spec.hidden + (spec.hidden if spec.shared_ffn else 0)
+    if spec.experts:  # over the layers: the routed ones' copies (and their shared experts' input), the dense ones'
+        routed = spec.experts_per_token * spec.hidden + (spec.hidden if spec.shared_ffn else 0)
+        mlp_in = spec.moe_share * routed + (1 - spec.moe_share) * spec.hidden
     forward = 2 * spec.hidden + mlp_in + spec.ffn
     backward = (spec.hidden + 2 * spec.kv_dim) + spec.hidden + mlp_out + mlp_in
     return FP8_CAST_BYTES_PER_ELEMENT * (forward + backward)
@@ -1159,7 +1167,7 @@ def expert_permute_bytes(spec: TransformerSpec, work: Workload, width: int) -> f
     if work.expert > 1 and spec.experts // work.expert > 1:
         forward += 2 * 2 * k
     backward = forward + k
-    return (forward + backward) * spec.hidden * width
+    return spec.moe_share * (forward + backward) * spec.hidden * width  # the routed layers' share of them
 
 
 def optimizer_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec,
@@ -1300,6 +1308,7 @@ def expert_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cl
     width = 4 if candidate.precision == "fp32" else 2
     sequence = candidate.tensor if work.sequence_parallel else 1
     sent = work.tokens / data / sequence * spec.experts_per_token * spec.hidden * width  # per pass, per step
+    sent *= spec.moe_share  # only the routed layers send (a mean block's share)
     passes = 4 + 2 * full_recompute_share(candidate, work)
     layers = max(stage_blocks(spec, candidate.pipeline, work))
     stride = candidate.tensor * work.context

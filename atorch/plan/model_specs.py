@@ -78,59 +78,138 @@ class TransformerSpec:
     experts_per_token: int = 0
     expert_ffn: int = 0             # one routed expert's width
     shared_ffn: int = 0             # the shared (always-on) experts' total width
+    # an MoE model whose other layers run a dense MLP (DeepSeek-V3's first 3 of 61, Llama 4 Maverick's
+    # every other one, Qwen-MoE's mlp_only_layers): how many, and their MLP's width. The planner's block is
+    # then the layers' mean: ``ffn`` the mean width a token runs through, the parameters the mean block's
+    dense_layers: int = 0
+    dense_ffn: int = 0
     # sliding-window attention: ``windowed_layers`` of the layers attend to the last ``window`` tokens
     # only (gpt-oss, Gemma 2 / 3, Mistral 7B v0.1); 0: every layer attends to the whole sequence
     window: int = 0
     windowed_layers: int = 0
+    # multi-head latent attention (DeepSeek-V2 / V3, Kimi K2): queries and keys / values are projected
+    # down to ranks of their own (0: straight from the hidden state) and up to every head again, whose
+    # query / key size (``head_size``) holds a rotary part of ``rope_head_size`` shared by the heads'
+    # keys, and whose values are ``value_head_size`` wide (0: the head size, as in every other model)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    rope_head_size: int = 0
+    value_head_size: int = 0
 
     @property
     def head_dim(self) -> int:
+        """A head's query / key size."""
         return self.head_size or self.hidden // self.heads
 
     @property
+    def value_head_dim(self) -> int:
+        return self.value_head_size or self.head_dim
+
+    @property
     def q_dim(self) -> int:
-        """The width of the queries and of the attention output: heads x head size."""
+        """The width of the queries: heads x head size."""
         return self.heads * self.head_dim
 
     @property
-    def kv_dim(self) -> int:
+    def out_dim(self) -> int:
+        """The width of the attention output (what the output projection reads): heads x value size."""
+        return self.heads * self.value_head_dim
+
+    @property
+    def key_dim(self) -> int:
         return self.kv_heads * self.head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.kv_heads * self.value_head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """A key's or a value's width (their mean where they differ: latent attention)."""
+        return (self.key_dim + self.value_dim) // 2
+
+    @property
+    def attention_width(self) -> float:
+        """The mean of the query and the value widths: attention's score and value matmuls run over
+        ``q_dim`` and ``out_dim`` per key, 2 x this together."""
+        return (self.q_dim + self.out_dim) / 2
+
+    @property
+    def attention_params(self) -> int:
+        """The attention's projections: queries, keys and values, and the output. Under latent attention
+        the down projections (and their norms) and the up projections to every head's query, key (less
+        its shared rotary part, which comes down with the latent) and value."""
+        h = self.hidden
+        if not self.kv_lora_rank:
+            return h * self.q_dim + h * (self.key_dim + self.value_dim) + self.out_dim * h
+        q = h * self.q_dim
+        if self.q_lora_rank:
+            q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * self.q_dim
+        up = self.heads * (self.head_dim - self.rope_head_size + self.value_head_dim)
+        kv = h * (self.kv_lora_rank + self.rope_head_size) + self.kv_lora_rank + self.kv_lora_rank * up
+        return q + kv + self.out_dim * h
+
+    def attention_matmul_shapes(self, tensor: int) -> list[tuple[float, float]]:
+        """(input, output) widths of the attention's weight matmuls on a tensor rank: the fused query /
+        key / value projection and the output one; under latent attention the down projections (whole on
+        every tensor rank, as Megatron-Core duplicates them), the up projections and the output one."""
+        t, h = tensor, self.hidden
+        if not self.kv_lora_rank:
+            return [(h, (self.q_dim + self.key_dim + self.value_dim) / t), (self.out_dim / t, h)]
+        up = self.heads * (self.head_dim - self.rope_head_size + self.value_head_dim)
+        shapes = [(h, self.kv_lora_rank + self.rope_head_size), (self.kv_lora_rank, up / t), (self.out_dim / t, h)]
+        if self.q_lora_rank:
+            return [(h, self.q_lora_rank), (self.q_lora_rank, self.q_dim / t)] + shapes
+        return [(h, self.q_dim / t)] + shapes
 
     @property
     def _matrices(self) -> int:
         return 3 if self.gated else 2
 
     @property
-    def mlp_params(self) -> int:
-        """Every expert's weights (and the router's) in an MoE block; the MLP's in a dense one."""
+    def moe_share(self) -> float:
+        """The share of the layers that route to experts: all of an MoE model's but its dense layers."""
+        return (self.layers - self.dense_layers) / self.layers if self.experts else 0.0
+
+    @property
+    def dense_mlp_params(self) -> int:
+        """An MoE model's dense layers' MLP (0 where every layer routes)."""
+        return self._matrices * self.hidden * self.dense_ffn if self.dense_layers else 0
+
+    @property
+    def mlp_params(self) -> float:
+        """Every expert's weights (and the router's) in an MoE block (the mean over the layers where some
+        are dense); the MLP's in a dense one."""
         if not self.experts:
             return self._matrices * self.hidden * self.ffn
         router = self.hidden * self.experts
-        return self._matrices * self.hidden * (self.experts * self.expert_ffn + self.shared_ffn) + router
+        moe = self._matrices * self.hidden * (self.experts * self.expert_ffn + self.shared_ffn) + router
+        return self.moe_share * moe + (1 - self.moe_share) * self.dense_mlp_params
 
     @property
     def block_params(self) -> int:
-        attention = 2 * self.hidden * self.q_dim + 2 * self.hidden * self.kv_dim
-        return attention + self.mlp_params + 2 * self.hidden
+        return self.attention_params + self.mlp_params + 2 * self.hidden
 
     @property
-    def routed_expert_params(self) -> int:
+    def routed_expert_params(self) -> float:
         """One block's routed experts' weights (not the shared experts', not the router's): what expert
-        parallelism deals out; 0 for a dense block."""
-        return self._matrices * self.hidden * self.experts * self.expert_ffn if self.experts else 0
+        parallelism deals out (the layers' mean); 0 for a dense block."""
+        return self.moe_share * self._matrices * self.hidden * self.experts * self.expert_ffn
 
     @property
-    def routed_active_params(self) -> int:
+    def routed_active_params(self) -> float:
         """The routed experts' weights one token multiplies with in a block (its experts_per_token)."""
-        return self._matrices * self.hidden * self.experts_per_token * self.expert_ffn if self.experts else 0
+        return self.moe_share * self._matrices * self.hidden * self.experts_per_token * self.expert_ffn
 
     @property
-    def active_block_params(self) -> int:
+    def active_block_params(self) -> float:
         """The parameters one token's forward multiplies with: its routed experts, not all of them."""
         if not self.experts:
             return self.block_params
-        routed = self._matrices * self.hidden * self.ffn + self.hidden * self.experts
-        return self.block_params - self.mlp_params + routed
+        width = self.experts_per_token * self.expert_ffn + self.shared_ffn
+        routed = self._matrices * self.hidden * width + self.hidden * self.experts
+        active_mlp = self.moe_share * routed + (1 - self.moe_share) * self.dense_mlp_params
+        return self.block_params - self.mlp_params + active_mlp
 
     @property
     def embedding_params(self) -> int:
@@ -144,23 +223,24 @@ class TransformerSpec:
     def param_count(self) -> int:
         if self.param_count_override:
             return self.param_count_override
-        return self.layers * self.block_params + self.embedding_params + self.head_params + self.hidden
+        return round(self.layers * self.block_params) + self.embedding_params + self.head_params + self.hidden
 
     @property
     def active_param_count(self) -> int:
         """The parameters one token meets: all of a dense model's, the routed experts only of an MoE's."""
-        return self.param_count - self.layers * (self.block_params - self.active_block_params)
+        return self.param_count - round(self.layers * (self.block_params - self.active_block_params))
 
     def model_flops_per_token(self, seq_len: int) -> float:
         """Forward + backward FLOPs per token as MFU is usually counted (torchtitan, PaLM): 6 per
         non-embedding parameter a token meets plus attention's 12 * layers * (heads x head size) * sequence
         (a sliding-window layer's twice its window: ``attention_length``)."""
-        attention = 12.0 * self.q_dim * self.attention_length(seq_len)
+        attention = 12.0 * self.attention_width * self.attention_length(seq_len)
         return 6.0 * (self.active_param_count - self.embedding_params) + attention
 
     def recompute_flops_per_token(self, seq_len: int) -> float:
         """One more forward of every block (full activation checkpointing)."""
-        return 2.0 * self.layers * self.active_block_params + 4.0 * self.q_dim * self.attention_length(seq_len)
+        attention = 4.0 * self.attention_width * self.attention_length(seq_len)
+        return 2.0 * self.layers * self.active_block_params + attention
 
     def attention_length(self, attended: float) -> float:
         """The attention length summed over the layers, in the units causal attention over ``attended``
@@ -172,15 +252,17 @@ class TransformerSpec:
 
     def block_activation_elements(self) -> int:
         """Elements a block saves for backward, per token, with fused (flash / SDPA) attention: norm
-        inputs and outputs, q / k / v, the attention output, and the MLP's intermediate tensors."""
-        return 4 * self.hidden + self.split_activation_elements()
+        inputs and outputs, q / k / v, the attention output, and the MLP's intermediate tensors; under
+        latent attention also the latents, before and after their norms, and the keys' rotary part."""
+        latent = 2 * (self.q_lora_rank + self.kv_lora_rank) + self.rope_head_size if self.kv_lora_rank else 0
+        return 4 * self.hidden + latent + self.split_activation_elements()
 
     def split_activation_elements(self) -> int:
         """The part of ``block_activation_elements`` that tensor parallelism splits (heads, MLP width). An
         MoE block also keeps the token's hidden state once for each expert it is routed to: the copies
         dispatched to the experts, which their first matmuls save for the weight gradient."""
-        mlp = (4 if self.gated else 2) * self.ffn + self.experts_per_token * self.hidden
-        return 2 * self.q_dim + 2 * self.kv_dim + mlp
+        mlp = (4 if self.gated else 2) * self.ffn + self.moe_share * self.experts_per_token * self.hidden
+        return self.q_dim + self.out_dim + self.key_dim + self.value_dim + mlp
 
 
 def model_spec(value: Union[str, Mapping[str, Any], nn.Module, TransformerSpec]) -> TransformerSpec:
@@ -231,7 +313,10 @@ def from_hf_config(config: Mapping[str, Any], name: str = "") -> TransformerSpec
     arch = (data.get("architectures") or [""])[0]
     gated = model_type in GATED_MODEL_TYPES
     head_size = data.get("head_dim")
-    mlp = {"ffn": _mlp_width(config, data), **_experts(data), **_sliding_window(data)}
+    latent = _latent_attention(data)
+    if latent:  # its config's head_dim is the rotary part's (transformers' DeepseekV3Config)
+        head_size = latent.pop("head_size")
+    mlp = {"ffn": _mlp_width(config, data), **_experts(data), **_sliding_window(data), **latent}
     return TransformerSpec(
         name=name or data.get("_name_or_path") or model_type or "model", hidden=hidden,
         layers=data["num_hidden_layers"], heads=data["num_attention_heads"],
@@ -239,6 +324,26 @@ def from_hf_config(config: Mapping[str, Any], name: str = "") -> TransformerSpec
         tied=bool(data.get("tie_word_embeddings", not gated)), gated=gated,
         block=arch.replace("ForCausalLM", "DecoderLayer") if arch.endswith("ForCausalLM") else "Block",
         head_size=head_size if isinstance(head_size, int) else 0, **mlp)
+
+
+def _latent_attention(data: Mapping[str, Any]) -> dict[str, int]:
+    """Multi-head latent attention's shape from a DeepSeek-V2 / V3-style config (``kv_lora_rank``,
+    ``q_lora_rank``: None or 0 where queries come straight from the hidden state, ``qk_nope_head_dim`` +
+    ``qk_rope_head_dim`` per query / key head, ``v_head_dim``); {} for any other attention."""
+    rank = data.get("kv_lora_rank")
+    if not isinstance(rank, int) or rank <= 0:
+        return {}
+    keys = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    bad = [k for k in keys if not isinstance(data.get(k), int) or data[k] < 0]
+    if bad:
+        raise InputError(f"model config: kv_lora_rank={rank} (latent attention) but {bad} missing or not "
+                         f"non-negative integers; latent attention reads {list(keys)}")
+    q_rank = data.get("q_lora_rank") or 0
+    if not isinstance(q_rank, int) or q_rank < 0:
+        raise InputError(f"model config: q_lora_rank={q_rank!r} is not valid: give a positive int, or null "
+                         "where queries are projected straight from the hidden state")
+    return {"head_size": data["qk_nope_head_dim"] + data["qk_rope_head_dim"], "q_lora_rank": q_rank,
+            "kv_lora_rank": rank, "rope_head_size": data["qk_rope_head_dim"], "value_head_size": data["v_head_dim"]}
 
 
 def _standard_names(data: dict[str, Any]) -> dict[str, Any]:
@@ -313,8 +418,8 @@ def _experts(data: Mapping[str, Any]) -> dict[str, int]:
     DeepSeek's n_routed_experts; moe_intermediate_size or intermediate_size per expert; Qwen-MoE's shared
     expert, DeepSeek's n_shared_experts of the expert width, Llama 4's one of intermediate_size), with
     ``ffn`` set to the width a token runs through; {} for a dense model. Models that mix dense and MoE
-    layers (DeepSeek's first_k_dense_replace, Llama 4's interleave_moe_layer_step) are counted as if
-    every layer were MoE."""
+    layers (DeepSeek's first_k_dense_replace, Llama 4's interleave_moe_layer_step, ``_dense_layers``) are
+    counted by their layers' mean: ``ffn`` the mean width, ``dense_layers`` and ``dense_ffn`` the rest."""
     experts = next((data[k] for k in _EXPERT_KEYS if isinstance(data.get(k), int) and data[k] > 1), 0)
     if not experts:
         return {}
@@ -328,8 +433,40 @@ def _experts(data: Mapping[str, Any]) -> dict[str, int]:
         shared = data["n_shared_experts"] * expert_ffn
     if not shared and str(data.get("model_type", "")).startswith("llama4"):
         shared = expert_ffn
+    dense, dense_ffn = _dense_layers(data, experts)
+    moe_share = (data["num_hidden_layers"] - dense) / data["num_hidden_layers"]
+    routed_width = per_token * expert_ffn + shared
+    mean_width = round(moe_share * routed_width + (1 - moe_share) * dense_ffn)
     return {"experts": experts, "experts_per_token": per_token, "expert_ffn": expert_ffn, "shared_ffn": shared,
-            "ffn": per_token * expert_ffn + shared}
+            "ffn": mean_width, "dense_layers": dense, "dense_ffn": dense_ffn if dense else 0}
+
+
+def _dense_layers(data: Mapping[str, Any], experts: int) -> tuple[int, int]:
+    """(layers with a dense MLP, its width) in an MoE model, as its config places them: DeepSeek's and
+    GLM-4-MoE's first ``first_k_dense_replace`` (and DeepSeek-V2's ``moe_layer_freq``), Llama 4's
+    ``moe_layers`` or every ``interleave_moe_layer_step``-th routed (the others ``intermediate_size_mlp``
+    wide), Qwen-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``; the dense width is
+    ``intermediate_size`` elsewhere. (0, 0) where every layer routes."""
+    layers = data["num_hidden_layers"]
+    indices = range(layers)
+    routed: Any = indices
+    if isinstance(data.get("moe_layers"), list):  # Llama 4's explicit list
+        routed = [i for i in indices if i in set(data["moe_layers"])]
+    elif isinstance(data.get("interleave_moe_layer_step"), int) and data["interleave_moe_layer_step"] > 1:
+        step = data["interleave_moe_layer_step"]
+        routed = [i for i in indices if (i + 1) % step == 0]
+    if isinstance(data.get("first_k_dense_replace"), int):
+        freq = data.get("moe_layer_freq") if isinstance(data.get("moe_layer_freq"), int) else 1
+        routed = [i for i in routed if i >= data["first_k_dense_replace"] and i % max(freq, 1) == 0]
+    if isinstance(data.get("decoder_sparse_step"), int) and data["decoder_sparse_step"] > 1:
+        routed = [i for i in routed if (i + 1) % data["decoder_sparse_step"] == 0]
+    if isinstance(data.get("mlp_only_layers"), list):
+        routed = [i for i in routed if i not in set(data["mlp_only_layers"])]
+    dense = layers - len(list(routed))
+    if not dense:
+        return 0, 0
+    width = data.get("intermediate_size_mlp") or data.get("intermediate_size") or 4 * data["hidden_size"]
+    return dense, width
 
 
 def from_module(model: nn.Module) -> TransformerSpec:

@@ -131,9 +131,69 @@ def test_experts_and_head_sizes_from_the_config_give_the_published_parameter_cou
 
 
 # families whose layers the planner's shape does not describe (docs/plan.md): recurrent or convolution mixers
-# beside attention (Jamba, Zamba, Nemotron-H, RecurrentGemma, LFM2), mixtures of attention experts (JetMoE), dense
-# first layers beside MoE ones (GLM-4 MoE, counted as if every layer were MoE)
-SHAPES_NOT_MODELLED = {"jamba", "zamba", "nemotron_h", "recurrent_gemma", "lfm2", "jetmoe", "glm4_moe"}
+# beside attention (Jamba, Zamba, Nemotron-H, RecurrentGemma, LFM2), mixtures of attention experts (JetMoE)
+SHAPES_NOT_MODELLED = {"jamba", "zamba", "nemotron_h", "recurrent_gemma", "lfm2", "jetmoe"}
+
+
+def _llama4_interleaved():
+    """Llama 4 Maverick's layout at toy size: every second layer routes, the others run a dense MLP of
+    intermediate_size_mlp."""
+    import transformers
+
+    from atorch.testing.families import COMMON
+
+    config = transformers.AutoConfig.for_model("llama4_text", **{
+        **COMMON, "num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 96, "head_dim": 8,
+        "interleave_moe_layer_step": 2})
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3", "glm4_moe", "llama4 interleaved"])
+def test_latent_attention_and_dense_layers_beside_moe_ones_give_the_exact_parameter_counts(name):
+    """DeepSeek-V2 / V3's multi-head latent attention (queries and keys / values through low-rank latents,
+    keys with a shared rotary part, values narrower than keys) and MoE models whose other layers are dense
+    (DeepSeek's and GLM-4-MoE's first_k_dense_replace, Llama 4's interleave_moe_layer_step): the config alone
+    gives the model's parameter count to the parameter, and the parameters a token meets (every layer's
+    but the experts its router skips)."""
+    from atorch.testing.families import build
+
+    model = _llama4_interleaved() if name == "llama4 interleaved" else build(name)
+    spec = model_spec(model.config.to_dict())
+    total = sum(p.numel() for p in model.parameters())
+    assert spec.param_count == total
+    routed_layers = spec.layers - spec.dense_layers
+    assert 0 < routed_layers < spec.layers
+    skipped = routed_layers * (spec.experts - spec.experts_per_token) * 3 * spec.hidden * spec.expert_ffn
+    assert spec.active_param_count == total - skipped
+    assert model_spec(model).param_count == total  # the module reads the same
+
+
+def test_latent_attention_runs_its_score_and_value_matmuls_at_their_own_widths():
+    """Under latent attention a head's query / key size (nope + rope) and its value size differ: the score
+    matmul runs over the heads' query width, the value one over their value width, so the MFU's attention
+    term is 6 x (q + v) x length; its weight matmuls include the low-rank down projections, whole on every
+    tensor rank; the saved activations count queries, keys and values at their own widths and the latents."""
+    config = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+              "num_key_value_heads": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+              "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+              "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+              "v_head_dim": 128, "head_dim": 64, "vocab_size": 129280, "tie_word_embeddings": False}
+    spec = model_spec(config)
+    assert (spec.q_dim, spec.out_dim, spec.key_dim, spec.value_dim) == (128 * 192, 128 * 128, 128 * 192, 128 * 128)
+    assert spec.param_count / 1e9 == pytest.approx(671.0, abs=0.1)  # DeepSeek-V3 without its MTP module
+    assert spec.active_param_count / 1e9 == pytest.approx(37.5, abs=0.1)
+    attention = 6.0 * (spec.q_dim + spec.out_dim) * spec.layers * 4096
+    assert spec.model_flops_per_token(4096) == pytest.approx(6.0 * (spec.active_param_count - spec.embedding_params)
+                                                             + attention)
+    shapes = spec.attention_matmul_shapes(8)
+    assert (7168, 1536) in shapes and (7168, 512 + 64) in shapes  # the down projections, not split
+    assert (1536, 128 * 192 / 8) in shapes and (512, 128 * (128 + 128) / 8) in shapes
+    assert (128 * 128 / 8, 7168) in shapes
+    latent = 2 * (1536 + 512) + 64
+    mlp = 4 * spec.ffn + spec.moe_share * 8 * 7168
+    assert spec.block_activation_elements() == pytest.approx(4 * 7168 + latent + 2 * 128 * 192 + 2 * 128 * 128 + mlp)
+    with pytest.raises(InputError, match=r"kv_lora_rank=512 \(latent attention\) but \['v_head_dim'\]"):
+        model_spec({k: v for k, v in config.items() if k != "v_head_dim"})
 
 
 @pytest.mark.parametrize("name", sorted(set(FAMILIES) - SHAPES_NOT_MODELLED))
