@@ -335,7 +335,10 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     --expert-model-parallel-size): each block's routed experts dealt out over this many ranks of the data
     (x context) dimension, each split over ``expert_tensor`` ranks (None: the tensor size, Megatron-Core's
     default), the tokens sent to their experts and back by all-to-all (exposed unless
-    ``expert_comm_overlap``: beside another micro-batch's compute). A rank holds 1 / expert of the routed
+    ``expert_comm_overlap``: Megatron-Core's overlap of one micro-batch's forward with another's backward,
+    a forward's all-to-alls behind the backward's compute and the backward's behind the forward's). The
+    expert group's ranks sit ``expert_tensor`` apart (Megatron-Core's expert grid), so a group folded over
+    the tensor ranks spans whole nodes. A rank holds 1 / expert of the routed
     experts' weights and gradient buffers; their sharded states are the same bytes. Modelled for
     Megatron-Core's layouts (the distributed optimizer, or tensor / pipeline > 1).
     ``expert_permute_fused``: a Mixture-of-Experts block's routed tokens are grouped by expert inside the

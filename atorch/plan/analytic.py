@@ -207,7 +207,8 @@ class Workload:
     # routed experts dealt out over ``expert`` ranks of the data (x context) dimension, each expert split
     # over ``expert_tensor`` ranks (--expert-tensor-parallel-size; None: the tensor size, Megatron-Core's
     # default), the tokens sent to their experts and back by all-to-all; ``expert_comm_overlap``: those
-    # all-to-alls run beside another micro-batch's compute (Megatron-Core's overlap_moe_expert_parallel_comm)
+    # all-to-alls run beside another micro-batch's compute, a forward's beside a backward's and the other
+    # way round (Megatron-Core's overlap_moe_expert_parallel_comm: ``paired_expert_exposure``)
     expert: int = 1
     expert_tensor: Optional[int] = None
     expert_comm_overlap: bool = False
@@ -401,9 +402,20 @@ def exposed_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: C
     if work.context_comm_overlap:
         context = max(0.0, context - attention_seconds(candidate, spec, cluster, work))
     experts = expert_comm_seconds(candidate, spec, cluster, work)
-    if work.expert_comm_overlap:  # beside another micro-batch's forward or backward
-        experts = max(0.0, experts - busy)
+    if work.expert_comm_overlap:
+        experts = paired_expert_exposure(experts, forward, backward, recomputed_share(candidate, work))
     return exposed + tensor + pipe + context + experts
+
+
+def paired_expert_exposure(all_to_all: float, forward: float, backward: float, recomputed: float) -> float:
+    """What of the expert all-to-alls Megatron-Core's overlap_moe_expert_parallel_comm leaves exposed: it
+    runs one micro-batch's forward merged with another's backward, so a forward's dispatch and combine
+    (2 of the 4 + 2 r passes, r the recomputed share) hide behind the backward's compute and the
+    backward's (its own two and the recomputed forward's) behind the forward's; each side adds what
+    exceeds its partner."""
+    passes = 4.0 + 2.0 * recomputed
+    forward_comm = all_to_all * 2.0 / passes
+    return max(0.0, forward_comm - backward) + max(0.0, all_to_all - forward_comm - forward)
 
 
 def overlap_window(candidate: Candidate, work: Workload, steps: int) -> float:
@@ -1299,8 +1311,11 @@ def expert_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cl
     """Expert parallelism's all-to-alls over the rank's blocks: each block sends every token's hidden
     state to its ``experts_per_token`` experts and gets their outputs back, forward and backward (the
     dispatch once more under recompute), the expert group's (expert - 1) / expert of it leaving the rank.
-    The expert group sits next to the tensor and context groups in Megatron-Core's rank order; a
-    rank's share to ranks of its own node moves over NVLink, the rest through its own NIC, both at once."""
+    The expert group's ranks are ``expert_tensor`` apart: Megatron-Core lays the expert layers out on a
+    grid of their own (parallel_state.py: the expert rank generator's order tp-cp-ep-dp-pp with the
+    expert tensor size as tp and no context dimension), so a group folded over the tensor ranks
+    (expert_tensor 1 under tensor 2) holds a whole node's ranks; a rank's share to ranks of its own node
+    moves over NVLink, the rest through its own NIC, both at once."""
     e = work.expert
     if e == 1 or not spec.experts:
         return 0.0
@@ -1311,7 +1326,7 @@ def expert_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cl
     sent *= spec.moe_share  # only the routed layers send (a mean block's share)
     passes = 4 + 2 * full_recompute_share(candidate, work)
     layers = max(stage_blocks(spec, candidate.pipeline, work))
-    stride = candidate.tensor * work.context
+    stride = expert_tensor_size(candidate, work)
     inside = min(e, max(1, cluster.gpus_per_node // stride))  # the group's ranks on one node
     nvlink = sent * (inside - 1) / e / cluster.device.nvlink_bytes_per_s
     network = sent * (e - inside) / e / cluster.device.network_bytes_per_s if e > inside else 0.0

@@ -1077,6 +1077,40 @@ def test_grouping_the_routed_tokens_by_expert_is_memory_bound_traffic_unless_the
     assert faster.tokens_per_s_per_gpu > slower.tokens_per_s_per_gpu
 
 
+def test_overlapped_expert_all_to_alls_hide_a_forwards_behind_a_backward_and_the_other_way_round():
+    """Megatron-Core's overlap_moe_expert_parallel_comm merges one micro-batch's forward with another's
+    backward: a forward's dispatch and combine (half the passes without recompute) run beside the
+    backward's compute, the backward's beside the forward's (a third of the compute). Over two nodes the
+    all-to-alls outweigh the forward, so part of the backward's shows; the overlap hides exactly what
+    that pairing says. The expert group sits on Megatron-Core's expert grid, its ranks expert_tensor
+    apart: folded over tensor 2 (expert_tensor 1), 8 ranks of a node are in the group, not 4."""
+    from atorch.plan import configuration
+    from atorch.plan.analytic import expert_comm_seconds, step_breakdown
+
+    args = dict(global_batch=64, seq_len=4096, sharding="zero1", distributed_optimizer=True, micro_batch_size=1)
+    parts = {}
+    for overlap in (False, True):
+        spec, cluster, candidate, work = configuration(QWEN3_30B_A3B, "2x8xH100-80GB", expert=16,
+                                                       expert_comm_overlap=overlap, **args)
+        parts[overlap] = step_breakdown(candidate, spec, cluster, work)
+    a2a, compute = parts[True]["expert all-to-all"], parts[True]["compute"]
+    forward, backward = compute / 3, compute * 2 / 3
+    assert a2a / 2 > forward  # the backward's all-to-alls outlast the forward they hide behind
+    shown = max(0.0, a2a / 2 - backward) + max(0.0, a2a / 2 - forward)
+    assert parts[True]["communication not hidden"] == pytest.approx(
+        parts[False]["communication not hidden"] - a2a + shown)
+    on_grid = {}
+    for expert_tensor in (1, 2):
+        spec, cluster, candidate, work = configuration(QWEN3_30B_A3B, "4x8xH100-80GB", tensor=2, expert=16,
+                                                       expert_tensor=expert_tensor, **args)
+        on_grid[expert_tensor] = expert_comm_seconds(candidate, spec, cluster, work)
+    sent = 64 * 4096 / 16 / 2 * 8 * spec.hidden * 2  # a tensor rank's half of the tokens (sequence parallel)
+    passes, latency = 4 * spec.layers, 4 * spec.layers * 4 * COLLECTIVE_LATENCY_S
+    network = cluster.device.network_bytes_per_s
+    assert on_grid[1] == pytest.approx(passes * sent * 8 / 16 / network + latency)  # 8 of 16 in the node
+    assert on_grid[2] == pytest.approx(passes * sent * 12 / 16 / network + latency)  # 4 of 16: tensor ranks apart
+
+
 @pytest.mark.parametrize("model, bad, named", [
     ("llama2-7b", dict(expert_permute_fused=True), "expert_permute_fused=True is not valid: llama2-7b has no"),
     (QWEN3_30B_A3B, dict(expert_permute_fused="yes"), "expert_permute_fused='yes' is not valid"),
