@@ -42,6 +42,7 @@ from atorch.plan.analytic import LOSS_PARALLEL_LOGIT_BYTES, Prediction, predict,
 from atorch.plan.elementwise import elementwise_bytes  # noqa: E402
 from atorch.plan.hardware_specs import DEVICES, ClusterSpec  # noqa: E402
 from atorch.plan.model_specs import from_hf_config, model_spec  # noqa: E402
+from atorch.utils.plotting import headless_pyplot  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "published_runs.json"
 GIB = 2**30
@@ -321,6 +322,51 @@ def print_tables(results: list[dict]) -> None:
                 print(f"  {value:<22}{summary([r for r in subset if r[key] == value])}")
 
 
+def plot_results(results: list[dict], path: Path) -> Optional[Path]:
+    """Predicted against published, one point a row, by source: throughput (log-log, the ±20 % band
+    around the diagonal; calibration rows hollow) and, where the source published it, memory (the ±15 %
+    band). None where matplotlib is not installed (``.[plot]``)."""
+    plt = headless_pyplot("published-runs plot")
+    if plt is None:
+        return None
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(13, 6))
+    colours = plt.get_cmap("tab20")
+    for i, source in enumerate(dict.fromkeys(r["source"] for r in results)):
+        rows = [r for r in results if r["source"] == source]
+        labelled = False
+        for role, face in (("held-out", colours(i)), ("calibration", "none")):
+            chosen = [r for r in rows if r["role"] == role]
+            if chosen:
+                speed.scatter([r["published"] for r in chosen], [r["pred"].tokens_per_s_per_gpu for r in chosen],
+                              s=22, facecolors=face, edgecolors=colours(i), label=None if labelled else source)
+                labelled = True
+        with_memory = [r for r in rows if r["mem_ratio"]]
+        if with_memory:
+            predicted = [r["memory_gib"] * r["mem_ratio"] for r in with_memory]
+            memory.scatter([r["memory_gib"] for r in with_memory], predicted, s=22, color=colours(i), label=source)
+    _diagonal(speed, [r["published"] for r in results], 0.20, log=True)
+    _diagonal(memory, [r["memory_gib"] for r in results if r["mem_ratio"]], 0.15, log=False)
+    speed.set(xlabel="published tokens/s per GPU", ylabel="predicted tokens/s per GPU",
+              title="throughput (hollow: calibration rows)")
+    memory.set(xlabel="published GiB per GPU", ylabel="predicted GiB per GPU", title="memory, where published")
+    speed.legend(fontsize=7)
+    memory.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _diagonal(ax, values: list[float], band: float, log: bool) -> None:
+    """The y = x line and the ±``band`` lines around it over ``values``' range."""
+    low, high = min(values) * 0.7, max(values) * 1.3
+    for factor, style in ((1.0, "-"), (1 + band, "--"), (1 - band, "--")):
+        ax.plot([low, high], [low * factor, high * factor], style, color="grey", linewidth=0.8)
+    if log:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+
+
 # --- fitting -----------------------------------------------------------------------------------------
 @contextmanager
 def constants(values: dict[str, float]) -> Iterator[None]:
@@ -384,6 +430,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--fit", action="store_true",
                         help="refit the calibrated constants on their rows and print them")
     parser.add_argument("--rows", action="store_true", help="print every row")
+    parser.add_argument("--plot", metavar="PNG", type=Path,
+                        help="also draw predicted against published, by source (needs matplotlib: .[plot])")
     parser.add_argument("--explain", metavar="TEXT",
                         help="print where the predicted step goes for every row whose id contains TEXT")
     args = parser.parse_args(argv)
@@ -405,6 +453,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.rows:
         print_rows(results)
     print_tables(results)
+    if args.plot:
+        drawn = plot_results(results, args.plot)
+        print(f"\nplot: {drawn}" if drawn else "\nno plot: matplotlib is not installed (pip install -e '.[plot]')")
     sources = data["sources"]
     print(f"\n{len(rows)} rows from {len(sources)} sources; "
           f"{sum(r['role'] == 'calibration' for r in rows)} calibration rows")

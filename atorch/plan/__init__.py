@@ -758,7 +758,7 @@ def _compact(strategy: Strategy) -> str:
 
 def _profile(spec: TransformerSpec, facts) -> ModelProfile:
     n = spec.param_count
-    return ModelProfile(n, 4 * n, n, 4 * n, 0, {spec.block: spec.layers}, {spec.block: 4 * spec.block_params}, {},
+    return ModelProfile(n, 4 * n, n, 4 * n, 0, {spec.block: spec.layers}, {spec.block: int(4 * spec.block_params)}, {},
                         layouts=facts)
 
 

@@ -166,3 +166,18 @@ def test_explain_shows_where_a_rows_predicted_step_goes():
     assert text.splitlines()[-1].split()[-2] == f"{step:.3f}"
     assert "slowest stage's excess" in text and "weight matmuls" in text
 
+
+
+def test_plot_draws_every_row_against_its_published_figures(tmp_path):
+    """``--plot``: predicted against published, throughput for every row and memory where published; a
+    PNG where matplotlib is installed (``.[plot]``), else None and no file (the tables print either way)."""
+    rows = [r for r in ROWS if r["source"] in ("atorch", "torchtitan-h100")]
+    results = BENCH.evaluate(rows, DATA["models"], DATA["sources"])
+    path = tmp_path / "published.png"
+    drawn = BENCH.plot_results(results, path)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert drawn is None and not path.exists()
+        return
+    assert drawn == path and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
