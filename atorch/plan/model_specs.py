@@ -500,8 +500,11 @@ def _module_shape(model: nn.Module) -> TransformerSpec:
     total = sum(p.numel() for p in model.parameters())
     moe = _first_moe_block(model, hidden)
     if moe:
-        return TransformerSpec(type(model).__name__, hidden, layers, heads, kv_heads, vocab=vocab, gated=True,
-                               block=block, param_count_override=total, **moe)
+        latent = _module_latent(module)
+        head_size = latent.pop("head_size", 0)
+        spec = TransformerSpec(type(model).__name__, hidden, layers, heads, kv_heads, vocab=vocab, gated=True,
+                               block=block, param_count_override=total, head_size=head_size, **latent, **moe)
+        return _with_module_dense_layers(spec, model)
     ffn = max((block_params - 4 * hidden * hidden) // (2 * hidden), hidden)
     return TransformerSpec(type(model).__name__, hidden, layers, heads, kv_heads, ffn, vocab, gated=False, block=block,
                            param_count_override=total)
@@ -531,6 +534,36 @@ def _first_moe_block(model: nn.Module, hidden: int) -> dict[str, int]:
             if moe:
                 return moe
     return {}
+
+
+# attribute names latent attention keeps its shape under (transformers' DeepseekV3Attention, torchtitan's
+# deepseek_v3 Attention: the config keys' names)
+LATENT_NAMES = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _module_latent(block: nn.Module) -> dict[str, int]:
+    """Multi-head latent attention's shape off a block's attention module (``_latent_attention``'s keys as
+    its attributes); {} for any other attention."""
+    for sub in block.modules():
+        rank = getattr(sub, "kv_lora_rank", None)
+        if isinstance(rank, int) and not isinstance(rank, bool) and rank > 0:
+            return _latent_attention({name: getattr(sub, name, None) for name in LATENT_NAMES})
+    return {}
+
+
+def _with_module_dense_layers(spec: TransformerSpec, model: nn.Module) -> TransformerSpec:
+    """An MoE module's blocks of the repeated class that hold no experts (DeepSeek-V3's first dense
+    layers, in torchtitan's layout one block class for both): their count and MLP width (the block's
+    parameters less the attention's and the two norms', over 3 hidden-wide matrices), the spec's MLP
+    width then the layers' mean."""
+    dense = [m for m in model.modules() if type(m).__name__ == spec.block and not _module_experts(m, spec.hidden)]
+    if not dense:
+        return spec
+    mlp = sum(p.numel() for p in dense[0].parameters()) - spec.attention_params - 2 * spec.hidden
+    dense_ffn = max(mlp, 0) // (3 * spec.hidden)
+    share = (spec.layers - len(dense)) / spec.layers
+    width = round(share * spec.ffn + (1 - share) * dense_ffn)
+    return replace(spec, dense_layers=len(dense), dense_ffn=dense_ffn, ffn=width)
 
 
 # attribute names a block's attention keeps its head counts under (PyTorch, torchtitan, nanoGPT, HF)

@@ -168,6 +168,84 @@ def test_latent_attention_and_dense_layers_beside_moe_ones_give_the_exact_parame
     assert model_spec(model).param_count == total  # the module reads the same
 
 
+class _TitanLatentAttention(torch.nn.Module):
+    """torchtitan's deepseek_v3 Attention at toy size: queries through a latent (wq_a, q_norm, wq_b), keys and
+    values through another (wkv_a, kv_norm, wkv_b) with a rotary key part shared by the heads, and wo."""
+
+    def __init__(self, dim: int, n_heads: int = 4, q_lora_rank: int = 32, kv_lora_rank: int = 16,
+                 qk_nope_head_dim: int = 8, qk_rope_head_dim: int = 4, v_head_dim: int = 6):
+        super().__init__()
+        self.n_heads, self.q_lora_rank, self.kv_lora_rank = n_heads, q_lora_rank, kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        qk = qk_nope_head_dim + qk_rope_head_dim
+        self.wq_a, self.q_norm = torch.nn.Linear(dim, q_lora_rank, bias=False), torch.nn.RMSNorm(q_lora_rank)
+        self.wq_b = torch.nn.Linear(q_lora_rank, n_heads * qk, bias=False)
+        self.wkv_a = torch.nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=False)
+        self.kv_norm = torch.nn.RMSNorm(kv_lora_rank)
+        self.wkv_b = torch.nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.wo = torch.nn.Linear(n_heads * v_head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h, nope, rope, v = self.n_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        q = self.wq_b(self.q_norm(self.wq_a(x))).view(b, s, h, nope + rope)
+        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, rope], dim=-1)
+        k_nope, value = self.wkv_b(self.kv_norm(latent)).view(b, s, h, nope + v).split([nope, v], dim=-1)
+        key = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, h, -1)], dim=-1)
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), key.transpose(1, 2),
+                                                               value.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, h * v))
+
+
+class _TitanDeepSeekBlock(torch.nn.Module):
+    def __init__(self, dim: int, moe: bool):
+        from atorch.testing.community_models import FeedForward, TitanMoE
+
+        super().__init__()
+        self.attention_norm, self.ffn_norm = torch.nn.RMSNorm(dim), torch.nn.RMSNorm(dim)
+        self.attention = _TitanLatentAttention(dim)
+        self.moe_enabled = moe
+        self.mlp = TitanMoE(dim, 24, num_experts=4, top_k=2) if moe else FeedForward(dim, 96)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.mlp(self.ffn_norm(x))
+
+
+class _TitanDeepSeek(torch.nn.Module):
+    """torchtitan's DeepSeek-V3 layout at toy size: one block class, its first block dense, the others
+    routing to a GroupedExperts bank beside a shared expert, every block's attention latent."""
+
+    def __init__(self, dim: int = 32, layers: int = 3, vocab: int = 64):
+        super().__init__()
+        self.tok_embeddings = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleList(_TitanDeepSeekBlock(dim, moe=i > 0) for i in range(layers))
+        self.norm, self.output = torch.nn.RMSNorm(dim), torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+def test_a_torchtitan_style_module_with_latent_attention_and_a_dense_first_block_is_read_off_its_modules():
+    """No transformers config: the latent attention's ranks and head sizes are read off its attention's
+    attributes (the names torchtitan's and transformers' modules keep them under), the dense blocks of the
+    repeated class counted apart from the routed ones (their MLP width from their parameters), so the
+    parameters a token meets are exact and the score / value widths are the heads' query and value sizes."""
+    with torch.device("meta"):
+        model = _TitanDeepSeek()
+    spec = model_spec(model)
+    total = sum(p.numel() for p in model.parameters())
+    assert spec.param_count == total
+    assert (spec.q_dim, spec.out_dim, spec.kv_lora_rank, spec.q_lora_rank) == (4 * 12, 4 * 6, 16, 32)
+    assert (spec.dense_layers, spec.dense_ffn, spec.experts, spec.experts_per_token) == (1, 96, 4, 2)
+    skipped = 2 * (4 - 2) * 3 * 32 * 24  # two routed blocks, two experts a token skips in each
+    assert spec.active_param_count == total - skipped
+    assert spec.layers * spec.block_params == pytest.approx(sum(p.numel() for p in model.layers.parameters()))
+
+
 def test_latent_attention_runs_its_score_and_value_matmuls_at_their_own_widths():
     """Under latent attention a head's query / key size (nope + rope) and its value size differ: the score
     matmul runs over the heads' query width, the value one over their value width, so the MFU's attention
