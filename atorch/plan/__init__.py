@@ -41,6 +41,7 @@ from atorch.plan.analytic import (
     GRAD_SYNCS,
     OPTIMIZER_STATES,
     RANK_ORDERS,
+    TIGHT_MEMORY_SHARE,
     Prediction,
     Workload,
     chunk_blocks,
@@ -49,6 +50,7 @@ from atorch.plan.analytic import (
     recomputed_block_share,
     spec_layout_facts,
     step_breakdown,
+    tight_memory_note,
 )
 from atorch.plan.hardware_specs import ClusterSpec, DeviceSpec, cluster_spec
 from atorch.plan.model_specs import TransformerSpec, model_spec
@@ -724,12 +726,22 @@ def format_plan(result: Plan, limit: Optional[int] = None) -> str:
         c = p.candidate
         lines.append(f"{i:>3}  {plan_label(p):<34}{c.tensor:>4}{c.pipeline:>4}{c.data_size(cluster.world_size):>5}"
                      f"{p.memory_bytes / GIB:>9.1f}{p.step_time_s:>9.3f}{p.tokens_per_s_per_gpu:>11.0f}"
-                     f"{p.mfu * 100:>6.1f}%  {'yes' if p.fits else 'no'}")
+                     f"{p.mfu * 100:>6.1f}%  {_fits_label(p, cluster)}")
     if limit and len(result.predictions) > limit:
         lines.append(f"... {len(result.predictions) - limit} more")
+    if any(_fits_label(p, cluster) == "tight" for p in rows):
+        lines.append(f"tight: fits within {1 - TIGHT_MEMORY_SHARE:.0%} of the device's memory, where "
+                     "published runs' peaks sat at about 1.1 x the planner's prediction (docs/plan.md)")
     best = result.strategy
     lines.append(f"top plan (load_strategy): {_compact(best) if best is not None else 'none fits in memory'}")
     return "\n".join(lines)
+
+
+def _fits_label(prediction: Prediction, cluster: ClusterSpec) -> str:
+    """yes / no, or tight where a fitting plan is within ``TIGHT_MEMORY_SHARE`` of the device."""
+    if not prediction.fits:
+        return "no"
+    return "tight" if tight_memory_note(prediction.memory_bytes, cluster.device.memory_bytes) else "yes"
 
 
 def plot_plan(result: Plan, path: Union[str, Path]) -> Optional[Path]:

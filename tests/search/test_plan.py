@@ -49,6 +49,25 @@ def test_cli_prints_the_ranked_table_for_a_transformers_config(tmp_path):
     assert "parallel_mode" in saved.names()
 
 
+def test_a_plan_that_fits_within_a_tenth_of_the_device_is_flagged_tight():
+    """Published runs' peaks sat at about 1.1 x the planner's predictions (docs/plan.md), so a plan that
+    fits within the last tenth of the device's memory says so: a note on its prediction, "tight" in the
+    table with a line saying why; the prediction itself, and whether it fits, are unchanged."""
+    from atorch.plan import format_plan
+    from atorch.plan.analytic import TIGHT_MEMORY_SHARE
+
+    result = atorch.plan("llama3-8b", "8xH100-96GB", global_batch=16, seq_len=8192)
+    device = result.cluster.device.memory_bytes
+    tight = [p for p in result.predictions if p.fits and p.memory_bytes > TIGHT_MEMORY_SHARE * device]
+    roomy = [p for p in result.predictions if p.fits and p.memory_bytes <= TIGHT_MEMORY_SHARE * device]
+    assert tight and roomy
+    assert all(any(n.startswith("tight:") for n in p.notes) for p in tight)
+    assert not any(n.startswith("tight:") for p in roomy for n in p.notes)
+    table = format_plan(result)
+    assert sum(line.rstrip().endswith("tight") for line in table.splitlines()) == len(tight)
+    assert "published runs' peaks sat at about 1.1 x" in table.splitlines()[-2]
+
+
 def test_cli_names_a_bad_cluster_and_the_valid_devices():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-m", "atorch.plan", "--model", "llama3-8b", "--cluster", "8xH100-69GB",
