@@ -187,7 +187,7 @@ class TransformerSpec:
         return self.moe_share * moe + (1 - self.moe_share) * self.dense_mlp_params
 
     @property
-    def block_params(self) -> int:
+    def block_params(self) -> float:
         return self.attention_params + self.mlp_params + 2 * self.hidden
 
     @property
@@ -233,7 +233,8 @@ class TransformerSpec:
     def model_flops_per_token(self, seq_len: int) -> float:
         """Forward + backward FLOPs per token as MFU is usually counted (torchtitan, PaLM): 6 per
         non-embedding parameter a token meets plus attention's 12 * layers * (heads x head size) * sequence
-        (a sliding-window layer's twice its window: ``attention_length``)."""
+        (a sliding-window layer's twice its window: ``attention_length``; under latent attention, whose
+        values are narrower than its queries and keys, the mean of the two widths: ``attention_width``)."""
         attention = 12.0 * self.attention_width * self.attention_length(seq_len)
         return 6.0 * (self.active_param_count - self.embedding_params) + attention
 
@@ -250,14 +251,14 @@ class TransformerSpec:
         windowed = self.windowed_layers if self.window else 0
         return (self.layers - windowed) * attended + windowed * min(2 * self.window, attended)
 
-    def block_activation_elements(self) -> int:
+    def block_activation_elements(self) -> float:
         """Elements a block saves for backward, per token, with fused (flash / SDPA) attention: norm
         inputs and outputs, q / k / v, the attention output, and the MLP's intermediate tensors; under
         latent attention also the latents, before and after their norms, and the keys' rotary part."""
         latent = 2 * (self.q_lora_rank + self.kv_lora_rank) + self.rope_head_size if self.kv_lora_rank else 0
         return 4 * self.hidden + latent + self.split_activation_elements()
 
-    def split_activation_elements(self) -> int:
+    def split_activation_elements(self) -> float:
         """The part of ``block_activation_elements`` that tensor parallelism splits (heads, MLP width). An
         MoE block also keeps the token's hidden state once for each expert it is routed to: the copies
         dispatched to the experts, which their first matmuls save for the weight gradient."""
