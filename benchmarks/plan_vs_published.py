@@ -247,6 +247,9 @@ def explain(row: dict, models: dict) -> str:
              f"{analytic.weight_matmul_width(spec, candidate.tensor):.0f} wide"]
     parts = analytic.step_breakdown(candidate, spec, cluster, work, facts)
     lines += [f"  {name:<42} {seconds:9.3f} s" for name, seconds in parts.items()]
+    lines.append("  memory (one GPU):")
+    memory = analytic.memory_breakdown(candidate, spec, cluster, work, facts)
+    lines += [f"    {name:<62} {size / GIB:7.1f} GiB" for name, size in memory.items()]
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from atorch.errors import AtorchError, InputError
 from atorch.plan import GIB, configuration, estimate, model_spec, plan, plot_plan
-from atorch.plan.analytic import predict, spec_layout_facts, step_breakdown
+from atorch.plan.analytic import memory_breakdown, predict, spec_layout_facts, step_breakdown
 from atorch.plan.hardware_specs import DEVICES, cluster_spec
 from atorch.plan.model_specs import BUILTIN_CONFIGS
 
@@ -68,6 +68,8 @@ def _print_estimate(args: argparse.Namespace, options: dict[str, Any], device: O
           + (f"; {named}" if named else ""))
     print(f"memory: {pred.memory_bytes / GIB:.1f} GiB per GPU reserved ({pred.allocated_bytes / GIB:.1f} allocated)"
           f" -> {'fits' if pred.fits else 'does NOT fit'}" + "".join(f" ({note})" for note in pred.notes))
+    for name, size in memory_breakdown(candidate, spec, cluster, work, facts).items():
+        print(f"  {name:<62} {size / GIB:7.1f} GiB")
     print(f"step: {pred.step_time_s:.3f} s (compute {pred.compute_s:.3f} s, communication {pred.comm_s:.3f} s "
           f"before overlap); {pred.tokens_per_s_per_gpu:.0f} tokens/s per GPU, MFU {pred.mfu * 100:.1f}%")
     _print_breakdown("where the step goes", step_breakdown(candidate, spec, cluster, work, facts))

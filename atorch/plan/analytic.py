@@ -305,6 +305,27 @@ def predict(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, w
                       checkpointing=checkpointing(candidate, work))
 
 
+def memory_breakdown(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,
+                     facts: Optional[LayoutFacts] = None) -> dict[str, float]:
+    """Where one GPU's predicted peak goes, in bytes, ending with the peak ``predict`` reports. Under tensor /
+    pipeline / expert parallelism or the distributed optimizer (``layout_memory``) the state part by part
+    (``layout_state_parts``: the rank holding the largest stage) and the activations of the stage that
+    holds the most; under pure data parallelism the search's cost model's one figure; then what the
+    allocator holds beyond the live tensors (``cached_block_bytes``)."""
+    allocated = predict_memory(candidate, spec, cluster, work, facts)
+    peak = reserved_bytes(predict_memory(candidate, spec, cluster, work, facts, reserved=True))
+    if counted_per_stage(candidate, work) or work.expert > 1:
+        stated = dataclasses.replace(candidate, precision="amp_bf16") if candidate.precision == "fp8" else candidate
+        data = candidate.data_size(cluster.world_size)
+        parts = {name: b for name, b in layout_state_parts(stated, spec, work, facts, data).items() if b}
+        parts["activations (the stage that holds the most)"] = allocated - sum(parts.values())
+    else:
+        parts = {"weights, gradients, optimizer states and activations": allocated}
+    parts["the allocator's cached blocks beyond the live tensors"] = peak - allocated
+    parts["peak"] = peak
+    return parts
+
+
 def step_breakdown(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,
                    facts: Optional[LayoutFacts] = None) -> dict[str, float]:
     """Where one GPU's step goes, seconds, in the order ``predict`` adds it up: the compute parts (the
@@ -668,32 +689,8 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
     micro-batches the schedule keeps in flight (1F1B: as many as stages on the first stage, plus one
     being received)."""
     t, p = candidate.tensor, candidate.pipeline
-    P, G, O = state_bytes(candidate, spec, work.optimizer_states)  # noqa: E741 (the docstring's P / G / O)
-    share = facts.state_share[(t, p)] if facts and (t, p) in facts.state_share else 1.0 / (t * p)
-    if (work.pipeline_ends_as_layers or work.pipeline_layout) and p > 1:
-        share = _largest_stage(spec, t, p, stage_blocks(spec, p, work)) / spec.param_count
-    amp = half_states(candidate, work).precision.startswith("amp")
     micro = pipeline_micro_batches(candidate, work, data) if p > 1 else micro_steps(candidate, work, data)
-    whole = whole_params_share(candidate, spec, work, share)  # what expert parallelism leaves a rank whole
-    if candidate.sharding == "zero2" and data > 1:
-        gathered = ((0.5 if amp else 1.0) * P * share * whole
-                    + unreduced_grads(candidate, spec, work, G * share * whole, micro))
-        states = (P + G + O) * share / data + gathered
-    elif candidate.sharding in ("fsdp", "hsdp") and data > 1:
-        block = rank_block_params(candidate, spec, work) * (2 if amp else P / spec.param_count)
-        states = (P + G + O) * share / data + 2 * block
-    elif candidate.sharding == "zero1" and data > 1:
-        weights = P / 2 if amp else P
-        # a bf16 gradient buffer (grad_reduce_dtype): half the bytes, and the optimizer casts its own
-        # shard of it to fp32 main gradients
-        buffer = grad_buffer_bytes(candidate, work, G)
-        main_grads = G / data if buffer < G else 0.0
-        half_grads = P / 2 if amp and work.half_grads_kept else 0.0  # the parameters' own bf16 gradients
-        cast_copy = buffer / 2 if amp and work.reduce_cast_copy and buffer == G else 0.0  # fp32 buffer, bf16 copy
-        states = ((weights + buffer + half_grads + cast_copy) * whole + main_grads + (P if amp else 0.0) / data
-                  + O / data) * share
-    else:
-        states = ((P + G + O) * share + (G * share if data > 1 else 0.0)) * whole
+    states = sum(layout_state_parts(candidate, spec, work, facts, data).values())
     tokens = work.tokens / data / micro
     if p > 1:
         # each stage's blocks times the micro-batches it holds (the first the most, the last the logits)
@@ -706,6 +703,44 @@ def layout_memory(candidate: Candidate, spec: TransformerSpec, work: Workload, f
         act = activation_bytes(candidate, spec, work, tokens, tensor=t, fp8=fp8)
         act += cached_block_bytes(candidate, spec, work, tokens, tensor=t, fp8=fp8) if reserved else 0.0
     return states + act
+
+
+def layout_state_parts(candidate: Candidate, spec: TransformerSpec, work: Workload, facts: Optional[LayoutFacts],
+                       data: int) -> dict[str, float]:
+    """``layout_memory``'s state, part by part (its docstring says what each sharding keeps), for the
+    rank holding the largest stage."""
+    t, p = candidate.tensor, candidate.pipeline
+    P, G, O = state_bytes(candidate, spec, work.optimizer_states)  # noqa: E741 (the docstring's P / G / O)
+    share = facts.state_share[(t, p)] if facts and (t, p) in facts.state_share else 1.0 / (t * p)
+    if (work.pipeline_ends_as_layers or work.pipeline_layout) and p > 1:
+        share = _largest_stage(spec, t, p, stage_blocks(spec, p, work)) / spec.param_count
+    amp = half_states(candidate, work).precision.startswith("amp")
+    micro = pipeline_micro_batches(candidate, work, data) if p > 1 else micro_steps(candidate, work, data)
+    whole = whole_params_share(candidate, spec, work, share)  # what expert parallelism leaves a rank whole
+    sharded = "weights, gradients and optimizer states (the rank's shard)"
+    if candidate.sharding == "zero2" and data > 1:
+        return {sharded: (P + G + O) * share / data,
+                "weights gathered whole": (0.5 if amp else 1.0) * P * share * whole,
+                "gradients before their reduce-scatter": unreduced_grads(candidate, spec, work, G * share * whole,
+                                                                         micro)}
+    if candidate.sharding in ("fsdp", "hsdp") and data > 1:
+        block = rank_block_params(candidate, spec, work) * (2 if amp else P / spec.param_count)
+        return {sharded: (P + G + O) * share / data, "two gathered blocks": 2 * block}
+    if candidate.sharding == "zero1" and data > 1:
+        weights = P / 2 if amp else P
+        # a bf16 gradient buffer (grad_reduce_dtype): half the bytes, and the optimizer casts its own
+        # shard of it to fp32 main gradients
+        buffer = grad_buffer_bytes(candidate, work, G)
+        main_grads = G / data if buffer < G else 0.0
+        half_grads = P / 2 if amp and work.half_grads_kept else 0.0  # the parameters' own bf16 gradients
+        cast_copy = buffer / 2 if amp and work.reduce_cast_copy and buffer == G else 0.0  # fp32 buffer, bf16 copy
+        return {"weights": weights * whole * share, "gradient buffer": buffer * whole * share,
+                "bf16 gradients kept": half_grads * whole * share,
+                "the gradient buffer's bf16 copy": cast_copy * whole * share,
+                "fp32 main gradients (the rank's shard)": main_grads * share,
+                "fp32 master weights and optimizer states (the rank's shard)": ((P if amp else 0.0) + O) / data * share}
+    return {"weights, gradients and optimizer states": (P + G + O) * share * whole,
+            "gradient reduction buffers": G * share * whole if data > 1 else 0.0}
 
 
 def unreduced_grads(candidate: Candidate, spec: TransformerSpec, work: Workload, grads: float,

@@ -68,6 +68,32 @@ def test_a_plan_that_fits_within_a_tenth_of_the_device_is_flagged_tight():
     assert "published runs' peaks sat at about 1.1 x" in table.splitlines()[-2]
 
 
+@pytest.mark.parametrize("layout", [
+    dict(tensor=4, pipeline=4, sharding="zero1", distributed_optimizer=True, virtual_stages=5, micro_batch_size=1),
+    dict(tensor=2, pipeline=4, sharding="zero2", micro_batch_size=1, activation_checkpointing="full"),
+    dict(tensor=8, sharding="fsdp", activation_checkpointing="full"),
+    dict(tensor=8, pipeline=2, sharding="ddp", activation_checkpointing="full", micro_batch_size=1),
+    dict(sharding="fsdp", activation_checkpointing="full"),
+])
+def test_the_memory_breakdown_adds_up_to_the_predicted_peak(layout):
+    """``analytic.memory_breakdown``: the state part by part and the activations under a layout (the pure
+    data-parallel path, the search's cost model, as one figure), then the allocator's cached blocks; the
+    parts add up to the peak ``estimate`` reports, and each is a size, none negative."""
+    from atorch.plan import configuration
+    from atorch.plan.analytic import memory_breakdown, spec_layout_facts
+
+    args = dict(global_batch=64, seq_len=4096, **layout)
+    pred = atorch.estimate("llama2-70b", "8x8xH100-80GB", **args)
+    spec, cluster, candidate, work = configuration("llama2-70b", "8x8xH100-80GB", **args)
+    parts = memory_breakdown(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
+    peak = parts.pop("peak")
+    assert peak == pytest.approx(pred.memory_bytes, abs=1.0)
+    assert sum(parts.values()) == pytest.approx(peak)
+    assert all(size >= 0 for size in parts.values()), parts
+    layered = layout.get("tensor", 1) * layout.get("pipeline", 1) > 1
+    assert ("activations (the stage that holds the most)" in parts) == layered
+
+
 def test_cli_names_a_bad_cluster_and_the_valid_devices():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-m", "atorch.plan", "--model", "llama3-8b", "--cluster", "8xH100-69GB",

@@ -164,8 +164,11 @@ def test_explain_shows_where_a_rows_predicted_step_goes():
     row = next(r for r in ROWS if r["id"] == "mbridge llama3-70b pretrain 64gpu tp4pp8vp5 26.04.01")
     text = BENCH.explain(row, DATA["models"])
     step = BENCH.predict_row(row, DATA["models"]).step_time_s
-    assert text.splitlines()[-1].split()[-2] == f"{step:.3f}"
+    step_line = next(line for line in text.splitlines() if line.strip().startswith("step "))
+    assert step_line.split()[-2] == f"{step:.3f}"
     assert "slowest stage's excess" in text and "weight matmuls" in text
+    peak = BENCH.predict_row(row, DATA["models"]).memory_bytes / 2**30
+    assert text.splitlines()[-1].split()[-2] == f"{peak:.1f}" and "gradient buffer" in text
 
 
 
