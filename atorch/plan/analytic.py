@@ -1315,7 +1315,10 @@ def data_comm_parts(candidate: Candidate, spec: TransformerSpec, cluster: Cluste
 
 def tensor_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
     """Four activation all-reduces per block and step (two forward, two backward; two more when the
-    forward is recomputed), on the layers this rank holds, on the critical path."""
+    forward is recomputed), on the layers this rank holds, on the critical path: half of them the
+    attention's, half the MLP's. An MoE layer's routed experts run no such collective of their own (their
+    tokens move with the dispatcher: ``expert_comm_seconds``), so its MLP half is its shared experts'
+    alone, none without them; the dense layers' MLP keeps it."""
     t = candidate.tensor
     if t == 1:
         return 0.0
@@ -1323,9 +1326,13 @@ def tensor_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cl
     width = 4 if candidate.precision == "fp32" else 2
     activation = work.tokens / data * spec.hidden * width
     per_block = 4 + 2 * full_recompute_share(candidate, work)
+    mlp_kept = 1.0
+    if spec.experts:
+        mlp_kept = (1 - spec.moe_share) + spec.moe_share * (1.0 if spec.shared_ffn else 0.0)
+    collectives = per_block * (1 + mlp_kept) / 2
     layers = max(stage_blocks(spec, candidate.pipeline, work))
-    latency = per_block * layers * micro_steps(candidate, work, data) * COLLECTIVE_LATENCY_S
-    return per_block * layers * 2 * (1 - 1 / t) * activation / cluster.link_bytes_per_s(t) + latency
+    latency = collectives * layers * micro_steps(candidate, work, data) * COLLECTIVE_LATENCY_S
+    return collectives * layers * 2 * (1 - 1 / t) * activation / cluster.link_bytes_per_s(t) + latency
 
 
 def pipeline_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
@@ -1362,13 +1369,17 @@ def expert_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cl
     """Expert parallelism's all-to-alls over the rank's blocks: each block sends every token's hidden
     state to its ``experts_per_token`` experts and gets their outputs back, forward and backward (the
     dispatch once more under recompute), the expert group's (expert - 1) / expert of it leaving the rank.
+    Where each expert is split over ``expert_tensor`` > 1 ranks, the copies a rank receives are gathered
+    over that group after the dispatch and reduce-scattered before the combine (Megatron-Core's alltoall
+    dispatcher: gather_from_sequence_parallel_region on the expert-tensor group), (etp - 1) times the
+    rank's own copies each pass, even without expert parallelism.
     The expert group's ranks are ``expert_tensor`` apart: Megatron-Core lays the expert layers out on a
     grid of their own (parallel_state.py: the expert rank generator's order tp-cp-ep-dp-pp with the
     expert tensor size as tp and no context dimension), so a group folded over the tensor ranks
     (expert_tensor 1 under tensor 2) holds a whole node's ranks; a rank's share to ranks of its own node
     moves over NVLink, the rest through its own NIC, both at once."""
-    e = work.expert
-    if e == 1 or not spec.experts:
+    e, etp = work.expert, expert_tensor_size(candidate, work)
+    if not spec.experts or (e == 1 and etp == 1):
         return 0.0
     data = candidate.data_size(cluster.world_size)
     width = 4 if candidate.precision == "fp32" else 2
@@ -1377,12 +1388,16 @@ def expert_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cl
     sent *= spec.moe_share  # only the routed layers send (a mean block's share)
     passes = 4 + 2 * full_recompute_share(candidate, work)
     layers = max(stage_blocks(spec, candidate.pipeline, work))
-    stride = expert_tensor_size(candidate, work)
-    inside = min(e, max(1, cluster.gpus_per_node // stride))  # the group's ranks on one node
-    nvlink = sent * (inside - 1) / e / cluster.device.nvlink_bytes_per_s
-    network = sent * (e - inside) / e / cluster.device.network_bytes_per_s if e > inside else 0.0
-    latency = passes * layers * micro_steps(candidate, work, data) * COLLECTIVE_LATENCY_S
-    return passes * layers * max(nvlink, network) + latency
+    micro = micro_steps(candidate, work, data)
+    seconds = 0.0
+    if e > 1:
+        inside = min(e, max(1, cluster.gpus_per_node // etp))  # the group's ranks on one node
+        nvlink = sent * (inside - 1) / e / cluster.device.nvlink_bytes_per_s
+        network = sent * (e - inside) / e / cluster.device.network_bytes_per_s if e > inside else 0.0
+        seconds += passes * layers * (max(nvlink, network) + micro * COLLECTIVE_LATENCY_S)
+    if etp > 1:  # the copies a rank received gathered over its expert-tensor group, reduce-scattered back
+        seconds += passes * layers * (sent * (etp - 1) / cluster.link_bytes_per_s(etp) + micro * COLLECTIVE_LATENCY_S)
+    return seconds
 
 
 # --- layouts -----------------------------------------------------------------------------------------

@@ -1206,9 +1206,11 @@ def test_overlapped_expert_all_to_alls_hide_a_forwards_behind_a_backward_and_the
     backward's compute, the backward's beside the forward's (a third of the compute). Over two nodes the
     all-to-alls outweigh the forward, so part of the backward's shows; the overlap hides exactly what
     that pairing says. The expert group sits on Megatron-Core's expert grid, its ranks expert_tensor
-    apart: folded over tensor 2 (expert_tensor 1), 8 ranks of a node are in the group, not 4."""
+    apart: folded over tensor 2 (expert_tensor 1), 8 ranks of a node are in the group, not 4; with each
+    expert split over 2 ranks, the copies a rank receives are gathered over that pair after the dispatch
+    and scattered back before the combine, with or without expert parallelism."""
     from atorch.plan import configuration
-    from atorch.plan.analytic import expert_comm_seconds, step_breakdown
+    from atorch.plan.analytic import expert_comm_seconds, step_breakdown, tensor_comm_seconds
 
     args = dict(global_batch=64, seq_len=4096, sharding="zero1", distributed_optimizer=True, micro_batch_size=1)
     parts = {}
@@ -1231,7 +1233,17 @@ def test_overlapped_expert_all_to_alls_hide_a_forwards_behind_a_backward_and_the
     passes, latency = 4 * spec.layers, 4 * spec.layers * 4 * COLLECTIVE_LATENCY_S
     network = cluster.device.network_bytes_per_s
     assert on_grid[1] == pytest.approx(passes * sent * 8 / 16 / network + latency)  # 8 of 16 in the node
-    assert on_grid[2] == pytest.approx(passes * sent * 12 / 16 / network + latency)  # 4 of 16: tensor ranks apart
+    # split over 2 ranks, a rank's received copies are also gathered over that pair (NVLink) and scattered back
+    gather = passes * sent / cluster.device.nvlink_bytes_per_s + latency
+    assert on_grid[2] == pytest.approx(passes * sent * 12 / 16 / network + latency + gather)  # 4 of 16 a node
+    spec, cluster, candidate, work = configuration(QWEN3_30B_A3B, "4x8xH100-80GB", tensor=2, **args)
+    assert expert_comm_seconds(candidate, spec, cluster, work) == pytest.approx(gather)  # no expert parallelism
+    # and the routed experts run no tensor collective of their own: Qwen3's layers (no shared expert) keep
+    # only the attention's half of the four a block
+    activation = 64 * 4096 / 16 * spec.hidden * 2
+    attention_half = 2 * spec.layers * 2 * (1 - 1 / 2) * activation / cluster.device.nvlink_bytes_per_s
+    assert tensor_comm_seconds(candidate, spec, cluster, work) == pytest.approx(
+        attention_half + 2 * spec.layers * 4 * COLLECTIVE_LATENCY_S)
 
 
 @pytest.mark.parametrize("model, bad, named", [
