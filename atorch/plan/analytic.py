@@ -315,7 +315,7 @@ def memory_breakdown(candidate: Candidate, spec: TransformerSpec, cluster: Clust
     allocated = predict_memory(candidate, spec, cluster, work, facts)
     peak = reserved_bytes(predict_memory(candidate, spec, cluster, work, facts, reserved=True))
     if counted_per_stage(candidate, work) or work.expert > 1:
-        stated = dataclasses.replace(candidate, precision="amp_bf16") if candidate.precision == "fp8" else candidate
+        stated = fp8_state_candidate(candidate)
         data = candidate.data_size(cluster.world_size)
         parts = {name: b for name, b in layout_state_parts(stated, spec, work, facts, data).items() if b}
         parts["activations (the stage that holds the most)"] = allocated - sum(parts.values())
@@ -628,6 +628,12 @@ def residual_is_fp32(candidate: Candidate, work: Workload) -> bool:
     return candidate.precision == "fp32" or autocast_over_fp32
 
 
+def fp8_state_candidate(candidate: Candidate) -> Candidate:
+    """The candidate as the memory model counts its state: fp8 training keeps bf16 weights beside fp32
+    master weights and moments, as amp_bf16 does (its fp8 weight copies are small beside them)."""
+    return dataclasses.replace(candidate, precision="amp_bf16") if candidate.precision == "fp8" else candidate
+
+
 def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,
                    facts: Optional[LayoutFacts] = None, reserved: bool = False) -> float:
     """Per-GPU peak bytes: the live tensors, or with ``reserved`` what the allocator holds then
@@ -635,8 +641,7 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
     analytical alone profile; tensor / pipeline layouts through ``layout_memory``. fp8 keeps bf16 state
     here (its fp8 weight copies are small beside the fp32 state) and saves its matmuls' inputs in fp8."""
     fp8 = candidate.precision == "fp8"
-    if fp8:
-        candidate = dataclasses.replace(candidate, precision="amp_bf16")
+    candidate = fp8_state_candidate(candidate)
     world = cluster.world_size
     data = candidate.data_size(world)
     P, G, O = state_bytes(candidate, spec, work.optimizer_states)  # noqa: E741 (the docstring's P / G / O)
