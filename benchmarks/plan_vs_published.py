@@ -172,6 +172,10 @@ ROW_WORKLOAD = {"titan llama3.1-70b 256xH100 2d asyncTP fp8+compile": {"tp_comm_
                 # expert_tensor_parallel_size 1 and both pipeline-split accounts; its perf recipe
                 # (perf_recipes/qwen/h100/qwen3_moe.py @ 56ae11df) sets moe_a2a_overlap and
                 # overlap_moe_expert_parallel_comm
+                # perf_recipes/qwen/h100/qwen3_moe.py qwen3_30b_a3b_pretrain_16gpu_h100_fp8cs_config (@ 067f987d):
+                # moe_token_dispatcher_type "flex" on moe_flex_dispatcher_backend "hybridep", 8 ranks an NVLink
+                # domain (NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN): a token crosses to the other node once
+                "mbridge qwen3-30b-a3b pretrain 16gpu ep16 26.06": {"expert_dispatch": "hierarchical"},
                 "mbridge qwen3-235b-a22b pretrain 256gpu tp2pp8vp4ep32 26.04.01": {
                     "expert_tensor": 1, "pipeline_ends_as_layers": True, "expert_comm_overlap": True}}
 
@@ -260,7 +264,8 @@ def expert_arguments(row: dict) -> dict:
         return {}
     facts = {**SOURCE_WORKLOAD.get(row["source"], {}), **ROW_WORKLOAD.get(row["id"], {})}
     return {"expert": row["expert"], **{k: facts[k] for k in ("distributed_optimizer", "expert_tensor",
-                                                               "expert_comm_overlap") if k in facts}}
+                                                               "expert_comm_overlap", "expert_dispatch")
+                                        if k in facts}}
 
 
 def published_tokens(row: dict, models: dict) -> float:

@@ -37,6 +37,7 @@ from atorch.errors import InputError
 from atorch.plan.analytic import (
     AC_MODES,
     ATTENTIONS,
+    EXPERT_DISPATCHES,
     GRAD_REDUCE_DTYPES,
     GRAD_SYNCS,
     OPTIMIZER_STATES,
@@ -224,6 +225,7 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
              saves_gathered_inputs: bool = False, context: int = 1, context_comm_overlap: bool = False,
              recompute_layers: Optional[int] = None, expert: int = 1, expert_tensor: Optional[int] = None,
              expert_comm_overlap: bool = False, expert_permute_fused: bool = False,
+             expert_dispatch: str = "alltoall",
              pipeline_layout: Optional[str] = None) -> Prediction:
     """How fast and how big is the one configuration you name ("what I run today")?
 
@@ -349,6 +351,12 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     default False: each token's copies are permuted into expert order and back by their own
     memory-bound kernels, forward and backward (Megatron-Core's alltoall dispatcher, torchtitan's and Hugging
     Face's index gathers; ``analytic.expert_permute_bytes``).
+    ``expert_dispatch``: how the routed tokens reach their experts' ranks (``analytic.EXPERT_DISPATCHES``):
+    "alltoall" (default: every routed copy to its expert's rank, Megatron-Core's alltoall dispatcher,
+    torchtitan's all-to-all) or "hierarchical" (a token crosses to each remote node holding one of its
+    experts once and is forwarded there over NVLink, the combine adding a node's outputs up before
+    sending them back: DeepEP's normal kernels, Hybrid-EP; ``analytic.expert_copies``). Needs expert > 1
+    with whole experts on each rank (expert_tensor 1).
     Returns a ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``, ``memory_bytes``, ``fits`` and the
     time breakdown)."""
     spec, cluster, candidate, work = configuration(
@@ -366,7 +374,7 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
         vocab_parallel_loss=vocab_parallel_loss, saves_gathered_inputs=saves_gathered_inputs, context=context,
         context_comm_overlap=context_comm_overlap, recompute_layers=recompute_layers, expert=expert,
         expert_tensor=expert_tensor, expert_comm_overlap=expert_comm_overlap,
-        expert_permute_fused=expert_permute_fused, pipeline_layout=pipeline_layout)
+        expert_permute_fused=expert_permute_fused, expert_dispatch=expert_dispatch, pipeline_layout=pipeline_layout)
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 
@@ -454,6 +462,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                   saves_gathered_inputs: bool = False, context: int = 1, context_comm_overlap: bool = False,
                   recompute_layers: Optional[int] = None, expert: int = 1, expert_tensor: Optional[int] = None,
                   expert_comm_overlap: bool = False, expert_permute_fused: bool = False,
+             expert_dispatch: str = "alltoall",
                   pipeline_layout: Optional[str] = None) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
     """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
     callers that adjust the workload further, such as the published-runs benchmark)."""
@@ -552,7 +561,24 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
             raise InputError(f"expert_permute_fused=True is not valid: {spec.name} has no Mixture-of-Experts blocks "
                              "whose tokens are grouped by expert")
         work = dataclasses.replace(work, expert_permute_fused=True)
+    if expert_dispatch != "alltoall":
+        _check_expert_dispatch(candidate, work, expert_dispatch)
+        work = dataclasses.replace(work, expert_dispatch=expert_dispatch)
     return spec, cluster, candidate, work
+
+
+def _check_expert_dispatch(candidate: Candidate, work: Workload, dispatch: Any) -> None:
+    """A dispatch other than the all-to-all needs expert parallelism to carry, and is modelled with whole
+    experts on each rank (Megatron-Core's flex dispatcher folds the expert tensor ranks into its group,
+    which ``analytic.expert_copies`` does not count)."""
+    _check_choice("expert_dispatch", dispatch, EXPERT_DISPATCHES)
+    if work.expert == 1:
+        raise InputError(f"expert_dispatch={dispatch!r} is not valid with expert=1: it says how expert parallelism "
+                         "sends the tokens; give expert > 1, or expert_dispatch='alltoall'")
+    if (work.expert_tensor or candidate.tensor) > 1:
+        raise InputError(f"expert_dispatch={dispatch!r} is not valid with expert_tensor="
+                         f"{work.expert_tensor or candidate.tensor}: it is modelled with whole experts on each "
+                         "rank; give expert_tensor=1, or expert_dispatch='alltoall'")
 
 
 def _check_experts(spec: TransformerSpec, world: int, candidate: Candidate, work: Workload, expert: Any,

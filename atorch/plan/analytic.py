@@ -70,6 +70,15 @@ ATTENTIONS = ("flash", "materialised")
 # [TP, CP, PP, DP]; "tensor-data-pipeline": Megatron-LM / Megatron-Core ("tp-cp-ep-dp-pp"), DeepSpeed's
 # PipeModelDataParallelTopology (axes pipe, data, model) and torchtitan's mesh (pp outermost, tp innermost)
 RANK_ORDERS = ("tensor-pipeline-data", "tensor-data-pipeline")
+# How an MoE block's tokens reach their experts' ranks. "alltoall": every routed copy is sent to its
+# expert's rank (Megatron-Core's alltoall dispatcher, torchtitan's and Hugging Face's all-to-all), so a
+# token goes k times, most of them through the network once the group spans nodes. "hierarchical": a token
+# crosses to each remote node it has experts on once, to the rank of its own local index there, which
+# forwards it over NVLink to each rank of that node holding one of its experts, and the combine adds a
+# node's outputs up before sending them back (DeepEP's normal kernels, NVIDIA's Hybrid-EP: Megatron-Core's
+# flex dispatcher; DeepEP's Hybrid-EP design notes: its RDMA buffer holds a rank's tokens once per remote
+# node, and its combine pre-reduces within the node)
+EXPERT_DISPATCHES = ("alltoall", "hierarchical")
 # the shardings FSDP runs, with its mixed-precision policy and its gathers (zero2: FSDP without resharding
 # after forward)
 FSDP_KINDS = ("fsdp", "hsdp", "zero2")
@@ -217,6 +226,8 @@ class Workload:
     # (``expert_permute_bytes``); False: gathered and scattered by kernels of their own (Megatron-Core's
     # alltoall dispatcher, its flex one otherwise, torchtitan's and Hugging Face's index gathers)
     expert_permute_fused: bool = False
+    # how the routed tokens travel (EXPERT_DISPATCHES; ``expert_copies``)
+    expert_dispatch: str = "alltoall"
 
     @property
     def tokens(self) -> int:
@@ -1372,8 +1383,9 @@ def context_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: C
 
 def expert_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
     """Expert parallelism's all-to-alls over the rank's blocks: each block sends every token's hidden
-    state to its ``experts_per_token`` experts and gets their outputs back, forward and backward (the
-    dispatch once more under recompute), the expert group's (expert - 1) / expert of it leaving the rank.
+    state towards its ``experts_per_token`` experts and gets their outputs back, forward and backward (the
+    dispatch once more under recompute), as many copies over NVLink and through the network as
+    ``expert_copies`` counts, both links at once.
     Where each expert is split over ``expert_tensor`` > 1 ranks, the copies a rank receives are gathered
     over that group after the dispatch and reduce-scattered before the combine (Megatron-Core's alltoall
     dispatcher: gather_from_sequence_parallel_region on the expert-tensor group), (etp - 1) times the
@@ -1381,28 +1393,50 @@ def expert_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cl
     The expert group's ranks are ``expert_tensor`` apart: Megatron-Core lays the expert layers out on a
     grid of their own (parallel_state.py: the expert rank generator's order tp-cp-ep-dp-pp with the
     expert tensor size as tp and no context dimension), so a group folded over the tensor ranks
-    (expert_tensor 1 under tensor 2) holds a whole node's ranks; a rank's share to ranks of its own node
-    moves over NVLink, the rest through its own NIC, both at once."""
+    (expert_tensor 1 under tensor 2) holds a whole node's ranks."""
     e, etp = work.expert, expert_tensor_size(candidate, work)
     if not spec.experts or (e == 1 and etp == 1):
         return 0.0
     data = candidate.data_size(cluster.world_size)
     width = 4 if candidate.precision == "fp32" else 2
     sequence = candidate.tensor if work.sequence_parallel else 1
-    sent = work.tokens / data / sequence * spec.experts_per_token * spec.hidden * width  # per pass, per step
-    sent *= spec.moe_share  # only the routed layers send (a mean block's share)
+    token = work.tokens / data / sequence * spec.hidden * width  # one copy of each token, per pass and step
+    token *= spec.moe_share  # only the routed layers send (a mean block's share)
     passes = 4 + 2 * full_recompute_share(candidate, work)
     layers = max(stage_blocks(spec, candidate.pipeline, work))
     micro = micro_steps(candidate, work, data)
     seconds = 0.0
     if e > 1:
         inside = min(e, max(1, cluster.gpus_per_node // etp))  # the group's ranks on one node
-        nvlink = sent * (inside - 1) / e / cluster.device.nvlink_bytes_per_s
-        network = sent * (e - inside) / e / cluster.device.network_bytes_per_s if e > inside else 0.0
-        seconds += passes * layers * (max(nvlink, network) + micro * COLLECTIVE_LATENCY_S)
+        nvlink, network = expert_copies(spec, work, inside)
+        link = max(token * nvlink / cluster.device.nvlink_bytes_per_s if nvlink else 0.0,
+                   token * network / cluster.device.network_bytes_per_s if network else 0.0)
+        seconds += passes * layers * (link + micro * COLLECTIVE_LATENCY_S)
     if etp > 1:  # the copies a rank received gathered over its expert-tensor group, reduce-scattered back
+        sent = token * spec.experts_per_token
         seconds += passes * layers * (sent * (etp - 1) / cluster.link_bytes_per_s(etp) + micro * COLLECTIVE_LATENCY_S)
     return seconds
+
+
+def expert_copies(spec: TransformerSpec, work: Workload, inside: int) -> tuple[float, float]:
+    """Copies of a token a rank sends per pass over NVLink and through the network, with its expert group
+    of ``work.expert`` ranks laid out ``inside`` to a node, the experts dealt out evenly and each token
+    routed to k of them uniformly (the balanced routing the published runs force). "alltoall": each of
+    the k copies goes to its expert's rank, (inside - 1) / e of them over NVLink and (e - inside) / e
+    through the network. "hierarchical": one copy to each remote node holding one of its experts,
+    (nodes - 1) x P(a node is hit), and over NVLink one to each rank hit, of its own node and, forwarded,
+    of each remote node the rank receives for: (e - nodes) x P(a rank is hit)."""
+    e, k = work.expert, spec.experts_per_token
+    nodes = max(math.ceil(e / inside), 1)
+    if work.expert_dispatch == "alltoall":
+        return k * (inside - 1) / e, k * (e - inside) / e
+    return (e - nodes) * hit_probability(spec.experts, k, e), (nodes - 1) * hit_probability(spec.experts, k, nodes)
+
+
+def hit_probability(experts: int, k: int, parts: int) -> float:
+    """The chance that one of ``parts`` equal parts of the experts holds at least one of a token's k
+    experts, drawn without replacement: 1 - C(E - E / parts, k) / C(E, k)."""
+    return 1.0 - math.comb(experts - experts // parts, k) / math.comb(experts, k)
 
 
 # --- layouts -----------------------------------------------------------------------------------------

@@ -1246,7 +1246,52 @@ def test_overlapped_expert_all_to_alls_hide_a_forwards_behind_a_backward_and_the
         attention_half + 2 * spec.layers * 4 * COLLECTIVE_LATENCY_S)
 
 
+def test_a_hierarchical_dispatch_sends_a_token_to_each_remote_node_once_and_to_each_rank_once():
+    """expert_dispatch="hierarchical" (DeepEP's normal kernels, Hybrid-EP): Qwen3 30B-A3B's 8 of 128 experts
+    over 16 ranks on two nodes: the all-to-all sends 8 x 8 / 16 = 4 copies of a token through the network,
+    the hierarchical dispatch one copy to the other node whenever one of its 64 experts is among the 8
+    (1 - C(64, 8) / C(128, 8), about 0.997), and over NVLink one to each rank hit (each holds 8 experts:
+    1 - C(120, 8) / C(128, 8)) among the 14 ranks other than itself and its peer. Within one node nothing
+    crosses the network and a rank holding two of a token's experts gets the token once. The network part
+    is the longer here, so the all-to-all time goes down about fourfold; the dispatch needs whole experts
+    on each rank."""
+    from math import comb
+
+    from atorch.plan import configuration
+    from atorch.plan.analytic import expert_comm_seconds, expert_copies
+
+    args = dict(global_batch=64, seq_len=4096, sharding="zero1", distributed_optimizer=True, micro_batch_size=1)
+    seconds = {}
+    for dispatch in ("alltoall", "hierarchical"):
+        spec, cluster, candidate, work = configuration(QWEN3_30B_A3B, "2x8xH100-80GB", expert=16,
+                                                       expert_dispatch=dispatch, **args)
+        seconds[dispatch] = expert_comm_seconds(candidate, spec, cluster, work)
+        copies = expert_copies(spec, work, inside=8)
+    node_hit = 1 - comb(64, 8) / comb(128, 8)
+    rank_hit = 1 - comb(120, 8) / comb(128, 8)
+    assert copies == pytest.approx((14 * rank_hit, node_hit))
+    assert expert_copies(spec, dataclasses.replace(work, expert_dispatch="alltoall"), inside=8) == (8 * 7 / 16, 4.0)
+    token = 64 * 4096 / 16 * spec.hidden * 2  # a rank's tokens, one bf16 copy each, per pass
+    passes, latency = 4 * spec.layers, 4 * spec.layers * 4 * COLLECTIVE_LATENCY_S  # 4 micro-steps
+    network = token * node_hit / cluster.device.network_bytes_per_s
+    assert network > token * 14 * rank_hit / cluster.device.nvlink_bytes_per_s  # the longer of the two links
+    assert seconds["hierarchical"] == pytest.approx(passes * network + latency)
+    assert seconds["alltoall"] == pytest.approx(passes * token * 4 / cluster.device.network_bytes_per_s + latency)
+    assert 3.5 < seconds["alltoall"] / seconds["hierarchical"] < 4.0  # the latency is the same in both
+    one_node = configuration(QWEN3_30B_A3B, "8xH100-80GB", expert=8, expert_dispatch="hierarchical", **args)[3]
+    assert expert_copies(spec, one_node, inside=8) == pytest.approx((7 * (1 - comb(112, 8) / comb(128, 8)), 0.0))
+    slower = atorch.estimate(QWEN3_30B_A3B, "2x8xH100-80GB", expert=16, **args)
+    faster = atorch.estimate(QWEN3_30B_A3B, "2x8xH100-80GB", expert=16, expert_dispatch="hierarchical", **args)
+    assert faster.tokens_per_s_per_gpu > slower.tokens_per_s_per_gpu
+
+
 @pytest.mark.parametrize("model, bad, named", [
+    (QWEN3_30B_A3B, dict(expert=4, expert_dispatch="deepep"),
+     "expert_dispatch='deepep' is not valid; choose one of ['alltoall', 'hierarchical']"),
+    (QWEN3_30B_A3B, dict(expert_dispatch="hierarchical"), "expert_dispatch='hierarchical' is not valid with expert=1"),
+    ("llama2-7b", dict(expert_dispatch="hierarchical"), "expert_dispatch='hierarchical' is not valid with expert=1"),
+    (QWEN3_30B_A3B, dict(expert=2, tensor=2, expert_dispatch="hierarchical"),
+     "expert_dispatch='hierarchical' is not valid with expert_tensor=2"),
     ("llama2-7b", dict(expert_permute_fused=True), "expert_permute_fused=True is not valid: llama2-7b has no"),
     (QWEN3_30B_A3B, dict(expert_permute_fused="yes"), "expert_permute_fused='yes' is not valid"),
     ("llama2-7b", dict(expert=2), "expert=2 is not valid: llama2-7b has no Mixture-of-Experts blocks"),
