@@ -1420,23 +1420,41 @@ def expert_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cl
 
 def expert_copies(spec: TransformerSpec, work: Workload, inside: int) -> tuple[float, float]:
     """Copies of a token a rank sends per pass over NVLink and through the network, with its expert group
-    of ``work.expert`` ranks laid out ``inside`` to a node, the experts dealt out evenly and each token
-    routed to k of them uniformly (the balanced routing the published runs force). "alltoall": each of
-    the k copies goes to its expert's rank, (inside - 1) / e of them over NVLink and (e - inside) / e
-    through the network. "hierarchical": one copy to each remote node holding one of its experts,
-    (nodes - 1) x P(a node is hit), and over NVLink one to each rank hit, of its own node and, forwarded,
-    of each remote node the rank receives for: (e - nodes) x P(a rank is hit)."""
+    of ``work.expert`` ranks laid out ``inside`` to a node, the experts dealt out evenly in order and each
+    token routed to k of them uniformly (the balanced routing the published runs force). "alltoall": each
+    of the k copies goes to its expert's rank, (inside - 1) / e of them over NVLink and (e - inside) / e
+    through the network (group-limited routing changes neither: by symmetry a copy's rank is any of the e).
+    "hierarchical": one copy to each remote node holding one of its experts, (nodes - 1) x P(a node is
+    hit), and over NVLink one to each rank hit, of its own node and, forwarded, of each remote node the
+    rank receives for: (e - nodes) x P(a rank is hit) (``hit_probability``)."""
     e, k = work.expert, spec.experts_per_token
     nodes = max(math.ceil(e / inside), 1)
     if work.expert_dispatch == "alltoall":
         return k * (inside - 1) / e, k * (e - inside) / e
-    return (e - nodes) * hit_probability(spec.experts, k, e), (nodes - 1) * hit_probability(spec.experts, k, nodes)
+    return (e - nodes) * hit_probability(spec, e), (nodes - 1) * hit_probability(spec, nodes)
 
 
-def hit_probability(experts: int, k: int, parts: int) -> float:
-    """The chance that one of ``parts`` equal parts of the experts holds at least one of a token's k
-    experts, drawn without replacement: 1 - C(E - E / parts, k) / C(E, k)."""
-    return 1.0 - math.comb(experts - experts // parts, k) / math.comb(experts, k)
+def hit_probability(spec: TransformerSpec, parts: int) -> float:
+    """The chance that one of ``parts`` equal, consecutive parts of the experts (a rank's, a node's) holds
+    at least one of a token's k experts. Routed over all E experts, k drawn without replacement:
+    1 - C(E - S, k) / C(E, k), S = E / parts. Under group-limited routing (G groups of M, a token's k drawn
+    among the g M experts of g groups it picks): a part inside one group is missed unless that group is
+    picked (g / G) and then with C(g M - S, k) / C(g M, k); a part of c whole groups is missed with
+    sum over j of P(j of them picked: hypergeometric) x C(g M - j M, k) / C(g M, k). A part that neither
+    sits inside a group nor holds whole ones is counted as if routed over all experts."""
+    experts, k = spec.experts, spec.experts_per_token
+    size = experts // parts
+    groups, picked = spec.expert_groups, spec.groups_per_token
+    member = experts // groups if groups else 0
+    if not groups or (member % size and size % member):
+        return 1.0 - math.comb(experts - size, k) / math.comb(experts, k)
+    pool = picked * member  # the experts of the groups a token picks
+    if size <= member:
+        return picked / groups * (1.0 - math.comb(pool - size, k) / math.comb(pool, k))
+    whole = size // member
+    missed = sum(math.comb(whole, j) * math.comb(groups - whole, picked - j) / math.comb(groups, picked)
+                 * math.comb(pool - j * member, k) / math.comb(pool, k) for j in range(min(whole, picked) + 1))
+    return 1.0 - missed
 
 
 # --- layouts -----------------------------------------------------------------------------------------

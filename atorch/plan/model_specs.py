@@ -83,6 +83,12 @@ class TransformerSpec:
     # then the layers' mean: ``ffn`` the mean width a token runs through, the parameters the mean block's
     dense_layers: int = 0
     dense_ffn: int = 0
+    # group-limited routing (DeepSeek-V3's n_group / topk_group, torchtitan's num_expert_groups /
+    # num_limited_groups): the experts split into ``expert_groups`` equal groups and a token's experts all
+    # chosen within ``groups_per_token`` of them, so that laid out a group a node it reaches few nodes
+    # (``analytic.hit_probability``); 0: routed over every expert
+    expert_groups: int = 0
+    groups_per_token: int = 0
     # sliding-window attention: ``windowed_layers`` of the layers attend to the last ``window`` tokens
     # only (gpt-oss, Gemma 2 / 3, Mistral 7B v0.1); 0: every layer attends to the whole sequence
     window: int = 0
@@ -439,7 +445,21 @@ def _experts(data: Mapping[str, Any]) -> dict[str, int]:
     routed_width = per_token * expert_ffn + shared
     mean_width = round(moe_share * routed_width + (1 - moe_share) * dense_ffn)
     return {"experts": experts, "experts_per_token": per_token, "expert_ffn": expert_ffn, "shared_ffn": shared,
-            "ffn": mean_width, "dense_layers": dense, "dense_ffn": dense_ffn if dense else 0}
+            "ffn": mean_width, "dense_layers": dense, "dense_ffn": dense_ffn if dense else 0,
+            **_expert_groups(data.get("n_group"), data.get("topk_group"), experts, per_token)}
+
+
+def _expert_groups(groups: Any, per_token: Any, experts: int, top_k: int) -> dict[str, int]:
+    """Group-limited routing's two counts where they limit anything: more than one group, a token's
+    experts chosen within fewer of them than there are, the groups dividing the experts and holding the
+    token's top-k between them (DeepSeek-V3: 8 groups of 32, 4 a token); {} otherwise (Kimi K2's one group,
+    a config without them)."""
+    counts = (groups, per_token)
+    if not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in counts):
+        return {}
+    if not 1 <= per_token < groups or experts % groups or per_token * (experts // groups) < top_k:
+        return {}
+    return {"expert_groups": groups, "groups_per_token": per_token}
 
 
 def _dense_layers(data: Mapping[str, Any], experts: int) -> tuple[int, int]:
@@ -572,6 +592,10 @@ HEAD_COUNT_NAMES = ("num_heads", "n_heads", "n_head", "num_attention_heads", "he
 KV_HEAD_COUNT_NAMES = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_kv_head")
 # ... and an MoE layer or its router the experts each token is sent to
 TOP_K_NAMES = ("top_k", "num_experts_per_tok", "experts_per_token", "topk", "k")
+# ... and its group-limited routing's groups, and the groups a token's experts are chosen within (HF's
+# DeepSeek-V3 router, torchtitan's TokenChoiceTopKRouter)
+EXPERT_GROUP_NAMES = ("n_group", "num_expert_groups")
+LIMITED_GROUP_NAMES = ("topk_group", "num_limited_groups")
 
 
 def _int_attribute(module: nn.Module, names: tuple[str, ...]) -> int:
@@ -603,8 +627,10 @@ def _module_experts(block: nn.Module, hidden: int) -> dict[str, int]:
     router = experts * hidden
     others = sum(p.numel() for p in layer.parameters() if id(p) not in expert_ids) - router
     expert_ffn, shared_ffn = per_expert // (3 * hidden), max(others, 0) // (3 * hidden)
+    groups = _expert_groups(_int_attribute(layer, EXPERT_GROUP_NAMES), _int_attribute(layer, LIMITED_GROUP_NAMES),
+                            experts, per_token)
     return {"experts": experts, "experts_per_token": per_token, "expert_ffn": expert_ffn, "shared_ffn": shared_ffn,
-            "ffn": per_token * expert_ffn + shared_ffn}
+            "ffn": per_token * expert_ffn + shared_ffn, **groups}
 
 
 def _expert_bank(block: nn.Module) -> Optional[tuple[nn.Module, int, int, set[int]]]:

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from math import comb
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
 from atorch.plan import PRECISIONS
 from atorch.plan.analytic import COLLECTIVE_LATENCY_S
 from atorch.plan.hardware_specs import DEVICES, ClusterSpec, cluster_spec, device_spec
-from atorch.plan.model_specs import BUILTIN_CONFIGS, model_spec
+from atorch.plan.model_specs import BUILTIN_CONFIGS, TransformerSpec, model_spec
 from atorch.testing.families import FAMILIES
 from atorch.testing.families import build as build_family
 
@@ -1255,8 +1256,6 @@ def test_a_hierarchical_dispatch_sends_a_token_to_each_remote_node_once_and_to_e
     crosses the network and a rank holding two of a token's experts gets the token once. The network part
     is the longer here, so the all-to-all time goes down about fourfold; the dispatch needs whole experts
     on each rank."""
-    from math import comb
-
     from atorch.plan import configuration
     from atorch.plan.analytic import expert_comm_seconds, expert_copies
 
@@ -1283,6 +1282,67 @@ def test_a_hierarchical_dispatch_sends_a_token_to_each_remote_node_once_and_to_e
     slower = atorch.estimate(QWEN3_30B_A3B, "2x8xH100-80GB", expert=16, **args)
     faster = atorch.estimate(QWEN3_30B_A3B, "2x8xH100-80GB", expert=16, expert_dispatch="hierarchical", **args)
     assert faster.tokens_per_s_per_gpu > slower.tokens_per_s_per_gpu
+
+
+def _brute_force_hit(experts: int, k: int, parts: int, groups: int, picked: int) -> float:
+    """The chance a part holding the first experts / parts experts gets one of a token's k, by enumerating
+    every choice of groups and of k experts among them (all equally likely)."""
+    from itertools import combinations
+
+    member, size = experts // groups, experts // parts
+    hits = total = 0.0
+    for chosen in combinations(range(groups), picked):
+        pool = [x for g in chosen for x in range(g * member, (g + 1) * member)]
+        for drawn in combinations(pool, k):
+            total += 1
+            hits += any(x < size for x in drawn)
+    return hits / total
+
+
+@pytest.mark.parametrize("parts", [1, 2, 4, 8, 16])
+def test_group_limited_routing_reaches_fewer_parts_as_counted_by_enumeration(parts):
+    """hit_probability against every equally likely routing of a toy (16 experts in 4 groups, a token's 3
+    chosen within 2 groups, and without groups): a part inside one group, a part of whole groups, and
+    the routing over all experts."""
+    from atorch.plan.analytic import hit_probability
+
+    spec = TransformerSpec("toy", 64, 2, 4, 4, 64, 100, experts=16, experts_per_token=3)
+    grouped = dataclasses.replace(spec, expert_groups=4, groups_per_token=2)
+    assert hit_probability(grouped, parts) == pytest.approx(_brute_force_hit(16, 3, parts, 4, 2))
+    assert hit_probability(spec, parts) == pytest.approx(_brute_force_hit(16, 3, parts, 1, 1))
+
+
+def test_group_limited_routing_is_read_from_a_config_or_a_router_and_keeps_deepseeks_tokens_on_fewer_nodes():
+    """DeepSeek-V3's n_group 8 / topk_group 4 (torchtitan's router: num_expert_groups / num_limited_groups)
+    keep a token's 8 experts within 4 of 8 groups of 32: over 64 ranks on 8 nodes, a group a node, the
+    hierarchical dispatch sends a token to 7 x 0.454 = 3.2 other nodes, not 7 x 0.662 = 4.6. A single group
+    (Kimi K2), or as many picked as there are, limits nothing; the all-to-all's copies do not change."""
+    from atorch.plan import configuration
+    from atorch.plan.analytic import expert_copies
+
+    config = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+              "num_key_value_heads": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+              "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+              "vocab_size": 129280, "n_group": 8, "topk_group": 4}
+    spec = model_spec(config)
+    assert (spec.expert_groups, spec.groups_per_token) == (8, 4)
+    for unlimited in (dict(n_group=1, topk_group=1), dict(n_group=8, topk_group=8), dict(n_group=None)):
+        assert model_spec({**config, **unlimited}).expert_groups == 0
+    args = dict(global_batch=512, seq_len=4096, pipeline=8, sharding="zero1", distributed_optimizer=True,
+                micro_batch_size=1, expert=64)
+    *_, work = configuration(config, "64x8xH100-80GB", expert_dispatch="hierarchical", **args)
+    network = expert_copies(spec, work, inside=8)[1]
+    assert network == pytest.approx(7 * (1 - 0.5 - 0.5 * comb(96, 8) / comb(128, 8)))
+    assert 3.1 < network < 3.3
+    ungrouped = dataclasses.replace(spec, expert_groups=0, groups_per_token=0)
+    assert expert_copies(ungrouped, work, inside=8)[1] == pytest.approx(7 * (1 - comb(224, 8) / comb(256, 8)))
+    alltoall = dataclasses.replace(work, expert_dispatch="alltoall")
+    assert expert_copies(spec, alltoall, inside=8) == expert_copies(ungrouped, alltoall, inside=8)
+    with torch.device("meta"):
+        model = _TitanDeepSeek()
+    for layer in model.layers[1:]:
+        layer.mlp.router.num_expert_groups, layer.mlp.router.num_limited_groups = 2, 1
+    assert (model_spec(model).expert_groups, model_spec(model).groups_per_token) == (2, 1)
 
 
 @pytest.mark.parametrize("model, bad, named", [
