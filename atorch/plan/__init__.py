@@ -462,7 +462,7 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                   saves_gathered_inputs: bool = False, context: int = 1, context_comm_overlap: bool = False,
                   recompute_layers: Optional[int] = None, expert: int = 1, expert_tensor: Optional[int] = None,
                   expert_comm_overlap: bool = False, expert_permute_fused: bool = False,
-             expert_dispatch: str = "alltoall",
+                  expert_dispatch: str = "alltoall",
                   pipeline_layout: Optional[str] = None) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
     """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
     callers that adjust the workload further, such as the published-runs benchmark)."""

@@ -1445,8 +1445,10 @@ def hit_probability(spec: TransformerSpec, parts: int) -> float:
     experts, k = spec.experts, spec.experts_per_token
     size = experts // parts
     groups, picked = spec.expert_groups, spec.groups_per_token
-    member = experts // groups if groups else 0
-    if not groups or (member % size and size % member):
+    # a spec built by hand may name groups that limit nothing (or could not hold the k): routed over all
+    limited = groups > 1 and 1 <= picked < groups and experts % groups == 0 and picked * experts // groups >= k
+    member = experts // groups if limited else 0
+    if not limited or (member % size and size % member):
         return 1.0 - math.comb(experts - size, k) / math.comb(experts, k)
     pool = picked * member  # the experts of the groups a token picks
     if size <= member:

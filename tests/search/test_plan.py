@@ -1310,6 +1310,9 @@ def test_group_limited_routing_reaches_fewer_parts_as_counted_by_enumeration(par
     grouped = dataclasses.replace(spec, expert_groups=4, groups_per_token=2)
     assert hit_probability(grouped, parts) == pytest.approx(_brute_force_hit(16, 3, parts, 4, 2))
     assert hit_probability(spec, parts) == pytest.approx(_brute_force_hit(16, 3, parts, 1, 1))
+    for limits_nothing in (dict(expert_groups=4, groups_per_token=0), dict(expert_groups=4, groups_per_token=4),
+                           dict(expert_groups=8, groups_per_token=1)):  # the last: 2 experts cannot hold 3
+        assert hit_probability(dataclasses.replace(spec, **limits_nothing), parts) == hit_probability(spec, parts)
 
 
 def test_group_limited_routing_is_read_from_a_config_or_a_router_and_keeps_deepseeks_tokens_on_fewer_nodes():
