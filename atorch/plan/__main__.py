@@ -10,7 +10,14 @@ from typing import Any, Optional
 
 from atorch.errors import AtorchError, InputError
 from atorch.plan import GIB, configuration, estimate, model_spec, plan, plot_plan
-from atorch.plan.analytic import memory_breakdown, predict, spec_layout_facts, step_breakdown
+from atorch.plan.analytic import (
+    expert_copies,
+    expert_ranks_a_node,
+    memory_breakdown,
+    predict,
+    spec_layout_facts,
+    step_breakdown,
+)
 from atorch.plan.hardware_specs import DEVICES, cluster_spec
 from atorch.plan.model_specs import BUILTIN_CONFIGS
 
@@ -73,6 +80,10 @@ def _print_estimate(args: argparse.Namespace, options: dict[str, Any], device: O
     print(f"step: {pred.step_time_s:.3f} s (compute {pred.compute_s:.3f} s, communication {pred.comm_s:.3f} s "
           f"before overlap); {pred.tokens_per_s_per_gpu:.0f} tokens/s per GPU, MFU {pred.mfu * 100:.1f}%")
     _print_breakdown("where the step goes", step_breakdown(candidate, spec, cluster, work, facts))
+    if work.expert > 1:
+        nvlink, network = expert_copies(spec, work, expert_ranks_a_node(candidate, cluster, work))
+        print(f"expert dispatch {work.expert_dispatch}: {network:.2f} copies of a token through the network and "
+              f"{nvlink:.2f} over NVLink, each pass of each routed layer")
 
 
 def _print_breakdown(heading: str, parts: dict[str, float]) -> None:

@@ -1407,8 +1407,7 @@ def expert_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cl
     micro = micro_steps(candidate, work, data)
     seconds = 0.0
     if e > 1:
-        inside = min(e, max(1, cluster.gpus_per_node // etp))  # the group's ranks on one node
-        nvlink, network = expert_copies(spec, work, inside)
+        nvlink, network = expert_copies(spec, work, expert_ranks_a_node(candidate, cluster, work))
         link = max(token * nvlink / cluster.device.nvlink_bytes_per_s if nvlink else 0.0,
                    token * network / cluster.device.network_bytes_per_s if network else 0.0)
         seconds += passes * layers * (link + micro * COLLECTIVE_LATENCY_S)
@@ -1416,6 +1415,11 @@ def expert_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cl
         sent = token * spec.experts_per_token
         seconds += passes * layers * (sent * (etp - 1) / cluster.link_bytes_per_s(etp) + micro * COLLECTIVE_LATENCY_S)
     return seconds
+
+
+def expert_ranks_a_node(candidate: Candidate, cluster: ClusterSpec, work: Workload) -> int:
+    """The expert group's ranks on one node: the group's ranks sit ``expert_tensor`` apart."""
+    return min(work.expert, max(1, cluster.gpus_per_node // expert_tensor_size(candidate, work)))
 
 
 def expert_copies(spec: TransformerSpec, work: Workload, inside: int) -> tuple[float, float]:

@@ -1550,6 +1550,26 @@ def test_cli_estimates_the_one_configuration_its_layout_options_name(capsys):
     assert "--tensor names one configuration: add --estimate" in capsys.readouterr().err
 
 
+def test_cli_estimate_says_how_many_copies_of_a_token_the_expert_dispatch_sends(capsys, tmp_path):
+    """Under expert parallelism --estimate prints the copies of a token a rank sends each pass, through the
+    network and over NVLink (analytic.expert_copies), so a user sees what --set expert_dispatch changes."""
+    from atorch.plan.__main__ import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(QWEN3_30B_A3B))
+    base = ["--model", str(config), "--cluster", "2x8xH100-80GB", "--global-batch", "64", "--seq-len", "4096",
+            "--estimate", "--expert", "16", "--sharding", "zero1", "--set", "distributed_optimizer=true"]
+    assert main(base) == 0
+    assert "expert dispatch alltoall: 4.00 copies of a token through the network and 3.50 over NVLink" in (
+        capsys.readouterr().out)
+    assert main(base + ["--set", "expert_dispatch=hierarchical"]) == 0
+    nvlink = 14 * (1 - comb(120, 8) / comb(128, 8))  # the 14 ranks other than itself and its peer, 8 experts each
+    assert f"expert dispatch hierarchical: 1.00 copies of a token through the network and {nvlink:.2f} over NVLink" in (
+        capsys.readouterr().out)
+    assert main(base[:-6] + ["--sharding", "fsdp"]) == 0
+    assert "expert dispatch" not in capsys.readouterr().out  # no expert parallelism, nothing dispatched
+
+
 def test_cli_takes_the_workload_options_and_refuses_a_malformed_triple(capsys):
     from atorch.plan.__main__ import main
 
