@@ -74,11 +74,13 @@ def _print_estimate(args: argparse.Namespace, options: dict[str, Any], device: O
     print(f"configuration: tensor {t} x pipeline {p} x context {c} x data {cluster.world_size // (t * p * c)}"
           + (f"; {named}" if named else ""))
     print(f"memory: {pred.memory_bytes / GIB:.1f} GiB per GPU reserved ({pred.allocated_bytes / GIB:.1f} allocated)"
-          f" -> {'fits' if pred.fits else 'does NOT fit'}" + "".join(f" ({note})" for note in pred.notes))
+          f" -> {'fits' if pred.fits else 'does NOT fit'}"
+          + "".join(f" ({note})" for note in pred.notes if note.startswith("tight:")))
     for name, size in memory_breakdown(candidate, spec, cluster, work, facts).items():
         print(f"  {name:<62} {size / GIB:7.1f} GiB")
     print(f"step: {pred.step_time_s:.3f} s (compute {pred.compute_s:.3f} s, communication {pred.comm_s:.3f} s "
-          f"before overlap); {pred.tokens_per_s_per_gpu:.0f} tokens/s per GPU, MFU {pred.mfu * 100:.1f}%")
+          f"before overlap); {pred.tokens_per_s_per_gpu:.0f} tokens/s per GPU, MFU {pred.mfu * 100:.1f}%"
+          + "".join(f" ({note})" for note in pred.notes if not note.startswith("tight:")))
     _print_breakdown("where the step goes", step_breakdown(candidate, spec, cluster, work, facts))
     if work.expert > 1:
         nvlink, network = expert_copies(spec, work, expert_ranks_a_node(candidate, cluster, work))

@@ -186,3 +186,20 @@ def test_plot_draws_every_row_against_its_published_figures(tmp_path):
         assert drawn is None and not path.exists()
         return
     assert drawn == path and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_moe_note_states_what_the_published_moe_runs_measured():
+    """Every MoE prediction warns that published MoE runs ran below the planner's throughput; the range it
+    states is the held-out MoE rows' published / predicted tokens/s, so it cannot go stale silently."""
+    from atorch.plan.analytic import MOE_PUBLISHED_SHARE
+
+    results = BENCH.evaluate(ROWS, DATA["models"], DATA["sources"])
+    moe = [r for r in results if BENCH.row_spec(r, DATA["models"]).experts]
+    assert len(moe) >= 3 and all(r["role"] == "held-out" for r in moe)
+    shares = [1 / r["ratio"] for r in moe]
+    low, high = MOE_PUBLISHED_SHARE
+    assert low == pytest.approx(min(shares), abs=0.005) and high == pytest.approx(max(shares), abs=0.005)
+    assert all(any(note.startswith("MoE:") for note in r["pred"].notes) for r in moe)
+    dense = [r for r in results if not BENCH.row_spec(r, DATA["models"]).experts]
+    assert not any(note.startswith("MoE:") for r in dense for note in r["pred"].notes)
+
