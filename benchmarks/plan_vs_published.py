@@ -176,6 +176,12 @@ ROW_WORKLOAD = {"titan llama3.1-70b 256xH100 2d asyncTP fp8+compile": {"tp_comm_
                 # moe_token_dispatcher_type "flex" on moe_flex_dispatcher_backend "hybridep", 8 ranks an NVLink
                 # domain (NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN): a token crosses to the other node once
                 "mbridge qwen3-30b-a3b pretrain 16gpu ep16 26.06": {"expert_dispatch": "hierarchical"},
+                # the v0.3.0 tag's scripts/performance/configs/qwen/qwen3_workload_base_configs.py
+                # QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1: moe_flex_dispatcher_backend "deepep" (DeepEP's normal
+                # kernels: one copy to each rank hit, the node being one) and moe_a2a_overlap, which
+                # utils/overrides.py turns into overlap_moe_expert_parallel_comm
+                "mbridge qwen3-30b-a3b pretrain 16gpu pp2vp12ep8 26.02.01": {
+                    "expert_dispatch": "hierarchical", "expert_comm_overlap": True},
                 "mbridge qwen3-235b-a22b pretrain 256gpu tp2pp8vp4ep32 26.04.01": {
                     "expert_tensor": 1, "pipeline_ends_as_layers": True, "expert_comm_overlap": True}}
 
