@@ -47,6 +47,7 @@ from atorch.plan.analytic import (
     Workload,
     chunk_blocks,
     counted_per_stage,
+    expert_tensor_size,
     predict,
     recomputed_block_share,
     spec_layout_facts,
@@ -575,10 +576,10 @@ def _check_expert_dispatch(candidate: Candidate, work: Workload, dispatch: Any) 
     if work.expert == 1:
         raise InputError(f"expert_dispatch={dispatch!r} is not valid with expert=1: it says how expert parallelism "
                          "sends the tokens; give expert > 1, or expert_dispatch='alltoall'")
-    if (work.expert_tensor or candidate.tensor) > 1:
-        raise InputError(f"expert_dispatch={dispatch!r} is not valid with expert_tensor="
-                         f"{work.expert_tensor or candidate.tensor}: it is modelled with whole experts on each "
-                         "rank; give expert_tensor=1, or expert_dispatch='alltoall'")
+    split = expert_tensor_size(candidate, work)
+    if split > 1:
+        raise InputError(f"expert_dispatch={dispatch!r} is not valid with expert_tensor={split}: it is modelled "
+                         "with whole experts on each rank; give expert_tensor=1, or expert_dispatch='alltoall'")
 
 
 def _check_experts(spec: TransformerSpec, world: int, candidate: Candidate, work: Workload, expert: Any,

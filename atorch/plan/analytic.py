@@ -33,7 +33,7 @@ from atorch.auto.search.measure import HardwareProfile, VariantProfile
 from atorch.cost_model import estimate
 from atorch.plan import calibration
 from atorch.plan.hardware_specs import ClusterSpec
-from atorch.plan.model_specs import TransformerSpec
+from atorch.plan.model_specs import TransformerSpec, groups_limit_routing
 
 # The loss reads bf16 logits, upcasts them to fp32 and keeps their fp32 gradient: 2 + 4 + 4 bytes per
 # logit (first principles; transformers and torchtitan both upcast before cross-entropy).
@@ -1467,7 +1467,7 @@ def hit_probability(spec: TransformerSpec, parts: int) -> float:
     size = experts // parts
     groups, picked = spec.expert_groups, spec.groups_per_token
     # a spec built by hand may name groups that limit nothing (or could not hold the k): routed over all
-    limited = groups > 1 and 1 <= picked < groups and experts % groups == 0 and picked * experts // groups >= k
+    limited = groups_limit_routing(groups, picked, experts, k)
     member = experts // groups if limited else 0
     if not limited or (member % size and size % member):
         return 1.0 - math.comb(experts - size, k) / math.comb(experts, k)

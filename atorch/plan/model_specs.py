@@ -450,16 +450,21 @@ def _experts(data: Mapping[str, Any]) -> dict[str, int]:
 
 
 def _expert_groups(groups: Any, per_token: Any, experts: int, top_k: int) -> dict[str, int]:
-    """Group-limited routing's two counts where they limit anything: more than one group, a token's
-    experts chosen within fewer of them than there are, the groups dividing the experts and holding the
-    token's top-k between them (DeepSeek-V3: 8 groups of 32, 4 a token); {} otherwise (Kimi K2's one group,
-    a config without them)."""
-    counts = (groups, per_token)
-    if not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in counts):
-        return {}
-    if not 1 <= per_token < groups or experts % groups or per_token * (experts // groups) < top_k:
+    """Group-limited routing's two counts where they limit anything (``groups_limit_routing``; DeepSeek-V3:
+    8 groups of 32, 4 a token); {} otherwise (Kimi K2's one group, a config without them)."""
+    if not groups_limit_routing(groups, per_token, experts, top_k):
         return {}
     return {"expert_groups": groups, "groups_per_token": per_token}
+
+
+def groups_limit_routing(groups: Any, per_token: Any, experts: int, top_k: int) -> bool:
+    """Whether group-limited routing's counts limit anything: integers, more than one group, a token's
+    experts chosen within fewer of them than there are, the groups dividing the experts and holding the
+    token's top-k between them (the one rule for a config, a module and a spec built by hand)."""
+    counts = (groups, per_token)
+    if not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in counts):
+        return False
+    return 1 <= per_token < groups and experts % groups == 0 and per_token * (experts // groups) >= top_k
 
 
 def _dense_layers(data: Mapping[str, Any], experts: int) -> tuple[int, int]:
