@@ -139,7 +139,16 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    "megatron-bridge": {"distributed_optimizer": True, "hopper_attention": True, "tp_comm_overlap": True,
                                        "grad_reduce_overlap": True, "param_gather_overlap": True,
                                        "grad_reduce_dtype": "bf16", "fused_swiglu": True,
-                                       "rank_order": "tensor-data-pipeline", "context_comm_overlap": True}}
+                                       "rank_order": "tensor-data-pipeline", "context_comm_overlap": True},
+                   # Megatron-LM's MoE recipes (examples/moe_recipes @ d48bd6be, pretrain_gpt.py arguments): the
+                   # distributed optimizer, Transformer Engine's fused attention (NVTE_FUSED_ATTN), a bf16
+                   # gradient buffer (accumulate_allreduce_grads_in_fp32 unset), the fused SwiGLU
+                   # (bias_swiglu_fusion, Megatron-LM's default), Megatron's rank order, the flex dispatcher on
+                   # Hybrid-EP (moe_flex_dispatcher_backend hybridep) in every H100 recipe counted; no TP
+                   # communication overlap (tp_comm_overlap unset)
+                   "megatron-lm-moe": {"distributed_optimizer": True, "hopper_attention": True,
+                                       "grad_reduce_dtype": "bf16", "fused_swiglu": True,
+                                       "rank_order": "tensor-data-pipeline", "expert_dispatch": "hierarchical"}}
 
 
 # facts of single rows that their source's other rows do not share
@@ -183,6 +192,14 @@ ROW_WORKLOAD = {"titan llama3.1-70b 256xH100 2d asyncTP fp8+compile": {"tp_comm_
                 "mbridge qwen3-30b-a3b pretrain 16gpu pp2vp12ep8 26.02.01": {
                     "expert_dispatch": "hierarchical", "expert_comm_overlap": True},
                 "mbridge qwen3-235b-a22b pretrain 256gpu tp2pp8vp4ep32 26.04.01": {
+                    "expert_tensor": 1, "pipeline_ends_as_layers": True, "expert_comm_overlap": True},
+                # examples/moe_recipes/qwen3_30b/h100/bf16_32GPU_TP1PP1EP8.yaml @ d48bd6be: overlap_grad_reduce
+                # and overlap_param_gather
+                "mlm qwen3-30b-a3b bf16 32gpu ep8": {"grad_reduce_overlap": True, "param_gather_overlap": True},
+                # examples/moe_recipes/qwen3_235b/h100/bf16_256GPU_TP2PP8EP32.yaml @ d48bd6be: neither overlap set
+                # (the gradient reduce and parameter gather exposed), account_for_embedding / loss_in_pipeline_split,
+                # expert_tensor_parallel_size 1, overlap_moe_expert_parallel_comm with delay_wgrad_compute
+                "mlm qwen3-235b-a22b bf16 256gpu tp2pp8vp4ep32": {
                     "expert_tensor": 1, "pipeline_ends_as_layers": True, "expert_comm_overlap": True}}
 
 
