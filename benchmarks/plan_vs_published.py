@@ -146,6 +146,11 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # (bias_swiglu_fusion, Megatron-LM's default), Megatron's rank order, the flex dispatcher on
                    # Hybrid-EP (moe_flex_dispatcher_backend hybridep) in every H100 recipe counted; no TP
                    # communication overlap (tp_comm_overlap unset)
+                   # Megatron-LM in 2021 (Narayanan et al., sections 4.2 and 5): no flash attention (the scores
+                   # materialised through the fused scale-mask-softmax, Megatron's default attention dropout) and
+                   # no sequence parallelism; Megatron's rank order (tensor, then data, then pipeline)
+                   "megatron-2021": {"attention": "materialised", "sequence_parallel": False,
+                                     "rank_order": "tensor-data-pipeline"},
                    "megatron-lm-moe": {"distributed_optimizer": True, "hopper_attention": True,
                                        "grad_reduce_dtype": "bf16", "fused_swiglu": True,
                                        "rank_order": "tensor-data-pipeline", "expert_dispatch": "hierarchical"}}
