@@ -479,9 +479,9 @@ TIGHT_MEMORY_SHARE = 0.9
 # Published Mixture-of-Experts runs over the planner's throughput: the held-out H100 MoE rows of
 # Megatron-Bridge (four) and of Megatron-LM's own recipes (two; benchmarks/plan_vs_published.py) ran at
 # these shares of the predicted tokens/s. Only the plainest came near (BF16, one pipeline stage, experts
-# inside a node, routing forced balanced: 0.96); FP8, pipelines, experts across nodes and unforced
-# routing all ran further below it, by more than the planner counts (docs/plan.md). A warning only; the
-# prediction is unchanged. tests/search/test_plan_calibration.py keeps it true.
+# inside a node: 0.96); runs with FP8, pipelines or experts across nodes ran further below it, by more
+# than the planner counts (docs/plan.md). A warning only; the prediction is unchanged.
+# tests/search/test_plan_calibration.py keeps it true.
 MOE_PUBLISHED_SHARE = (0.70, 0.96)
 
 
