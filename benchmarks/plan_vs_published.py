@@ -36,7 +36,6 @@ from atorch.plan import (
     analytic,  # noqa: E402
     calibration,  # noqa: E402
     configuration,  # noqa: E402
-    parse_pipeline_layout,  # noqa: E402
 )
 from atorch.plan.analytic import LOSS_PARALLEL_LOGIT_BYTES, Prediction, predict, spec_layout_facts  # noqa: E402
 from atorch.plan.elementwise import elementwise_bytes  # noqa: E402
@@ -174,11 +173,12 @@ ROW_WORKLOAD = {"titan llama3.1-70b 256xH100 2d asyncTP fp8+compile": {"tp_comm_
                 # NeMo-Framework-Launcher's gpt3/175b.yaml @ 9352b045: ub_tp_comm_overlap False
                 "nemo gpt3-175b pretrain 128gpu tp4pp8vp6": {"tp_comm_overlap": False},
                 "nemo gpt3-175b pretrain 512gpu tp4pp8vp6": {"tp_comm_overlap": False},
-                # the 70B pretraining perf recipe (perf_recipes/llama/h100/llama3.py @ 56ae11df,
-                # llama3_70b_pretrain_64gpu_h100_fp8cs_config) splits its 80 blocks by an explicit layout: the
-                # embedding beside the first chunk's 2 blocks, one chunk of 3, the loss beside a last chunk of 1
-                "mbridge llama3-70b pretrain 64gpu tp4pp8vp5 26.04.01": {
-                    "pipeline_layout": parse_pipeline_layout("Et*2|(t*2|)*34,t*3|(t*2|)*3,tL", 8, 80)},
+                # the 70B pretraining row runs Megatron's even split (2 blocks a chunk, the embedding on the first
+                # stage, the output layer and the loss on the last): every release tag from v0.3.0 to v0.6.0
+                # (scripts/performance/configs/llama: LLAMA3_70B_PRETRAIN_CONFIG_H100_FP8_CS_V2 over a recipe
+                # with pipeline_model_parallel_layout None); the explicit layout of the later perf recipe
+                # ("Et*2|(t*2|)*34,t*3|(t*2|)*3,tL") came on 2026-08-06 (52c756963, "rebalance H100 70B pipeline
+                # stages"), after the 26.04.01 container's run: no row fact
                 # the 405B recipe sets account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split
                 # (recipes/llama/h100/llama3.py llama31_405b_pretrain_256gpu_h100_bf16_config @ 067f987d)
                 "mbridge llama3.1-405b pretrain 1024gpu tp8pp8cp2vp8 26.06": {"pipeline_ends_as_layers": True},
@@ -196,8 +196,12 @@ ROW_WORKLOAD = {"titan llama3.1-70b 256xH100 2d asyncTP fp8+compile": {"tp_comm_
                 # utils/overrides.py turns into overlap_moe_expert_parallel_comm
                 "mbridge qwen3-30b-a3b pretrain 16gpu pp2vp12ep8 26.02.01": {
                     "expert_dispatch": "hierarchical", "expert_comm_overlap": True},
+                # and CommOverlapConfig(tp_comm_overlap=False) (the v0.4.1 tag's qwen3_llm_pretrain.py
+                # qwen3_235b_a22b_pretrain_config_h100, the container's era, and the perf recipe @ 56ae11df alike):
+                # its TP 2 collectives are not overlapped, where the source's other TP rows overlap theirs
                 "mbridge qwen3-235b-a22b pretrain 256gpu tp2pp8vp4ep32 26.04.01": {
-                    "expert_tensor": 1, "pipeline_ends_as_layers": True, "expert_comm_overlap": True},
+                    "expert_tensor": 1, "pipeline_ends_as_layers": True, "expert_comm_overlap": True,
+                    "tp_comm_overlap": False},
                 # examples/moe_recipes/qwen3_30b/h100/bf16_32GPU_TP1PP1EP8.yaml @ d48bd6be: overlap_grad_reduce
                 # and overlap_param_gather
                 "mlm qwen3-30b-a3b bf16 32gpu ep8": {"grad_reduce_overlap": True, "param_gather_overlap": True},
