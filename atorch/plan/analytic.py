@@ -970,6 +970,18 @@ HOST_SECONDS_PER_BLOCK = 300e-6
 HOPPER_NATIVE_ATTENTION_SPEEDUP = 1.5
 # Launch latency of one collective (NCCL, first principles: tens of microseconds).
 COLLECTIVE_LATENCY_S = 20e-6
+# A ring collective's latency grows with its ranks: NCCL's own cost model (NVIDIA/nccl src/graph/tuning.cc
+# @ 5067397, its default tuner constants for the Simple protocol, which large messages use): a base
+# latency, then one step per rank of the ring, 3.4 us a step over NVLink and 14 us a step that crosses to
+# another node (a ring all-gather or reduce-scatter over n ranks on N nodes takes n - 1 steps, N - 1 of
+# them between nodes). NCCL also raises the NVLink steps of a ring that spans nodes to 3x its network
+# overhead (1 us on Intel hosts, 2 on AMD ones): 3.4 covers the first. An all-reduce may run as a tree
+# instead, whichever NCCL's model finds faster: the same base, then twice (the ranks a node holds - 1)
+# NVLink hops at 4.0 us and log2(nodes) network hops at 14 us.
+NCCL_RING_BASE_LATENCY_S = 8.4e-6
+NCCL_RING_NVLINK_STEP_S = 3.4e-6
+NCCL_RING_NETWORK_STEP_S = 14e-6
+NCCL_TREE_NVLINK_STEP_S = 4.0e-6
 
 
 def compute_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:
@@ -1340,12 +1352,38 @@ def data_comm_parts(candidate: Candidate, spec: TransformerSpec, cluster: Cluste
     link = cluster.link_bytes_per_s(shard, stride)
     gathers = {"ddp": 0, "zero1": 1, "zero2": spec.layers, "fsdp": 2 * spec.layers}[candidate.sharding]
     reductions = {"ddp": 1, "zero1": 1, "zero2": spec.layers, "fsdp": spec.layers}[candidate.sharding]
-    gather_s = gathered / link + steps * gathers * COLLECTIVE_LATENCY_S
-    reduce_s = reduced / link + max(steps, syncs) * reductions * COLLECTIVE_LATENCY_S
+    # a collective's fixed cost: its launch, or its ring's steps where they take longer (many ranks)
+    gather_latency = max(COLLECTIVE_LATENCY_S, ring_latency_s(cluster, shard, stride))
+    reduce_latency = max(COLLECTIVE_LATENCY_S, ring_latency_s(cluster, shard, stride,
+                                                              all_reduce=candidate.sharding == "ddp"))
+    gather_s = gathered / link + steps * gathers * gather_latency
+    reduce_s = reduced / link + max(steps, syncs) * reductions * reduce_latency
     if shard < data:  # hybrid: the shards' gradients are all-reduced across the replicas
         replicas = data // shard
         reduce_s += 2 * (1 - 1 / replicas) * reduced_grads / shard / cluster.link_bytes_per_s(replicas, stride * shard)
+        reduce_s += syncs * reductions * ring_latency_s(cluster, replicas, stride * shard, all_reduce=True)
     return gather_s, reduce_s
+
+
+def ring_latency_s(cluster: ClusterSpec, ranks: int, stride: int = 1, all_reduce: bool = False) -> float:
+    """The fixed time of one collective over ``ranks`` ranks spaced ``stride`` apart, by NCCL's cost model
+    (``NCCL_RING_*``): an all-gather's or reduce-scatter's ring steps run one after another, so at a few
+    thousand ranks one costs milliseconds whatever it moves, which is what makes FSDP over a whole large
+    cluster slower than sharding inside a node and replicating across (hsdp). ``all_reduce``: a ring of
+    twice the steps or a tree, whichever is shorter (as NCCL picks)."""
+    if ranks <= 1:
+        return 0.0
+    per_node = max(1, min(ranks, cluster.gpus_per_node // max(stride, 1)))
+    nodes = -(-ranks // per_node)
+    steps, network_steps = ranks - 1, nodes - 1
+    if not all_reduce:
+        return (NCCL_RING_BASE_LATENCY_S + (steps - network_steps) * NCCL_RING_NVLINK_STEP_S
+                + network_steps * NCCL_RING_NETWORK_STEP_S)
+    ring = (NCCL_RING_BASE_LATENCY_S + 2 * (steps - network_steps) * NCCL_RING_NVLINK_STEP_S
+            + 2 * network_steps * NCCL_RING_NETWORK_STEP_S)
+    tree = NCCL_RING_BASE_LATENCY_S + 2 * ((per_node - 1) * NCCL_TREE_NVLINK_STEP_S
+                                           + math.log2(nodes) * NCCL_RING_NETWORK_STEP_S)
+    return min(ring, tree)
 
 
 def tensor_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload) -> float:

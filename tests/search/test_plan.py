@@ -623,6 +623,47 @@ def test_the_distributed_optimizers_overlap_hides_its_reduce_scatter_and_gather(
                                                       param_gather_overlap=True, **fsdp).tokens_per_s_per_gpu
 
 
+def test_a_collectives_fixed_cost_grows_with_the_ranks_of_its_ring():
+    """NCCL's cost model (its tuner constants, Simple protocol): a ring all-gather or reduce-scatter takes
+    a base 8.4 us and one step per rank after the first, 3.4 us over NVLink and 14 us where it crosses to
+    another node; an all-reduce takes the shorter of a ring of twice the steps and a tree (4.0 us NVLink
+    hops, log2(nodes) network hops, both ways)."""
+    from atorch.plan.analytic import ring_latency_s
+
+    cluster = ClusterSpec(512, 8, DEVICES["H100-80GB"])
+    assert ring_latency_s(cluster, 1) == 0.0
+    assert ring_latency_s(cluster, 8) == pytest.approx(8.4e-6 + 7 * 3.4e-6)
+    assert ring_latency_s(cluster, 4096) == pytest.approx(8.4e-6 + 3584 * 3.4e-6 + 511 * 14e-6)
+    # one rank a node (a group strided by the node): every step crosses the network
+    assert ring_latency_s(cluster, 512, stride=8) == pytest.approx(8.4e-6 + 511 * 14e-6)
+    assert ring_latency_s(cluster, 512, stride=8, all_reduce=True) == pytest.approx(8.4e-6 + 2 * 9 * 14e-6)
+    assert ring_latency_s(cluster, 8, all_reduce=True) == pytest.approx(8.4e-6 + 2 * 7 * 3.4e-6)
+
+
+def test_fsdp_over_thousands_of_ranks_waits_on_its_rings_where_hsdp_does_not():
+    """FSDP's per-block all-gathers and reduce-scatters over every rank of a 4096-GPU cluster cost some
+    19 ms each in ring steps whatever they move: with one sequence a GPU the step waits on them, where
+    sharding inside a node and all-reducing across (hsdp) does not. On 64 GPUs the two are alike."""
+    from atorch.plan import analytic, configuration
+
+    args = dict(seq_len=4096)
+    small = {s: atorch.estimate("llama3-8b", "8x8xH100-80GB", global_batch=64, sharding=s, **args)
+             for s in ("fsdp", "hsdp")}
+    assert small["fsdp"].tokens_per_s_per_gpu == pytest.approx(small["hsdp"].tokens_per_s_per_gpu, rel=0.05)
+    large = {s: atorch.estimate("llama3-8b", "512x8xH100-80GB", global_batch=4096, sharding=s, **args)
+             for s in ("fsdp", "hsdp")}
+    assert large["hsdp"].tokens_per_s_per_gpu > 3 * large["fsdp"].tokens_per_s_per_gpu
+    assert large["hsdp"].tokens_per_s_per_gpu == pytest.approx(small["hsdp"].tokens_per_s_per_gpu, rel=0.05)
+    spec, cluster, candidate, work = configuration("llama3-8b", "512x8xH100-80GB", global_batch=4096,
+                                                   sharding="fsdp", **args)
+    parts = analytic.step_breakdown(candidate, spec, cluster, work, analytic.spec_layout_facts(spec, 4096))
+    collectives = 3 * spec.layers  # two gathers (forward, backward) and a reduce-scatter a block
+    assert parts["data collectives"] > collectives * analytic.ring_latency_s(cluster, 4096)
+    assert parts["communication not hidden"] > 0
+    best = atorch.plan("llama3-8b", "512x8xH100-80GB", 4096, 4096).best
+    assert best.candidate.sharding == "fsdp" and best.candidate.shard == 8  # the plan shards inside a node
+
+
 def test_interleaving_shrinks_the_bubble_and_holds_more_micro_batches():
     """virtual_stages: the interleaved schedule's bubble is (p - 1) / (m v), so it is faster; its first
     stage holds p + (p - 1) / v micro-batches' activations, more than 1F1B's p; its sends overlap by default."""
@@ -909,7 +950,7 @@ def test_fsdp_reducing_in_bf16_halves_the_gradient_reduction_and_nothing_else(sh
     given): the reduce-scatter (and hsdp's all-reduce across replicas) moves 2 bytes a gradient, not 4;
     the parameter gathers and the memory stay as they were."""
     from atorch.plan import configuration
-    from atorch.plan.analytic import COLLECTIVE_LATENCY_S, data_comm_parts
+    from atorch.plan.analytic import COLLECTIVE_LATENCY_S, data_comm_parts, ring_latency_s
 
     args = dict(global_batch=32, seq_len=4096, sharding=sharding, micro_batch_size=1)
     fp32 = atorch.estimate("llama2-7b", "2x8xA100-80GB", **args)
@@ -920,7 +961,12 @@ def test_fsdp_reducing_in_bf16_halves_the_gradient_reduction_and_nothing_else(sh
         spec, cluster, candidate, work = configuration("llama2-7b", "2x8xA100-80GB", grad_reduce_dtype=dtype, **args)
         parts[dtype] = data_comm_parts(candidate, spec, cluster, None, work)
     assert parts["bf16"][0] == parts["fp32"][0]
-    latency = 2 * spec.layers * COLLECTIVE_LATENCY_S  # two micro-steps, one reduction per block
+    # what does not halve: each reduction's fixed cost (two micro-steps, one reduction per block, over the
+    # 16 ranks or, under hsdp, a node's 8), and hsdp's all-reduce across the two replicas once per block
+    shard = 8 if sharding == "hsdp" else 16
+    latency = 2 * spec.layers * max(COLLECTIVE_LATENCY_S, ring_latency_s(cluster, shard))
+    if sharding == "hsdp":
+        latency += spec.layers * ring_latency_s(cluster, 2, stride=8, all_reduce=True)
     assert parts["bf16"][1] - latency == pytest.approx((parts["fp32"][1] - latency) / 2, rel=1e-9)
 
 
@@ -1382,7 +1428,7 @@ def test_the_rank_order_decides_which_groups_stay_inside_a_node():
     4 NICs); Megatron's and DeepSpeed's (the pipeline outermost) keep each data group on one node and send
     every stage boundary over the network, one NIC a rank."""
     from atorch.plan import configuration
-    from atorch.plan.analytic import data_comm_parts, pipeline_comm_seconds
+    from atorch.plan.analytic import data_comm_parts, pipeline_comm_seconds, ring_latency_s
 
     args = dict(global_batch=64, seq_len=2048, pipeline=2, sharding="ddp")
     spec, cluster, candidate, ours = configuration("llama2-7b", "2x8xA100-80GB", **args)
@@ -1393,8 +1439,11 @@ def test_the_rank_order_decides_which_groups_stay_inside_a_node():
     assert sends["outer"] == pytest.approx(sends["ours"] * nvlink / nic, rel=1e-12)
     reduce_ours = data_comm_parts(candidate, spec, cluster, None, ours)[1]
     reduce_outer = data_comm_parts(candidate, spec, cluster, None, pipeline_outer)[1]
-    latency = COLLECTIVE_LATENCY_S  # one reduction a step either way
-    assert reduce_outer - latency == pytest.approx((reduce_ours - latency) * min(4 * nic, nvlink) / nvlink, rel=1e-9)
+    latency = {}  # one all-reduce a step either way, its fixed cost by where its 8 ranks sit
+    for order, stride in (("ours", 2), ("outer", 1)):
+        latency[order] = max(COLLECTIVE_LATENCY_S, ring_latency_s(cluster, 8, stride, all_reduce=True))
+    assert reduce_outer - latency["outer"] == pytest.approx(
+        (reduce_ours - latency["ours"]) * min(4 * nic, nvlink) / nvlink, rel=1e-9)
     assert atorch.estimate("llama2-7b", "2x8xA100-80GB", **args) == atorch.estimate(
         "llama2-7b", "2x8xA100-80GB", rank_order="tensor-pipeline-data", **args)
 
