@@ -139,17 +139,17 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                                        "grad_reduce_overlap": True, "param_gather_overlap": True,
                                        "grad_reduce_dtype": "bf16", "fused_swiglu": True,
                                        "rank_order": "tensor-data-pipeline", "context_comm_overlap": True},
+                   # Megatron-LM in 2021 (Narayanan et al., sections 4.2 and 5): no flash attention (the scores
+                   # materialised through the fused scale-mask-softmax, Megatron's default attention dropout) and
+                   # no sequence parallelism; Megatron's rank order (tensor, then data, then pipeline)
+                   "megatron-2021": {"attention": "materialised", "sequence_parallel": False,
+                                     "rank_order": "tensor-data-pipeline"},
                    # Megatron-LM's MoE recipes (examples/moe_recipes @ d48bd6be, pretrain_gpt.py arguments): the
                    # distributed optimizer, Transformer Engine's fused attention (NVTE_FUSED_ATTN), a bf16
                    # gradient buffer (accumulate_allreduce_grads_in_fp32 unset), the fused SwiGLU
                    # (bias_swiglu_fusion, Megatron-LM's default), Megatron's rank order, the flex dispatcher on
                    # Hybrid-EP (moe_flex_dispatcher_backend hybridep) in every H100 recipe counted; no TP
                    # communication overlap (tp_comm_overlap unset)
-                   # Megatron-LM in 2021 (Narayanan et al., sections 4.2 and 5): no flash attention (the scores
-                   # materialised through the fused scale-mask-softmax, Megatron's default attention dropout) and
-                   # no sequence parallelism; Megatron's rank order (tensor, then data, then pipeline)
-                   "megatron-2021": {"attention": "materialised", "sequence_parallel": False,
-                                     "rank_order": "tensor-data-pipeline"},
                    "megatron-lm-moe": {"distributed_optimizer": True, "hopper_attention": True,
                                        "grad_reduce_dtype": "bf16", "fused_swiglu": True,
                                        "rank_order": "tensor-data-pipeline", "expert_dispatch": "hierarchical"}}
@@ -182,10 +182,6 @@ ROW_WORKLOAD = {"titan llama3.1-70b 256xH100 2d asyncTP fp8+compile": {"tp_comm_
                 # the 405B recipe sets account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split
                 # (recipes/llama/h100/llama3.py llama31_405b_pretrain_256gpu_h100_bf16_config @ 067f987d)
                 "mbridge llama3.1-405b pretrain 1024gpu tp8pp8cp2vp8 26.06": {"pipeline_ends_as_layers": True},
-                # recipes/qwen/h100/qwen3_moe.py qwen3_235b_a22b_pretrain_256gpu_h100_bf16_config (@ 067f987d):
-                # expert_tensor_parallel_size 1 and both pipeline-split accounts; its perf recipe
-                # (perf_recipes/qwen/h100/qwen3_moe.py @ 56ae11df) sets moe_a2a_overlap and
-                # overlap_moe_expert_parallel_comm
                 # perf_recipes/qwen/h100/qwen3_moe.py qwen3_30b_a3b_pretrain_16gpu_h100_fp8cs_config (@ 067f987d):
                 # moe_token_dispatcher_type "flex" on moe_flex_dispatcher_backend "hybridep", 8 ranks an NVLink
                 # domain (NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN): a token crosses to the other node once
@@ -196,6 +192,10 @@ ROW_WORKLOAD = {"titan llama3.1-70b 256xH100 2d asyncTP fp8+compile": {"tp_comm_
                 # utils/overrides.py turns into overlap_moe_expert_parallel_comm
                 "mbridge qwen3-30b-a3b pretrain 16gpu pp2vp12ep8 26.02.01": {
                     "expert_dispatch": "hierarchical", "expert_comm_overlap": True},
+                # recipes/qwen/h100/qwen3_moe.py qwen3_235b_a22b_pretrain_256gpu_h100_bf16_config (@ 067f987d):
+                # expert_tensor_parallel_size 1 and both pipeline-split accounts; its perf recipe
+                # (perf_recipes/qwen/h100/qwen3_moe.py @ 56ae11df) sets moe_a2a_overlap and
+                # overlap_moe_expert_parallel_comm
                 # and CommOverlapConfig(tp_comm_overlap=False) (the v0.4.1 tag's qwen3_llm_pretrain.py
                 # qwen3_235b_a22b_pretrain_config_h100, the container's era, and the perf recipe @ 56ae11df alike):
                 # its TP 2 collectives are not overlapped, where the source's other TP rows overlap theirs

@@ -1373,14 +1373,13 @@ def ring_latency_s(cluster: ClusterSpec, ranks: int, stride: int = 1, all_reduce
     twice the steps or a tree, whichever is shorter (as NCCL picks)."""
     if ranks <= 1:
         return 0.0
-    per_node = max(1, min(ranks, cluster.gpus_per_node // max(stride, 1)))
+    per_node = cluster.ranks_a_node(ranks, stride)
     nodes = -(-ranks // per_node)
-    steps, network_steps = ranks - 1, nodes - 1
+    rounds = 2 if all_reduce else 1  # an all-reduce's ring: a reduce-scatter, then an all-gather
+    ring = NCCL_RING_BASE_LATENCY_S + rounds * ((ranks - nodes) * NCCL_RING_NVLINK_STEP_S
+                                                + (nodes - 1) * NCCL_RING_NETWORK_STEP_S)
     if not all_reduce:
-        return (NCCL_RING_BASE_LATENCY_S + (steps - network_steps) * NCCL_RING_NVLINK_STEP_S
-                + network_steps * NCCL_RING_NETWORK_STEP_S)
-    ring = (NCCL_RING_BASE_LATENCY_S + 2 * (steps - network_steps) * NCCL_RING_NVLINK_STEP_S
-            + 2 * network_steps * NCCL_RING_NETWORK_STEP_S)
+        return ring
     tree = NCCL_RING_BASE_LATENCY_S + 2 * ((per_node - 1) * NCCL_TREE_NVLINK_STEP_S
                                            + math.log2(nodes) * NCCL_RING_NETWORK_STEP_S)
     return min(ring, tree)
@@ -1476,7 +1475,7 @@ def expert_comm_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Cl
 
 def expert_ranks_a_node(candidate: Candidate, cluster: ClusterSpec, work: Workload) -> int:
     """The expert group's ranks on one node: the group's ranks sit ``expert_tensor`` apart."""
-    return min(work.expert, max(1, cluster.gpus_per_node // expert_tensor_size(candidate, work)))
+    return cluster.ranks_a_node(work.expert, expert_tensor_size(candidate, work))
 
 
 def expert_copies(spec: TransformerSpec, work: Workload, inside: int) -> tuple[float, float]:

@@ -94,6 +94,10 @@ class ClusterSpec:
     def label(self) -> str:
         return f"{self.nodes}x{self.gpus_per_node}x{self.device.name}"
 
+    def ranks_a_node(self, group_size: int, stride: int = 1) -> int:
+        """How many of a group's ``group_size`` ranks, spaced ``stride`` apart, share one node."""
+        return min(group_size, max(1, self.gpus_per_node // max(stride, 1)))
+
     def link_bytes_per_s(self, group_size: int, stride: int = 1) -> float:
         """Per-GPU bandwidth of a ring over ``group_size`` ranks spaced ``stride`` apart: NVLink while
         the group fits in one node. Across nodes, NCCL runs one ring channel per NIC: with ``k`` of the
@@ -103,8 +107,7 @@ class ClusterSpec:
         inside = group_size * stride <= self.gpus_per_node or group_size == 1
         if inside:
             return self.device.nvlink_bytes_per_s
-        per_node = min(group_size, max(1, self.gpus_per_node // max(stride, 1)))
-        network = self.device.network_bytes_per_s * per_node
+        network = self.device.network_bytes_per_s * self.ranks_a_node(group_size, stride)
         return min(network, self.device.nvlink_bytes_per_s) if self.device.nvlink_bytes_per_s else network
 
 
