@@ -56,6 +56,13 @@ COMPILED_LOSS_LOGIT_BYTES = 4
 # matmul's gathered input; the loss under loss_parallel
 TORCHTITAN_PARALLELISM = {"rank_order": "tensor-data-pipeline", "saves_gathered_inputs": True,
                           "loss_parallel_logit_bytes": LOSS_PARALLEL_LOGIT_BYTES}
+# Megatron-Bridge's performance runs (its H100 and its B200 tables alike): Megatron-Core's distributed
+# optimizer with overlapped gradient reduce and parameter gather, tensor-parallel overlap, a bf16 gradient
+# buffer, fused SwiGLU, Transformer Engine's attention and context-parallel ring, Megatron's rank order
+# (the sources' notes and the comments at their entries below say where each is read)
+MEGATRON_BRIDGE = {"distributed_optimizer": True, "hopper_attention": True, "tp_comm_overlap": True,
+                   "grad_reduce_overlap": True, "param_gather_overlap": True, "grad_reduce_dtype": "bf16",
+                   "fused_swiglu": True, "rank_order": "tensor-data-pipeline", "context_comm_overlap": True}
 # source-level facts of how a run's code differs from the planner's defaults (never one row's)
 SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_kept": True},
                    # Composer reduce-scatters every micro-batch; MPT's default loss is flash-attn's fused
@@ -83,6 +90,9 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # that version compiles the loss with the model (components/loss.py: loss_fn = torch.compile)
                    "trainy-whitefiber": {"rank_order": "tensor-data-pipeline",
                                          "logit_bytes": COMPILED_LOSS_LOGIT_BYTES},
+                   # torchao's B200 runs of torchtitan @ 6fc499f: FSDP alone; that version compiles the loss with
+                   # the model (components/loss.py, as Trainy's)
+                   "torchao": {"logit_bytes": COMPILED_LOSS_LOGIT_BYTES},
                    # Megatron-Core's distributed optimizer; Transformer Engine's attention, which prefers
                    # cuDNN's fused kernel on Hopper (TransformerEngine dot_product_attention/utils.py)
                    # NeMo-Framework-Launcher's Llama configs (launcher_scripts/conf/training/llama/*.yaml @
@@ -135,10 +145,12 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # parameter gather overlap at data-parallel size > 1 (training/comm_overlap.py); both run
                    # _benchmark_common: ddp.grad_reduce_in_fp32 = False (a bf16 gradient buffer); the Llama
                    # model provider sets bias_activation_fusion (models/llama/llama_bridge.py: fused SwiGLU)
-                   "megatron-bridge": {"distributed_optimizer": True, "hopper_attention": True, "tp_comm_overlap": True,
-                                       "grad_reduce_overlap": True, "param_gather_overlap": True,
-                                       "grad_reduce_dtype": "bf16", "fused_swiglu": True,
-                                       "rank_order": "tensor-data-pipeline", "context_comm_overlap": True},
+                   "megatron-bridge": MEGATRON_BRIDGE,
+                   # the same archive's B200 rows: the same stack and settings at the release tag v0.2.0
+                   # (recipes/llama/llama3.py _llama3_common: the distributed optimizer, overlapped gradient
+                   # reduce and parameter gather; set_llama3*_common_configs: bf16 gradient reduction; the Llama
+                   # provider's bias_activation_fusion; the 405B recipe's tensor-parallel overlap)
+                   "megatron-bridge-b200": MEGATRON_BRIDGE,
                    # Megatron-LM in 2021 (Narayanan et al., sections 4.2 and 5): no flash attention (the scores
                    # materialised through the fused scale-mask-softmax, Megatron's default attention dropout) and
                    # no sequence parallelism; Megatron's rank order (tensor, then data, then pipeline)
@@ -182,6 +194,7 @@ ROW_WORKLOAD = {"titan llama3.1-70b 256xH100 2d asyncTP fp8+compile": {"tp_comm_
                 # the 405B recipe sets account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split
                 # (recipes/llama/h100/llama3.py llama31_405b_pretrain_256gpu_h100_bf16_config @ 067f987d)
                 "mbridge llama3.1-405b pretrain 1024gpu tp8pp8cp2vp8 26.06": {"pipeline_ends_as_layers": True},
+                "mbridge llama3.1-405b pretrain 128gpu b200 tp4pp8cp2vp8 25.11": {"pipeline_ends_as_layers": True},
                 # perf_recipes/qwen/h100/qwen3_moe.py qwen3_30b_a3b_pretrain_16gpu_h100_fp8cs_config (@ 067f987d):
                 # moe_token_dispatcher_type "flex" on moe_flex_dispatcher_backend "hybridep", 8 ranks an NVLink
                 # domain (NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN): a token crosses to the other node once

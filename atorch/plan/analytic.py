@@ -1200,7 +1200,8 @@ def attention_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
 def attention_family(cluster: ClusterSpec) -> str:
     """Flash attention's kernels differ by architecture (FlashAttention-2 is tuned for Ampere's mma
     instructions and reaches a smaller share of Hopper's peak than its matmuls do), so its share of the
-    matmul efficiency is fitted per architecture: Ampere, or Hopper for every Hopper part."""
+    matmul efficiency is fitted per architecture: Ampere, or Hopper for every Hopper part. Blackwell
+    takes Hopper's: no row here publishes a Blackwell run long enough for its attention to be fitted."""
     return "ampere" if cluster.device.family == "ampere" else "hopper"
 
 

@@ -41,6 +41,13 @@ FITTED: dict[str, Fitted] = {
     "hopper 500W efficiency": Fitted(
         0.5602, ("titan llama3.1-8b 8xH100 fsdp",),
         0.2, 0.95, "the same on the power-capped 500 W H100 96 GB (torchtitan's Grand Teton parts)"),
+    "blackwell efficiency": Fitted(
+        0.6564, ("mbridge llama3-8b pretrain 8gpu b200 25.11",),
+        0.2, 0.95, "the same on B200 SXM 1000 W (fitted on an fp8 run: the fp8 share above applies); attention on "
+        "Blackwell takes Hopper's fitted share (analytic.attention_family)"),
+    "blackwell 750W efficiency": Fitted(
+        0.2881, ("torchao llama3.1-8b 8xB200-750W fsdp bf16+compile",),
+        0.2, 0.95, "the same on the B200 power-capped to 750 W (torchao's benchmark parts)"),
     "fp8 efficiency": Fitted(
         0.9334, ("lf H100-80GB 3b s2048 8gpu fp8", "lf H100-80GB 1b s8192 8gpu fp8"),
         0.1, 1.0, "fp8 matmuls' share of the fp8 peak, relative to bf16 matmuls' share of theirs"),

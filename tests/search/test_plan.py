@@ -425,6 +425,31 @@ def test_user_device_from_a_dict_and_typed_errors():
         model_spec("llama3-8")
 
 
+def test_every_built_in_device_has_its_fitted_efficiency():
+    """A device's family names the constant its matmuls run at (calibration.py): a device added without
+    one would fail only when someone plans for it."""
+    from atorch.plan import calibration
+
+    for device in DEVICES.values():
+        assert f"{device.family} efficiency" in calibration.FITTED, device.name
+        assert 0 < device.matmul_efficiency < 1
+
+
+def test_blackwell_parts_plan_with_their_own_efficiencies():
+    """B200 (1000 W) and the 750 W part share the datasheet numbers and differ only in the efficiency each
+    is fitted to (a Megatron-Bridge run, a torchao one): the capped part is predicted slower."""
+    full = atorch.estimate("llama3-8b", "8xB200", global_batch=16, seq_len=8192, sharding="fsdp",
+                           precision="bf16")
+    capped = atorch.estimate("llama3-8b", "8xB200-750W", global_batch=16, seq_len=8192, sharding="fsdp",
+                             precision="bf16")
+    hopper = atorch.estimate("llama3-8b", "8xH100-80GB", global_batch=16, seq_len=8192, sharding="fsdp",
+                             precision="bf16")
+    assert capped.tokens_per_s_per_gpu < full.tokens_per_s_per_gpu
+    assert hopper.tokens_per_s_per_gpu < full.tokens_per_s_per_gpu
+    assert full.memory_bytes == capped.memory_bytes and full.fits
+    assert atorch.plan("llama3-70b", "4x8xB200", global_batch=32, seq_len=8192).best is not None
+
+
 def test_tensor_groups_stay_inside_a_node():
     result = atorch.plan("llama3-8b", "2x4xH100-80GB", global_batch=16, seq_len=4096)
     assert max(p.candidate.tensor for p in result.predictions) == 4
