@@ -759,6 +759,9 @@ def format_plan(result: Plan, limit: Optional[int] = None) -> str:
     if any(_fits_label(p, cluster) == "tight" for p in rows):
         lines.append(f"tight: fits within {1 - TIGHT_MEMORY_SHARE:.0%} of the device's memory, where "
                      "published runs' peaks sat at about 1.1 x the planner's prediction (docs/plan.md)")
+    # what every plan here shares (an MoE model's, a thinly calibrated device's warning), said once
+    shared = dict.fromkeys(note for p in rows for note in p.notes if not note.startswith("tight:"))
+    lines.extend(f"note: {note}" for note in shared)
     best = result.strategy
     lines.append(f"top plan (load_strategy): {_compact(best) if best is not None else 'none fits in memory'}")
     return "\n".join(lines)

@@ -447,7 +447,12 @@ def test_blackwell_parts_plan_with_their_own_efficiencies():
     assert capped.tokens_per_s_per_gpu < full.tokens_per_s_per_gpu
     assert hopper.tokens_per_s_per_gpu < full.tokens_per_s_per_gpu
     assert full.memory_bytes == capped.memory_bytes and full.fits
-    assert atorch.plan("llama3-70b", "4x8xB200", global_batch=32, seq_len=8192).best is not None
+    result = atorch.plan("llama3-70b", "4x8xB200", global_batch=32, seq_len=8192)
+    assert result.best is not None
+    # the device's thin calibration is said on every prediction and once under the table
+    assert all(any(n.startswith("B200: its efficiency is fitted on one") for n in p.notes) for p in result.predictions)
+    assert result.table().count("note: B200: its efficiency is fitted on one published run") == 1
+    assert not any(n.startswith("B200") for n in hopper.notes)
 
 
 def test_tensor_groups_stay_inside_a_node():

@@ -207,3 +207,21 @@ def test_the_moe_note_states_what_the_published_moe_runs_measured():
     dense = [r for r in results if not BENCH.row_spec(r, DATA["models"]).experts]
     assert not any(note.startswith("MoE:") for r in dense for note in r["pred"].notes)
 
+
+def test_the_thin_calibration_note_states_what_the_held_out_runs_on_its_device_measured():
+    """A device family fitted on a single run warns with the share of the prediction its held-out runs
+    reached; the shares it states are the held-out rows' published / predicted tokens/s on that family."""
+    from atorch.plan.analytic import THIN_FAMILY_PUBLISHED_SHARE
+    from atorch.plan.hardware_specs import DEVICES
+
+    single = {name.removesuffix(" efficiency") for name, fitted in calibration.FITTED.items()
+              if name.endswith(" efficiency") and len(fitted.rows) == 1
+              and any(d.family == name.removesuffix(" efficiency") for d in DEVICES.values())}
+    results = BENCH.evaluate(ROWS, DATA["models"], DATA["sources"])
+    for family in single - {"hopper 500W"}:  # the 500 W H100: 23 held-out rows, its goal tested above
+        shares = [1 / r["ratio"] for r in results
+                  if r["role"] == "held-out" and DEVICES[r["device"]].family == family]
+        assert shares, family
+        low, high = THIN_FAMILY_PUBLISHED_SHARE[family]
+        assert low == pytest.approx(min(shares), abs=0.005) and high == pytest.approx(max(shares), abs=0.005)
+
