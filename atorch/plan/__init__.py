@@ -759,6 +759,9 @@ def format_plan(result: Plan, limit: Optional[int] = None) -> str:
     if any(_fits_label(p, cluster) == "tight" for p in rows):
         lines.append(f"tight: fits within {1 - TIGHT_MEMORY_SHARE:.0%} of the device's memory, where "
                      "published runs' peaks sat at about 1.1 x the planner's prediction (docs/plan.md)")
+    if any(p.checkpointing == "selective" for p in rows):
+        lines.append("sel-ckpt: selective checkpointing (an op policy: matmul outputs kept), ranked for comparison; "
+                     "no atorch method applies it, so the top plan is the best fitting row without it")
     # what every plan here shares (an MoE model's, a thinly calibrated device's warning), said once
     shared = dict.fromkeys(note for p in rows for note in p.notes if not note.startswith("tight:"))
     lines.extend(f"note: {note}" for note in shared)

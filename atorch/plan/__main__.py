@@ -9,7 +9,7 @@ import sys
 from typing import Any, Optional
 
 from atorch.errors import AtorchError, InputError
-from atorch.plan import GIB, configuration, estimate, model_spec, plan, plot_plan
+from atorch.plan import GIB, configuration, estimate, model_spec, plan, plan_label, plot_plan
 from atorch.plan.analytic import (
     expert_copies,
     expert_ranks_a_node,
@@ -136,8 +136,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(result.table(args.top or None))
-    if result.best is not None:
-        _print_breakdown(f"where the top plan's step goes ({result.best.candidate.label})", result.breakdown())
+    top = result.applicable  # the plan the table's "top plan (load_strategy)" line names
+    if top is not None:
+        _print_breakdown(f"where the top plan's step goes ({plan_label(top)})", result.breakdown(top))
     if args.plot:
         print(f"plot: {plot_plan(result, args.plot) or 'not written (matplotlib is not installed)'}")
     if args.strategy_out and result.strategy is not None:

@@ -66,7 +66,8 @@ def test_a_plan_that_fits_within_a_tenth_of_the_device_is_flagged_tight():
     assert not any(n.startswith("tight:") for p in roomy for n in p.notes)
     table = format_plan(result)
     assert sum(line.rstrip().endswith("tight") for line in table.splitlines()) == len(tight)
-    assert "published runs' peaks sat at about 1.1 x" in table.splitlines()[-2]
+    footer = table.splitlines()[len(result.predictions) + 3:]  # the lines under the candidates
+    assert sum("published runs' peaks sat at about 1.1 x" in line for line in footer) == 1
 
 
 @pytest.mark.parametrize("layout", [
@@ -93,6 +94,24 @@ def test_the_memory_breakdown_adds_up_to_the_predicted_peak(layout):
     assert all(size >= 0 for size in parts.values()), parts
     layered = layout.get("tensor", 1) * layout.get("pipeline", 1) > 1
     assert ("activations (the stage that holds the most)" in parts) == layered
+
+
+def test_cli_breaks_down_the_plan_its_strategy_line_names(capsys):
+    """Where selective checkpointing ranks first (no atorch method applies it), the table says so, and the
+    step breakdown below it is the top applicable plan's, under that plan's own label, not the selective
+    row's figures under the full-recompute label its candidate carries."""
+    from atorch.plan.__main__ import main
+
+    args = ["--model", "llama3-70b", "--cluster", "8x8xB200", "--global-batch", "64", "--seq-len", "8192"]
+    assert main(args + ["--top", "3"]) == 0
+    out = capsys.readouterr().out
+    result = atorch.plan("llama3-70b", "8x8xB200", global_batch=64, seq_len=8192)
+    assert result.best.checkpointing == "selective" and result.applicable is not result.best
+    assert "sel-ckpt: selective checkpointing" in out
+    header = next(line for line in out.splitlines() if line.startswith("where the top plan's step goes"))
+    assert f"({result.applicable.candidate.label})" in header
+    step = next(line for line in out.splitlines() if line.strip().startswith("step "))
+    assert float(step.split()[-1]) == pytest.approx(result.applicable.step_time_s, abs=1e-3)
 
 
 def test_cli_names_a_bad_cluster_and_the_valid_devices():
