@@ -81,6 +81,32 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
             pass
 
 
+# how long a failed launch waits for the other ranks' own reports: the first report to arrive may be a peer's
+# "connection closed" while the rank that failed first is still writing its traceback
+OTHER_RANKS_GRACE_S = 3.0
+
+
+def _other_ranks(results: Any, procs: list, first: int) -> str:
+    """What the other ranks reported (or how they exited) within ``OTHER_RANKS_GRACE_S`` of a failure, so
+    the error names the rank that failed first, not only the one whose report arrived first."""
+    reports: dict[int, str] = {}
+    deadline = time.monotonic() + OTHER_RANKS_GRACE_S
+    while len(reports) < len(procs) - 1 and time.monotonic() < deadline:
+        try:
+            rank, ok, value = results.get(timeout=0.2)
+        except queue.Empty:
+            if all(p.exitcode is not None for i, p in enumerate(procs) if i != first and i not in reports):
+                break
+            continue
+        if rank != first:
+            reports[rank] = "returned" if ok else f"failed:\n{value}"
+    for i, proc in enumerate(procs):
+        if i != first and i not in reports:
+            reports[i] = (f"exited with code {proc.exitcode} without a report" if proc.exitcode not in (None, 0)
+                          else "sent no report")
+    return "".join(f"\n--- rank {rank} {report}" for rank, report in sorted(reports.items()))
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.0,
                     may_die: tuple[int, ...] = (), start_method: Optional[str] = None) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` new ranks; returns the values ordered by rank.
@@ -118,7 +144,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
                         f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
                 continue
             if not ok:
-                raise DistributedRunError(f"rank {rank} failed:\n{value}")
+                raise DistributedRunError(f"rank {rank} failed:\n{value}" + _other_ranks(results, procs, rank))
             values[rank] = pickle.loads(value)
     finally:
         for proc in procs:

@@ -45,6 +45,26 @@ def test_a_rank_that_raises_ends_the_run_with_its_traceback():
         run_distributed(_raise_on_rank_1, 2, timeout_s=60)
 
 
+def _raise_on_rank_0_after_rank_1_waits() -> None:
+    import time
+
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        time.sleep(0.5)  # rank 1 is inside the barrier by now
+        raise KeyError("raised on rank 0")
+    dist.barrier()  # rank 1 fails too, once rank 0's process is gone: its report may arrive first
+
+
+def test_the_error_carries_every_ranks_report_not_only_the_first_to_arrive():
+    """The rank that failed first is named with its traceback whichever report reaches the launcher first
+    (a peer's "connection closed" can win the race), and the other rank's outcome is listed beside it."""
+    with pytest.raises(DistributedRunError) as raised:
+        run_distributed(_raise_on_rank_0_after_rank_1_waits, 2, timeout_s=60)
+    text = str(raised.value)
+    assert "KeyError: 'raised on rank 0'" in text
+    assert "rank 0 failed" in text and ("rank 1 failed" in text or "--- rank 1 " in text)
+
+
 def test_an_unknown_start_method_is_refused_with_the_choices():
     with pytest.raises(ValueError, match=r"'fork'.*\('forkserver', 'spawn'\)"):
         run_distributed(_seen, 2, start_method="fork")
