@@ -194,6 +194,8 @@ ROW_WORKLOAD = {"titan llama3.1-70b 256xH100 2d asyncTP fp8+compile": {"tp_comm_
                 # the 405B recipe sets account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split
                 # (recipes/llama/h100/llama3.py llama31_405b_pretrain_256gpu_h100_bf16_config @ 067f987d)
                 "mbridge llama3.1-405b pretrain 1024gpu tp8pp8cp2vp8 26.06": {"pipeline_ends_as_layers": True},
+                # its B200 row's recipe at v0.2.0 sets both accounts too (recipes/llama/llama3.py
+                # llama31_405b_pretrain_config)
                 "mbridge llama3.1-405b pretrain 128gpu b200 tp4pp8cp2vp8 25.11": {"pipeline_ends_as_layers": True},
                 # perf_recipes/qwen/h100/qwen3_moe.py qwen3_30b_a3b_pretrain_16gpu_h100_fp8cs_config (@ 067f987d):
                 # moe_token_dispatcher_type "flex" on moe_flex_dispatcher_backend "hybridep", 8 ranks an NVLink

@@ -762,7 +762,8 @@ def format_plan(result: Plan, limit: Optional[int] = None) -> str:
     if any(p.checkpointing == "selective" for p in rows):
         lines.append("sel-ckpt: selective checkpointing (an op policy: matmul outputs kept), ranked for comparison; "
                      "no atorch method applies it, so the top plan is the best fitting row without it")
-    # what every plan here shares (an MoE model's, a thinly calibrated device's warning), said once
+    # the notes of the model or the device rather than of one row (an MoE model's, a thinly calibrated
+    # device's), said once
     shared = dict.fromkeys(note for p in rows for note in p.notes if not note.startswith("tight:"))
     lines.extend(f"note: {note}" for note in shared)
     best = result.strategy

@@ -55,6 +55,10 @@ class DeviceSpec:
 # Vendor datasheets (dense, no sparsity); bandwidths per GPU and direction. Distinct devices for one chip
 # differ in memory size and bandwidth (the memory-bound part of a step) and, for the 500 W H100, in the
 # clock its power limit allows (its own fitted efficiency).
+_B200 = DeviceSpec("B200", int(178.35 * GIB), 2.25e15, 4.5e15, 7.67e12, 900e9, 50e9, None,
+                   "NVIDIA B200 SXM (1000 W; HGX / DGX B200): dense bf16 2.25 and fp8 4.5 PFLOP/s; memory and "
+                   "bandwidth as the device reports them (pytorch/ao #4002: 178.35 GiB, a 7680-bit bus at 3996 MHz, "
+                   "7.67 TB/s); NVLink 5 1.8 TB/s; ConnectX-7 400 Gb/s per GPU (DGX B200)", "blackwell")
 DEVICES: dict[str, DeviceSpec] = {spec.name: spec for spec in (
     DeviceSpec("A100-40GB", int(39.4 * GIB), 312e12, 0.0, 1.555e12, 300e9, 25e9, None,
                "NVIDIA A100 datasheet (SXM4 40GB: 1,555 GB/s HBM2, NVLink 600 GB/s), HDR InfiniBand 200 Gb/s per GPU",
@@ -70,13 +74,10 @@ DEVICES: dict[str, DeviceSpec] = {spec.name: spec for spec in (
                "400 Gb/s RDMA per GPU", "hopper 500W"),
     DeviceSpec("H200", int(139.8 * GIB), 989e12, 1979e12, 4.8e12, 450e9, 50e9, None,
                "NVIDIA H200 SXM datasheet (700 W, 141 GB HBM3e 4.8 TB/s), NDR InfiniBand 400 Gb/s per GPU", "hopper"),
-    DeviceSpec("B200", int(178.35 * GIB), 2.25e15, 4.5e15, 7.67e12, 900e9, 50e9, None,
-               "NVIDIA B200 SXM (1000 W; HGX / DGX B200): dense bf16 2.25 and fp8 4.5 PFLOP/s; memory and "
-               "bandwidth as the device reports them (pytorch/ao #4002: 178.35 GiB, a 7680-bit bus at 3996 MHz, "
-               "7.67 TB/s); NVLink 5 1.8 TB/s; ConnectX-7 400 Gb/s per GPU (DGX B200)", "blackwell"),
-    DeviceSpec("B200-750W", int(178.35 * GIB), 2.25e15, 4.5e15, 7.67e12, 900e9, 50e9, None,
-               "the B200 above power-capped to 750 W (torchao's B200 benchmarks); the same datasheet numbers, "
-               "its own fitted efficiency", "blackwell 750W"),
+    _B200,
+    replace(_B200, name="B200-750W", family="blackwell 750W",
+            source="the B200 above power-capped to 750 W (torchao's B200 benchmarks); the same datasheet numbers, "
+                   "its own fitted efficiency"),
     DeviceSpec("GH200", int(94.5 * GIB), 989e12, 1979e12, 4.0e12, 450e9, 50e9, None,
                "NVIDIA GH200 Grace Hopper datasheet (96 GB HBM3 4 TB/s, NVLink 900 GB/s), 400 Gb/s per GPU", "hopper"),
 )}
