@@ -20,7 +20,7 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -86,10 +86,11 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
 OTHER_RANKS_GRACE_S = 3.0
 
 
-def _other_ranks(results: Any, procs: list, first: int) -> str:
+def _other_ranks(results: Any, procs: list, first: int, returned: Iterable[int] = ()) -> str:
     """What the other ranks reported (or how they exited) within ``OTHER_RANKS_GRACE_S`` of a failure, so
-    the error names the rank that failed first, not only the one whose report arrived first."""
-    reports: dict[int, str] = {}
+    the error names the rank that failed first, not only the one whose report arrived first. ``returned``:
+    the ranks whose values arrived before the failure."""
+    reports: dict[int, str] = {rank: "returned" for rank in returned if rank != first}
     deadline = time.monotonic() + OTHER_RANKS_GRACE_S
     while len(reports) < len(procs) - 1 and time.monotonic() < deadline:
         try:
@@ -144,7 +145,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
                         f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
                 continue
             if not ok:
-                raise DistributedRunError(f"rank {rank} failed:\n{value}" + _other_ranks(results, procs, rank))
+                raise DistributedRunError(f"rank {rank} failed:\n{value}" + _other_ranks(results, procs, rank, values))
             values[rank] = pickle.loads(value)
     finally:
         for proc in procs:

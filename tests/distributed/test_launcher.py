@@ -65,6 +65,23 @@ def test_the_error_carries_every_ranks_report_not_only_the_first_to_arrive():
     assert "rank 0 failed" in text and ("rank 1 failed" in text or "--- rank 1 " in text)
 
 
+def _return_on_rank_0_then_raise_on_rank_1() -> int:
+    import time
+
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        time.sleep(1.0)  # rank 0's value reaches the launcher first
+        raise KeyError("raised on rank 1")
+    return 7
+
+
+def test_a_rank_that_returned_before_the_failure_is_listed_as_returned():
+    with pytest.raises(DistributedRunError) as raised:
+        run_distributed(_return_on_rank_0_then_raise_on_rank_1, 2, timeout_s=60)
+    text = str(raised.value)
+    assert "rank 1 failed" in text and "--- rank 0 returned" in text, text
+
+
 def test_an_unknown_start_method_is_refused_with_the_choices():
     with pytest.raises(ValueError, match=r"'fork'.*\('forkserver', 'spawn'\)"):
         run_distributed(_seen, 2, start_method="fork")
