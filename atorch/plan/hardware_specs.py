@@ -82,6 +82,16 @@ DEVICES: dict[str, DeviceSpec] = {spec.name: spec for spec in (
                "NVIDIA GH200 Grace Hopper datasheet (96 GB HBM3 4 TB/s, NVLink 900 GB/s), 400 Gb/s per GPU", "hopper"),
 )}
 
+# what people call the built-in parts (upper case, spaces as dashes): "H100" is the SXM5 80 GB part of
+# DGX / HGX H100, the H100 of published runs unless they say otherwise; the 96 GB one is torchtitan's
+DEVICE_ALIASES = {
+    "H100": "H100-80GB", "H100-SXM": "H100-80GB", "H100-SXM5": "H100-80GB", "H100-SXM5-80GB": "H100-80GB",
+    "H100-80G": "H100-80GB", "H100-SXM-80GB": "H100-80GB", "H200-141GB": "H200", "H200-SXM": "H200",
+    "A100-80G": "A100-80GB", "A100-SXM4-80GB": "A100-80GB", "A100-40G": "A100-40GB", "A100-SXM4-40GB": "A100-40GB",
+    "B200-SXM": "B200", "B200-1000W": "B200", "GH200-96GB": "GH200",
+}
+# ... and the names that fit two parts whose memory differs: refused with both
+AMBIGUOUS_DEVICES = {"A100": ["A100-40GB", "A100-80GB"], "A100-SXM4": ["A100-40GB", "A100-80GB"]}
 _FIELDS = {f.name for f in fields(DeviceSpec)}
 _CLUSTER_TEXT = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(\d+)\s*x\s*(.+?)\s*$", re.I)
 
@@ -127,6 +137,13 @@ def device_spec(value: Union[str, Mapping[str, Any], DeviceSpec]) -> DeviceSpec:
     if isinstance(value, str):
         if value in DEVICES:
             return DEVICES[value]
+        key = re.sub(r"[\s_]+", "-", value.strip()).upper().removeprefix("NVIDIA-")
+        named = {name.upper(): name for name in DEVICES} | DEVICE_ALIASES
+        if key in named:
+            return DEVICES[named[key]]
+        if key in AMBIGUOUS_DEVICES:
+            raise InputError(f"device {value!r} is ambiguous: name one of {AMBIGUOUS_DEVICES[key]} (their memory "
+                             "differs)")
         close = nearest_name(value, DEVICES)
         hint = f" Did you mean {close!r}?" if close else ""
         raise InputError(f"unknown device {value!r}.{hint} Known devices: {sorted(DEVICES)}; or give a dict "

@@ -10,6 +10,7 @@ embeddings, the head), FLOPs per token, and activation elements per token and bl
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
@@ -19,6 +20,8 @@ from torch import nn
 from atorch.errors import InputError, nearest_name
 from atorch.plan.elementwise import model_block_traffic
 from atorch.utils.modules import repeated_blocks
+
+logger = logging.getLogger("atorch")
 
 # transformers config.json contents of well-known models (the shape keys only)
 _LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "tie_word_embeddings": False}
@@ -47,7 +50,16 @@ GATED_MODEL_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "
                      "llama4_text", "deepseek_v2", "deepseek_v3", "cohere", "helium", "smollm3", "glm", "stablelm",
                      "exaone4", "seed_oss", "ernie4_5", "ernie4_5_moe", "gpt_oss", "olmo3", "qwen3_next", "glm4",
                      "glm4_moe", "minimax", "jamba", "bitnet", "cohere2", "granitemoeshared", "zamba", "zamba2"}
-_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+# ... and those whose MLP is plain (up, activation, down: two), so that neither list needs a model built
+PLAIN_MLP_MODEL_TYPES = {"gpt2", "mpt", "bloom", "opt", "gpt_neox", "gpt_neo", "gptj", "falcon", "gpt_bigcode",
+                         "codegen", "phi", "starcoder2", "xglm", "biogpt"}
+# the keys a complete config.json has (transformers writes them): its model can be built as the file says
+_WRITTEN_BY_TRANSFORMERS = "transformers_version"
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+# ... the experts a token is routed to (Mixtral / Qwen / DeepSeek, Bailing / Kimi, Aria, ERNIE 4.5, Gemma 4),
+# and the shared experts beside them (DeepSeek, Bailing / Kimi, Aria / ERNIE 4.5)
+_TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts")
+_SHARED_EXPERT_KEYS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 _ALIASES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
             "n_inner": "intermediate_size"}
@@ -233,8 +245,13 @@ class TransformerSpec:
 
     @property
     def active_param_count(self) -> int:
-        """The parameters one token meets: all of a dense model's, the routed experts only of an MoE's."""
-        return self.param_count - round(self.layers * (self.block_params - self.active_block_params))
+        """The parameters one token meets: all of a dense model's, the routed experts only of an MoE's.
+        Where a module's exact count replaces the shape's, what it adds (norms, biases) is counted as met;
+        where it is smaller (a hybrid whose other layers the shape counts as blocks), the shape's share."""
+        inactive = round(self.layers * (self.block_params - self.active_block_params))
+        shape_total = round(self.layers * self.block_params) + self.embedding_params + self.head_params + self.hidden
+        share = (shape_total - inactive) / shape_total
+        return max(self.param_count - inactive, round(self.param_count * share))
 
     def model_flops_per_token(self, seq_len: int) -> float:
         """Forward + backward FLOPs per token as MFU is usually counted (torchtitan, PaLM): 6 per
@@ -301,8 +318,13 @@ def model_spec(value: Union[str, Mapping[str, Any], nn.Module, TransformerSpec])
     raise InputError(f"model {value!r} is not valid: give a built-in name, a config.json path, a dict or an nn.Module")
 
 
-def from_hf_config(config: Mapping[str, Any], name: str = "") -> TransformerSpec:
-    """The shape keys of a transformers config (GPT-2's n_embd / n_layer / n_head are accepted too)."""
+def from_hf_config(config: Mapping[str, Any], name: str = "", structure: bool = True) -> TransformerSpec:
+    """The shape keys of a transformers config (GPT-2's n_embd / n_layer / n_head are accepted too).
+
+    With ``structure``, what the keys cannot say is read off the model itself, built on the meta device
+    from the config where transformers knows its model type (``_with_structure``): whether its MLP is
+    gated, for a model type in neither list above, and, for a complete config.json, its exact parameter
+    count where the shape's own count misses more than 1 % of it."""
     data = _standard_names({_ALIASES.get(k, k): v for k, v in config.items()})
     if data.get("is_encoder_decoder"):
         raise InputError(f"model config: {data.get('model_type') or 'this model'} is an encoder-decoder model "
@@ -311,9 +333,11 @@ def from_hf_config(config: Mapping[str, Any], name: str = "") -> TransformerSpec
     missing = [k for k in _REQUIRED if not isinstance(data.get(k), int)]
     if missing and isinstance(data.get("text_config"), Mapping):
         # a multimodal config (Llama 4, Gemma 3, Mistral 3): its language model, the vision tower left out
-        text = data["text_config"]
+        text = dict(data["text_config"])
+        if _WRITTEN_BY_TRANSFORMERS in data:  # written whole with its model's config: as complete
+            text.setdefault(_WRITTEN_BY_TRANSFORMERS, data[_WRITTEN_BY_TRANSFORMERS])
         label = name or data.get("_name_or_path") or data.get("model_type") or "model"
-        return from_hf_config(text, name=f"{label} (language model)")
+        return from_hf_config(text, name=f"{label} (language model)", structure=structure)
     if missing:
         raise InputError(f"model config: missing or non-integer key(s) {missing}; required: {list(_REQUIRED)}")
     hidden, model_type = data["hidden_size"], str(data.get("model_type", ""))
@@ -324,13 +348,104 @@ def from_hf_config(config: Mapping[str, Any], name: str = "") -> TransformerSpec
     if latent:  # its config's head_dim is the rotary part's (transformers' DeepseekV3Config)
         head_size = latent.pop("head_size")
     mlp = {"ffn": _mlp_width(config, data), **_experts(data), **_sliding_window(data), **latent}
-    return TransformerSpec(
+    spec = TransformerSpec(
         name=name or data.get("_name_or_path") or model_type or "model", hidden=hidden,
         layers=data["num_hidden_layers"], heads=data["num_attention_heads"],
         kv_heads=_kv_heads(data), vocab=data["vocab_size"],
         tied=bool(data.get("tie_word_embeddings", not gated)), gated=gated,
         block=arch.replace("ForCausalLM", "DecoderLayer") if arch.endswith("ForCausalLM") else "Block",
         head_size=head_size if isinstance(head_size, int) else 0, **mlp)
+    return _with_structure(spec, data) if structure else spec
+
+
+def _with_structure(spec: TransformerSpec, data: Mapping[str, Any]) -> TransformerSpec:
+    """The spec with what only the model's structure says, where it must be built to say it: a model type
+    in neither ``GATED_MODEL_TYPES`` nor ``PLAIN_MLP_MODEL_TYPES`` (its MLP read off its first block; where
+    it cannot be built, a SiLU / SwiGLU activation is taken as gated, as those models are), the experts a
+    config names under keys this reader does not know, and a complete config's exact parameter count where
+    the shape's count is more than 1 % off it (per-layer widths, extra embeddings: the memory goes with the
+    parameters the model really has). Within 1 % the shape's count stands (biases and norms it leaves out)."""
+    model_type = str(data.get("model_type", ""))
+    known = model_type in GATED_MODEL_TYPES or model_type in PLAIN_MLP_MODEL_TYPES
+    complete = _WRITTEN_BY_TRANSFORMERS in data
+    if known and not complete:
+        return spec
+    model = _built_on_meta(data)
+    if model is None:
+        return spec if known else replace(spec, gated=_gated_by_activation(data))
+    if not spec.experts:
+        moe = _first_moe_block(model, spec.hidden)
+        spec = replace(spec, **moe) if moe else spec
+    blocks, _ = repeated_blocks(model)
+    spec = replace(spec, block=next(iter(blocks), spec.block))  # the block class the model really repeats
+    if spec.experts and not spec.dense_layers:  # dense layers placed by keys this reader does not know
+        spec = _with_module_dense_layers(spec, model)
+    if not known:
+        gated = _module_gated(model, spec)
+        spec = replace(spec, gated=_gated_by_activation(data) if gated is None else gated)
+    exact = sum(p.numel() for p in model.parameters())
+    if complete and abs(spec.param_count - exact) > 0.01 * exact:
+        spec = replace(spec, param_count_override=exact)
+    return spec
+
+
+def _built_on_meta(data: Mapping[str, Any]) -> Optional[nn.Module]:
+    """The causal language model a config describes, built on the meta device (nothing allocated), or None
+    where transformers is absent, does not know the model type as a causal LM, or cannot build it."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return None
+    model_type = data.get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return None
+    try:
+        config = AutoConfig.for_model(model_type, **{k: v for k, v in data.items() if k != "model_type"})
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception as error:  # a config transformers refuses: the shape keys alone are read
+        logger.info("model config: transformers could not build %s on meta (%s: %s); its keys alone are read",
+                    model_type, type(error).__name__, error)
+        return None
+
+
+def _gated_by_activation(data: Mapping[str, Any]) -> bool:
+    """A model that cannot be built: SiLU / SwiGLU MLPs are gated in every model family that uses them."""
+    act = data.get("hidden_act") or data.get("activation_function") or data.get("hidden_activation")
+    return str(act).lower() in ("silu", "swiglu", "swish")
+
+
+def _module_gated(model: nn.Module, spec: TransformerSpec) -> Optional[bool]:
+    """Whether the first repeated block's MLP is gated: an expert's parameters over hidden x its width
+    (3 matrices or 2), or, in a dense block, the projections into the MLP's width beside the one out of it
+    (``ffn`` -> hidden): gate and up (or one fused, twice as wide) against up alone. None where neither is
+    found."""
+    blocks, _ = repeated_blocks(model)
+    block = next((m for m in model.modules() if type(m).__name__ in blocks), None)
+    if block is None:
+        return None
+    found = _expert_bank(block) or _expert_list(block, spec.hidden)
+    if found is not None and spec.expert_ffn:
+        matrices = round(found[2] / (spec.hidden * spec.expert_ffn))
+        return {3: True, 2: False}.get(matrices)
+    for parent in block.modules():
+        shapes = [shape for child in parent.children() if (shape := _linear_shape(child))]
+        if (spec.ffn, spec.hidden) in shapes:
+            into = sum(out for inp, out in shapes if inp == spec.hidden)
+            return {2 * spec.ffn: True, spec.ffn: False}.get(into)
+    return None
+
+
+def _linear_shape(module: nn.Module) -> Optional[tuple[int, int]]:
+    """(in, out) features of a linear layer: ``nn.Linear``, or GPT-2's transposed ``Conv1D``."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    weight, out = getattr(module, "weight", None), getattr(module, "nf", None)
+    if isinstance(out, int) and weight is not None and weight.dim() == 2:
+        return int(weight.shape[0]), out
+    return None
 
 
 def _latent_attention(data: Mapping[str, Any]) -> dict[str, int]:
@@ -397,14 +512,18 @@ def _sliding_window(data: Mapping[str, Any]) -> dict[str, int]:
 def _mlp_width(config: Mapping[str, Any], data: Mapping[str, Any]) -> int:
     """The MLP's width as the model reads it: GPT-2-style models read ``n_inner``, Falcon
     ``ffn_hidden_size``, OPT and XGLM ``ffn_dim`` (4 x hidden where unset), MPT ``expansion_ratio`` x
-    d_model, whatever else the config holds; the rest ``intermediate_size``."""
+    d_model, whatever else the config holds; the rest ``intermediate_size`` (the mean where it gives one
+    width a layer, as Gemma 3n does)."""
     hidden = data["hidden_size"]
     for own in ("n_inner", "ffn_hidden_size", "ffn_dim"):
         if own in config:
             return config[own] or 4 * hidden
     if isinstance(config.get("expansion_ratio"), (int, float)):
         return int(config["expansion_ratio"] * hidden)
-    return data.get("intermediate_size") or 4 * hidden
+    width = data.get("intermediate_size")
+    if isinstance(width, list) and width and all(isinstance(w, int) for w in width):
+        return round(sum(width) / len(width))  # one width a layer (Gemma 3n): their mean
+    return width or 4 * hidden
 
 
 def _kv_heads(data: Mapping[str, Any]) -> int:
@@ -428,16 +547,17 @@ def _experts(data: Mapping[str, Any]) -> dict[str, int]:
     layers (DeepSeek's first_k_dense_replace, Llama 4's interleave_moe_layer_step, ``_dense_layers``) are
     counted by their layers' mean: ``ffn`` the mean width, ``dense_layers`` and ``dense_ffn`` the rest."""
     experts = next((data[k] for k in _EXPERT_KEYS if isinstance(data.get(k), int) and data[k] > 1), 0)
-    if not experts:
+    if not experts or data.get("is_moe") is False:  # Doge's experts off: a dense MLP
         return {}
-    per_token = data.get("num_experts_per_tok")
+    per_token = next((data[k] for k in _TOP_K_KEYS if isinstance(data.get(k), int)), None)
     if not isinstance(per_token, int) or per_token < 1:
-        raise InputError(f"model config: {experts} experts but no integer num_experts_per_tok (the experts each token "
-                         "is routed to)")
-    expert_ffn = data.get("moe_intermediate_size") or data.get("intermediate_size") or 4 * data["hidden_size"]
+        raise InputError(f"model config: {experts} experts but no integer {' / '.join(_TOP_K_KEYS)} (the experts "
+                         "each token is routed to)")
+    expert_ffn = data.get("moe_intermediate_size") or _mlp_width(data, data)
     shared = data.get("shared_expert_intermediate_size") or 0
-    if not shared and isinstance(data.get("n_shared_experts"), int):
-        shared = data["n_shared_experts"] * expert_ffn
+    shared_count = next((data[k] for k in _SHARED_EXPERT_KEYS if isinstance(data.get(k), int)), None)
+    if not shared and shared_count:
+        shared = shared_count * expert_ffn
     if not shared and str(data.get("model_type", "")).startswith("llama4"):
         shared = expert_ffn
     dense, dense_ffn = _dense_layers(data, experts)
@@ -484,6 +604,13 @@ def _dense_layers(data: Mapping[str, Any], experts: int) -> tuple[int, int]:
     if isinstance(data.get("first_k_dense_replace"), int):
         freq = data.get("moe_layer_freq") if isinstance(data.get("moe_layer_freq"), int) else 1
         routed = [i for i in routed if i >= data["first_k_dense_replace"] and i % max(freq, 1) == 0]
+    if isinstance(data.get("moe_layer_start_index"), int):  # ERNIE 4.5's span and interval
+        end = data.get("moe_layer_end_index") if isinstance(data.get("moe_layer_end_index"), int) else layers - 1
+        interval = max(data.get("moe_layer_interval") or 1, 1)
+        routed = [i for i in routed if data["moe_layer_start_index"] <= i <= end and (i + 1) % interval == 0]
+    if isinstance(data.get("expert_layer_period"), int) and data["expert_layer_period"] > 1:  # Jamba's
+        period, offset = data["expert_layer_period"], data.get("expert_layer_offset") or 0
+        routed = [i for i in routed if i % period == offset]
     if isinstance(data.get("decoder_sparse_step"), int) and data["decoder_sparse_step"] > 1:
         routed = [i for i in routed if (i + 1) % data["decoder_sparse_step"] == 0]
     if isinstance(data.get("mlp_only_layers"), list):
@@ -507,10 +634,13 @@ def _module_shape(model: nn.Module) -> TransformerSpec:
     config = getattr(model, "config", None)
     data = _config_dict(config) if config is not None and hasattr(config, "to_dict") else None
     if data is not None and all(isinstance(data.get(k), int) for k in _REQUIRED):
-        spec = from_hf_config(data, name=type(model).__name__)
+        spec = from_hf_config(data, name=type(model).__name__, structure=False)
         if not spec.experts:  # a config whose expert keys this reader does not know: the modules say
             moe = _first_moe_block(model, spec.hidden)
             spec = replace(spec, **moe) if moe else spec
+        if str(data.get("model_type", "")) not in GATED_MODEL_TYPES | PLAIN_MLP_MODEL_TYPES:
+            gated = _module_gated(model, spec)
+            spec = replace(spec, gated=_gated_by_activation(data) if gated is None else gated)
         return _with_block(spec, model)
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     blocks, block_bytes = repeated_blocks(model)

@@ -1,0 +1,137 @@
+"""The planner reads a transformers config.json as the model it builds: what its keys do not say (whether
+the MLP is gated for a model type the planner does not list, experts under other keys, parameters the shape
+does not describe) is read off the model built on the meta device. Checked against transformers' own
+configs at their defaults: the planner's parameter count against the built model's."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from atorch.errors import InputError
+from atorch.plan import estimate
+from atorch.plan.hardware_specs import cluster_spec, device_spec
+from atorch.plan.model_specs import GATED_MODEL_TYPES, PLAIN_MLP_MODEL_TYPES, _module_gated, from_hf_config, model_spec
+
+transformers = pytest.importorskip("transformers")
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM  # noqa: E402
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
+
+
+def _default(model_type: str) -> dict:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return CONFIG_MAPPING[model_type]().to_dict()
+
+
+def _built(config: dict) -> torch.nn.Module:
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(CONFIG_MAPPING[config["model_type"]](**{
+            k: v for k, v in config.items() if k != "model_type"}))
+
+
+def _count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# model types in neither list (their MLP read off the built model): gated ones and a plain one (CTRL's ReLU MLP)
+UNLISTED = {"internlm3": True, "cwm": True, "diffllama": True, "emu3": True, "ctrl": False}
+
+
+@pytest.mark.parametrize("model_type, gated", sorted(UNLISTED.items()))
+def test_a_model_type_the_planner_does_not_list_has_its_mlp_read_off_the_built_model(model_type, gated):
+    assert model_type not in GATED_MODEL_TYPES | PLAIN_MLP_MODEL_TYPES
+    config = _default(model_type)
+    config.pop("transformers_version")  # the shape's own count, not the built model's
+    spec = model_spec(config)
+    assert spec.gated is gated
+    if gated:  # CTRL's untied, biased output layer aside
+        assert spec.param_count == pytest.approx(_count(_built(config)), rel=0.01)
+
+
+LISTED = sorted(t for t in GATED_MODEL_TYPES | PLAIN_MLP_MODEL_TYPES if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+                and t not in ("jamba", "zamba", "zamba2", "minimax", "qwen3_next", "bitnet"))
+
+
+def test_the_listed_model_types_are_gated_as_their_built_models_are():
+    """The two name lists are a fast path, not the rule: each listed type's default model, built on meta,
+    has the MLP its list says (hybrids whose first block is not an attention block are left out)."""
+    wrong, checked = {}, 0
+    for model_type in LISTED:
+        config = _default(model_type)
+        try:
+            spec = from_hf_config(config, structure=False)
+            model = _built(config)
+        except Exception:  # a default config without its top-k (InputError), or one transformers cannot build
+            continue
+        seen = _module_gated(model, spec)
+        checked += seen is not None
+        if seen is not None and seen != (model_type in GATED_MODEL_TYPES):
+            wrong[model_type] = seen
+    assert not wrong, wrong
+    assert checked >= 0.8 * len(LISTED), (checked, len(LISTED))  # transformers 5.23: 47 of 50
+
+
+def test_a_complete_config_counts_what_its_shape_does_not_describe():
+    """Gemma 3n gives one MLP width a layer and per-layer embeddings: the shape's count misses 35 % of the
+    model, which a complete config.json (transformers_version) replaces with the built model's count."""
+    config = _default("gemma3n_text")
+    exact = _count(_built(config))
+    assert model_spec(config).param_count == exact
+    shape_only = dict(config)
+    shape_only.pop("transformers_version")
+    assert model_spec(shape_only).param_count < 0.8 * exact  # read, not refused: the widths' mean
+
+
+def test_a_multimodal_config_written_whole_counts_its_language_model_exactly():
+    config = _default("gemma4")
+    text = transformers.AutoConfig.for_model(**config["text_config"])
+    with torch.device("meta"):
+        exact = _count(AutoModelForCausalLM.from_config(text))
+    assert model_spec(config).param_count == exact
+
+
+@pytest.mark.parametrize("model_type, experts, per_token, shared", [
+    ("aria_text", 8, 2, 2 * 4096),       # moe_num_experts, moe_topk, moe_num_shared_experts
+    ("ernie4_5_moe", 64, 6, 2 * 1536),   # moe_num_experts, moe_k, moe_num_shared_experts
+])
+def test_experts_under_other_families_keys_are_read(model_type, experts, per_token, shared):
+    config = _default(model_type)
+    config.pop("transformers_version")
+    spec = model_spec(config)
+    assert (spec.experts, spec.experts_per_token, spec.shared_ffn) == (experts, per_token, shared)
+    assert spec.param_count == pytest.approx(_count(_built(config)), rel=0.01)
+
+
+def test_a_config_that_turns_its_experts_off_is_dense():
+    config = _default("doge")
+    assert config["is_moe"] is False and config["num_experts"] > 1
+    assert model_spec(config).experts == 0
+
+
+def test_jambas_experts_every_other_layer_give_its_published_active_parameters():
+    """Jamba: 52B parameters, 12B active (AI21's model card); experts on every other layer
+    (expert_layer_period 2, offset 1), the others a dense MLP."""
+    spec = model_spec(_default("jamba"))
+    assert spec.dense_layers == 16
+    assert spec.param_count / 1e9 == pytest.approx(51.6, abs=0.1)
+    assert spec.active_param_count / 1e9 == pytest.approx(12.1, abs=0.5)
+
+
+def test_a_model_type_transformers_does_not_know_is_gated_by_its_activation():
+    base = {"hidden_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 16, "vocab_size": 1000,
+            "intermediate_size": 2816}
+    assert model_spec({**base, "model_type": "my_swiglu_lm", "hidden_act": "silu"}).gated is True
+    assert model_spec({**base, "model_type": "my_gelu_lm", "hidden_act": "gelu"}).gated is False
+
+
+def test_common_device_names_resolve_and_an_ambiguous_one_is_refused_with_both():
+    assert cluster_spec("8xH100").device.name == "H100-80GB"
+    assert cluster_spec("4x8x h100 sxm").label == "4x8xH100-80GB"
+    assert device_spec("NVIDIA H200").name == "H200"
+    with pytest.raises(InputError, match=r"'A100' is ambiguous.*'A100-40GB', 'A100-80GB'"):
+        device_spec("A100")
+    prediction = estimate("llama3-8b", "8xH100", global_batch=8, seq_len=4096)
+    assert prediction.tokens_per_s_per_gpu == estimate("llama3-8b", "8xH100-80GB", global_batch=8,
+                                                       seq_len=4096).tokens_per_s_per_gpu
