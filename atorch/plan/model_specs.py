@@ -661,9 +661,26 @@ def _module_shape(model: nn.Module) -> TransformerSpec:
         spec = TransformerSpec(type(model).__name__, hidden, layers, heads, kv_heads, vocab=vocab, gated=True,
                                block=block, param_count_override=total, head_size=head_size, **latent, **moe)
         return _with_module_dense_layers(spec, model)
-    ffn = max((block_params - 4 * hidden * hidden) // (2 * hidden), hidden)
-    return TransformerSpec(type(model).__name__, hidden, layers, heads, kv_heads, ffn, vocab, gated=False, block=block,
+    mlp = _module_mlp(module, hidden, heads)
+    ffn, gated = mlp if mlp else (max((block_params - 4 * hidden * hidden) // (2 * hidden), hidden), False)
+    return TransformerSpec(type(model).__name__, hidden, layers, heads, kv_heads, ffn, vocab, gated=gated, block=block,
                            param_count_override=total)
+
+
+def _module_mlp(block: nn.Module, hidden: int, heads: int) -> Optional[tuple[int, bool]]:
+    """(width, gated) of a dense block's MLP read off its linear layers, or None: a module whose linear
+    children project the hidden state into one width ``w`` (gate and up, or one fused twice as wide: gated;
+    up alone: plain) beside one projection ``w`` -> hidden. The attention (queries, keys and values into
+    heads x head size, its output back) can look alike, so a width equal to the hidden size is not taken
+    and, of several candidates, the widest is (an MLP is wider than its attention in every model here)."""
+    found = []
+    for parent in block.modules():
+        shapes = [shape for child in parent.children() if (shape := _linear_shape(child))]
+        for width in {inp for inp, out in shapes if out == hidden and inp != hidden}:
+            into = sum(out for inp, out in shapes if inp == hidden and out in (width, 2 * width))
+            if into in (width, 2 * width):
+                found.append((width, into == 2 * width))
+    return max(found) if found else None
 
 
 def _config_dict(config: Any) -> dict[str, Any]:

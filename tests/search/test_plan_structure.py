@@ -135,3 +135,22 @@ def test_common_device_names_resolve_and_an_ambiguous_one_is_refused_with_both()
     prediction = estimate("llama3-8b", "8xH100", global_batch=8, seq_len=4096)
     assert prediction.tokens_per_s_per_gpu == estimate("llama3-8b", "8xH100-80GB", global_batch=8,
                                                        seq_len=4096).tokens_per_s_per_gpu
+
+
+@pytest.mark.parametrize("name, width, gated", [
+    ("TitanLlama", 64, True),       # torchtitan's w1 / w3 into the width, w2 back: SwiGLU
+    ("TorchEncoderLM", 64, False),  # nn.TransformerEncoderLayer's linear1 / linear2
+    ("NanoGPT", 128, False),        # nanoGPT's c_fc / c_proj (its attention's c_attn / c_proj are hidden-wide)
+    ("ParallelLM", 128, False),     # GPT-J-style parallel block: expand / contract
+    ("PerceiverLM", 64, False),     # the MLP inside an nn.Sequential beside a norm
+])
+def test_a_module_without_a_config_has_its_mlp_read_off_its_linear_layers(name, width, gated):
+    """Not solved from the block's parameter count (which took every MLP as plain): the projections into
+    the MLP's width and the one back, whatever the layers are named."""
+    from atorch.testing import community_models
+
+    with torch.device("meta"):
+        model = getattr(community_models, name)()
+    spec = model_spec(model)
+    assert (spec.ffn, spec.gated) == (width, gated)
+    assert spec.param_count == _count(model)
