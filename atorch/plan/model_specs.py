@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
+import torch
 from torch import nn
 
 from atorch.errors import InputError, nearest_name
@@ -393,7 +394,6 @@ def _built_on_meta(data: Mapping[str, Any]) -> Optional[nn.Module]:
     """The causal language model a config describes, built on the meta device (nothing allocated), or None
     where transformers is absent, does not know the model type as a causal LM, or cannot build it."""
     try:
-        import torch
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     except ImportError:
