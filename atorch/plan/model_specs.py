@@ -374,20 +374,27 @@ def _with_structure(spec: TransformerSpec, data: Mapping[str, Any]) -> Transform
     model = _built_on_meta(data)
     if model is None:
         return spec if known else replace(spec, gated=_gated_by_activation(data))
-    if not spec.experts:
-        moe = _first_moe_block(model, spec.hidden)
-        spec = replace(spec, **moe) if moe else spec
+    spec = _with_module_mlp(spec, model, data)
     blocks, _ = repeated_blocks(model)
     spec = replace(spec, block=next(iter(blocks), spec.block))  # the block class the model really repeats
     if spec.experts and not spec.dense_layers:  # dense layers placed by keys this reader does not know
         spec = _with_module_dense_layers(spec, model)
-    if not known:
-        gated = _module_gated(model, spec)
-        spec = replace(spec, gated=_gated_by_activation(data) if gated is None else gated)
     exact = sum(p.numel() for p in model.parameters())
     if complete and abs(spec.param_count - exact) > 0.01 * exact:
         spec = replace(spec, param_count_override=exact)
     return spec
+
+
+def _with_module_mlp(spec: TransformerSpec, model: nn.Module, data: Mapping[str, Any]) -> TransformerSpec:
+    """What a config's keys leave to the module: experts under keys this reader does not know, and, for a
+    model type in neither list, whether its MLP is gated (off its first block; else by its activation)."""
+    if not spec.experts:
+        moe = _first_moe_block(model, spec.hidden)
+        spec = replace(spec, **moe) if moe else spec
+    if str(data.get("model_type", "")) in GATED_MODEL_TYPES | PLAIN_MLP_MODEL_TYPES:
+        return spec
+    gated = _module_gated(model, spec)
+    return replace(spec, gated=_gated_by_activation(data) if gated is None else gated)
 
 
 def _built_on_meta(data: Mapping[str, Any]) -> Optional[nn.Module]:
@@ -430,12 +437,21 @@ def _module_gated(model: nn.Module, spec: TransformerSpec) -> Optional[bool]:
     if found is not None and spec.expert_ffn:
         matrices = round(found[2] / (spec.hidden * spec.expert_ffn))
         return {3: True, 2: False}.get(matrices)
+    return next((gated for width, gated in _mlp_groups(block, spec.hidden) if width == spec.ffn), None)
+
+
+def _mlp_groups(block: nn.Module, hidden: int) -> list[tuple[int, bool]]:
+    """(width, gated) of every group of sibling linear layers that projects the hidden state into one width
+    ``w`` (gate and up, or one fused twice as wide: gated; up alone: plain) beside one projection ``w`` ->
+    hidden: a block's MLP, and where they look alike its attention."""
+    found = []
     for parent in block.modules():
         shapes = [shape for child in parent.children() if (shape := _linear_shape(child))]
-        if (spec.ffn, spec.hidden) in shapes:
-            into = sum(out for inp, out in shapes if inp == spec.hidden)
-            return {2 * spec.ffn: True, spec.ffn: False}.get(into)
-    return None
+        for width in {inp for inp, out in shapes if out == hidden}:
+            into = sum(out for inp, out in shapes if inp == hidden and out in (width, 2 * width))
+            if into in (width, 2 * width):
+                found.append((width, into == 2 * width))
+    return found
 
 
 def _linear_shape(module: nn.Module) -> Optional[tuple[int, int]]:
@@ -635,13 +651,7 @@ def _module_shape(model: nn.Module) -> TransformerSpec:
     data = _config_dict(config) if config is not None and hasattr(config, "to_dict") else None
     if data is not None and all(isinstance(data.get(k), int) for k in _REQUIRED):
         spec = from_hf_config(data, name=type(model).__name__, structure=False)
-        if not spec.experts:  # a config whose expert keys this reader does not know: the modules say
-            moe = _first_moe_block(model, spec.hidden)
-            spec = replace(spec, **moe) if moe else spec
-        if str(data.get("model_type", "")) not in GATED_MODEL_TYPES | PLAIN_MLP_MODEL_TYPES:
-            gated = _module_gated(model, spec)
-            spec = replace(spec, gated=_gated_by_activation(data) if gated is None else gated)
-        return _with_block(spec, model)
+        return _with_block(_with_module_mlp(spec, model, data), model)
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     blocks, block_bytes = repeated_blocks(model)
     if not embeddings or not blocks:
@@ -673,13 +683,7 @@ def _module_mlp(block: nn.Module, hidden: int, heads: int) -> Optional[tuple[int
     up alone: plain) beside one projection ``w`` -> hidden. The attention (queries, keys and values into
     heads x head size, its output back) can look alike, so a width equal to the hidden size is not taken
     and, of several candidates, the widest is (an MLP is wider than its attention in every model here)."""
-    found = []
-    for parent in block.modules():
-        shapes = [shape for child in parent.children() if (shape := _linear_shape(child))]
-        for width in {inp for inp, out in shapes if out == hidden and inp != hidden}:
-            into = sum(out for inp, out in shapes if inp == hidden and out in (width, 2 * width))
-            if into in (width, 2 * width):
-                found.append((width, into == 2 * width))
+    found = [group for group in _mlp_groups(block, hidden) if group[0] != hidden]
     return max(found) if found else None
 
 
