@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
@@ -661,23 +662,30 @@ def _module_shape(model: nn.Module) -> TransformerSpec:
     block, layers = next(iter(blocks.items()))
     module = next(m for m in model.modules() if type(m).__name__ == block)
     block_params = sum(p.numel() for p in module.parameters())
-    heads = _int_attribute(module, HEAD_COUNT_NAMES) or max(hidden // 64, 1)
-    kv_heads = _int_attribute(module, KV_HEAD_COUNT_NAMES) or heads
     total = sum(p.numel() for p in model.parameters())
     moe = _first_moe_block(model, hidden)
     if moe:
         latent = _module_latent(module)
         head_size = latent.pop("head_size", 0)
+        if latent:
+            heads = _int_attribute(module, HEAD_COUNT_NAMES) or max(hidden // 64, 1)
+            kv_heads = _int_attribute(module, KV_HEAD_COUNT_NAMES) or heads
+        else:
+            widths = {moe["expert_ffn"], moe["shared_ffn"]}
+            heads, kv_heads, head_size = _module_heads(module, hidden, _module_attention(module, hidden, widths))
         spec = TransformerSpec(type(model).__name__, hidden, layers, heads, kv_heads, vocab=vocab, gated=True,
                                block=block, param_count_override=total, head_size=head_size, **latent, **moe)
         return _with_module_dense_layers(spec, model)
-    mlp = _module_mlp(module, hidden, heads)
-    ffn, gated = mlp if mlp else (max((block_params - 4 * hidden * hidden) // (2 * hidden), hidden), False)
+    mlp = _module_mlp(module, hidden)
+    heads, kv_heads, head_size = _module_heads(
+        module, hidden, _module_attention(module, hidden, {mlp[0]} if mlp else set()))
+    attention = 2 * hidden * heads * head_size + 2 * hidden * kv_heads * head_size if head_size else 4 * hidden * hidden
+    ffn, gated = mlp if mlp else (max((block_params - attention) // (2 * hidden), hidden), False)
     return TransformerSpec(type(model).__name__, hidden, layers, heads, kv_heads, ffn, vocab, gated=gated, block=block,
-                           param_count_override=total)
+                           param_count_override=total, head_size=head_size)
 
 
-def _module_mlp(block: nn.Module, hidden: int, heads: int) -> Optional[tuple[int, bool]]:
+def _module_mlp(block: nn.Module, hidden: int) -> Optional[tuple[int, bool]]:
     """(width, gated) of a dense block's MLP read off its linear layers, or None: a module whose linear
     children project the hidden state into one width ``w`` (gate and up, or one fused twice as wide: gated;
     up alone: plain) beside one projection ``w`` -> hidden. The attention (queries, keys and values into
@@ -685,6 +693,74 @@ def _module_mlp(block: nn.Module, hidden: int, heads: int) -> Optional[tuple[int
     and, of several candidates, the widest is (an MLP is wider than its attention in every model here)."""
     found = [group for group in _mlp_groups(block, hidden) if group[0] != hidden]
     return max(found) if found else None
+
+
+def _module_attention(block: nn.Module, hidden: int, mlp_widths: set[int]) -> Optional[tuple[int, int]]:
+    """(query width, key width) of a block's attention read off its projections, or None: the linear
+    children of one module (through ``nn.Sequential`` wrappers; the MLP's, of a width in ``mlp_widths``
+    with its projection back to the hidden size beside them, set apart) that are an output
+    projection ``q`` -> hidden beside projections of the hidden state into the queries (``q``) and the keys
+    and values: separate (``kv`` each), keys and values fused (``2 kv``), or all three fused (``q + 2 kv``);
+    ``nn.MultiheadAttention``'s packed input weight counts as the fused one. Grouped-query attention is
+    then read from the shapes the weights have, whatever the attributes holding the head counts are
+    called (a width the names would give wrong: every head's keys counted where a few are shared)."""
+    for parent in block.modules():
+        shapes = [shape for child in _unwrapped_children(parent) if (shape := _linear_shape(child))]
+        packed = getattr(parent, "in_proj_weight", None) if isinstance(parent, nn.MultiheadAttention) else None
+        if packed is not None:
+            shapes.append((int(packed.shape[1]), int(packed.shape[0])))
+        mlp = {i for i, o in shapes if o == hidden and i in mlp_widths}  # the MLP's, where it is this module's
+        shapes = [(i, o) for i, o in shapes
+                  if not (i == hidden and (o in mlp or o / 2 in mlp) or o == hidden and i in mlp)]
+        for j, (q, out) in enumerate(shapes):
+            widths = _key_width(q, [o for k, (i, o) in enumerate(shapes) if k != j and i == hidden], len(shapes) - 1)
+            if out == hidden and widths:
+                return q, widths
+    return None
+
+
+def _unwrapped_children(module: nn.Module) -> list[nn.Module]:
+    """A module's children, those of an ``nn.Sequential`` child in its place (an output projection
+    written ``nn.Sequential(nn.Linear(...), nn.Dropout(...))``)."""
+    return [grand for child in module.children()
+            for grand in (child.children() if isinstance(child, nn.Sequential) else (child,))]
+
+
+def _key_width(q: int, inputs: list[int], others: int) -> int:
+    """A key's width from the widths the hidden state is projected into beside an output projection
+    that reads ``q`` (``_module_attention``); 0 where they are not an attention's (or another linear
+    layer sits beside them)."""
+    if len(inputs) != others or not 1 <= len(inputs) <= 3:
+        return 0
+    if len(inputs) == 1:  # queries, keys and values fused
+        rest = inputs[0] - q
+        return rest // 2 if rest > 0 and rest % 2 == 0 else 0
+    if q not in inputs:
+        return 0
+    rest = list(inputs)
+    rest.remove(q)
+    if len(rest) == 1:  # keys and values fused
+        return rest[0] // 2 if rest[0] % 2 == 0 else 0
+    return rest[0] if rest[0] == rest[1] else 0
+
+
+def _module_heads(block: nn.Module, hidden: int, attention: Optional[tuple[int, int]]) -> tuple[int, int, int]:
+    """(heads, key / value heads, head size; 0: hidden / heads) of a block's attention. Its widths read
+    off the projections (``_module_attention``) decide; the head counts the attention keeps as attributes
+    (``HEAD_COUNT_NAMES``) split them where they divide them, else a head of 64 (or the widths' largest
+    common divisor) does: the FLOPs and bytes the planner counts go by the widths, not the head count.
+    Without widths, the attributes alone (one head per 64 features, and as many key / value heads,
+    where none is found)."""
+    named = _int_attribute(block, HEAD_COUNT_NAMES)
+    if attention is None:
+        heads = named or max(hidden // 64, 1)
+        return heads, _int_attribute(block, KV_HEAD_COUNT_NAMES) or heads, 0
+    q, kv = attention
+    if named and q % named == 0 and kv % (q // named) == 0:
+        size = q // named
+    else:
+        size = 64 if q % 64 == 0 and kv % 64 == 0 else math.gcd(q, kv)
+    return q // size, kv // size, 0 if q == hidden else size
 
 
 def _config_dict(config: Any) -> dict[str, Any]:

@@ -154,3 +154,62 @@ def test_a_module_without_a_config_has_its_mlp_read_off_its_linear_layers(name, 
     spec = model_spec(model)
     assert (spec.ffn, spec.gated) == (width, gated)
     assert spec.param_count == _count(model)
+
+
+class _Attention(torch.nn.Module):
+    """Grouped-query attention whose head counts sit under names the planner does not know (``n_q``,
+    ``groups``), its projections laid out as ``layout`` says; queries 96 wide on a hidden size of 64."""
+
+    def __init__(self, layout: str, hidden: int = 64, q: int = 96, kv: int = 32):
+        super().__init__()
+        self.n_q, self.groups, self.layout = q // 16, kv // 16, layout
+        linear = lambda i, o: torch.nn.Linear(i, o, bias=False)  # noqa: E731
+        if layout == "separate":
+            self.q, self.k, self.v = linear(hidden, q), linear(hidden, kv), linear(hidden, kv)
+        elif layout == "kv_fused":
+            self.q, self.kv = linear(hidden, q), linear(hidden, 2 * kv)
+        else:
+            self.qkv = linear(hidden, q + 2 * kv)
+        self.proj = torch.nn.Sequential(linear(q, hidden), torch.nn.Dropout(0.0))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, layout: str, hidden: int = 64):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.RMSNorm(hidden), torch.nn.RMSNorm(hidden)
+        self.mix = _Attention(layout, hidden)
+        self.up, self.down = torch.nn.Linear(hidden, 160, bias=False), torch.nn.Linear(160, hidden, bias=False)
+
+
+class _GroupedLM(torch.nn.Module):
+    def __init__(self, layout: str, hidden: int = 64, layers: int = 3, vocab: int = 100):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.blocks = torch.nn.ModuleList(_Block(layout, hidden) for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+
+@pytest.mark.parametrize("layout", ["separate", "kv_fused", "qkv_fused"])
+def test_a_module_s_grouped_query_attention_is_read_off_its_projections(layout):
+    """Head counts under attribute names the planner does not know used to be guessed (one head per 64
+    features, as many key / value heads as heads): keys and values counted as wide as the queries here,
+    the attention's parameters and FLOPs a third too many. The widths come from the projections' shapes."""
+    with torch.device("meta"):
+        model = _GroupedLM(layout)
+    spec = model_spec(model)
+    assert (spec.q_dim, spec.key_dim, spec.value_dim, spec.ffn, spec.gated) == (96, 32, 32, 160, False)
+    assert spec.attention_params == 64 * 96 + 2 * 64 * 32 + 96 * 64
+    assert spec.block_params == _count(model.blocks[0])  # its two norms counted too
+    assert spec.param_count == _count(model)
+
+
+def test_named_head_counts_split_the_widths_the_projections_give():
+    """Where the attention's attributes name its head counts and they divide its widths (torchtitan's
+    n_heads / n_kv_heads), the heads are theirs."""
+    from atorch.testing import community_models
+
+    with torch.device("meta"):
+        model = community_models.TitanLlama()
+    spec = model_spec(model)
+    attention = model.layers["0"].attention
+    assert (spec.heads, spec.kv_heads) == (attention.n_heads, attention.n_kv_heads) != (attention.n_heads,) * 2
