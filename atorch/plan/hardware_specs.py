@@ -78,6 +78,14 @@ DEVICES: dict[str, DeviceSpec] = {spec.name: spec for spec in (
     replace(_B200, name="B200-750W", family="blackwell 750W",
             source="the B200 above power-capped to 750 W (torchao's B200 benchmarks); the same datasheet numbers, "
                    "its own fitted efficiency"),
+    # the export parts: the same chips and memory as the A100 80GB and H100 SXM above (their fitted
+    # efficiencies apply), NVLink cut to 400 GB/s (200 GB/s a direction)
+    DeviceSpec("A800-80GB", int(79.2 * GIB), 312e12, 0.0, 2.039e12, 200e9, 25e9, None,
+               "NVIDIA A800 SXM4 80GB datasheet (the A100 80GB's chip and 2,039 GB/s HBM2e, NVLink 400 GB/s), "
+               "HDR InfiniBand 200 Gb/s per GPU", "ampere"),
+    DeviceSpec("H800", int(79.1 * GIB), 989e12, 1979e12, 3.35e12, 200e9, 50e9, None,
+               "NVIDIA H800 SXM5 (the H100 SXM5's chip, 80 GB HBM3 3.35 TB/s, 700 W; NVLink 400 GB/s), "
+               "400 Gb/s per GPU", "hopper"),
     DeviceSpec("GH200", int(94.5 * GIB), 989e12, 1979e12, 4.0e12, 450e9, 50e9, None,
                "NVIDIA GH200 Grace Hopper datasheet (96 GB HBM3 4 TB/s, NVLink 900 GB/s), 400 Gb/s per GPU", "hopper"),
 )}
@@ -88,7 +96,8 @@ DEVICE_ALIASES = {
     "H100": "H100-80GB", "H100-SXM": "H100-80GB", "H100-SXM5": "H100-80GB", "H100-SXM5-80GB": "H100-80GB",
     "H100-80G": "H100-80GB", "H100-SXM-80GB": "H100-80GB", "H200-141GB": "H200", "H200-SXM": "H200",
     "A100-80G": "A100-80GB", "A100-SXM4-80GB": "A100-80GB", "A100-40G": "A100-40GB", "A100-SXM4-40GB": "A100-40GB",
-    "B200-SXM": "B200", "B200-1000W": "B200", "GH200-96GB": "GH200",
+    "B200-SXM": "B200", "B200-1000W": "B200", "GH200-96GB": "GH200", "H800-80GB": "H800", "H800-SXM5": "H800",
+    "A800-SXM4-80GB": "A800-80GB", "A800-80G": "A800-80GB",
 }
 # ... and the names that fit two parts whose memory differs: refused with both
 AMBIGUOUS_DEVICES = {"A100": ["A100-40GB", "A100-80GB"], "A100-SXM4": ["A100-40GB", "A100-80GB"]}
@@ -155,13 +164,48 @@ def device_spec(value: Union[str, Mapping[str, Any], DeviceSpec]) -> DeviceSpec:
         if unknown:
             raise InputError(f"device: unknown key(s) {unknown}; valid keys: {sorted(_FIELDS | {'base'})}")
         if base is not None:
-            return replace(device_spec(base), **data)
+            return _checked_device(replace(device_spec(base), **data))
         missing = sorted({"name", "memory_bytes", "bf16_flops"} - set(data))
         if missing:
             raise InputError(f"device: missing key(s) {missing} (or give 'base', a known device: {sorted(DEVICES)})")
-        return DeviceSpec(**data)
+        return _checked_device(DeviceSpec(**data))
     raise InputError(f"device {value!r} is not valid: give a name among {sorted(DEVICES)} or a dict of "
                      f"{sorted(_FIELDS)}")
+
+
+# a user's device: the fields that must be positive numbers, and those that may be 0 (none)
+_POSITIVE_FIELDS = ("memory_bytes", "bf16_flops")
+_NON_NEGATIVE_FIELDS = ("fp8_flops", "hbm_bytes_per_s", "nvlink_bytes_per_s", "network_bytes_per_s")
+
+
+def fitted_families() -> list[str]:
+    """The device families with a fitted efficiency (``calibration.py``'s ``<family> efficiency``)."""
+    return sorted(name.removesuffix(" efficiency") for name in calibration.FITTED
+                  if name.endswith(" efficiency") and name not in ("fp8 efficiency",)
+                  and "attention" not in name)
+
+
+def _checked_device(device: DeviceSpec) -> DeviceSpec:
+    """A user's device refused at once where a prediction would fail on it later: a number that is not
+    one (or not positive), an ``efficiency`` outside (0, 1], or a ``family`` with no fitted efficiency and
+    no ``efficiency`` of its own (a V100 or an MI300X: no published run here fits theirs)."""
+    for key in _POSITIVE_FIELDS + _NON_NEGATIVE_FIELDS:
+        number = getattr(device, key)
+        if (not isinstance(number, (int, float)) or isinstance(number, bool) or number < 0
+                or (number == 0 and key in _POSITIVE_FIELDS)):
+            least = "positive" if key in _POSITIVE_FIELDS else "0 or more"
+            raise InputError(f"device {device.name!r}: {key}={number!r} is not valid: give a number, {least}")
+    if device.efficiency is not None:
+        if not isinstance(device.efficiency, (int, float)) or not 0 < device.efficiency <= 1:
+            raise InputError(f"device {device.name!r}: efficiency={device.efficiency!r} is not valid: give the "
+                             "share of bf16_flops large dense matmuls reach, in (0, 1]")
+        return device
+    families = fitted_families()
+    if device.family not in families:
+        raise InputError(f"device {device.name!r}: family {device.family!r} has no fitted efficiency (valid "
+                         f"families: {families}); name the family whose chip it is, or give 'efficiency', the "
+                         "share of bf16_flops its large dense matmuls reach (e.g. 0.5)")
+    return device
 
 
 def cluster_spec(value: Union[str, Mapping[str, Any], ClusterSpec]) -> ClusterSpec:

@@ -137,6 +137,35 @@ def test_common_device_names_resolve_and_an_ambiguous_one_is_refused_with_both()
                                                        seq_len=4096).tokens_per_s_per_gpu
 
 
+def test_the_export_parts_are_their_chips_with_the_nvlink_they_have():
+    """H800 and A800: the H100 SXM's and the A100 80GB's chips (their fitted efficiencies), NVLink
+    cut to 400 GB/s (the H100's 900, the A100's 600), so a tensor-parallel plan's collectives take 9 / 4 as
+    long inside an H800 node."""
+    h800, h100 = device_spec("H800-SXM5"), device_spec("H100")
+    assert (h800.bf16_flops, h800.memory_bytes, h800.family) == (h100.bf16_flops, h100.memory_bytes, h100.family)
+    assert h800.nvlink_bytes_per_s == h100.nvlink_bytes_per_s * 4 / 9
+    assert device_spec("A800-SXM4-80GB").nvlink_bytes_per_s == device_spec("A100-80GB").nvlink_bytes_per_s * 2 / 3
+    options = dict(global_batch=8, seq_len=4096, tensor=8, sharding="zero1")
+    ours, theirs = estimate("llama3-70b", "8xH800", **options), estimate("llama3-70b", "8xH100", **options)
+    assert ours.comm_s == pytest.approx(9 / 4 * theirs.comm_s, rel=0.05)  # all tensor collectives (data 1)
+
+
+def test_a_user_device_is_checked_when_it_is_given():
+    """A device of a family no published run fits (an MI300X here) used to fail inside the prediction
+    with a bare KeyError('cdna3 efficiency'); it is refused at once naming the fitted families and the
+    ``efficiency`` key, and runs once it has one. Numbers that are not numbers are refused there too."""
+    mi300x = {"name": "MI300X", "memory_bytes": 192e9, "bf16_flops": 1.307e15, "hbm_bytes_per_s": 5.3e12,
+              "nvlink_bytes_per_s": 64e9, "network_bytes_per_s": 50e9, "family": "cdna3"}
+    with pytest.raises(InputError, match=r"family 'cdna3' has no fitted efficiency.*'ampere'.*'hopper'.*'efficiency'"):
+        device_spec(mi300x)
+    cluster = {"nodes": 1, "gpus_per_node": 8, "device": {**mi300x, "efficiency": 0.4}}
+    assert estimate("llama3-8b", cluster, global_batch=8, seq_len=4096).tokens_per_s_per_gpu > 0
+    with pytest.raises(InputError, match=r"bf16_flops='1e15' is not valid"):
+        device_spec({"base": "H100", "bf16_flops": "1e15"})
+    with pytest.raises(InputError, match=r"efficiency=1.5 is not valid.*\(0, 1\]"):
+        device_spec({"base": "H100", "efficiency": 1.5})
+
+
 @pytest.mark.parametrize("name, width, gated", [
     ("TitanLlama", 64, True),       # torchtitan's w1 / w3 into the width, w2 back: SwiGLU
     ("TorchEncoderLM", 64, False),  # nn.TransformerEncoderLayer's linear1 / linear2
