@@ -470,8 +470,11 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     spec, cluster = model_spec(model), cluster_spec(cluster)
     _check_positive("global_batch", global_batch)
     _check_positive("seq_len", seq_len)
-    _check_choice("sharding", sharding, ESTIMATE_SHARDINGS)
+    _check_choice("sharding", sharding, ESTIMATE_SHARDINGS, SHARDING_NAMES_ELSEWHERE)
     _check_choice("precision", precision, tuple(PRECISIONS))
+    if precision == "fp8" and not cluster.device.fp8_flops:
+        raise InputError(f"precision='fp8' is not valid on {cluster.device.name}: it has no fp8 tensor cores "
+                         "(fp8_flops 0); choose one of ['bf16', 'fp16', 'pure_bf16', 'fp32'] there")
     _check_choice("activation_checkpointing", activation_checkpointing, AC_MODES)
     _check_choice("optimizer_states", optimizer_states, OPTIMIZER_STATES)
     _check_choice("grad_sync", grad_sync, GRAD_SYNCS)
@@ -728,9 +731,18 @@ def _check_layout(spec: TransformerSpec, cluster: ClusterSpec, tensor: int, pipe
     return world // (tensor * pipeline * context)
 
 
-def _check_choice(name: str, value: Any, choices: tuple) -> None:
+def _check_choice(name: str, value: Any, choices: tuple, elsewhere: Optional[Mapping[str, str]] = None) -> None:
+    """``value`` among ``choices``, or an ``InputError`` naming them (and, for a name another framework
+    gives one of them, ``elsewhere``, which)."""
     if value not in choices:
-        raise InputError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
+        hint = elsewhere.get(value) if elsewhere and isinstance(value, str) else None
+        known = f" ({value!r} is {hint!r} here)" if hint else ""
+        raise InputError(f"{name}={value!r} is not valid; choose one of {list(choices)}{known}")
+
+
+# shardings other frameworks name otherwise: DeepSpeed's ZeRO-3, FSDP's ShardingStrategy names
+SHARDING_NAMES_ELSEWHERE = {"zero3": "fsdp", "full_shard": "fsdp", "shard_grad_op": "zero2",
+                            "hybrid_shard": "hsdp", "no_shard": "ddp"}
 
 
 def _check_flag(name: str, value: Any, choices: tuple) -> None:

@@ -540,6 +540,19 @@ def test_estimate_names_a_bad_value_and_the_valid_choices(key, value, valid):
     assert key in str(error.value)
 
 
+def test_fp8_is_refused_on_a_device_without_fp8_and_other_frameworks_sharding_names_are_pointed_at_ours():
+    """fp8 on an A100 used to be predicted as bf16 matmuls plus fp8's casts, with fp8's smaller saved
+    activations: a run the device cannot do, priced. DeepSpeed's / FSDP's names for a sharding are
+    refused (no silent reading) with ours named."""
+    with pytest.raises(InputError, match=r"precision='fp8' is not valid on A100-80GB: it has no fp8"):
+        atorch.estimate("llama3-8b", "8xA100-80GB", global_batch=16, seq_len=4096, precision="fp8")
+    assert atorch.estimate("llama3-8b", "8xH100-80GB", global_batch=16, seq_len=4096, precision="fp8").fits
+    for theirs, ours in (("zero3", "fsdp"), ("full_shard", "fsdp"), ("shard_grad_op", "zero2"),
+                         ("hybrid_shard", "hsdp")):
+        with pytest.raises(InputError, match=rf"sharding='{theirs}' is not valid.*'{theirs}' is '{ours}' here"):
+            atorch.estimate("llama3-8b", "8xH100-80GB", global_batch=16, seq_len=4096, sharding=theirs)
+
+
 def test_selective_checkpointing_is_ranked_but_the_strategy_is_one_atorch_applies():
     """Selective checkpointing is a planner candidate (it keeps more than full recompute, so it is
     faster and bigger); no atorch method offers it, so the strategy is the best plan without it."""
