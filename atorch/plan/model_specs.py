@@ -63,6 +63,9 @@ _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num
 _TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts")
 _SHARED_EXPERT_KEYS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# any key a config counts attention heads under (a config with none of them has no attention)
+_HEAD_COUNT_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads",
+                    "encoder_attention_heads")
 _ALIASES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
             "n_inner": "intermediate_size"}
 
@@ -341,7 +344,10 @@ def from_hf_config(config: Mapping[str, Any], name: str = "", structure: bool = 
         label = name or data.get("_name_or_path") or data.get("model_type") or "model"
         return from_hf_config(text, name=f"{label} (language model)", structure=structure)
     if missing:
-        raise InputError(f"model config: missing or non-integer key(s) {missing}; required: {list(_REQUIRED)}")
+        hint = (f" ({data.get('model_type') or 'this model'} has no attention heads: a state-space or recurrent model, "
+                "Mamba's or RWKV's, is not a transformer the planner describes)"
+                if "num_attention_heads" in missing and not any(k in data for k in _HEAD_COUNT_KEYS) else "")
+        raise InputError(f"model config: missing or non-integer key(s) {missing}; required: {list(_REQUIRED)}{hint}")
     hidden, model_type = data["hidden_size"], str(data.get("model_type", ""))
     arch = (data.get("architectures") or [""])[0]
     gated = model_type in GATED_MODEL_TYPES
@@ -677,8 +683,13 @@ def _module_shape(model: nn.Module) -> TransformerSpec:
                                block=block, param_count_override=total, head_size=head_size, **latent, **moe)
         return _with_module_dense_layers(spec, model)
     mlp = _module_mlp(module, hidden)
-    heads, kv_heads, head_size = _module_heads(
-        module, hidden, _module_attention(module, hidden, {mlp[0]} if mlp else set()))
+    attention = _module_attention(module, hidden, {mlp[0]} if mlp else set())
+    if attention is None and not _int_attribute(module, HEAD_COUNT_NAMES) and not _has_attention_module(module):
+        raise InputError(f"{type(model).__name__}: its repeated block {block} has no attention the planner can find "
+                         "(no output projection beside query / key / value projections, no head count): a "
+                         "state-space or recurrent model (Mamba's, RWKV's) is not a transformer the planner "
+                         "describes; a transformer written otherwise can be given as its config")
+    heads, kv_heads, head_size = _module_heads(module, hidden, attention)
     attention = 2 * hidden * heads * head_size + 2 * hidden * kv_heads * head_size if head_size else 4 * hidden * hidden
     ffn, gated = mlp if mlp else (max((block_params - attention) // (2 * hidden), hidden), False)
     return TransformerSpec(type(model).__name__, hidden, layers, heads, kv_heads, ffn, vocab, gated=gated, block=block,
@@ -717,6 +728,11 @@ def _module_attention(block: nn.Module, hidden: int, mlp_widths: set[int]) -> Op
             if out == hidden and widths:
                 return q, widths
     return None
+
+
+def _has_attention_module(block: nn.Module) -> bool:
+    """Whether ``block`` holds PyTorch's ``nn.MultiheadAttention``."""
+    return any(isinstance(m, nn.MultiheadAttention) for m in block.modules())
 
 
 def _unwrapped_children(module: nn.Module) -> list[nn.Module]:

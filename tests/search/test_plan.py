@@ -1723,11 +1723,16 @@ def test_a_module_s_own_block_traffic_is_counted_on_meta():
 
 
 class _TinyBlock(torch.nn.Module):
+    """One-head attention (its projections are what the planner reads it by) and a plain MLP."""
+
     def __init__(self):
         super().__init__()
+        self.qkv, self.out = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
         self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
 
     def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        x = x + self.out(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
         return x + self.down(torch.relu(self.up(x)))
 
 

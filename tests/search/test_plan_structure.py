@@ -242,3 +242,15 @@ def test_named_head_counts_split_the_widths_the_projections_give():
     spec = model_spec(model)
     attention = model.layers["0"].attention
     assert (spec.heads, spec.kv_heads) == (attention.n_heads, attention.n_kv_heads) != (attention.n_heads,) * 2
+
+
+def test_a_state_space_model_is_refused_naming_why_not_read_as_a_transformer():
+    """Mamba built as a module used to be read as a transformer of one head (its block's projections taken
+    for an attention and an MLP); its config was refused for a missing key alone."""
+    config = transformers.MambaConfig(vocab_size=64, hidden_size=32, state_size=4, num_hidden_layers=2)
+    with pytest.raises(InputError, match=r"num_attention_heads.*mamba has no attention heads: a state-space"):
+        model_spec(config.to_dict())
+    with torch.device("meta"):
+        model = transformers.MambaForCausalLM(config)
+    with pytest.raises(InputError, match=r"MambaBlock has no attention the planner can find.*state-space"):
+        model_spec(model)
