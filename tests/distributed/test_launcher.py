@@ -85,3 +85,32 @@ def test_a_rank_that_returned_before_the_failure_is_listed_as_returned():
 def test_an_unknown_start_method_is_refused_with_the_choices():
     with pytest.raises(ValueError, match=r"'fork'.*\('forkserver', 'spawn'\)"):
         run_distributed(_seen, 2, start_method="fork")
+
+
+def _abort_on_rank_1_while_rank_0_waits(marker: str, times: int) -> int:
+    """Rank 1 aborts (as glibc does on a corrupted heap) in the first ``times`` launches, counted in the
+    ``marker`` file; rank 0 meanwhile waits in a collective."""
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        launches = int(open(marker).read()) if os.path.exists(marker) else 0
+        with open(marker, "w") as file:
+            file.write(str(launches + 1))
+        if launches < times:
+            os.abort()
+    dist.barrier()
+    return dist.get_rank()
+
+
+def test_a_launch_whose_rank_crashed_in_native_code_runs_once_more_and_a_second_crash_fails(tmp_path, capfd):
+    """A rank killed by SIGABRT without a report (a native crash: the suite saw glibc's heap check abort
+    one rank inside gloo's collectives once in some tens of runs) relaunches once, saying so; a crash
+    that recurs fails with both launches' errors, and a Python error is never relaunched."""
+    marker = str(tmp_path / "launches")
+    assert run_distributed(_abort_on_rank_1_while_rank_0_waits, 2, marker, 1) == [0, 1]
+    assert "crashed in native code (launch 1)" in capfd.readouterr().err
+    with pytest.raises(DistributedRunError, match=r"2 launches each crashed in native code") as error:
+        run_distributed(_abort_on_rank_1_while_rank_0_waits, 2, str(tmp_path / "again"), 2)
+    assert str(error.value).count(f"exited with code {-6}") + str(error.value).count("exit codes [-6]") == 2
+    with pytest.raises(DistributedRunError, match="raised on rank 1") as error:
+        run_distributed(_raise_on_rank_1, 2)
+    assert not error.value.native_crash
