@@ -43,7 +43,7 @@ from atorch import errors
 from atorch.auto.opt_lib.tp_mha import split_mha
 from atorch.auto.opt_lib.tp_plan import find_tp_plan, split_share
 from atorch.distributed.fault import Outcome, describe, run_isolated
-from atorch.testing.hf_models import ZOO, ZooModel
+from atorch.testing.hf_models import MORE_FAMILIES, ZOO, ZooModel, zoo_model
 from atorch.testing.launcher import DistributedRunError, run_distributed
 from atorch.testing.training import relative_difference, train_gpt, weight_difference
 from atorch.utils.batch import call_with_batch
@@ -184,7 +184,7 @@ def run_column(column_key: str, models: list[str], progress: Optional[str] = Non
             # families would otherwise run eager under native_dynamo
             torch._dynamo.reset()
             try:
-                run = train_gpt(column.strategy(ZOO[family(name)]), hf_model=family(name), steps=STEPS,
+                run = train_gpt(column.strategy(zoo_model(family(name))), hf_model=family(name), steps=STEPS,
                                 global_batch=GLOBAL_BATCH, lr=LR,
                                 pretrained=(pretrained or {}).get(name) if name.endswith(META) else None)
             except Exception:
@@ -222,7 +222,7 @@ _REFERENCES: dict = {}
 
 def reference(name: str, chunks: int) -> dict:
     """Single-process PyTorch on the same data and global batch (the CNN: per-shard forwards)."""
-    chunks = chunks if ZOO[name].norm_chunks else 1
+    chunks = chunks if zoo_model(name).norm_chunks else 1
     if (name, chunks) not in _REFERENCES:
         run = train_gpt([], hf_model=name, steps=STEPS, global_batch=GLOBAL_BATCH, lr=LR, interleaved_chunks=chunks)
         _REFERENCES[(name, chunks)] = {"losses": run["losses"], "weights": run["weights"]}
@@ -236,7 +236,7 @@ def judge(column: Column, row: str, ran: dict, typed: set[str]) -> Cell:
         kind = error.split(":", 1)[0]
         status = "refused" if kind in typed else "fail"
         return Cell(status, error, seconds=ran["seconds"])
-    named = [item if isinstance(item, str) else item[0] for item in column.strategy(ZOO[name])]
+    named = [item if isinstance(item, str) else item[0] for item in column.strategy(zoo_model(name))]
     dropped = [method for method in named if method != "parallel_mode" and method not in ran.get("applied", named)]
     if dropped:
         return Cell("ignored", f"{', '.join(dropped)} not applied on this machine (ignored with a warning, as the "
@@ -258,7 +258,7 @@ def judge(column: Column, row: str, ran: dict, typed: set[str]) -> Cell:
 def _comparable(weights: dict, name: str) -> dict:
     """BatchNorm running statistics follow each rank's own batches (DDP keeps rank 0's); the trained
     parameters are what parity is about."""
-    if not ZOO[name].norm_chunks:
+    if not zoo_model(name).norm_chunks:
         return weights
     return {k: v for k, v in weights.items() if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))}
 
@@ -447,7 +447,7 @@ def _numel_share(model: torch.nn.Module, ids: set[int]) -> float:
 def tensor_plan_share(name: str, tp: int = 2) -> tuple[float, float, str]:
     """(atorch's split share, the Megatron-style share, how the plan was found) for one zoo model,
     from the plan tensor_parallel finds on one sample row (no process group needed)."""
-    zoo = ZOO[name]
+    zoo = zoo_model(name)
     torch.manual_seed(0)
     model = zoo.build()
     batch = torch.utils.data.default_collate([zoo.make_dataset(2, 0)[0]])
@@ -486,7 +486,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--columns", nargs="*", choices=[c.key for c in COLUMNS], metavar="COLUMN",
                         help=f"subset of {[c.key for c in COLUMNS]}")
-    parser.add_argument("--models", nargs="*", choices=all_rows(), metavar="MODEL", help=f"subset of {all_rows()}")
+    parser.add_argument("--models", nargs="*", choices=all_rows() + list(MORE_FAMILIES), metavar="MODEL",
+                        help=f"subset of {all_rows()}, or of transformers' further families {list(MORE_FAMILIES)}")
     parser.add_argument("--write", help="write the page (e.g. docs/models.md); only with the whole matrix")
     parser.add_argument("--json", help="also write the cells as JSON")
     args = parser.parse_args(argv)

@@ -497,6 +497,111 @@ def tiny_swin() -> nn.Module:
     return transformers.SwinForImageClassification._from_config(config)
 
 
+def tiny_falcon() -> nn.Module:
+    """Falcon-7B: multi-query attention in one fused [q | k | v] projection, the attention and the MLP in
+    parallel on one LayerNorm's output."""
+    import transformers
+
+    config = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                       multi_query=True, parallel_attn=True, new_decoder_architecture=False,
+                                       alibi=False, bias=False, hidden_dropout=0.0, attention_dropout=0.0,
+                                       max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.FalconForCausalLM._from_config(config)
+
+
+def tiny_falcon40() -> nn.Module:
+    """Falcon-40B (its new decoder architecture): grouped keys / values in one fused projection laid out
+    group by group ([q q k v] per group), a LayerNorm for each of the two parallel branches."""
+    import transformers
+
+    config = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                       num_kv_heads=2, new_decoder_architecture=True, parallel_attn=True, alibi=False,
+                                       bias=False, hidden_dropout=0.0, attention_dropout=0.0,
+                                       max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.FalconForCausalLM._from_config(config)
+
+
+def tiny_gptj() -> nn.Module:
+    """GPT-J: rotary embeddings on part of each head (rotary_dim), interleaved, and the attention and the
+    MLP in parallel on one LayerNorm's output."""
+    import transformers
+
+    config = transformers.GPTJConfig(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=4, n_head=4, rotary_dim=4,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                                     pad_token_id=0)
+    return transformers.GPTJForCausalLM._from_config(config)
+
+
+def tiny_codegen() -> nn.Module:
+    """CodeGen: one fused qkv projection laid out in 4 blocks of [q | v | k] (mp_num 4, as its model
+    parallel training wrote it), partial rotary."""
+    import transformers
+
+    config = transformers.CodeGenConfig(vocab_size=VOCAB, n_positions=SEQ, n_ctx=SEQ, n_embd=32, n_layer=4, n_head=4,
+                                        rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                        bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.CodeGenForCausalLM._from_config(config)
+
+
+def tiny_gemma2() -> nn.Module:
+    """Gemma 2: soft-capped attention scores and logits, sliding-window layers alternating with global
+    ones, norms before and after the attention and the MLP, queries scaled by query_pre_attn_scalar."""
+    import transformers
+
+    return transformers.Gemma2ForCausalLM._from_config(_decoder_config(
+        "Gemma2Config", head_dim=8, sliding_window=8, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        query_pre_attn_scalar=8))
+
+
+def tiny_stablelm() -> nn.Module:
+    """StableLM 2: rotary embeddings on half of each head, q / k / v biases, a LayerNorm per head on the
+    queries and the keys (a weight per head and feature)."""
+    import transformers
+
+    return transformers.StableLmForCausalLM._from_config(_decoder_config(
+        "StableLmConfig", partial_rotary_factor=0.5, use_qkv_bias=True, qk_layernorm=True, hidden_dropout=0.0,
+        attention_dropout=0.0))
+
+
+def tiny_starcoder2() -> nn.Module:
+    """StarCoder2: grouped keys / values, a plain MLP with biases (c_fc / c_proj), a sliding window."""
+    import transformers
+
+    return transformers.Starcoder2ForCausalLM._from_config(_decoder_config(
+        "Starcoder2Config", sliding_window=8, residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0))
+
+
+def tiny_phi() -> nn.Module:
+    """Phi-2: the attention and the MLP in parallel on one LayerNorm, rotary on half of each head, the
+    attention's output projection called ``dense``."""
+    import transformers
+
+    return transformers.PhiForCausalLM._from_config(_decoder_config(
+        "PhiConfig", num_key_value_heads=4, partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0,
+        attention_dropout=0.0))
+
+
+def tiny_gpt_neo() -> nn.Module:
+    """GPT-Neo: global and local (windowed) attention layers alternating, unscaled attention scores."""
+    import transformers
+
+    config = transformers.GPTNeoConfig(vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_size=32, num_layers=4,
+                                       num_heads=4, attention_types=[[["global", "local"], 2]], window_size=8,
+                                       resid_dropout=0.0, embed_dropout=0.0, attention_dropout=0.0, bos_token_id=0,
+                                       eos_token_id=0, pad_token_id=0)
+    return transformers.GPTNeoForCausalLM._from_config(config)
+
+
+def tiny_granite() -> nn.Module:
+    """Granite: Llama's layout with scalar multipliers on the embedding, the residual branches, the
+    attention scores and the logits."""
+    import transformers
+
+    return transformers.GraniteForCausalLM._from_config(_decoder_config(
+        "GraniteConfig", embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.125,
+        logits_scaling=8.0))
+
+
 def tiny_deberta() -> nn.Module:
     """DeBERTa-v3 (disentangled attention, its key / query projections shared with the relative
     positions): its attention block holds the self-attention module whose ``num_attention_heads`` the
@@ -579,9 +684,27 @@ MORE_MOE: dict[str, ZooModel] = {m.name: m for m in (
 )}
 
 
+# transformers' families beyond the zoo and MORE_MOE (parallel attention and MLP, fused and grouped
+# projections laid out otherwise, partial rotary, soft-capping, multipliers, per-head norm modules):
+# the conformance test runs the structure-derived columns on them (tests/methods/test_conformance.py)
+MORE_FAMILIES: dict[str, ZooModel] = {m.name: m for m in (
+    ZooModel("falcon", tiny_falcon, token_dataset, hf_loss, "unpack_dict", "FalconDecoderLayer", "decoder"),
+    ZooModel("falcon40", tiny_falcon40, token_dataset, hf_loss, "unpack_dict", "FalconDecoderLayer", "decoder"),
+    ZooModel("gptj", tiny_gptj, token_dataset, hf_loss, "unpack_dict", "GPTJBlock", "decoder"),
+    ZooModel("codegen", tiny_codegen, token_dataset, hf_loss, "unpack_dict", "CodeGenBlock", "decoder"),
+    ZooModel("gemma2", tiny_gemma2, token_dataset, hf_loss, "unpack_dict", "Gemma2DecoderLayer", "decoder"),
+    ZooModel("stablelm", tiny_stablelm, token_dataset, hf_loss, "unpack_dict", "StableLmDecoderLayer", "decoder"),
+    ZooModel("starcoder2", tiny_starcoder2, token_dataset, hf_loss, "unpack_dict", "Starcoder2DecoderLayer",
+             "decoder"),
+    ZooModel("phi", tiny_phi, token_dataset, hf_loss, "unpack_dict", "PhiDecoderLayer", "decoder"),
+    ZooModel("gpt_neo", tiny_gpt_neo, token_dataset, hf_loss, "unpack_dict", "GPTNeoBlock", "decoder"),
+    ZooModel("granite", tiny_granite, token_dataset, hf_loss, "unpack_dict", "GraniteDecoderLayer", "decoder"),
+)}
+
+
 def zoo_model(name: str) -> ZooModel:
-    """A model of ZOO, or of MORE_MOE."""
-    return ZOO[name] if name in ZOO else MORE_MOE[name]
+    """A model of ZOO, MORE_MOE or MORE_FAMILIES."""
+    return ZOO[name] if name in ZOO else MORE_MOE[name] if name in MORE_MOE else MORE_FAMILIES[name]
 
 
 # the names earlier tests use

@@ -120,3 +120,29 @@ def test_tensor_plan_splits_what_megatron_splits(name):
     assert found_by == "structure"
     assert ours >= 0.9 * megatron, (f"{name}: the plan splits {ours:.1%} of the parameters, "
                                       f"Megatron-style {megatron:.1%}")
+
+
+# transformers' families beyond the zoo (atorch.testing.hf_models.MORE_FAMILIES) under the columns whose plan
+# is derived from the model's structure; the two tensor-parallel refusals are designed: CodeGen's qkv_proj
+# is laid out in 4 blocks of [q | v | k] (its mp_num), StableLM 2's per-head norms are a ModuleList of one
+# LayerNorm a head, both refused at the plan check with the reason
+MORE_COLUMNS = ("checkpoint", "fsdp", "tp2", "tp2_sp", "pp2_1f1b")
+MORE_REFUSED = {("tp2", "codegen"): "does not reproduce the unsplit model",
+                ("tp2_sp", "codegen"): "does not reproduce the unsplit model",
+                ("tp2", "stablelm"): "q_layernorm.norms.0.weight is kept whole",
+                ("tp2_sp", "stablelm"): "q_layernorm.norms.0.weight is kept whole"}
+
+
+def test_transformers_further_families_train_at_parity_or_are_refused_with_the_reason():
+    """Falcon (7B's multi-query and 40B's grouped fused projections, parallel attention and MLP), GPT-J,
+    CodeGen, Gemma 2 (soft-capping, sliding windows), StableLM 2, StarCoder2, Phi-2, GPT-Neo and Granite
+    (multipliers): every cell passes at parity but the designed refusals, which say why."""
+    from atorch.testing.hf_models import MORE_FAMILIES
+
+    cells = run_matrix(columns=list(MORE_COLUMNS), models=list(MORE_FAMILIES), verbose=False)
+    assert len(cells) == len(MORE_COLUMNS) * len(MORE_FAMILIES)
+    for (column, model), cell in cells.items():
+        if (column, model) in MORE_REFUSED:
+            assert cell.status == "refused" and MORE_REFUSED[column, model] in cell.detail, (column, model, cell)
+        else:
+            assert cell.status == "pass", (column, model, cell.detail)
