@@ -690,8 +690,9 @@ def _module_shape(model: nn.Module) -> TransformerSpec:
                          "state-space or recurrent model (Mamba's, RWKV's) is not a transformer the planner "
                          "describes; a transformer written otherwise can be given as its config")
     heads, kv_heads, head_size = _module_heads(module, hidden, attention)
-    attention = 2 * hidden * heads * head_size + 2 * hidden * kv_heads * head_size if head_size else 4 * hidden * hidden
-    ffn, gated = mlp if mlp else (max((block_params - attention) // (2 * hidden), hidden), False)
+    # no MLP found: its width solved from the block's parameters less the attention's (plain, two matrices)
+    attention_params = (2 * hidden * (heads + kv_heads) * head_size) if head_size else 4 * hidden * hidden
+    ffn, gated = mlp if mlp else (max((block_params - attention_params) // (2 * hidden), hidden), False)
     return TransformerSpec(type(model).__name__, hidden, layers, heads, kv_heads, ffn, vocab, gated=gated, block=block,
                            param_count_override=total, head_size=head_size)
 
