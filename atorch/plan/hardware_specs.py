@@ -179,10 +179,9 @@ _NON_NEGATIVE_FIELDS = ("fp8_flops", "hbm_bytes_per_s", "nvlink_bytes_per_s", "n
 
 
 def fitted_families() -> list[str]:
-    """The device families with a fitted efficiency (``calibration.py``'s ``<family> efficiency``)."""
-    return sorted(name.removesuffix(" efficiency") for name in calibration.FITTED
-                  if name.endswith(" efficiency") and name not in ("fp8 efficiency",)
-                  and "attention" not in name)
+    """The device families with a fitted efficiency: the table's (each has its ``<family> efficiency`` in
+    ``calibration.py``)."""
+    return sorted({device.family for device in DEVICES.values()})
 
 
 def _checked_device(device: DeviceSpec) -> DeviceSpec:
