@@ -96,6 +96,17 @@ def test_a_norm_with_a_weight_per_head_is_split_on_its_heads_dimension():
     assert _plan("qwen3").head_params == {}  # its norms' one head-sized weight is shared: head_norms
 
 
+def test_a_module_list_of_one_norm_a_head_runs_on_the_gathered_heads():
+    """StableLM 2's q / k norms hold an nn.ModuleList of one LayerNorm per head and zip it with the heads
+    split one by one (input [batch, heads, tokens, head size]): read off the list's length, a heads count
+    (4 query heads, 2 key / value heads), as a module run on every head (heads on dimension -3), its
+    norms not taken for norms shared by the heads; the structure alone, whatever the modules are called."""
+    plan = _plan("stablelm")
+    assert plan.head_module_lists == {f"model.layers.{i}.self_attn.{n}_layernorm": -3 for i in range(4) for n in "qk"}
+    assert not plan.head_norms and not plan.head_params
+    assert _plan("qwen3").head_module_lists == {} and _plan("cohere").head_module_lists == {}
+
+
 def test_a_norm_between_the_split_and_the_row_wise_projection_is_split_with_the_features():
     """BitNet normalises the attention's whole output before o_proj and the MLP's product before down_proj
     (RMSNorms of their widths, 32 and 64): each norm's reduction runs over the split features, so the

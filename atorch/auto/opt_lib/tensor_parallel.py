@@ -248,6 +248,7 @@ def _apply_to_stage(stage: nn.Module, whole: TPPlan, config: TensorParallelConfi
                                vocab=vocab, tied_head=tied if tied and set(tied) <= set(vocab) else None,
                                head_bias=list(_on_stage(stage, whole.head_bias)),
                                head_norms=_on_stage(stage, whole.head_norms, linear=False),
+                               head_module_lists=_on_stage(stage, whole.head_module_lists, linear=False),
                                feature_norms=_on_stage(stage, whole.feature_norms, linear=False),
                                feature_gains=_on_stage(stage, whole.feature_gains, linear=False),
                                shared_heads=_on_stage(stage, whole.shared_heads, linear=False),
@@ -322,6 +323,8 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
         model.get_submodule(owner).register_parameter(attr, model.get_parameter(split_name))
     for name, heads_dim in plan.head_norms.items():
         _run_on_local_heads(model.get_submodule(name), tp_mesh, heads_dim)
+    for name, heads_dim in plan.head_module_lists.items():
+        _run_on_gathered_heads(model.get_submodule(name), tp_mesh, heads_dim)
     for name in plan.feature_norms:
         _run_on_local_features(model.get_submodule(name), tp_mesh)
     for name in plan.feature_gains:
@@ -427,6 +430,23 @@ def _run_on_local_heads(module: nn.Module, tp_mesh, heads_dim: int) -> None:
     distribute_module(module, tp_mesh, replicate_params, heads_in, lambda mod, output, device_mesh: output.to_local())
     if any(True for _ in module.buffers(recurse=False)):
         patch_forward(module, _with_implicit_replication)
+
+
+def _run_on_gathered_heads(module: nn.Module, tp_mesh, heads_dim: int) -> None:
+    """A module applying a module of its own to each head (StableLM 2's LayerNorm per head): its
+    parameters become replicated DTensors, its input this rank's heads gathered from every rank (an
+    all-gather over the tensor group, forward and backward), and its output is cut back to this rank's
+    heads, so each head meets its own module as in one process. The gradient of the output is gathered
+    back whole, so every rank computes the parameters' whole gradient."""
+    def gathered_in(mod: nn.Module, inputs: tuple, device_mesh) -> tuple:
+        local = inputs[0]
+        sharded = DTensor.from_local(local, device_mesh, [Shard(local.dim() + heads_dim)], run_check=False)
+        return (sharded.redistribute(device_mesh, [Replicate()]), *inputs[1:])
+
+    def local_out(mod: nn.Module, output: DTensor, device_mesh) -> torch.Tensor:
+        return output.redistribute(device_mesh, [Shard(output.dim() + heads_dim)]).to_local()
+
+    distribute_module(module, tp_mesh, replicate_params, gathered_in, local_out)
 
 
 def _with_implicit_replication(forward, options: dict, *args, **kwargs):

@@ -48,6 +48,9 @@ class TPPlan:
     tied_head: Optional[tuple[str, str]] = None                 # (head, embedding) sharing one weight
     head_bias: list[str] = field(default_factory=list)          # per-head embeddings (T5 relative bias): column split
     head_norms: dict[str, int] = field(default_factory=dict)    # per-head norms (Qwen3 q / k norm) -> their heads dim
+    # modules applying a module of their own to each head (StableLM 2's q / k LayerNorm per head, an
+    # nn.ModuleList as long as the heads) -> their heads dim: run on every head, gathered, then cut back
+    head_module_lists: dict[str, int] = field(default_factory=dict)
     feature_norms: dict[str, int] = field(default_factory=dict)  # norms over a split projection (OLMo 2) -> its width
     # elementwise modules with scalar parameters on a split tensor (xIELU's, PReLU's one gain): whole, run on the
     # rank's features, their gradients summed over the tensor group
@@ -79,7 +82,8 @@ class TPPlan:
                 "colwise": [n for n, s in self.styles.items() if s == "colwise"],
                 "rowwise": [n for n, s in self.styles.items() if s == "rowwise"],
                 "vocabulary": dict(self.vocab), "per_head": list(self.head_bias), "fused": dict(self.fused),
-                "per_head_norms": list(self.head_norms), "split_norms": list(self.feature_norms),
+                "per_head_norms": list(self.head_norms), "per_head_module_lists": list(self.head_module_lists),
+                "split_norms": list(self.feature_norms),
                 "feature_gains": list(self.feature_gains),
                 "experts": list(self.experts), "shared_kv": list(self.shared_kv),
                 "per_head_params": [f"{m}.{n}" for m, names in self.head_params.items() for n in names],
@@ -152,7 +156,8 @@ def plan_from_structure(model: nn.Module, flow: Dataflow, tp: int) -> TPPlan:
     plan.fused = {n: parts for n, parts in found.fused.items() if n not in found.parts_within_heads}
     plan.head_bias = list(found.head_bias)
     plan.shared_kv = list(found.shared_kv)
-    plan.head_norms, per_head_weights = _head_norms(model, flow, found)
+    plan.head_module_lists = _head_module_lists(model, flow, found)
+    plan.head_norms, per_head_weights = _head_norms(model, flow, found, inside=tuple(plan.head_module_lists))
     plan.feature_norms, plan.feature_gains = _feature_modules(model, flow, found)
     plan.head_params = {**_head_params(model, found), **per_head_weights}
     for attention in found.attentions:
@@ -173,35 +178,64 @@ def plan_from_structure(model: nn.Module, flow: Dataflow, tp: int) -> TPPlan:
     return plan
 
 
-def _head_norms(model: nn.Module, flow: Dataflow,
-                found: Discovery) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+def _head_norms(model: nn.Module, flow: Dataflow, found: Discovery,
+                inside: tuple[str, ...] = ()) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
     """Modules inside a split attention that normalise each head's features: called on a tensor whose
     last dimension is the head size with a heads dimension before it. Those whose parameters are of one
     head's size (Qwen3's, Gemma 3's q / k norms: shared by the heads) run on this rank's heads with their
     parameters replicated, so their gradients are summed over the ranks: name -> the heads dimension,
     counted from the end (the first dict). Those whose parameters are that tensor's last two dimensions
     (Cohere's: a weight per head and feature, [heads, head size]) have them split on the heads
-    dimension (0) like the heads they scale: name -> {parameter: 0} (the second, for ``head_params``)."""
+    dimension (0) like the heads they scale: name -> {parameter: 0} (the second, for ``head_params``).
+    Modules under one of ``inside`` (a per-head module list's) are left to it."""
     shared: dict[str, int] = {}
     per_head: dict[str, dict[str, int]] = {}
+    for attention, heads, name, module, shape in _on_the_heads(model, flow, found):
+        params = dict(module.named_parameters(recurse=False))
+        if not params or _is_linear(module) or any(name.startswith(f"{n}.") for n in inside):
+            continue
+        if all(p.numel() == attention.head_dim for p in params.values()):
+            dim = next((d for d in range(-2, -len(shape) - 1, -1) if shape[d] in heads), None)
+            if dim is not None:
+                shared[name] = dim
+        elif shape[-2] in heads and all(tuple(p.shape) == tuple(shape[-2:]) for p in params.values()):
+            per_head[name] = dict.fromkeys(params, 0)
+    return shared, per_head
+
+
+def _on_the_heads(model: nn.Module, flow: Dataflow, found: Discovery):
+    """(attention, its heads counts, name, module, input shape) for each module inside a split attention,
+    other than its projections, called on a tensor whose last dimension is the attention's head size."""
     for attention in found.attentions:
         names = [n for names in attention.inputs.values() for n in names] + attention.outputs
         region = _common_parent(names)
         heads = {h for n in attention.heads for h in part_heads(attention, n)}
         prefix = f"{region}." if region else ""
         for name, module in model.named_modules():
-            params = dict(module.named_parameters(recurse=False))
             shape = flow.module_inputs.get(name, ())
-            if (not name.startswith(prefix) or name in names or not params or _is_linear(module) or len(shape) < 3
-                    or shape[-1] != attention.head_dim):
-                continue
-            if all(p.numel() == attention.head_dim for p in params.values()):
-                dim = next((d for d in range(-2, -len(shape) - 1, -1) if shape[d] in heads), None)
-                if dim is not None:
-                    shared[name] = dim
-            elif shape[-2] in heads and all(tuple(p.shape) == tuple(shape[-2:]) for p in params.values()):
-                per_head[name] = dict.fromkeys(params, 0)
-    return shared, per_head
+            if name.startswith(prefix) and name not in names and len(shape) >= 3 and shape[-1] == attention.head_dim:
+                yield attention, heads, name, module, shape
+
+
+def _head_module_lists(model: nn.Module, flow: Dataflow, found: Discovery) -> dict[str, int]:
+    """Modules inside a split attention that apply a module of their own to each head: called on a
+    tensor whose last dimension is the head size, holding no parameters themselves but an
+    ``nn.ModuleList`` as long as one of that tensor's dimensions, a heads count of the attention, whose
+    modules hold parameters (StableLM 2's q / k ``LayerNorm`` per head, zipped with the heads split one
+    by one). A rank holding some heads would pair them with the list's first modules: so such a module
+    runs on every head, gathered over the tensor group, and keeps its rank's heads of the result
+    (name -> the heads dimension, counted from the end)."""
+    out: dict[str, int] = {}
+    for _, heads, name, module, shape in _on_the_heads(model, flow, found):
+        if any(True for _ in module.parameters(recurse=False)):
+            continue
+        lengths = {len(child) for child in module.children()
+                   if isinstance(child, nn.ModuleList) and len(child) in heads
+                   and all(any(True for _ in m.parameters()) for m in child)}
+        dim = next((d for d in range(-2, -len(shape) - 1, -1) if shape[d] in lengths), None)
+        if dim is not None:
+            out[name] = dim
+    return out
 
 
 def _head_params(model: nn.Module, found: Discovery) -> dict[str, dict[str, int]]:
