@@ -43,7 +43,7 @@ from atorch import errors
 from atorch.auto.opt_lib.tp_mha import split_mha
 from atorch.auto.opt_lib.tp_plan import find_tp_plan, split_share
 from atorch.distributed.fault import Outcome, describe, run_isolated
-from atorch.testing.hf_models import MORE_FAMILIES, ZOO, ZooModel, zoo_model
+from atorch.testing.hf_models import FAMILY_MODELS, MORE_FAMILIES, ZOO, ZooModel, zoo_model
 from atorch.testing.launcher import DistributedRunError, run_distributed
 from atorch.testing.training import relative_difference, train_gpt, weight_difference
 from atorch.utils.batch import call_with_batch
@@ -486,8 +486,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--columns", nargs="*", choices=[c.key for c in COLUMNS], metavar="COLUMN",
                         help=f"subset of {[c.key for c in COLUMNS]}")
-    parser.add_argument("--models", nargs="*", choices=all_rows() + list(MORE_FAMILIES), metavar="MODEL",
-                        help=f"subset of {all_rows()}, or of transformers' further families {list(MORE_FAMILIES)}")
+    parser.add_argument("--models", nargs="*", choices=all_rows() + list(MORE_FAMILIES) + list(FAMILY_MODELS),
+                        metavar="MODEL", help=f"subset of {all_rows()}, or of transformers' further families "
+                        f"{list(MORE_FAMILIES)}, or 'family:<model_type>' of atorch.testing.family_configs (tensor "
+                        "parallel columns: tp2, tp2_sp)")
     parser.add_argument("--write", help="write the page (e.g. docs/models.md); only with the whole matrix")
     parser.add_argument("--json", help="also write the cells as JSON")
     args = parser.parse_args(argv)

@@ -36,8 +36,8 @@ from atorch.testing.community_models import (
     TorchEncoderLM,
     UpDownMLP,
 )
-
-VOCAB, SEQ = 64, 16
+from atorch.testing.family_configs import FAMILIES, SEQ, VOCAB
+from atorch.testing.family_configs import build as build_family
 
 
 # --- HF families -----------------------------------------------------------------------------------
@@ -702,9 +702,21 @@ MORE_FAMILIES: dict[str, ZooModel] = {m.name: m for m in (
 )}
 
 
+# every family of atorch.testing.family_configs (the tensor-parallel share table's) as a zoo row
+# "family:<model_type>", for the structure-derived tensor-parallel columns only (their block class, which
+# the checkpoint and fsdp columns wrap, is not named here)
+FAMILY_MODELS: dict[str, ZooModel] = {
+    f"family:{name}": ZooModel(f"family:{name}", functools.partial(build_family, name), token_dataset, hf_loss,
+                               "unpack_dict", "", "decoder")
+    for name in FAMILIES}
+
+
 def zoo_model(name: str) -> ZooModel:
-    """A model of ZOO, MORE_MOE or MORE_FAMILIES."""
-    return ZOO[name] if name in ZOO else MORE_MOE[name] if name in MORE_MOE else MORE_FAMILIES[name]
+    """A model of ZOO, MORE_MOE, MORE_FAMILIES or FAMILY_MODELS."""
+    for table in (ZOO, MORE_MOE, MORE_FAMILIES):
+        if name in table:
+            return table[name]
+    return FAMILY_MODELS[name]
 
 
 # the names earlier tests use

@@ -469,11 +469,47 @@ def pipeline_on_changing_lengths() -> dict:
     return out
 
 
+def _gpt2_with_dropout() -> torch.nn.Module:
+    """The zoo's GPT-2 with dropout (p 0.1) on the embeddings and the residual branches, the parts tensor
+    parallelism keeps whole on every rank; the attention's own dropout (on split heads) stays off."""
+    torch.manual_seed(0)
+    model = zoo_model("gpt2").build()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and not name.endswith("attn_dropout"):
+            module.p = 0.1
+    return model
+
+
+def train_seeded_apart(load_strategy=None) -> dict:
+    """Four SGD steps of the dropout GPT-2 with each process seeded apart after ``auto_accelerate``, as
+    nanoGPT seeds (1337 + rank); with no strategy, one plain process seeded 1337 (rank 0's seed)."""
+    zoo = zoo_model("gpt2")
+    model, rows = _gpt2_with_dropout(), zoo.make_dataset(16, 0)
+    if load_strategy is None:
+        batches = list(torch.utils.data.DataLoader(rows, batch_size=4))
+        torch.manual_seed(1337)
+        return {"losses": train_plainly(model, batches, zoo.loss_func), "weights": full_state_dict(model)}
+    _, result, _ = auto_accelerate(model, torch.optim.SGD, rows, zoo.loss_func, optim_args={"lr": 0.1},
+                                   dataloader_args={"batch_size": 4}, model_input_format="unpack_dict",
+                                   load_strategy=load_strategy)
+    batches = [result.prepare_input(batch) for batch in result.dataloader]
+    torch.manual_seed(1337 + dist.get_rank())
+    losses = []
+    for batch in batches:
+        loss = result.loss_func(batch, result.model(**batch))
+        loss.backward()
+        result.optim.step()
+        result.optim.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "weights": full_state_dict(result.model)}
+
+
 def launch_2(cases: dict) -> dict:
     # the pipeline runs on changing lengths come before deepspeed_pipeline, which leaves DeepSpeed unimportable
     return {"suite": run_suite(cases), "layouts": inspect_parallel_layouts(), "lengths": pipeline_on_changing_lengths(),
             "deepspeed": deepspeed_pipeline(), "zoo": inspect_zoo_layouts(),
-            "residual_sequences": residual_blocks_on_sequences(), "refusals": pipeline_refusals()}
+            "residual_sequences": residual_blocks_on_sequences(), "refusals": pipeline_refusals(),
+            "seeded_apart": train_seeded_apart([("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"])}
 
 
 @pytest.fixture(scope="module")
@@ -521,6 +557,19 @@ def test_four_rank_mixed_layouts_match_reference(four_ranks):
 
 def test_eight_rank_tensor_pipeline_data_layout_matches_reference():
     _check(run_distributed(run_suite, 8, CASES_8, timeout_s=900), CASES_8)
+
+
+def test_tensor_parallel_ranks_seeded_apart_draw_the_same_dropout(two_ranks):
+    """A script that seeds each process apart (nanoGPT's 1337 + rank) on a model with dropout where
+    tensor parallelism keeps it whole (embeddings, residual branches): every rank of the tensor group
+    draws the group's first rank's numbers, so the step is one process's seeded 1337. Before, the ranks'
+    copies of the replicated activations differed and the replicated weights (position embeddings,
+    norms, row-wise biases) drifted apart with no error (10 parameters differed after 4 steps)."""
+    reference = train_seeded_apart()
+    for rank, per_rank in enumerate(two_ranks):
+        run = per_rank["seeded_apart"]
+        assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, run["losses"], reference["losses"])
+        assert weight_difference(run["weights"], reference["weights"]) < TOL, rank
 
 
 def test_a_pipeline_trains_batches_whose_sequence_length_changes(two_ranks):

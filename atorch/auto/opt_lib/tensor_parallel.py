@@ -58,6 +58,7 @@ from atorch.auto.opt_lib.tp_check import Probe, check_plan, probe_from_context
 from atorch.auto.opt_lib.tp_experts import gradient_summed, split_expert_bank
 from atorch.auto.opt_lib.tp_mha import split_mha
 from atorch.auto.opt_lib.tp_plan import TPPlan, _is_linear, find_tp_plan, plan_from_patterns, split_share
+from atorch.auto.opt_lib.tp_random import share_random_state
 from atorch.auto.opt_lib.tp_shapes import install_localizer, install_shared_head_gradients, localize_attributes
 from atorch.checkpoint.tensors import SAVED_ORDERS_ATTR
 from atorch.distributed import mesh
@@ -201,9 +202,11 @@ def apply_tensor_parallel(ctx, config: TensorParallelConfig, given: Optional[TPP
         plan = given or TPPlan(found_by="names")
         for stage in stages:
             applied = _apply_to_stage(stage, plan, config, tp, tp_mesh, sequence)
+            share_random_state(stage, tp_mesh)
         plan = given or applied
     else:
         plan = _parallelize(ctx.model, config, tp, tp_mesh, sequence, probe_from_context(ctx))
+        share_random_state(ctx.model, tp_mesh)
     ctx.model_parallel = True
     ctx.args.extras["tensor_parallel"] = plan.report()
     return plan

@@ -187,7 +187,10 @@ def _rows_split_class(base: type) -> type:
 
 def _checked_counts(counts: Any, experts: int, rows: int, bank: str) -> torch.Tensor:
     """The per-expert token counts, on the CPU; refused unless they are one integer per expert that
-    the grouped rows hold."""
+    the grouped rows hold: a tensor (torchtitan's ``num_tokens_per_expert``) or a list of Python ints
+    (JetMoE's ``expert_size``, from ``.tolist()``, which its bank hands to ``split``)."""
+    if isinstance(counts, (list, tuple)) and all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
+        counts = torch.tensor(counts, dtype=torch.int64)
     valid = (isinstance(counts, torch.Tensor) and counts.dim() == 1 and counts.numel() == experts
              and not counts.is_floating_point() and not counts.is_complex())
     if not valid:
