@@ -19,6 +19,7 @@ as for map-style data (reading them again: a stream cannot seek).
 from __future__ import annotations
 
 import base64
+import functools
 import itertools
 import logging
 from typing import Any, Callable, Iterator, Optional
@@ -66,6 +67,17 @@ class RankShareCollate:
         return self.collate_fn(samples[self.rank * share:(self.rank + 1) * share])
 
 
+def _noting_calls(set_epoch: Callable[[int], None], loader: "ResumableDataLoader") -> Callable[[int], None]:
+    """The sampler's ``set_epoch``, telling ``loader`` when the user calls it (the loader calls the
+    sampler's own)."""
+    @functools.wraps(set_epoch)
+    def user_set_epoch(epoch: int) -> None:
+        loader._user_set_epoch = True
+        set_epoch(epoch)
+
+    return user_set_epoch
+
+
 class ResumableDataLoader(DataLoader):
     """A torch DataLoader (``isinstance(..., DataLoader)`` holds) whose position can be saved and
     restored; see the module docstring. Iterate it as usual."""
@@ -76,9 +88,14 @@ class ResumableDataLoader(DataLoader):
         self.consumed = 0          # batches the latest iterator yielded
         self.rng_at_iter: Optional[torch.Tensor] = None  # torch RNG state when the latest iterator was made
         self._resume: Optional[dict] = None
+        self._user_set_epoch = False  # the user called the sampler's set_epoch since the last iterator
+        self._set_epoch = getattr(self.sampler, "set_epoch", None)  # the sampler's own, for this loader's calls
+        if self._set_epoch is not None:
+            self.sampler.set_epoch = _noting_calls(self._set_epoch, self)
 
     def __iter__(self) -> Iterator[Any]:
         resume, self._resume = self._resume, None
+        self._next_epoch()
         current = torch.get_rng_state()
         if resume is not None and resume.get("rng_at_iter") is not None:
             torch.set_rng_state(resume["rng_at_iter"])  # the permutation of the interrupted epoch
@@ -91,6 +108,18 @@ class ResumableDataLoader(DataLoader):
         self.consumed = 0
         skip = resume["consumed"] if resume is not None else 0
         return self._counted(iterator, skip)
+
+    def _next_epoch(self) -> None:
+        """A data-parallel sampler (``DistributedSampler``) shuffles by its seed and its epoch, which
+        only ``set_epoch`` moves: left alone, every epoch would repeat the first one's order, where one
+        process's ``shuffle=True`` draws a new order each epoch. The user's loop never sees the sampler,
+        so each new iterator sets the epoch to the number of iterators made before it, unless the user
+        called ``loader.sampler.set_epoch`` since the last one (as with a plain DistributedSampler):
+        their epoch is kept."""
+        if self._user_set_epoch or self._set_epoch is None:
+            self._user_set_epoch = False
+            return
+        self._set_epoch(self.iterations)
 
     def _start_sampler(self, iterator: Any) -> None:
         """Draw the first indices now: a shuffling sampler takes its seed from the torch RNG on its
@@ -140,8 +169,8 @@ class ResumableDataLoader(DataLoader):
         """The next ``iter()`` continues the saved epoch: same permutation, consumed batches skipped.
         A saved epoch that was complete starts the next one normally."""
         self.iterations = int(position.get("iterations", 0))
-        if position.get("sampler_epoch") is not None and hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(int(position["sampler_epoch"]))
+        if position.get("sampler_epoch") is not None and self._set_epoch is not None:
+            self._set_epoch(int(position["sampler_epoch"]))
         consumed = int(position.get("consumed", 0))
         try:
             complete = consumed >= len(self)
