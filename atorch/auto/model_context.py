@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Optional
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -423,7 +424,11 @@ class ModelContext:
         self._check_batches()
 
     def _shard_with_sampler(self, args: dict) -> None:
-        """A map-style dataset: the data-parallel sampler gives each process its indices."""
+        """A map-style dataset: the data-parallel sampler gives each process its indices. The sampler
+        always drops the epoch's last samples that do not divide over the processes (fewer than their
+        number; logged), whatever the loader's ``drop_last``: DistributedSampler would otherwise pad
+        the epoch by repeating its first samples, training them twice where one process trains them
+        once, and the last global batch would not split evenly."""
         if args.get("sampler") is not None:
             raise InputError(
                 "dataloader_args 'sampler' cannot shard data over data-parallel ranks; "
@@ -436,12 +441,18 @@ class ModelContext:
                 num_replicas=self.data_parallel_size,
                 rank=mesh.data_parallel_rank(),
                 shuffle=bool(args.pop("shuffle", False)),
-                drop_last=bool(args.get("drop_last", False)),
+                drop_last=True,
             )
         except TypeError as error:
             raise InputError(f"distributed_sampler_cls {getattr(sampler_cls, '__name__', sampler_cls)} must "
                              "take DistributedSampler's arguments (dataset, num_replicas=, rank=, shuffle=, "
                              f"drop_last=): {error}") from error
+        left_over = (dataset_length(self.dataset) or 0) % self.data_parallel_size
+        if left_over and (not dist.is_initialized() or dist.get_rank() == 0):
+            logger.warning("the dataset's last %d sample(s) of each epoch do not divide over the %d data-parallel "
+                           "processes: left out of that epoch (a one-process run would train on them; repeating "
+                           "others, as DistributedSampler pads, would train those twice)", left_over,
+                           self.data_parallel_size)
 
     def _share_stream(self, args: dict) -> int:
         """An IterableDataset has no sampler to shard: under data parallelism every process reads
@@ -476,7 +487,7 @@ class ModelContext:
         length = dataset_length(self.dataset) or 0
         largest = length // self.data_parallel_size * self.data_parallel_size
         fix = (f"lower dataloader_args['batch_size'] to at most {largest}, or set drop_last=False" if largest
-               else "set drop_last=False")
+               else f"give at least {self.data_parallel_size} samples, one per data-parallel process")
         raise InputError(
             f"dataloader_args['batch_size']={self.global_batch_size} (the global batch: {self.per_rank_batch_size} per "
             f"rank over a data-parallel size of {self.data_parallel_size}) with drop_last="
