@@ -54,11 +54,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.sequence_parallel import apply_sequence_parallel, plan_sequence_parallel, replicate_params
+from atorch.auto.opt_lib.tp_agreement import share_initial_weights, share_random_state
 from atorch.auto.opt_lib.tp_check import Probe, check_plan, probe_from_context
 from atorch.auto.opt_lib.tp_experts import gradient_summed, split_expert_bank
 from atorch.auto.opt_lib.tp_mha import split_mha
 from atorch.auto.opt_lib.tp_plan import TPPlan, _is_linear, find_tp_plan, plan_from_patterns, split_share
-from atorch.auto.opt_lib.tp_random import share_random_state
 from atorch.auto.opt_lib.tp_shapes import install_localizer, install_shared_head_gradients, localize_attributes
 from atorch.checkpoint.tensors import SAVED_ORDERS_ATTR
 from atorch.distributed import mesh
@@ -201,10 +201,12 @@ def apply_tensor_parallel(ctx, config: TensorParallelConfig, given: Optional[TPP
     if stages:
         plan = given or TPPlan(found_by="names")
         for stage in stages:
+            share_initial_weights(stage, tp_mesh)
             applied = _apply_to_stage(stage, plan, config, tp, tp_mesh, sequence)
             share_random_state(stage, tp_mesh)
         plan = given or applied
     else:
+        share_initial_weights(ctx.model, tp_mesh)
         plan = _parallelize(ctx.model, config, tp, tp_mesh, sequence, probe_from_context(ctx))
         share_random_state(ctx.model, tp_mesh)
     ctx.model_parallel = True
@@ -219,6 +221,7 @@ def find_plan_before_pipeline(ctx, config: TensorParallelConfig) -> Optional[TPP
     if tp_mesh is None:
         return None
     split_mha(ctx.model)
+    share_initial_weights(ctx.model, tp_mesh)
     copy_ = copy.deepcopy(ctx.model)
     plan = _parallelize(copy_, config, tp_mesh.size(), tp_mesh, getattr(ctx, "sequence_parallel", False),
                         probe_from_context(ctx))
