@@ -417,11 +417,19 @@ class ModelContext:
         elif self.data_parallel_size > 1:
             self._shard_with_sampler(args)
         try:
-            self.dataloader = ResumableDataLoader(self.dataset, batch_size=batch_size, **args)
+            self.dataloader = ResumableDataLoader(self.dataset, batch_size=batch_size,
+                                                  same_batch_groups=self._same_batch_groups(), **args)
         except (TypeError, ValueError) as error:
             raise InputError(f"dataloader_args={self.dataloader_args} are not valid for torch.utils.data.DataLoader: "
                              f"{error}") from error
         self._check_batches()
+
+    def _same_batch_groups(self) -> list:
+        """The groups whose ranks read the same batches (tensor, pipeline: the dimensions that do not
+        split the batch), so the loader draws their random numbers alike (``ResumableDataLoader``)."""
+        if self.local:
+            return []
+        return [mesh.parallel_group(name) for name in ("tensor", "pipeline") if mesh.parallel_group_size(name) > 1]
 
     def _shard_with_sampler(self, args: dict) -> None:
         """A map-style dataset: the data-parallel sampler gives each process its indices. The sampler

@@ -19,13 +19,17 @@ as for map-style data (reading them again: a stream cannot seek).
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import itertools
 import logging
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, default_collate
+
+from atorch.distributed.agreement import from_first_rank
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +86,10 @@ class ResumableDataLoader(DataLoader):
     """A torch DataLoader (``isinstance(..., DataLoader)`` holds) whose position can be saved and
     restored; see the module docstring. Iterate it as usual."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, same_batch_groups: Sequence[Any] = (), **kwargs: Any):
         super().__init__(*args, **kwargs)
+        # process groups whose ranks read the same batches (tensor, pipeline): see _drawing_as_first_rank
+        self.same_batch_groups = tuple(same_batch_groups)
         self.iterations = 0        # how many iterators were made (epochs started)
         self.consumed = 0          # batches the latest iterator yielded
         self.rng_at_iter: Optional[torch.Tensor] = None  # torch RNG state when the latest iterator was made
@@ -96,14 +102,15 @@ class ResumableDataLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:
         resume, self._resume = self._resume, None
         self._next_epoch()
-        current = torch.get_rng_state()
-        if resume is not None and resume.get("rng_at_iter") is not None:
-            torch.set_rng_state(resume["rng_at_iter"])  # the permutation of the interrupted epoch
-        self.rng_at_iter = torch.get_rng_state()
-        iterator = super().__iter__()
-        self._start_sampler(iterator)
-        if resume is not None and resume.get("rng_at_iter") is not None:
-            torch.set_rng_state(current)  # the training RNG continues from the checkpoint's state
+        with self._drawing_as_first_rank():
+            current = torch.get_rng_state()
+            if resume is not None and resume.get("rng_at_iter") is not None:
+                torch.set_rng_state(resume["rng_at_iter"])  # the permutation of the interrupted epoch
+            self.rng_at_iter = torch.get_rng_state()
+            iterator = super().__iter__()
+            self._start_sampler(iterator)
+            if resume is not None and resume.get("rng_at_iter") is not None:
+                torch.set_rng_state(current)  # the training RNG continues from the checkpoint's state
         self.iterations += 1
         self.consumed = 0
         skip = resume["consumed"] if resume is not None else 0
@@ -133,10 +140,45 @@ class ResumableDataLoader(DataLoader):
             return
         iterator._sampler_iter = itertools.chain([first], sampler_iter)
 
+    @contextlib.contextmanager
+    def _drawing_as_first_rank(self) -> Iterator[None]:
+        """Ranks that read the same batches (a tensor group, a pipeline's stages) must make the same
+        random draws while reading them: a collator's random masking (BERT's masked-token collator),
+        a dataset's random crops, the workers' seeds drawn when an iterator is made. Their own streams
+        differ (each pipeline stage draws its own layers' dropout; a script may seed each process
+        apart), and a last stage scoring labels masked otherwise than the first stage's inputs would
+        train on a wrong target with no error. So these draws are made from the torch generator state
+        of the first rank of each group (one broadcast of a few kilobytes each), and every other rank
+        takes its own state back after: the first rank's stream runs as in one process."""
+        if not self.same_batch_groups:
+            yield
+            return
+        own = torch.get_rng_state()
+        agreed = own
+        for group in self.same_batch_groups:
+            agreed = from_first_rank(agreed, group)
+        first = all(dist.get_rank(group) == 0 for group in self.same_batch_groups)
+        torch.set_rng_state(agreed)
+        try:
+            yield
+        finally:
+            if not first:
+                torch.set_rng_state(own)
+
+    def _fetched(self, iterator: Any) -> Iterator[Any]:
+        """``iterator``'s batches, each read under ``_drawing_as_first_rank``."""
+        while True:
+            with self._drawing_as_first_rank():
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    return
+            yield batch
+
     def _counted(self, iterator: Any, skip: int) -> Iterator[Any]:
         self._skip(iterator, skip)
         self.consumed = skip
-        for batch in iterator:
+        for batch in self._fetched(iterator):
             if isinstance(batch, IncompleteGlobalBatch):
                 logger.warning("the stream's last global batch has %d sample(s), which do not divide over the %d "
                                "data-parallel processes: dropped (a one-process run would train on it)",
@@ -156,7 +198,8 @@ class ResumableDataLoader(DataLoader):
             iterator._num_yielded += count
             return
         for _ in range(count):
-            next(iterator)
+            with self._drawing_as_first_rank():
+                next(iterator)
 
     # --- checkpoints ---------------------------------------------------------------------------------
     def position(self) -> dict:

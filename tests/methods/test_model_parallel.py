@@ -507,12 +507,48 @@ def train_seeded_apart(load_strategy=None) -> dict:
     return {"losses": losses, "weights": full_state_dict(result.model)}
 
 
+def masked_labels(rows: list) -> dict:
+    """A collator that draws random numbers, as masked-language-model collators do: each label kept
+    with probability 0.5, the rest ignored (-100)."""
+    batch = torch.utils.data.default_collate(rows)
+    keep = torch.rand(batch["labels"].shape) < 0.5
+    batch["labels"] = torch.where(keep, batch["labels"], torch.full_like(batch["labels"], -100))
+    return batch
+
+
+def batches_read(load_strategy) -> list:
+    """The labels of the batches each rank reads over 4 steps of the dropout GPT-2 (each rank seeded
+    apart), its loader's collator drawing random numbers."""
+    zoo = zoo_model("gpt2")
+    model = _gpt2_with_dropout(0)
+    torch.manual_seed(dist.get_rank())
+    _, result, _ = auto_accelerate(model, torch.optim.SGD, zoo.make_dataset(16, 0), zoo.loss_func,
+                                   optim_args={"lr": 0.1}, model_input_format="unpack_dict",
+                                   dataloader_args={"batch_size": 4, "collate_fn": masked_labels},
+                                   load_strategy=load_strategy)
+    labels = []
+    for batch in result.dataloader:
+        batch = result.prepare_input(batch)
+        labels.append(batch["labels"])
+        loss = result.loss_func(batch, result.model(**batch))
+        result.optim.backward(loss) if result.args.use_optim_backward else loss.backward()
+        result.optim.step()
+        result.optim.zero_grad()
+    return labels
+
+
+def same_batches() -> dict:
+    return {"tensor": batches_read([("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"]),
+            "pipeline": batches_read(PP2_1F1B)}
+
+
 def launch_2(cases: dict) -> dict:
     # the pipeline runs on changing lengths come before deepspeed_pipeline, which leaves DeepSpeed unimportable
     return {"suite": run_suite(cases), "layouts": inspect_parallel_layouts(), "lengths": pipeline_on_changing_lengths(),
             "deepspeed": deepspeed_pipeline(), "zoo": inspect_zoo_layouts(),
             "residual_sequences": residual_blocks_on_sequences(), "refusals": pipeline_refusals(),
-            "seeded_apart": train_seeded_apart([("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"])}
+            "seeded_apart": train_seeded_apart([("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"]),
+            "same_batches": same_batches()}
 
 
 @pytest.fixture(scope="module")
@@ -576,6 +612,19 @@ def test_tensor_parallel_ranks_seeded_apart_draw_the_same_dropout(two_ranks):
         run = per_rank["seeded_apart"]
         assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, run["losses"], reference["losses"])
         assert weight_difference(run["weights"], reference["weights"]) < TOL, rank
+
+
+def test_ranks_that_read_the_same_batches_draw_the_collator_s_random_numbers_alike(two_ranks):
+    """A collator drawing random numbers (labels kept with probability 0.5, as a masked-language-model
+    collator masks) on ranks seeded apart, under tensor parallelism and a 2-stage pipeline of the
+    dropout GPT-2: every rank reads the same batches. Before, each rank drew its own (and a pipeline's
+    stages, drawing their own layers' dropout, parted after the first step even when seeded alike): the
+    last stage scored labels other than the first stage's batch held, with no error."""
+    for layout in ("tensor", "pipeline"):
+        first, second = (per_rank["same_batches"][layout] for per_rank in two_ranks)
+        assert len(first) == len(second) == 4, layout
+        assert all(torch.equal(a, b) for a, b in zip(first, second)), layout
+        assert not torch.equal(first[0], first[1]), layout  # the collator's draws do change from batch to batch
 
 
 def test_a_pipeline_trains_batches_whose_sequence_length_changes(two_ranks):
