@@ -537,6 +537,19 @@ def batches_read(load_strategy) -> list:
     return labels
 
 
+def compiled_split_models() -> dict:
+    """tensor_parallel with native_dynamo: the repo GPT trains (2 steps' losses); HF GPT-2's compiled blocks
+    cannot run split (its error, raised where auto_accelerate applies the strategy)."""
+    strategy = [("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel", "native_dynamo"]
+    out = {"gpt": train_gpt(strategy, steps=2)["losses"]}
+    try:
+        train_gpt(strategy, hf_model="gpt2", steps=1)
+        out["gpt2"] = "no error"
+    except Exception as error:
+        out["gpt2"] = f"{type(error).__name__}: {error}"
+    return out
+
+
 def same_batches() -> dict:
     return {"tensor": batches_read([("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"]),
             "pipeline": batches_read(PP2_1F1B)}
@@ -548,7 +561,7 @@ def launch_2(cases: dict) -> dict:
             "deepspeed": deepspeed_pipeline(), "zoo": inspect_zoo_layouts(),
             "residual_sequences": residual_blocks_on_sequences(), "refusals": pipeline_refusals(),
             "seeded_apart": train_seeded_apart([("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"]),
-            "same_batches": same_batches()}
+            "same_batches": same_batches(), "compiled": compiled_split_models()}
 
 
 @pytest.fixture(scope="module")
@@ -625,6 +638,20 @@ def test_ranks_that_read_the_same_batches_draw_the_collator_s_random_numbers_ali
         assert len(first) == len(second) == 4, layout
         assert all(torch.equal(a, b) for a, b in zip(first, second)), layout
         assert not torch.equal(first[0], first[1]), layout  # the collator's draws do change from batch to batch
+
+
+def test_a_compiled_split_model_is_checked_where_the_strategy_is_applied(two_ranks):
+    """tensor_parallel with native_dynamo runs one compiled forward and backward on a sample row when
+    auto_accelerate applies it: the repo GPT trains as one process does; HF GPT-2, whose compiled blocks
+    cannot run on DTensors, is refused there with the reason (before: a RuntimeError in the user's loop,
+    and HF Llama's 'Tensor' object has no attribute '_local_tensor' in its first backward)."""
+    reference = train_gpt([], steps=2)
+    for rank, per_rank in enumerate(two_ranks):
+        run = per_rank["compiled"]
+        assert relative_difference(run["gpt"], reference["losses"]) < TOL, (rank, run["gpt"])
+        assert run["gpt2"].startswith("MethodConfigError: native_dynamo: the compiled model split by "
+                                      "tensor_parallel fails one forward and backward"), (rank, run["gpt2"])
+        assert "as_strided not supported with DTensor" in run["gpt2"], (rank, run["gpt2"])
 
 
 def test_a_pipeline_trains_batches_whose_sequence_length_changes(two_ranks):

@@ -30,9 +30,12 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from atorch.auto.opt_lib.base import Optimization
+from atorch.auto.opt_lib.tp_check import Probe, probe_from_context
 from atorch.errors import MethodConfigError
+from atorch.utils.batch import loss_value
 from atorch.utils.config import MethodConfig, option
 from atorch.utils.forward_patch import replace_innermost_forward
 from atorch.utils.modules import repeated_blocks, unwrap_model
@@ -90,8 +93,36 @@ class NativeDynamoOptimization(Optimization):
     def transform(self, ctx, config: NativeDynamoConfig) -> None:
         def wrap(ctx) -> None:
             ctx.model = compile_model(ctx.model, config)
+            if any(isinstance(p, DTensor) for p in ctx.model.parameters()):
+                check_compiled_split_model(ctx.model, probe_from_context(ctx))
 
         ctx.add_wrapper("compile", self.name, wrap)
+
+
+def check_compiled_split_model(model: nn.Module, probe: Optional[Probe]) -> None:
+    """A model split by tensor parallelism (DTensor parameters) and compiled: one forward and backward
+    on a sample row, here, so that a compiled graph that cannot run the split model (HF GPT-2's
+    ``Conv1D`` views under DTensor: "as_strided not supported with DTensor"; HF Llama: a DTensor
+    redistribution's backward handed a plain tensor) is refused with its reason when auto_accelerate
+    applies the strategy, not met inside the training loop. The compiled graph is kept for training;
+    the sample's gradients and the random numbers it drew are dropped, the buffers it moved restored."""
+    if probe is None or probe.loss is None:
+        return
+    buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            loss_value(probe.loss(probe.batch, probe.run(model))).backward()
+    except Exception as error:
+        raise MethodConfigError(
+            "native_dynamo", f"the compiled model split by tensor_parallel fails one forward and backward on a "
+            f"sample batch: {type(error).__name__}: {str(error)[:300]}; leave native_dynamo out, or "
+            "tensor_parallel") from error
+    finally:
+        for param in model.parameters():
+            param.grad = None
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
 
 
 def compile_model(model: nn.Module, config: NativeDynamoConfig) -> nn.Module:
