@@ -57,7 +57,7 @@ CONTEXT_WORK = {
                             "sync_toggles", "grad_partition_group", "backward_in_forward"),
                            ("optim", "raw_optim")),
     "dataloader": StageWork("_build_dataloader",  # and, after the last stage, _build_lr_scheduler
-                            ("dataset", "dataloader_args", "distributed_sampler_cls", "global_batch_size",
+                            ("local", "dataset", "dataloader_args", "distributed_sampler_cls", "global_batch_size",
                              "per_rank_batch_size", "data_parallel_size", "lr_scheduler_cls", "lr_scheduler_args",
                              "raw_optim"),
                             ("dataloader", "lr_scheduler")),

@@ -65,15 +65,6 @@ def broadcast_flag(flag: bool) -> bool:
     return bool(value.item())
 
 
-def from_first_rank(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``group``'s first rank's ``tensor`` (same shape and dtype on every rank), on ``tensor``'s device:
-    carried through the backend's device (nccl: CUDA) where it is elsewhere."""
-    device = comm_device(group)
-    carried = tensor.contiguous().to(device) if tensor.device != device or not tensor.is_contiguous() else tensor
-    dist.broadcast(carried, src=dist.get_global_rank(group, 0), group=group)
-    return carried if carried is tensor else carried.to(tensor.device)
-
-
 def exchange_outside_collectives(value: str, group: Optional[dist.ProcessGroup] = None) -> list[str]:
     """Every rank's ``value`` (in the order of ``group``'s ranks), through the rendezvous store
     instead of a collective.

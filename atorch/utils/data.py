@@ -29,8 +29,6 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
-from atorch.distributed.agreement import from_first_rank
-
 logger = logging.getLogger(__name__)
 
 
@@ -69,6 +67,15 @@ class RankShareCollate:
         if extra or not share:
             return IncompleteGlobalBatch(len(samples), self.size)
         return self.collate_fn(samples[self.rank * share:(self.rank + 1) * share])
+
+
+def _from_first_rank(state: torch.Tensor, group: Any) -> torch.Tensor:
+    """``group``'s first rank's ``state`` (a CPU generator state), carried through CUDA where the group's
+    backend is nccl."""
+    cuda = dist.get_backend(group) == "nccl"
+    carried = state.to(torch.device("cuda", torch.cuda.current_device())) if cuda else state.clone()
+    dist.broadcast(carried, src=dist.get_global_rank(group, 0), group=group)
+    return carried.cpu()
 
 
 def _noting_calls(set_epoch: Callable[[int], None], loader: "ResumableDataLoader") -> Callable[[int], None]:
@@ -156,7 +163,7 @@ class ResumableDataLoader(DataLoader):
         own = torch.get_rng_state()
         agreed = own
         for group in self.same_batch_groups:
-            agreed = from_first_rank(agreed, group)
+            agreed = _from_first_rank(agreed, group)
         first = all(dist.get_rank(group) == 0 for group in self.same_batch_groups)
         torch.set_rng_state(agreed)
         try:

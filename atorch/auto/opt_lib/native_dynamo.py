@@ -78,7 +78,9 @@ class NativeDynamoOptimization(Optimization):
     name = "native_dynamo"
     config_class = NativeDynamoConfig
     stages = ("compile",)
-    reads = ("model",)
+    # args: whether tensor_parallel split the model; the rest: the sample row its compiled step is checked on
+    reads = ("model", "args", "dataset", "dataloader_args", "user_prepare_input", "input_dtype", "model_input_format",
+             "loss_func", "device")
     writes = ("model",)
 
     def normalize(self, config: Any) -> NativeDynamoConfig:
