@@ -338,6 +338,40 @@ def test_native_dynamo_compiles_the_block_inside_a_checkpoint_wrapper():
     assert weight_difference(run["weights"], eager["weights"]) < 1e-4
 
 
+def test_an_hf_model_s_blocks_share_one_graph_in_training():
+    """HF models default to ``use_cache=True``: with a KV cache each layer is called with its own cache
+    entry, which made dynamo compile the shared block forward once per layer (8 graphs for 10 layers,
+    then ``recompile_limit``: layers 9 and 10 ran eagerly). Training forwards now run without the cache
+    (one graph, the same loss as eager); evaluation keeps the model's own setting, and a training call
+    that asks for the cache is warned."""
+    torch._dynamo.reset()
+    config = transformers.LlamaConfig(num_hidden_layers=10, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=16)
+    assert config.use_cache
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    eager = copy.deepcopy(model)
+    graphs = []
+
+    def counting_backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    compile_model(model, NativeDynamoConfig(backend=counting_backend))
+    tokens = torch.randint(0, 64, (2, 16))
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    assert len(graphs) == 1, f"{len(graphs)} graphs for 10 blocks"
+    assert torch.allclose(loss, eager(input_ids=tokens, labels=tokens).loss)
+    model.eval()
+    with torch.no_grad():
+        assert model(input_ids=tokens).past_key_values is not None  # evaluation (generate) keeps its cache
+    model.train()
+    with pytest.warns(UserWarning, match="use_cache=True"):
+        model(input_ids=tokens, use_cache=True)
+    torch._dynamo.reset()
+
+
 def test_native_dynamo_block_scope_needs_repeated_blocks():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     assert compiled_blocks(model) == []
