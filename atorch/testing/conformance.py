@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -266,9 +267,10 @@ def _comparable(weights: dict, name: str) -> dict:
 def run_matrix(columns: Optional[list[str]] = None, models: Optional[list[str]] = None,
                timeout_s: float = 900.0, verbose: bool = True) -> dict[tuple[str, str], Cell]:
     """Every cell of the matrix, judged against the references: the columns of each world size in one
-    launch (``SHARED_LAUNCH_WORLDS``), one after another (starting processes and importing torch and
-    transformers costs more than most cells; a launch that dies ends only its remaining cells, which are
-    reported as not run)."""
+    launch (``SHARED_LAUNCH_WORLDS``; single-process columns in two launches side by side, each with half
+    the rows), one world size after another (starting processes and importing torch and transformers
+    costs more than most cells; a launch that dies ends only its remaining cells, which are reported as
+    not run)."""
     models = models or all_rows()
     typed = _typed_error_names()
     cells: dict[tuple[str, str], Cell] = {}
@@ -305,16 +307,15 @@ def write_pretrained(name: str, directory: str) -> str:
 
 def _run_matrix_columns(columns: list[Column], models: list[str], pretrained: dict, typed: set[str], cells: dict,
                         timeout_s: float, verbose: bool) -> None:
-    """One launch for the cells of ``columns`` (all of one world size), judged into ``cells``."""
+    """The cells of ``columns`` (all of one world size), judged into ``cells``: one launch, or for
+    single-process columns two launches side by side, each with half the rows (a single-process cell
+    keeps one core busy, mostly compiling under native_dynamo; the machine the suite runs on has two)."""
     started = time.monotonic()
     keys = [c.key for c in columns]
-    with tempfile.NamedTemporaryFile("r", suffix=".progress") as progress:
-        try:
-            per_rank = run_distributed(run_columns, columns[0].world, keys, models, progress.name, pretrained,
-                                       timeout_s=timeout_s)
-            ran = per_rank[0]
-        except DistributedRunError as error:
-            ran = _partial_after_crash(progress.name, keys, models, error)
+    halves = [models[0::2], models[1::2]] if columns[0].world == 1 and len(models) > 1 else [models]
+    with ThreadPoolExecutor(max_workers=len(halves)) as pool:
+        parts = list(pool.map(lambda rows: _launch_columns(columns, keys, rows, pretrained, timeout_s), halves))
+    ran = {key: {name: part[key][name] for part in parts for name in part[key]} for key in keys}
     for column in columns:
         for name in models:
             cells[(column.key, name)] = judge(column, name, ran[column.key][name], typed)
@@ -322,8 +323,20 @@ def _run_matrix_columns(columns: list[Column], models: list[str], pretrained: di
         for column in columns:
             summary = ", ".join(f"{n} {_symbol(cells[(column.key, n)])}" for n in models)
             print(f"[conformance] {column.label}: {summary}", file=sys.stderr, flush=True)
-        print(f"[conformance] {len(columns)} column(s) on {columns[0].world} process(es): "
-              f"{time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
+        print(f"[conformance] {len(columns)} column(s) on {columns[0].world} process(es) x {len(halves)} "
+              f"launch(es): {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
+
+
+def _launch_columns(columns: list[Column], keys: list[str], models: list[str], pretrained: dict,
+                    timeout_s: float) -> dict:
+    """One launch running ``models`` under each of ``columns``: what rank 0 reported, by column and row
+    (a launch that died: its cells as ``_partial_after_crash`` says)."""
+    with tempfile.NamedTemporaryFile("r", suffix=".progress") as progress:
+        try:
+            return run_distributed(run_columns, columns[0].world, keys, models, progress.name, pretrained,
+                                   timeout_s=timeout_s)[0]
+        except DistributedRunError as error:
+            return _partial_after_crash(progress.name, keys, models, error)
 
 
 def _partial_after_crash(progress: str, keys: list[str], models: list[str], error: Exception) -> dict:

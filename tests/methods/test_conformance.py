@@ -15,7 +15,8 @@ from atorch.testing.conformance import META, META_FAMILIES, family, page, run_ma
 from atorch.testing.hf_models import ZOO
 from atorch.testing.training import call_model
 
-# the whole matrix (22 columns x the zoo, one launch per column) runs in the first test: more than the default 600 s
+# the whole matrix (22 columns x the zoo: a launch per world size, two side by side for single-process columns)
+# runs in the first test: more than the default 600 s
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(2700)]
 pytest.importorskip("transformers", reason="transformers is a test extra")
 
