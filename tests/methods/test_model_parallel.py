@@ -555,13 +555,54 @@ def same_batches() -> dict:
             "pipeline": batches_read(PP2_1F1B)}
 
 
+class DropoutUpDown(torch.nn.Module):
+    """Residual blocks with dropout inside the split part (on the column-wise ``up``'s output, whose
+    elements are never zero before it) and on the replicated residual branch (after the row-wise ``down``)."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({
+            "up": torch.nn.Linear(dim, 4 * dim), "inner": torch.nn.Dropout(0.5), "down": torch.nn.Linear(4 * dim, dim),
+            "residual": torch.nn.Dropout(0.5)}) for _ in range(2))
+        self.out = torch.nn.Linear(dim, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block["residual"](block["down"](torch.relu(block["inner"](block["up"](x)))))
+        return self.out(x)
+
+
+def split_part_dropout() -> dict:
+    """Three steps of ``DropoutUpDown`` under tp2, each rank's dropout masks recorded (which features
+    each Dropout zeroed, per call) and its replicated weights after training."""
+    zoo = zoo_model("mlp_updown")
+    torch.manual_seed(0)
+    model = DropoutUpDown()
+    masks: dict[str, list] = {"inner": [], "residual": []}
+    for block in model.blocks:
+        for kind in masks:
+            block[kind].register_forward_hook(lambda m, a, out, kind=kind: masks[kind].append((out == 0).clone()))
+    _, result, _ = auto_accelerate(model, torch.optim.SGD, zoo.make_dataset(12, 0), zoo.loss_func,
+                                   optim_args={"lr": 0.1}, dataloader_args={"batch_size": 4},
+                                   load_strategy=[("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"])
+    for kind in masks:
+        masks[kind].clear()  # the plan check's forwards
+    for batch in result.dataloader:
+        loss = result.loss_func(batch, result.model(batch))
+        loss.backward()
+        result.optim.step()
+        result.optim.zero_grad()
+    weights = {k: v for k, v in full_state_dict(result.model).items()}
+    return {"masks": masks, "weights": weights}
+
+
 def launch_2(cases: dict) -> dict:
     # the pipeline runs on changing lengths come before deepspeed_pipeline, which leaves DeepSpeed unimportable
     return {"suite": run_suite(cases), "layouts": inspect_parallel_layouts(), "lengths": pipeline_on_changing_lengths(),
             "deepspeed": deepspeed_pipeline(), "zoo": inspect_zoo_layouts(),
             "residual_sequences": residual_blocks_on_sequences(), "refusals": pipeline_refusals(),
             "seeded_apart": train_seeded_apart([("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"]),
-            "same_batches": same_batches(), "compiled": compiled_split_models()}
+            "same_batches": same_batches(), "compiled": compiled_split_models(), "split_dropout": split_part_dropout()}
 
 
 @pytest.fixture(scope="module")
@@ -638,6 +679,21 @@ def test_ranks_that_read_the_same_batches_draw_the_collator_s_random_numbers_ali
         assert len(first) == len(second) == 4, layout
         assert all(torch.equal(a, b) for a, b in zip(first, second)), layout
         assert not torch.equal(first[0], first[1]), layout  # the collator's draws do change from batch to batch
+
+
+def test_dropout_inside_a_split_part_draws_a_mask_per_rank(two_ranks):
+    """Dropout between a column-wise projection and its row-wise one acts on each rank's own features:
+    the ranks draw different masks there (before, both drew the same one, so feature i of rank 0 and
+    feature i of rank 1 were dropped alike), each about half zeros; dropout on the replicated residual
+    branch draws alike on both ranks, and the replicated weights stay equal."""
+    first, second = (per_rank["split_dropout"] for per_rank in two_ranks)
+    inner = list(zip(first["masks"]["inner"], second["masks"]["inner"]))
+    assert len(inner) == 6 and all(a.shape == b.shape and a.shape[-1] == 64 for a, b in inner)
+    assert not any(torch.equal(a, b) for a, b in inner)
+    assert all(0.3 < a.float().mean() < 0.7 for a, _ in inner)
+    residual = list(zip(first["masks"]["residual"], second["masks"]["residual"]))
+    assert len(residual) == 6 and all(torch.equal(a, b) for a, b in residual)
+    assert weight_difference(first["weights"], second["weights"]) == 0.0
 
 
 def test_a_compiled_split_model_is_checked_where_the_strategy_is_applied(two_ranks):

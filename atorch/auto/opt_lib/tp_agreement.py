@@ -20,14 +20,23 @@ state of the group's first rank (the CPU generator, and the CUDA device's where 
 there): one broadcast of a few kilobytes over the tensor group. Ranks of other groups (data,
 pipeline) keep their own streams.
 
-Inside the split parts (dropout on a rank's own heads, or on its own tokens under sequence parallelism)
-the ranks then draw the same mask for their different shares: each element is still dropped with the
-configured probability, but the masks of heads (tokens) at the same local position are alike.
-Megatron-LM's RNG tracker draws those from a stream per rank; that is not done here.
+Inside the split parts (dropout on a rank's own heads, between a column-wise projection and its
+row-wise one) a shared stream would give each rank the same mask for its different heads: heads at the
+same local position would be dropped alike. So, as Megatron-LM's RNG tracker does, a split part draws
+from a stream of each rank's own: where the first column-wise projection's output appears, every rank
+draws one seed from the shared stream (the same on all ranks), puts the shared state aside and seeds
+its generator with that seed plus its tensor rank; at the row-wise projection's input (or at the end of
+the module holding the split, whichever comes first) the shared state comes back (as before the seed
+was drawn where the part drew nothing: a model with no random numbers in its split parts, such as one
+whose dropout is only on embeddings and residual branches, draws exactly what one process draws). Activation
+checkpointing's recomputation restores the shared state it started from, so it draws the same masks.
+Not done: tokens split by sequence parallelism (residual dropout on a rank's own tokens still draws
+alike), and code compiled by native_dynamo (its graphs keep the shared stream).
 """
 from __future__ import annotations
 
 import itertools
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,19 +60,82 @@ def share_initial_weights(module: nn.Module, tp_mesh) -> None:
 
 def share_random_state(module: nn.Module, tp_mesh) -> None:
     """Before each forward of ``module`` in training mode, every rank of the tensor group takes the
-    group's first rank's generator states."""
+    group's first rank's generator states (and leaves any split part an earlier forward did not
+    leave, one that raised)."""
     group = tp_mesh.get_group()
     source = dist.get_global_rank(group, 0)
     device_type = tp_mesh.device_type
 
     def same_state(mod: nn.Module, args: tuple) -> None:
         if mod.training:
+            streams = getattr(mod, SPLIT_STREAMS_ATTR, None)
+            if streams is not None:
+                streams.shared = None
             cuda = _cuda_device(mod)
             torch.set_rng_state(_broadcast(torch.get_rng_state(), group, source, device_type))
             if cuda is not None:
                 torch.cuda.set_rng_state(_broadcast(torch.cuda.get_rng_state(cuda), group, source, device_type), cuda)
 
     module.register_forward_pre_hook(same_state)
+
+
+SPLIT_STREAMS_ATTR = "_atorch_split_streams"
+
+
+class SplitPartStreams:
+    """Which stream a rank draws from: the tensor group's shared one, or (inside a split part) its own.
+    While a split part runs, ``shared`` holds the shared states to return to: as they were before the
+    part's seed was drawn, and after."""
+
+    def __init__(self, tp_rank: int):
+        self.tp_rank = tp_rank
+        self.shared: Optional[tuple] = None
+
+    def enter(self, module: nn.Module, args: tuple, output) -> None:
+        if not module.training or self.shared is not None or torch.compiler.is_compiling():
+            return
+        cuda = _cuda_device(module)
+        before = _states(cuda)
+        seed = int(torch.randint(0, 2 ** 62, (1,))) + self.tp_rank  # the shared stream's draw, plus the rank
+        after_seed = _states(cuda)
+        torch.default_generator.manual_seed(seed)
+        if cuda is not None:
+            torch.cuda.default_generators[cuda.index].manual_seed(seed)
+        self.shared = (cuda, before, after_seed, _states(cuda))
+
+    def leave(self, *_: Any) -> None:
+        """Back to the shared stream: past the part's seed where the part drew random numbers, else as
+        if the part had not been entered (a model whose split parts draw nothing draws exactly what one
+        process draws)."""
+        if self.shared is None or torch.compiler.is_compiling():
+            return
+        cuda, before, after_seed, seeded = self.shared
+        self.shared = None
+        drew = any(not torch.equal(now, then) for now, then in zip(_states(cuda), seeded))
+        cpu_state, *cuda_state = after_seed if drew else before
+        torch.set_rng_state(cpu_state)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda_state[0], cuda)
+
+
+def _states(cuda) -> tuple:
+    """The CPU generator's state, and the CUDA device's where the model runs there."""
+    return (torch.get_rng_state(),) + ((torch.cuda.get_rng_state(cuda),) if cuda is not None else ())
+
+
+def draw_apart_in_split_parts(model: nn.Module, colwise: list[nn.Module], rowwise: list[nn.Module],
+                              regions: list[nn.Module], tp_rank: int) -> None:
+    """Random numbers drawn between a column-wise projection's output and the row-wise projection's
+    input come from a stream of each rank's own (see the module's docstring); ``model`` is the module
+    ``share_random_state`` hooks, which resets them each forward."""
+    streams = SplitPartStreams(tp_rank)
+    setattr(model, SPLIT_STREAMS_ATTR, streams)
+    for module in colwise:
+        module.register_forward_hook(streams.enter)
+    for module in rowwise:
+        module.register_forward_pre_hook(streams.leave)
+    for module in regions:
+        module.register_forward_hook(streams.leave)
 
 
 def _broadcast(tensor: torch.Tensor, group, source: int, device_type: str) -> torch.Tensor:
