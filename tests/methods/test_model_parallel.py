@@ -592,8 +592,7 @@ def split_part_dropout() -> dict:
         loss.backward()
         result.optim.step()
         result.optim.zero_grad()
-    weights = {k: v for k, v in full_state_dict(result.model).items()}
-    return {"masks": masks, "weights": weights}
+    return {"masks": masks, "weights": full_state_dict(result.model)}
 
 
 def launch_2(cases: dict) -> dict:
