@@ -87,6 +87,39 @@ def test_checkpoint_recomputes_the_chosen_blocks(config):
     assert list(model.state_dict()) == list(build_gpt(0, SMALL_GPT).state_dict())  # keys unchanged
 
 
+def test_checkpoint_trains_an_hf_model_without_its_cache_and_generates_with_it():
+    """Recomputing a block would append to the KV cache twice, so checkpoint trains without it (an explicit
+    use_cache=True in training too, with a warning, as transformers' own gradient checkpointing does); the
+    config keeps use_cache=True, so evaluation and ``generate`` still decode with the cache (setting the
+    config to False for good made every later generate recompute the whole prefix per token)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test extra")
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    reference = copy.deepcopy(model)
+    tokens = torch.randint(0, 64, (2, 16))
+    status, result, _ = auto_accelerate(model, load_strategy=[("checkpoint", ("LlamaDecoderLayer",))])
+    assert status and model.config.use_cache
+    calls = []
+    model.model.layers[0].self_attn.register_forward_hook(lambda *args: calls.append(1))
+    output = result.model(input_ids=tokens, labels=tokens)
+    assert output.past_key_values is None
+    output.loss.backward()
+    assert len(calls) == 2  # recomputed in backward
+    reference(input_ids=tokens, labels=tokens).loss.backward()
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=1e-5, atol=1e-6, msg=name)
+    with pytest.warns(UserWarning, match="use_cache=True under checkpoint.*second time"):
+        assert result.model(input_ids=tokens, use_cache=True).past_key_values is None
+    model.eval()
+    with torch.no_grad():
+        assert model(input_ids=tokens).past_key_values is not None
+        generated = model.generate(tokens[:1, :4], max_new_tokens=3, do_sample=False)
+        expected = reference.eval().generate(tokens[:1, :4], max_new_tokens=3, do_sample=False)
+    assert torch.equal(generated, expected)
+
+
 def test_user_registered_method_is_applied():
     class ScaleLoss(Optimization):
         name = "scale_loss_for_test"

@@ -20,6 +20,7 @@ from atorch.auto.opt_lib.base import Optimization
 from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, ModuleTargets, option
 from atorch.utils.forward_patch import patch_forward
+from atorch.utils.kv_cache import train_without_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -66,15 +67,24 @@ class CheckpointOptimization(Optimization):
         ctx.add_wrapper("checkpoint", self.name, wrap)
 
 
+# why training forwards under checkpoint run without a KV cache (atorch.utils.kv_cache)
+KV_CACHE_APPENDS_TWICE = "recomputing a block in backward would append to its key/value cache a second time"
+
+
 def _disable_kv_cache(model: torch.nn.Module) -> None:
     """HF models append to a key/value cache in forward; recomputation would append twice, so (as HF's
-    own gradient checkpointing does) training under checkpoint runs with ``use_cache=False``."""
+    own gradient checkpointing does) training forwards under checkpoint run with ``use_cache=False``, an
+    explicit ``use_cache=True`` included (with a warning). Evaluation and ``generate`` keep the model's
+    setting. A model whose modules read ``config.use_cache`` but whose forwards take no ``use_cache``
+    cannot be told per call: its config is set to False."""
+    if train_without_kv_cache(model, "checkpoint", KV_CACHE_APPENDS_TWICE, override_explicit=True):
+        return
     for module in model.modules():
         config = getattr(module, "config", None)
         if getattr(config, "use_cache", False):
             config.use_cache = False
-            logger.info("checkpoint: set %s.config.use_cache=False (a cache is incompatible with recomputation)",
-                        type(module).__name__)
+            logger.info("checkpoint: set %s.config.use_cache=False (a cache is incompatible with recomputation and "
+                        "no forward of the model takes use_cache)", type(module).__name__)
 
 
 def matching_modules(model: torch.nn.Module, targets: tuple) -> list[torch.nn.Module]:

@@ -24,9 +24,7 @@ Config: ``{"backend": "inductor", "mode": None, "fullgraph": False, "dynamic": N
 from __future__ import annotations
 
 import functools
-import inspect
 import types
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -39,12 +37,16 @@ from atorch.errors import MethodConfigError
 from atorch.utils.batch import loss_value
 from atorch.utils.config import MethodConfig, option
 from atorch.utils.forward_patch import replace_innermost_forward
+from atorch.utils.kv_cache import train_without_kv_cache
 from atorch.utils.modules import repeated_blocks, unwrap_model
 
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 Scope = Literal["auto", "blocks", "model"]
 # set on each block whose forward native_dynamo compiled (tests and the report read it)
 COMPILED_BLOCK_ATTR = "atorch_compiled_forward"
+# why training forwards of compiled blocks run without a KV cache (atorch.utils.kv_cache)
+KV_CACHE_RECOMPILES = ("its compiled blocks recompile for each layer's cache entry (at most 8 compiled, later "
+                       "layers run eagerly)")
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ def compile_model(model: nn.Module, config: NativeDynamoConfig) -> nn.Module:
     if not blocks:
         return torch.compile(model, **config.compile_options())
     compiled: dict[Callable, Callable] = {}  # one compiled function per forward: the blocks share it
-    train_without_kv_cache(unwrap_model(model))
+    train_without_kv_cache(unwrap_model(model), "native_dynamo", KV_CACHE_RECOMPILES, override_explicit=False)
     for block in blocks:
         replace_innermost_forward(block, functools.partial(_compiled_method, block, compiled, config))
         setattr(block, COMPILED_BLOCK_ATTR, True)
@@ -156,45 +158,3 @@ def _compiled_method(block: nn.Module, compiled: dict, config: NativeDynamoConfi
         compiled[function] = torch.compile(function, **config.compile_options())
     return types.MethodType(compiled[function], block)
 
-
-def train_without_kv_cache(model: nn.Module) -> None:
-    """Training forwards of every module whose ``forward`` takes a ``use_cache`` argument (the
-    transformers convention) run with ``use_cache=False`` where the caller leaves it unsaid (absent or
-    None). Why: a KV cache is of no use to a training step, and with one each block is called with
-    its own cache layer (``past_key_values.layers[i]``), a guard that makes dynamo compile the shared
-    block forward once per layer: 8 compiles, then ``recompile_limit`` is hit and every later layer
-    runs eagerly (a 12-layer HF Llama: 8 graphs and 3x the compile time, 1 graph without the cache).
-    Evaluation forwards (``generate``) keep the model's own setting; a training forward that asks for
-    the cache gets it, with a warning."""
-    for module in model.modules():
-        position = _use_cache_position(module)
-        if position is not None:
-            module.register_forward_pre_hook(functools.partial(_no_cache_in_training, position), with_kwargs=True)
-
-
-def _use_cache_position(module: nn.Module) -> Optional[int]:
-    """Where ``use_cache`` sits among ``module.forward``'s positional arguments, None if it takes none."""
-    try:
-        parameters = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    names = [p.name for p in parameters]
-    if "use_cache" not in names:
-        return None
-    return names.index("use_cache")
-
-
-def _no_cache_in_training(position: int, module: nn.Module, args: tuple, kwargs: dict):
-    if not module.training:
-        return None
-    said = args[position] if len(args) > position else kwargs.get("use_cache")
-    if said is None:
-        if len(args) > position:
-            return args[:position] + (False,) + args[position + 1:], kwargs
-        return args, {**kwargs, "use_cache": False}
-    if said and not getattr(module, "_atorch_cache_warned", False):
-        module._atorch_cache_warned = True
-        warnings.warn(f"{type(module).__name__} is trained with use_cache=True: native_dynamo's compiled blocks "
-                      "recompile for each layer's cache entry (at most 8 compiled, later layers run eagerly); "
-                      "pass use_cache=False to train", stacklevel=2)
-    return None
