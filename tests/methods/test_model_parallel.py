@@ -555,36 +555,46 @@ def same_batches() -> dict:
             "pipeline": batches_read(PP2_1F1B)}
 
 
-class DropoutUpDown(torch.nn.Module):
-    """Residual blocks with dropout inside the split part (on the column-wise ``up``'s output, whose
-    elements are never zero before it) and on the replicated residual branch (after the row-wise ``down``)."""
+class DropoutUpDownBlock(torch.nn.Module):
+    """A residual block with dropout inside the split part (on the column-wise ``up``'s output, whose
+    elements are never zero before it) and on the residual branch (after the row-wise ``down``)."""
 
+    def __init__(self, dim: int):
+        super().__init__()
+        self.up, self.inner = torch.nn.Linear(dim, 4 * dim), torch.nn.Dropout(0.5)
+        self.down, self.residual = torch.nn.Linear(4 * dim, dim), torch.nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.residual(self.down(torch.relu(self.inner(self.up(x)))))
+
+
+class DropoutUpDown(torch.nn.Module):
     def __init__(self, dim: int = 32):
         super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({
-            "up": torch.nn.Linear(dim, 4 * dim), "inner": torch.nn.Dropout(0.5), "down": torch.nn.Linear(4 * dim, dim),
-            "residual": torch.nn.Dropout(0.5)}) for _ in range(2))
+        self.blocks = torch.nn.ModuleList(DropoutUpDownBlock(dim) for _ in range(2))
         self.out = torch.nn.Linear(dim, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = x + block["residual"](block["down"](torch.relu(block["inner"](block["up"](x)))))
+            x = block(x)
         return self.out(x)
 
 
-def split_part_dropout() -> dict:
-    """Three steps of ``DropoutUpDown`` under tp2, each rank's dropout masks recorded (which features
-    each Dropout zeroed, per call) and its replicated weights after training."""
+def split_part_dropout(sequence: bool = False) -> dict:
+    """Three steps of ``DropoutUpDown`` under tp2 (with sequence parallelism: each rank's residual stream
+    holds its own rows), each rank's dropout masks recorded (which elements each Dropout zeroed, per
+    call) and its replicated weights after training."""
     zoo = zoo_model("mlp_updown")
     torch.manual_seed(0)
     model = DropoutUpDown()
     masks: dict[str, list] = {"inner": [], "residual": []}
     for block in model.blocks:
         for kind in masks:
-            block[kind].register_forward_hook(lambda m, a, out, kind=kind: masks[kind].append((out == 0).clone()))
+            getattr(block, kind).register_forward_hook(
+                lambda m, a, out, kind=kind: masks[kind].append((out == 0).clone()))
+    strategy = [("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"] + (["sequence_parallel"] * sequence)
     _, result, _ = auto_accelerate(model, torch.optim.SGD, zoo.make_dataset(12, 0), zoo.loss_func,
-                                   optim_args={"lr": 0.1}, dataloader_args={"batch_size": 4},
-                                   load_strategy=[("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"])
+                                   optim_args={"lr": 0.1}, dataloader_args={"batch_size": 4}, load_strategy=strategy)
     for kind in masks:
         masks[kind].clear()  # the plan check's forwards
     for batch in result.dataloader:
@@ -601,7 +611,8 @@ def launch_2(cases: dict) -> dict:
             "deepspeed": deepspeed_pipeline(), "zoo": inspect_zoo_layouts(),
             "residual_sequences": residual_blocks_on_sequences(), "refusals": pipeline_refusals(),
             "seeded_apart": train_seeded_apart([("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"]),
-            "same_batches": same_batches(), "compiled": compiled_split_models(), "split_dropout": split_part_dropout()}
+            "same_batches": same_batches(), "compiled": compiled_split_models(), "split_dropout": split_part_dropout(),
+            "sequence_dropout": split_part_dropout(sequence=True)}
 
 
 @pytest.fixture(scope="module")
@@ -692,6 +703,20 @@ def test_dropout_inside_a_split_part_draws_a_mask_per_rank(two_ranks):
     assert all(0.3 < a.float().mean() < 0.7 for a, _ in inner)
     residual = list(zip(first["masks"]["residual"], second["masks"]["residual"]))
     assert len(residual) == 6 and all(torch.equal(a, b) for a, b in residual)
+    assert weight_difference(first["weights"], second["weights"]) == 0.0
+
+
+def test_dropout_on_a_rank_s_own_tokens_draws_a_mask_per_rank_under_sequence_parallelism(two_ranks):
+    """Under sequence parallelism the residual stream between the blocks holds each rank's own rows
+    (tokens): its dropout draws a mask per rank there (before, row i of rank 0 and row i of rank 1 were
+    dropped alike), as inside the split parts; the replicated weights stay equal on both ranks."""
+    first, second = (per_rank["sequence_dropout"] for per_rank in two_ranks)
+    for kind in ("inner", "residual"):
+        pairs = list(zip(first["masks"][kind], second["masks"][kind]))
+        assert len(pairs) == 6 and all(a.shape == b.shape for a, b in pairs), kind
+        assert not any(torch.equal(a, b) for a, b in pairs), kind
+        assert all(0.3 < a.float().mean() < 0.7 for a, _ in pairs), kind
+    assert all(a.shape[0] == 2 for a in first["masks"]["residual"])  # this rank's 2 of the batch's 4 rows
     assert weight_difference(first["weights"], second["weights"]) == 0.0
 
 

@@ -54,7 +54,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.sequence_parallel import apply_sequence_parallel, plan_sequence_parallel, replicate_params
-from atorch.auto.opt_lib.tp_agreement import draw_apart_in_split_parts, share_initial_weights, share_random_state
+from atorch.auto.opt_lib.tp_agreement import (
+    draw_apart_in_split_parts,
+    draw_apart_on_token_shards,
+    share_initial_weights,
+    share_random_state,
+)
 from atorch.auto.opt_lib.tp_check import Probe, check_plan, probe_from_context
 from atorch.auto.opt_lib.tp_experts import gradient_summed, split_expert_bank
 from atorch.auto.opt_lib.tp_mha import split_mha
@@ -345,6 +350,8 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
         split_expert_bank(model.get_submodule(name), tp_mesh)
     if sequence_plan is not None:
         apply_sequence_parallel(model, sequence_plan, tp_mesh)
+        draw_apart_on_token_shards(model, [(model.get_submodule(r.blocks[0]), model.get_submodule(r.blocks[-1]))
+                                           for r in sequence_plan.regions], tp_mesh.get_local_rank())
     regions = {name: model.get_submodule(name) for name in plan.regions}
     draw_apart_in_split_parts(model, [model.get_submodule(n) for n, s in plan.styles.items() if s == "colwise"],
                               [model.get_submodule(n) for n, s in plan.styles.items() if s == "rowwise"],

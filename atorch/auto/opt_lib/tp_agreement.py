@@ -30,8 +30,16 @@ the module holding the split, whichever comes first) the shared state comes back
 was drawn where the part drew nothing: a model with no random numbers in its split parts, such as one
 whose dropout is only on embeddings and residual branches, draws exactly what one process draws). Activation
 checkpointing's recomputation restores the shared state it started from, so it draws the same masks.
-Not done: tokens split by sequence parallelism (residual dropout on a rank's own tokens still draws
-alike), and code compiled by native_dynamo (its graphs keep the shared stream).
+
+Tokens split by sequence parallelism are a rank's own too: between a region's first block (where the
+hidden states are cut into sequence shards) and its last block's output (where they are gathered) the
+residual stream's dropout acts on this rank's tokens, so it draws from a stream of the rank's own in
+the same way (Megatron-LM forks its tracker there under sequence parallelism); before, token i of rank
+0 and token i of rank 1 were dropped alike. Modules the region runs whole (a gathered attention or
+MoE layer whose output is cut back to this rank's tokens) draw from it too: each token's output is
+computed with its own rank's numbers, and only that rank keeps it. Not done: code compiled by
+native_dynamo with scope "model" (its graphs keep the shared stream; compiled blocks are entered and
+left outside their graphs).
 """
 from __future__ import annotations
 
@@ -68,8 +76,7 @@ def share_random_state(module: nn.Module, tp_mesh) -> None:
 
     def same_state(mod: nn.Module, args: tuple) -> None:
         if mod.training:
-            streams = getattr(mod, SPLIT_STREAMS_ATTR, None)
-            if streams is not None:
+            for streams in getattr(mod, OWN_STREAMS_ATTR, ()):
                 streams.shared = None
             cuda = _cuda_device(mod)
             torch.set_rng_state(_broadcast(torch.get_rng_state(), group, source, device_type))
@@ -79,13 +86,14 @@ def share_random_state(module: nn.Module, tp_mesh) -> None:
     module.register_forward_pre_hook(same_state)
 
 
-SPLIT_STREAMS_ATTR = "_atorch_split_streams"
+OWN_STREAMS_ATTR = "_atorch_own_streams"
 
 
-class SplitPartStreams:
-    """Which stream a rank draws from: the tensor group's shared one, or (inside a split part) its own.
-    While a split part runs, ``shared`` holds the shared states to return to: as they were before the
-    part's seed was drawn, and after."""
+class OwnStream:
+    """Which stream a rank draws from: the tensor group's shared one, or (inside a split part, or on a
+    sequence shard) its own. While such a part runs, ``shared`` holds the states to return to: as they
+    were before the part's seed was drawn, and after. Parts nest (a split part inside a sequence-sharded
+    region): each returns to the stream it was entered from."""
 
     def __init__(self, tp_rank: int):
         self.tp_rank = tp_rank
@@ -128,14 +136,30 @@ def draw_apart_in_split_parts(model: nn.Module, colwise: list[nn.Module], rowwis
     """Random numbers drawn between a column-wise projection's output and the row-wise projection's
     input come from a stream of each rank's own (see the module's docstring); ``model`` is the module
     ``share_random_state`` hooks, which resets them each forward."""
-    streams = SplitPartStreams(tp_rank)
-    setattr(model, SPLIT_STREAMS_ATTR, streams)
+    streams = _own_stream(model, tp_rank)
     for module in colwise:
         module.register_forward_hook(streams.enter)
     for module in rowwise:
         module.register_forward_pre_hook(streams.leave)
     for module in regions:
         module.register_forward_hook(streams.leave)
+
+
+def draw_apart_on_token_shards(model: nn.Module, regions: list[tuple[nn.Module, nn.Module]], tp_rank: int) -> None:
+    """Random numbers drawn between each sequence-parallel region's first block's input and its last block's
+    output come from a stream of each rank's own (see the module's docstring). ``regions``: (first block, last
+    block) of each region."""
+    streams = _own_stream(model, tp_rank)
+    for first, last in regions:
+        first.register_forward_pre_hook(lambda module, args: streams.enter(module, args, None))
+        last.register_forward_hook(streams.leave)
+
+
+def _own_stream(model: nn.Module, tp_rank: int) -> OwnStream:
+    """A new ``OwnStream`` that ``share_random_state``'s hook on ``model`` resets before each forward."""
+    streams = OwnStream(tp_rank)
+    setattr(model, OWN_STREAMS_ATTR, [*getattr(model, OWN_STREAMS_ATTR, ()), streams])
+    return streams
 
 
 def _broadcast(tensor: torch.Tensor, group, source: int, device_type: str) -> torch.Tensor:
