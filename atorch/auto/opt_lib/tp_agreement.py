@@ -111,6 +111,10 @@ class OwnStream:
             torch.cuda.default_generators[cuda.index].manual_seed(seed)
         self.shared = (cuda, before, after_seed, _states(cuda))
 
+    def enter_before(self, module: nn.Module, args: tuple) -> None:
+        """``enter`` as a forward pre-hook (a bound method, so a deep copy of the model hooks its own copy)."""
+        self.enter(module, args, None)
+
     def leave(self, *_: Any) -> None:
         """Back to the shared stream: past the part's seed where the part drew random numbers, else as
         if the part had not been entered (a model whose split parts draw nothing draws exactly what one
@@ -151,7 +155,7 @@ def draw_apart_on_token_shards(model: nn.Module, regions: list[tuple[nn.Module, 
     block) of each region."""
     streams = _own_stream(model, tp_rank)
     for first, last in regions:
-        first.register_forward_pre_hook(lambda module, args: streams.enter(module, args, None))
+        first.register_forward_pre_hook(streams.enter_before)
         last.register_forward_hook(streams.leave)
 
 
