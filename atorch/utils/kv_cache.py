@@ -47,18 +47,17 @@ class _NoCacheInTraining:
         if not module.training:
             return None
         said = args[self.position] if len(args) > self.position else kwargs.get("use_cache")
-        if said is None or (said and self.overriding):
-            if said and not self.warned:
-                self.warned = True
-                method, why = next(iter(self.overriding.items()))
-                warnings.warn(f"{type(module).__name__} is trained with use_cache=True under {method}: {why}; "
-                              "it runs with use_cache=False", stacklevel=2)
+        if said is None:
             return _with_use_cache(args, kwargs, self.position, False)
-        if said and self.warning and not self.warned:
+        policies = self.overriding or self.warning
+        if said and policies and not self.warned:
             self.warned = True
-            method, why = next(iter(self.warning.items()))
-            warnings.warn(f"{type(module).__name__} is trained with use_cache=True under {method}: {why}; "
-                          "pass use_cache=False to train", stacklevel=2)
+            method, why = next(iter(policies.items()))
+            then = "it runs with use_cache=False" if self.overriding else "pass use_cache=False to train"
+            warnings.warn(f"{type(module).__name__} is trained with use_cache=True under {method}: {why}; {then}",
+                          stacklevel=2)
+        if said and self.overriding:
+            return _with_use_cache(args, kwargs, self.position, False)
         return None
 
 
