@@ -11,6 +11,7 @@ from torch.utils.data import TensorDataset
 
 from atorch.auto import opt_lib
 from atorch.auto.accelerate import auto_accelerate
+from atorch.auto.opt_lib.activation_checkpoint import matching_modules
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.strategy import Strategy
 from atorch.models import GPTBlock, SyntheticTokenDataset, gpt_loss
@@ -77,7 +78,8 @@ def test_half_casts_parameters_and_floating_inputs():
     assert result.model(batch[0]).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("config", [(GPTBlock,), ("blocks.*",), {"wrap_class": ("GPTBlock",), "no_reentrant": False}])
+@pytest.mark.parametrize("config", [(GPTBlock,), ("blocks.*",), {"wrap_class": ("GPTBlock",), "no_reentrant": False},
+                                    ("atorch.models.GPTBlock",)])
 def test_checkpoint_recomputes_the_chosen_blocks(config):
     model, result, _ = gpt_accelerate([("checkpoint", config)])
     calls = []
@@ -85,6 +87,18 @@ def test_checkpoint_recomputes_the_chosen_blocks(config):
     one_step(result)
     assert len(calls) == 2  # forward once, recomputed once in backward
     assert list(model.state_dict()) == list(build_gpt(0, SMALL_GPT).state_dict())  # keys unchanged
+
+
+def test_a_class_named_by_its_import_path_matches_by_its_defining_module():
+    """Users write classes as they import them (``torch.nn.TransformerEncoderLayer``, defined in
+    ``torch.nn.modules.transformer``); checkpoint found only the bare class name ("no submodule matches")."""
+    layer = nn.TransformerEncoderLayer(8, 2)
+    assert matching_modules(nn.Sequential(layer), ("torch.nn.TransformerEncoderLayer",)) == [layer]
+    assert matching_modules(nn.Sequential(layer), ("torch.nn.modules.transformer.TransformerEncoderLayer",)) == [layer]
+    others = ("torch.optim.TransformerEncoderLayer", "torch.nn.TransformerDecoderLayer",
+              "torch.n.TransformerEncoderLayer")
+    for other in others:
+        assert matching_modules(nn.Sequential(layer), (other,)) == [], other
 
 
 def test_checkpoint_trains_an_hf_model_without_its_cache_and_generates_with_it():

@@ -19,6 +19,7 @@ from atorch.distributed import mesh
 from atorch.errors import MethodConfigError
 from atorch.models import GPT, GPTConfig
 from atorch.testing import run_distributed
+from atorch.testing.community_models import NanoGPT
 from atorch.testing.hf_models import zoo_model
 from atorch.testing.training import (
     relative_difference,
@@ -460,6 +461,32 @@ def train_rows(model: torch.nn.Module, load_strategy: Any = None) -> dict:
     return {"losses": losses, "last": last}
 
 
+class NanoGPTWithTargets(NanoGPT):
+    """nanoGPT's own forward: ``model(x, y)`` returns the logits and the loss it computes itself."""
+
+    def forward(self, idx: torch.Tensor, targets: Any = None) -> tuple:
+        logits = super().forward(idx)
+        if targets is None:
+            return logits, None
+        return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+
+
+def train_positional(load_strategy: Any = ()) -> dict:
+    """nanoGPT's loop through auto_accelerate: rows of (inputs, targets), ``model(*batch)``, the loss the
+    model returns; 4 SGD steps of 8 rows, every rank reading every row."""
+    torch.manual_seed(0)
+    model = NanoGPTWithTargets()
+    generator = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(0, 64, (17,), generator=generator) for _ in range(32)]
+    _, result, _ = auto_accelerate(model, torch.optim.SGD, [(t[:-1], t[1:]) for t in tokens],
+                                   lambda batch, output: output[1], optim_args={"lr": 0.1},
+                                   dataloader_args={"batch_size": 8}, model_input_format="unpack_sequence",
+                                   load_strategy=list(load_strategy))
+    losses = train_returned(result, 4, "unpack_sequence")
+    weights = result.model.full_state_dict() if load_strategy else full_state_dict(result.model)
+    return {"losses": losses, "weights": weights}
+
+
 def pipeline_on_changing_lengths() -> dict:
     torch.manual_seed(0)
     out = train_rows(zoo_model("llama").build(), PP2_1F1B)
@@ -612,7 +639,8 @@ def launch_2(cases: dict) -> dict:
             "residual_sequences": residual_blocks_on_sequences(), "refusals": pipeline_refusals(),
             "seeded_apart": train_seeded_apart([("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"]),
             "same_batches": same_batches(), "compiled": compiled_split_models(), "split_dropout": split_part_dropout(),
-            "sequence_dropout": split_part_dropout(sequence=True)}
+            "sequence_dropout": split_part_dropout(sequence=True),
+            "positional": train_positional([PP2, ("pipeline_parallel", {"schedule": "GPipe"})])}
 
 
 @pytest.fixture(scope="module")
@@ -754,6 +782,18 @@ def test_a_pipeline_trains_batches_whose_sequence_length_changes(two_ranks):
             deepspeed = run["ds_3d"]
             assert relative_difference(deepspeed["losses"], reference["losses"][:3]) < TOL, (rank, deepspeed)
             assert "a batch of 6 rows does not split into its 4 micro-batches" in deepspeed["last"], deepspeed
+
+
+def test_a_pipeline_trains_a_model_called_on_positional_inputs(two_ranks):
+    """nanoGPT's loop, ``logits, loss = model(x, y)``, is ``model_input_format="unpack_sequence"``: the
+    pipeline refused it ("needs model_input_format 'unpack_dict' or None"). Every stage now gets the
+    positional inputs as the model takes them, the last stage's loss (computed inside the model's forward
+    from the targets) is the step's; 4 steps of pp2 (GPipe) train as one process does."""
+    reference = train_positional()
+    for rank, per_rank in enumerate(two_ranks):
+        run = per_rank["positional"]
+        assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, run["losses"])
+        assert weight_difference(run["weights"], reference["weights"]) < TOL, rank
 
 
 def test_pipeline_averages_gradients_over_the_data_group_once_a_step(four_ranks):

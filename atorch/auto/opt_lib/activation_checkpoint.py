@@ -1,8 +1,9 @@
 """checkpoint (activation checkpointing): recompute the activations of chosen submodules in backward
 instead of storing them.
 
-Config: a tuple of module types and/or names (a class name such as "GPTBlock", or a qualified
-submodule name / glob such as "blocks.*.mlp"), or ``{"wrap_class": (...), "no_reentrant": bool}``.
+Config: a tuple of module types and/or names (a class name such as "GPTBlock" or with its import path,
+"torch.nn.TransformerEncoderLayer", or a qualified submodule name / glob such as "blocks.*.mlp"), or
+``{"wrap_class": (...), "no_reentrant": bool}``.
 The forward of each matching module is patched on the instance, so state_dict keys do not change.
 """
 from __future__ import annotations
@@ -27,8 +28,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CheckpointConfig(MethodConfig):
-    wrap_class: ModuleTargets = option(doc="modules to recompute: nn.Module classes, class names or qualified-name "
-                                       "globs such as 'blocks.*.mlp'")
+    wrap_class: ModuleTargets = option(doc="modules to recompute: nn.Module classes, class names (bare or by import "
+                                       "path, 'torch.nn.TransformerEncoderLayer') or qualified-name globs such as "
+                                       "'blocks.*.mlp'")
     no_reentrant: bool = option(True, doc="use PyTorch's non-reentrant checkpoint (keyword arguments, any outputs)")
 
 
@@ -88,7 +90,8 @@ def _disable_kv_cache(model: torch.nn.Module) -> None:
 
 
 def matching_modules(model: torch.nn.Module, targets: tuple) -> list[torch.nn.Module]:
-    """Submodules whose type, class name or qualified name (glob) is in ``targets``; outermost wins."""
+    """Submodules whose type, class name (``"GPT2Block"``, or with its import path as users write it:
+    ``"torch.nn.TransformerEncoderLayer"``) or qualified name (glob) is in ``targets``; outermost wins."""
     types = tuple(t for t in targets if isinstance(t, type))
     names = [t for t in targets if isinstance(t, str)]
     chosen: list[tuple[str, torch.nn.Module]] = []
@@ -97,11 +100,22 @@ def matching_modules(model: torch.nn.Module, targets: tuple) -> list[torch.nn.Mo
             continue
         if any(qualname == p or qualname.startswith(p + ".") for p, _ in chosen):
             continue  # already inside a checkpointed module
-        if isinstance(module, types) or type(module).__name__ in names or any(
-            fnmatch.fnmatchcase(qualname, pattern) for pattern in names
+        if isinstance(module, types) or any(
+            names_class(name, type(module)) or fnmatch.fnmatchcase(qualname, name) for name in names
         ):
             chosen.append((qualname, module))
     return [module for _, module in chosen]
+
+
+def names_class(name: str, cls: type) -> bool:
+    """Whether ``name`` names ``cls``: its class name, or a dotted path to it by its defining module or a
+    package above it (``torch.nn.TransformerEncoderLayer`` is defined in ``torch.nn.modules.transformer``).
+    Read from the name alone: nothing is imported (strategy files carry such names)."""
+    package, _, class_name = name.rpartition(".")
+    if class_name != cls.__name__:
+        return False
+    module = getattr(cls, "__module__", "") or ""
+    return not package or module == package or module.startswith(package + ".")
 
 
 def enable_checkpoint(module: torch.nn.Module, use_reentrant: bool = False) -> None:

@@ -70,7 +70,7 @@ NO_OP = "accepted for FSDP1 configs; a no-op under FSDP2"
 @dataclass(frozen=True)
 class FSDPConfig(MethodConfig):
     atorch_wrap_cls: Optional[ModuleTargets] = option(
-        None, doc="each matching submodule (class, class name or name glob) is sharded on its own")
+        None, doc="each matching submodule (class, class name or import path, or name glob) is sharded on its own")
     atorch_size_based_min_num_params: Optional[int] = option(
         None, doc="instead of classes: shard every submodule whose not yet sharded parameters reach this count",
         minimum=1)

@@ -36,7 +36,9 @@ Refused, each with a ``MethodConfigError`` naming the reason: encoder-decoder mo
 reads the encoder's output too, so a cut would carry two activations), models whose blocks are not
 one chain (CLIP's two towers, layers with parameters between blocks, a block run twice), BatchNorm
 (micro-batches change the batch statistics, so no schedule can match the full batch), a module shared
-between a block and the rest of the model, fp16 amp, and ``model_input_format`` "unpack_sequence".
+between a block and the rest of the model, and fp16 amp. Every ``model_input_format`` runs: a batch of
+positional inputs (``model(x, y)``, nanoGPT's ``forward(idx, targets)``) reaches every stage whole, as a
+dict of keywords or a single input does.
 
 Schedules: ``"1F1B"`` (default; EPL's PreferBackward), ``"GPipe"`` (EPL's PreferForward),
 ``"Interleaved1F1B"`` (``stages_per_rank`` >= 2, needs that many blocks per rank). ``num_micro_batch``
@@ -73,6 +75,7 @@ from atorch.auto.opt_lib.pipeline_structure import (
     check_supported,
     held_parameters,
     no_cache_kwargs,
+    positional_names,
     replace_everywhere,
     shared_between_stages,
     structure_from_order,
@@ -431,8 +434,6 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     if ctx.amp_dtype == torch.float16:
         raise MethodConfigError("pipeline_parallel",
                                 "fp16 amp's loss scaling inside the schedule is not supported; use bf16")
-    if ctx.model_input_format not in ("unpack_dict", None):
-        raise MethodConfigError("pipeline_parallel", "needs model_input_format 'unpack_dict' or None (a single input)")
     group = mesh.parallel_group("pipeline")
     per_rank = stages_per_rank(config, "pipeline_parallel")
     num_stages = pp * per_rank
@@ -522,6 +523,8 @@ def call_stage_model(model: nn.Module, batch: Any, input_format: Optional[str]) 
     """The user's model called on a batch as the user calls it, without a KV cache."""
     if input_format == "unpack_dict":
         return model(**batch, **no_cache_kwargs(model, batch))
+    if input_format == "unpack_sequence":
+        return model(*batch, **no_cache_kwargs(model, positional_names(model, len(batch))))
     return model(batch)
 
 

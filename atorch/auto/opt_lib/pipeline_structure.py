@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -292,11 +292,22 @@ def replace_everywhere(model: nn.Module, module: nn.Module, new: nn.Module) -> N
         setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def no_cache_kwargs(model: nn.Module, given: dict) -> dict:
+def positional_names(model: nn.Module, count: int) -> list[str]:
+    """The names of the first ``count`` positional parameters of the model's forward: what a batch of
+    ``count`` positional inputs sets (empty where the signature cannot be read)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.kind in positional][:count]
+
+
+def no_cache_kwargs(model: nn.Module, given: Iterable[str]) -> dict:
     """``use_cache=False`` when the model's forward takes it and the batch does not set it: a KV cache
     (HF ``DynamicCache``) is not a tensor a stage could pass on, and training does not use it."""
     try:
         parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return {}
-    return {"use_cache": False} if "use_cache" in parameters and "use_cache" not in given else {}
+    return {"use_cache": False} if "use_cache" in parameters and "use_cache" not in set(given) else {}
