@@ -46,14 +46,24 @@ def record_time_table() -> str:
 
 def facts_table() -> str:
     """Per built-in method, the facts the registry derives its checks from."""
-    lines = ["| method | stages | mesh dimensions | needs one of | exclusive groups | precision |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| method | stages | mesh dimensions | needs one of | exclusive groups | precision | parameters |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for method in BUILTIN_METHODS:
         groups = ", ".join(method.excludes) or "-"
         precision = "its `dtype`" if method.precision is not Optimization.precision else "-"
         lines.append(f"| `{method.name}` | {_code(method.stages)} | {_code(method.mesh_dims)} | "
-                     f"{_code(method.requires_one_of)} | {groups} | {precision} |")
+                     f"{_code(method.requires_one_of)} | {groups} | {precision} | {_parameters_fact(method)} |")
     return "\n".join(lines) + "\n"
+
+
+def _parameters_fact(method: type[Optimization]) -> str:
+    """What the method declares about the parameters' dtype (``stores_weights_in``, ``needs_fp32_weights``)."""
+    facts = []
+    if method.stores_weights_in is not Optimization.stores_weights_in:
+        facts.append("stored in its `dtype`")
+    if method.needs_fp32_weights is not Optimization.needs_fp32_weights:
+        facts.append("needs fp32 (by config)")
+    return ", ".join(facts) or "-"
 
 
 def all_tables() -> dict[str, str]:

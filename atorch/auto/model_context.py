@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from atorch.auto.optimizer import AtorchOptimizer
-from atorch.auto.optimizer_kernels import optimizer_args
+from atorch.auto.optimizer_kernels import check_low_precision_update, optimizer_args
 from atorch.auto.stages import CONTEXT_WORK, STAGES
 from atorch.distributed import mesh
 from atorch.distributed.distributed import get_data_partition_rank_and_size  # noqa: F401  (ATorch's import path)
@@ -372,10 +372,13 @@ class ModelContext:
         if isinstance(built, AtorchOptimizer):
             self.optim = built
             self.raw_optim = built.torch_optimizer
+            if isinstance(self.raw_optim, torch.optim.Optimizer):
+                check_low_precision_update(self.raw_optim)
             return
         if not isinstance(built, torch.optim.Optimizer):
             raise InputError(f"optim_func must return a torch.optim.Optimizer (it is called as "
                              f"optim_func(parameters, **optim_args)), got {type(built).__name__}")
+        check_low_precision_update(built)
         self.raw_optim = built
         self.optim = AtorchOptimizer(built, self.sync_toggles, self.grad_partition_group,
                                      backward_in_forward=self.backward_in_forward)

@@ -23,14 +23,26 @@ atorch passes ``fused=True`` only where nothing about the result can change but 
 
 The choice is logged once per process and recorded on the returned optimizer's parameter groups
 (``fused: True``) like any optimizer argument, so a saved optimizer state says how it stepped.
+
+fp16 parameters (``half``) are the one case where the kernel changes more than rounding. Adam's and
+AdamW's default eps (1e-8) is 0 in float16, and so is the second moment of any gradient below about
+8e-3: torch's foreach and per-parameter updates then divide by zero in fp16, and every such parameter
+is inf or NaN after the first step. The fused kernel computes the update in fp32 (its opmath type) and
+stores fp16, the update mixed-precision training makes. So over fp16 parameters Adam and AdamW take
+the fused kernel on CPU too (where the user made no kernel choice); any other optimizer whose eps is 0
+in fp16 over them is refused when the optimizer is built (``check_low_precision_update``), naming
+the fixes, rather than training on NaN.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from atorch.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +58,11 @@ def optimizer_args(optim_func: Any, optim_args: dict, params: Iterable[Any]) -> 
     docstring), else ``optim_args`` unchanged. ``params`` is what the optimizer is built over:
     tensors or parameter groups (dicts with ``"params"``)."""
     reason = fused_kernel_refusal(optim_func, optim_args, params)
+    if reason is not None and fp16_update_needs_fused(optim_func, optim_args, params):
+        logger.info("atorch: %s over float16 parameters steps with fused=True: its eps %g is 0 in float16, where "
+                    "the foreach update divides by zero; the fused kernel computes the update in float32",
+                    optim_func.__name__, _eps(optim_func, optim_args))
+        return {**optim_args, "fused": True}
     if reason is not None:
         return optim_args
     name = f"{optim_func.__module__}.{optim_func.__qualname__}"
@@ -79,6 +96,60 @@ def fused_kernel_refusal(optim_func: Any, optim_args: dict, params: Iterable[Any
         return (f"{shards} of {len(tensors)} parameters are DTensors: the fused op takes a device's tensors as one "
                 "list and refuses plain and DTensor mixed")
     return None
+
+
+FP16_FUSED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)  # fused on CPU and CUDA, over plain or DTensors
+FP16_FUSED_DEVICES = frozenset({"cpu", "cuda"})
+
+
+def fp16_update_needs_fused(optim_func: Any, optim_args: dict, params: Iterable[Any]) -> bool:
+    """Whether torch's Adam / AdamW over these parameters must take the fused kernel to update fp16
+    parameters without dividing by zero (see the module's docstring)."""
+    if not (isinstance(optim_func, type) and optim_func in FP16_FUSED_OPTIMIZERS):
+        return False
+    if any(key in optim_args for key in USER_KERNEL_CHOICES):
+        return False
+    tensors = param_tensors(params)
+    shards = sum(isinstance(t, DTensor) for t in tensors)
+    return (bool(tensors) and any(t.dtype == torch.float16 for t in tensors) and 0 in (shards, len(tensors) - shards)
+            and {t.device.type for t in tensors} <= FP16_FUSED_DEVICES
+            and _is_zero_in_fp16(_eps(optim_func, optim_args)))
+
+
+def check_low_precision_update(optimizer: torch.optim.Optimizer) -> None:
+    """InputError where the optimizer would update fp16 parameters with an eps that is 0 in float16
+    outside a fused kernel: the first step would leave them inf or NaN (see the module's docstring)."""
+    for group in optimizer.param_groups:
+        eps = group.get("eps")
+        halves = any(p.dtype == torch.float16 for p in group["params"])
+        if halves and isinstance(eps, (int, float)) and _is_zero_in_fp16(eps) and not group.get("fused"):
+            raise InputError(
+                f"{type(optimizer).__name__} would update float16 parameters with eps={eps:g}, which is 0 in "
+                "float16: its update divides by zero wherever the gradient statistics underflow in float16 (small or "
+                "zero gradients), leaving those parameters inf or NaN. Train in bf16 (half 'bf16'), keep fp32 "
+                "weights (amp_native alone), or pass an eps float16 holds (optim_args={'eps': 1e-4})"
+                + _fused_alternative(optimizer))
+
+
+def _fused_alternative(optimizer: torch.optim.Optimizer) -> str:
+    if type(optimizer) in FP16_FUSED_OPTIMIZERS:
+        return ("; torch's fused kernel, which computes the update in float32, cannot step these parameters "
+                "(they mix DTensors and plain tensors, or optim_args chose a kernel)")
+    return "; or use torch's Adam / AdamW: atorch steps them with the fused kernel, which computes in float32"
+
+
+def _eps(optim_func: Any, optim_args: dict) -> float:
+    if "eps" in optim_args:
+        return optim_args["eps"]
+    try:
+        default = inspect.signature(optim_func).parameters.get("eps")
+    except (TypeError, ValueError):
+        return 0.0
+    return default.default if default is not None and isinstance(default.default, (int, float)) else 0.0
+
+
+def _is_zero_in_fp16(value: Any) -> bool:
+    return isinstance(value, (int, float)) and value > 0 and float(torch.tensor(value, dtype=torch.float16)) == 0
 
 
 def param_tensors(params: Iterable[Any]) -> list[torch.Tensor]:

@@ -156,10 +156,11 @@ def weight_difference(weights: dict, reference: dict) -> float:
     return relative_difference(flat, flat_reference)
 
 
-def train_plainly(model: torch.nn.Module, batches: Any, loss_func: Any, lr: float = 0.1) -> list[float]:
-    """Plain PyTorch SGD over ``batches`` (dicts of the forward's arguments), one step each: the
-    single-process reference a strategy's run is compared with; each step's loss."""
-    optim, losses = torch.optim.SGD(model.parameters(), lr=lr), []
+def train_plainly(model: torch.nn.Module, batches: Any, loss_func: Any, lr: float = 0.1,
+                  optimizer: Optional[torch.optim.Optimizer] = None) -> list[float]:
+    """Plain PyTorch SGD (or ``optimizer``) over ``batches`` (dicts of the forward's arguments), one step
+    each: the single-process reference a strategy's run is compared with; each step's loss."""
+    optim, losses = optimizer or torch.optim.SGD(model.parameters(), lr=lr), []
     for batch in batches:
         loss = loss_func(batch, model(**batch))
         loss.backward()

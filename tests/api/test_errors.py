@@ -61,6 +61,15 @@ def test_fp16_and_bf16_both_requested(strategy):
         accelerate(strategy)
 
 
+@pytest.mark.parametrize("strategy", [["half", "amp_native"], [("amp_native", "fp16"), ("half", "fp16")]])
+def test_fp16_loss_scaling_over_fp16_parameters_is_refused_up_front(strategy):
+    """amp_native fp16's GradScaler unscales fp32 gradients only: over a model half cast to fp16 it raised
+    "Attempting to unscale FP16 gradients" at the first optim.step(), inside the user's loop."""
+    with pytest.raises(IncompatibleMethodsError, match="amp_native and half cannot be combined here: amp_native "
+                       "needs fp32 parameters.*GradScaler.*half stores them in float16"):
+        accelerate(strategy)
+
+
 def test_duplicate_methods():
     with pytest.raises(IncompatibleMethodsError, match="more than once"):
         accelerate(["half", ("half", "fp16")])

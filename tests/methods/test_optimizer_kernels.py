@@ -17,7 +17,7 @@ import torch
 from atorch.auto import optimizer_kernels
 from atorch.auto.optimizer_kernels import fused_kernel_refusal, optimizer_args, param_tensors
 from atorch.testing import run_distributed
-from atorch.testing.training import train_gpt
+from atorch.testing.training import relative_difference, train_gpt, train_plainly, weight_difference
 from tests.parity import assert_matches
 
 TP2 = ("parallel_mode", ([("tensor", 2)], None))
@@ -104,6 +104,48 @@ def test_sgd_over_dtensor_shards_keeps_torchs_own_kernel(cpu_fused):
 def test_non_floating_parameters_keep_torchs_own_kernel(cpu_fused):
     params = [torch.zeros(3), torch.zeros(3, dtype=torch.complex64)]
     assert fused_kernel_refusal(torch.optim.AdamW, {}, params) == "a parameter is not floating point"
+
+
+def _plain_fp16_adamw(steps: int, **kernel: bool) -> dict:
+    """Plain PyTorch: the test GPT cast to fp16, AdamW with the given kernel, train_gpt's data and loss."""
+    from atorch.models import SyntheticTokenDataset, gpt_loss
+    from atorch.testing.training import SMALL_GPT, build_gpt
+
+    model = build_gpt(0).half()
+    data = torch.utils.data.DataLoader(SyntheticTokenDataset(num_samples=8 * steps, seq_len=SMALL_GPT.block_size,
+                                                             vocab_size=SMALL_GPT.vocab_size), batch_size=8)
+    losses = train_plainly(model, data, gpt_loss, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, **kernel))
+    return {"losses": losses, "weights": {k: v.float() for k, v in model.state_dict().items()}}
+
+
+def test_fp16_parameters_step_adam_with_the_fused_kernel_which_updates_in_fp32():
+    """half fp16 with AdamW's default eps (1e-8, which is 0 in fp16): torch's foreach update divides by zero
+    wherever a gradient's second moment underflows, so every run left parameters inf after its first step.
+    atorch steps it with the fused kernel (the update in fp32, on CPU too): 3 steps equal plain PyTorch's fp16
+    model stepped by AdamW(fused=True) (relative difference < 1e-3, fp16) and stay finite, where the foreach
+    run does not."""
+    run = train_gpt([("half", "fp16")], steps=3, optim_func=torch.optim.AdamW, optim_args={"lr": 1e-3})
+    assert all(group["fused"] for group in run["result"].optim.param_groups)
+    assert all(torch.isfinite(w).all() for w in run["weights"].values())
+    reference = _plain_fp16_adamw(3, fused=True)
+    assert relative_difference(run["losses"], reference["losses"]) < 1e-3, (run["losses"], reference["losses"])
+    assert weight_difference(run["weights"], reference["weights"]) < 1e-3
+    foreach = _plain_fp16_adamw(1, foreach=True)
+    assert any(not torch.isfinite(w).all() for w in foreach["weights"].values()), "the foreach update stayed finite"
+
+
+@pytest.mark.parametrize("optim_func, optim_args, says", [
+    (torch.optim.RMSprop, {"lr": 1e-3}, "RMSprop would update float16 parameters with eps=1e-08, which is 0 in"),
+    (torch.optim.AdamW, {"lr": 1e-3, "foreach": True}, "AdamW would update float16.*cannot step these parameters"),
+])
+def test_an_fp16_update_that_would_divide_by_zero_is_refused_when_the_optimizer_is_built(optim_func, optim_args,
+                                                                                           says):
+    from atorch.errors import InputError
+
+    with pytest.raises(InputError, match=says):
+        train_gpt([("half", "fp16")], steps=1, optim_func=optim_func, optim_args=optim_args)
+    run = train_gpt([("half", "fp16")], steps=1, optim_func=optim_func, optim_args={**optim_args, "eps": 1e-4})
+    assert all(torch.isfinite(w).all() for w in run["weights"].values())
 
 
 def _fused_groups(optimizer) -> list:

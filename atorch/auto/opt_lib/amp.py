@@ -62,6 +62,11 @@ class AmpNativeOptimization(Optimization):
     def precision(self, config: AmpNativeConfig) -> torch.dtype:
         return config.dtype
 
+    def needs_fp32_weights(self, config: AmpNativeConfig) -> Optional[str]:
+        if config.dtype != torch.float16:
+            return None
+        return "its fp16 loss scaler, torch.amp.GradScaler, unscales fp32 gradients only"
+
     def transform(self, ctx, config: AmpNativeConfig) -> None:
         dtype = config.dtype
         ctx.amp_dtype = dtype  # sharding wrappers read it to pick a mixed-precision policy

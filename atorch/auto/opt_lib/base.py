@@ -73,6 +73,16 @@ class Optimization:
         methods asking for different ones cannot be combined."""
         return None
 
+    def stores_weights_in(self, config: Any) -> Optional[torch.dtype]:
+        """The dtype this method stores the parameters in where it casts them (``half``), else None:
+        a method that needs fp32 parameters (``needs_fp32_weights``) cannot go beside it."""
+        return None
+
+    def needs_fp32_weights(self, config: Any) -> Optional[str]:
+        """Why this method, with this config, needs the parameters kept in fp32 (amp_native fp16: its
+        loss scaler unscales fp32 gradients only), or None."""
+        return None
+
     def check_structure(self, config: Any) -> Any:
         """The config checked where the method is dropped (a single process): by default
         ``normalize``; a method whose config is fitted to the world size checks its form only."""

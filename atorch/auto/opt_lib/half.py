@@ -33,6 +33,9 @@ class HalfOptimization(Optimization):
     def precision(self, config: HalfConfig) -> torch.dtype:
         return config.dtype
 
+    def stores_weights_in(self, config: HalfConfig) -> torch.dtype:
+        return config.dtype
+
     def transform(self, ctx, config: HalfConfig) -> None:
         dtype = config.dtype
         ctx.half_dtype = dtype  # module_replace checks its pairs' dtypes against it
