@@ -4,6 +4,7 @@ model zoo, and all final weights: relative difference < 1e-4). Every case trains
 seed document's training loop, unchanged (``optim.backward`` when ``args.use_optim_backward``)."""
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from typing import Any
 
@@ -487,6 +488,38 @@ def train_positional(load_strategy: Any = ()) -> dict:
     return {"losses": losses, "weights": weights}
 
 
+def train_with_validation(load_strategy: Any = ()) -> dict:
+    """HF Llama through auto_accelerate, 4 SGD steps of 8 rows, with a validation loss on 8 rows after the
+    second step (``model.eval()`` under ``torch.no_grad()``) and after the third (``model.eval()`` alone,
+    as a loop that forgets no_grad does); the model goes back to ``train()`` after each."""
+    torch.manual_seed(0)
+    model = zoo_model("llama").build()
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(32):
+        ids = torch.randint(1, 64, (12,), generator=generator)
+        rows.append({"input_ids": ids, "labels": ids})
+    _, result, _ = auto_accelerate(model, torch.optim.SGD, rows, lambda batch, output: output.loss,
+                                   optim_args={"lr": 0.1}, dataloader_args={"batch_size": 8},
+                                   load_strategy=list(load_strategy))
+    held_out = result.prepare_input(torch.utils.data.default_collate(rows[:8]))
+    losses, validation = [], []
+    for step, batch in enumerate(result.dataloader):
+        batch = result.prepare_input(batch)
+        loss = result.loss_func(batch, result.model(**batch))
+        result.optim.backward(loss) if result.args.use_optim_backward else loss.backward()
+        result.optim.step()
+        result.optim.zero_grad()
+        losses.append(float(loss))
+        if step in (1, 2):
+            result.model.eval()
+            with torch.no_grad() if step == 1 else contextlib.nullcontext():
+                validation.append(float(result.loss_func(held_out, result.model(**held_out))))
+            result.model.train()
+    weights = result.model.full_state_dict() if load_strategy else full_state_dict(result.model)
+    return {"losses": losses, "validation": validation, "weights": weights}
+
+
 def pipeline_on_changing_lengths() -> dict:
     torch.manual_seed(0)
     out = train_rows(zoo_model("llama").build(), PP2_1F1B)
@@ -633,14 +666,18 @@ def split_part_dropout(sequence: bool = False) -> dict:
 
 
 def launch_2(cases: dict) -> dict:
-    # the pipeline runs on changing lengths come before deepspeed_pipeline, which leaves DeepSpeed unimportable
+    # the pipeline runs on changing lengths and with validation come before deepspeed_pipeline, which leaves
+    # DeepSpeed unimportable
+    validation = {"pp": train_with_validation([PP2, "pipeline_parallel"]),
+                  **({"ds_3d": train_with_validation(DS_3D)} if DEEPSPEED else {})}
     return {"suite": run_suite(cases), "layouts": inspect_parallel_layouts(), "lengths": pipeline_on_changing_lengths(),
             "deepspeed": deepspeed_pipeline(), "zoo": inspect_zoo_layouts(),
             "residual_sequences": residual_blocks_on_sequences(), "refusals": pipeline_refusals(),
             "seeded_apart": train_seeded_apart([("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"]),
             "same_batches": same_batches(), "compiled": compiled_split_models(), "split_dropout": split_part_dropout(),
             "sequence_dropout": split_part_dropout(sequence=True),
-            "positional": train_positional([PP2, ("pipeline_parallel", {"schedule": "GPipe"})])}
+            "positional": train_positional([PP2, ("pipeline_parallel", {"schedule": "GPipe"})]),
+            "validation": validation}
 
 
 @pytest.fixture(scope="module")
@@ -794,6 +831,20 @@ def test_a_pipeline_trains_a_model_called_on_positional_inputs(two_ranks):
         run = per_rank["positional"]
         assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, run["losses"])
         assert weight_difference(run["weights"], reference["weights"]) < TOL, rank
+
+
+def test_a_validation_pass_under_a_pipeline_computes_the_loss_and_leaves_training_as_it_was(two_ranks):
+    """A validation loss between steps, as every training script computes one: under torch.no_grad()
+    the pipeline raised torch's "step() requires gradients to be enabled" (DeepSpeed's: "train_batch()
+    requires gradients enabled"), and in eval mode without no_grad it ran a backward whose gradients
+    went into the next step. Evaluation (eval mode, or no gradients) now runs the forward-only schedule:
+    the validation losses and the training run equal one process's (pp2 1F1B, and ds_3d_parallel)."""
+    reference = train_with_validation()
+    for rank, per_rank in enumerate(two_ranks):
+        for name, run in per_rank["validation"].items():
+            assert relative_difference(run["validation"], reference["validation"]) < TOL, (rank, name, run)
+            assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, name, run)
+            assert weight_difference(run["weights"], reference["weights"]) < TOL, (rank, name)
 
 
 def test_pipeline_averages_gradients_over_the_data_group_once_a_step(four_ranks):

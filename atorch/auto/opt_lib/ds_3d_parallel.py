@@ -340,7 +340,10 @@ class DeepSpeedPipeline(nn.Module):
             chunks = [(part, part) for part in index.chunk(self.micro)]
         else:
             chunks = [(select_rows(batch, part), part) for part in index.chunk(self.micro)]
-        loss = self.engine.train_batch(data_iter=iter(chunks))
+        if self.training and torch.is_grad_enabled():
+            loss = self.engine.train_batch(data_iter=iter(chunks))
+        else:  # evaluation (model.eval() or torch.no_grad()): the loss only, no backward, no gradients touched
+            loss = self.engine.eval_batch(data_iter=iter(chunks), num_micro_batches=self.micro)
         return PipelineOutput(loss.detach().float() if torch.is_tensor(loss) else torch.tensor(float(loss)))
 
     @property

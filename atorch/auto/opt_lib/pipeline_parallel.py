@@ -47,7 +47,9 @@ as in EPL (default: the pipeline size × 2, at most the per-rank batch).
 The seed's loop runs unchanged: ``model(**batch)`` runs the whole schedule (forward, loss on the last
 stage, backward) and returns a ``PipelineOutput``; ``loss_func(batch, output)`` returns the step's mean
 loss (the same on every stage); ``optim.backward(loss)`` has nothing left to do
-(``result.args.use_optim_backward`` is True); ``optim.step()`` updates this stage's parameters.
+(``result.args.use_optim_backward`` is True); ``optim.step()`` updates this stage's parameters. In
+evaluation (``model.eval()`` or ``torch.no_grad()``) ``model(**batch)`` runs the forward-only schedule:
+the loss and no backward, so a validation pass leaves the gradients as they were.
 """
 from __future__ import annotations
 
@@ -202,12 +204,15 @@ class PipelineModule(nn.Module):
         index = torch.arange(first.shape[0], device=first.device)
         losses: list = []
         inputs = dict(batch) if self.input_format == "unpack_dict" else {"input": batch}
-        stashed = self.shared.stash() if self.shared else None
+        target = index if self.is_last else None
         # every stage gets the batch (its blocks may need masks or positions made from it)
-        self.schedule_for(batch).step(target=index if self.is_last else None, losses=losses, return_outputs=False,
-                                      **inputs)
-        if self.shared:
-            self.shared.sum_gradients(stashed)
+        if self.training and torch.is_grad_enabled():
+            stashed = self.shared.stash() if self.shared else None
+            self.schedule_for(batch).step(target=target, losses=losses, return_outputs=False, **inputs)
+            if self.shared:
+                self.shared.sum_gradients(stashed)
+        else:  # evaluation (model.eval() or torch.no_grad()): the loss only, no backward, no gradients touched
+            self.schedule_for(batch).eval(target=target, losses=losses, return_outputs=False, **inputs)
         if losses:
             loss = torch.stack([micro_loss.detach().float() for micro_loss in losses]).mean()
         else:
