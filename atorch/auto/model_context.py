@@ -100,7 +100,7 @@ class ModelContext:
 
     Facts methods share (each method declares which; ``opt_lib.stage_contract()``): ``device``,
     ``amp_dtype``, ``half_dtype``, ``input_dtype``, ``sequence_parallel``, ``model_parallel``,
-    ``backward_in_forward``, ``grad_partition_group``, ``sync_toggles``, ``optimizer_factory``,
+    ``backward_in_forward``, ``grad_partition_group``, ``sync_toggles``, ``settlers``, ``optimizer_factory``,
     ``data_parallel_wrapper``.
 
     Results: ``optim`` (what the user steps), ``raw_optim`` (the torch optimizer inside it),
@@ -163,6 +163,7 @@ class ModelContext:
         self.backward_in_forward = False  # pipeline schedules run backward inside model(...)
         self.grad_partition_group: Any = None  # ranks hold disjoint gradient shares (clipping reduces over it)
         self.sync_toggles: list[Callable[[bool], None]] = []  # gradient sync on/off (accumulation)
+        self.settlers: list[Callable[[], None]] = []  # make gradients final before the optimizer reads them
         self.args = TrainingArgs(model_input_format=model_input_format)
 
         # results
@@ -201,6 +202,7 @@ class ModelContext:
         self.wrappers.clear()
         self.data_parallel_wrapper = self.grad_partition_group = self.optimizer_factory = None
         self.sync_toggles = []
+        self.settlers = []
 
     # --- input checks ------------------------------------------------------------------------
     def check_inputs(self) -> None:
@@ -370,6 +372,7 @@ class ModelContext:
             raise InputError(f"building the optimizer, optim_func(parameters, **optim_args) with optim_args="
                              f"{self.optim_args}, raised {type(error).__name__}: {error}") from error
         if isinstance(built, AtorchOptimizer):
+            built.settlers.extend(self.settlers)
             self.optim = built
             self.raw_optim = built.torch_optimizer
             if isinstance(self.raw_optim, torch.optim.Optimizer):
@@ -380,7 +383,7 @@ class ModelContext:
                              f"optim_func(parameters, **optim_args)), got {type(built).__name__}")
         check_low_precision_update(built)
         self.raw_optim = built
-        self.optim = AtorchOptimizer(built, self.sync_toggles, self.grad_partition_group,
+        self.optim = AtorchOptimizer(built, self.sync_toggles, self.grad_partition_group, settlers=self.settlers,
                                      backward_in_forward=self.backward_in_forward)
 
     def _build_lr_scheduler(self) -> None:

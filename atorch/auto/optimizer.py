@@ -37,9 +37,12 @@ class AtorchOptimizer:
         sync_toggles: Optional[list[SyncToggle]] = None,
         grad_partition_group: Any = None,
         backward_in_forward: bool = False,
+        settlers: Optional[list[Callable[[], None]]] = None,
     ):
         self.optimizer = optimizer
         self.backward_in_forward = backward_in_forward  # pipeline schedules already ran backward
+        # what makes gradients final before they are read (a pipeline's call whose backward the loop skipped)
+        self.settlers = list(settlers or [])
         self.sync_toggles = list(sync_toggles or [])
         self.grad_partition_group = grad_partition_group
         self.is_gradient_accumulation_boundary = True
@@ -47,7 +50,9 @@ class AtorchOptimizer:
     # --- the seed's loop -----------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         inner = self.optimizer
-        if self.backward_in_forward:
+        if self.backward_in_forward:  # the schedule ran it; this scales its gradients as ``loss`` was scaled
+            if loss.requires_grad:
+                loss.backward(**kwargs)
             return
         if isinstance(inner, AtorchOptimizer):
             inner.backward(loss, **kwargs)
@@ -55,10 +60,18 @@ class AtorchOptimizer:
             loss.backward(**kwargs)
 
     def step(self, closure: Optional[Callable] = None) -> Any:
+        self._settle()
         return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._settle()
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _settle(self) -> None:
+        for settle in self.settlers:
+            settle()
+        if isinstance(self.optimizer, AtorchOptimizer):
+            self.optimizer._settle()
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Call with False before every micro-step but the last of an accumulation window and with True
@@ -74,6 +87,7 @@ class AtorchOptimizer:
         """Clip by the global norm over every shard and rank; returns the norm before clipping."""
         if isinstance(self.optimizer, AtorchOptimizer):
             return self.optimizer.clip_grad_norm_(max_norm, norm_type)
+        self._settle()
         params = [p for group in self.param_groups for p in group["params"]]
         norm = total_grad_norm(params, norm_type, self.grad_partition_group)
         scale_grads_to_norm(params, max_norm, norm)

@@ -54,7 +54,7 @@ CONTEXT_WORK = {
                                ("meta_init", "materialized")),
     "optimizer": StageWork("_build_optimizer",
                            ("model", "optim_func", "optim_args", "optim_param_func", "optimizer_factory",
-                            "sync_toggles", "grad_partition_group", "backward_in_forward"),
+                            "sync_toggles", "settlers", "grad_partition_group", "backward_in_forward"),
                            ("optim", "raw_optim")),
     "dataloader": StageWork("_build_dataloader",  # and, after the last stage, _build_lr_scheduler
                             ("local", "dataset", "dataloader_args", "distributed_sampler_cls", "global_batch_size",

@@ -46,8 +46,10 @@ as in EPL (default: the pipeline size × 2, at most the per-rank batch).
 
 The seed's loop runs unchanged: ``model(**batch)`` runs the whole schedule (forward, loss on the last
 stage, backward) and returns a ``PipelineOutput``; ``loss_func(batch, output)`` returns the step's mean
-loss (the same on every stage); ``optim.backward(loss)`` has nothing left to do
-(``result.args.use_optim_backward`` is True); ``optim.step()`` updates this stage's parameters. In
+loss (the same on every stage); ``optim.backward(loss)`` scales the call's gradients as the loop scaled
+that loss (a loop accumulating over calls divides it: ``PipelineModule.settle``; the data-parallel
+average waits for it) (``result.args.use_optim_backward`` is True); ``optim.step()`` updates this stage's
+parameters. In
 evaluation (``model.eval()`` or ``torch.no_grad()``) ``model(**batch)`` runs the forward-only schedule:
 the loss and no backward, so a validation pass leaves the gradients as they were.
 """
@@ -179,6 +181,15 @@ class PipelineOutput:
     outputs: Any = None
 
 
+@dataclass
+class _PendingCall:
+    """A training call whose gradients wait for the user's backward: the window's earlier gradients,
+    per trained parameter, and what each ready hook captured when the call began."""
+
+    earlier: list[Optional[torch.Tensor]]
+    captured: list[Any]
+
+
 class PipelineModule(nn.Module):
     """This rank's stage(s) and the schedule that drives them; ``parameters()`` are the stage's."""
 
@@ -196,6 +207,15 @@ class PipelineModule(nn.Module):
         self.is_last = is_last
         self.shared = shared
         self._batch: Any = None
+        self._pending: Optional[_PendingCall] = None
+        self._ready_hooks: list[tuple[Callable[[Any], None], Optional[Callable[[], Any]]]] = []
+
+    def register_gradients_ready_hook(self, hook: Callable[[Any], None],
+                                      capture: Optional[Callable[[], Any]] = None) -> None:
+        """``hook(captured)`` runs when a training call's gradients are final (scaled as the user's
+        backward says, added to the window's earlier ones: ``settle``); ``captured`` is what ``capture()``
+        returned when that call began (the data-parallel average reads its sync switch there)."""
+        self._ready_hooks.append((hook, capture))
 
     def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
         batch = batch_of_call(args, kwargs, self.input_format)
@@ -206,11 +226,16 @@ class PipelineModule(nn.Module):
         inputs = dict(batch) if self.input_format == "unpack_dict" else {"input": batch}
         target = index if self.is_last else None
         # every stage gets the batch (its blocks may need masks or positions made from it)
-        if self.training and torch.is_grad_enabled():
+        training = self.training and torch.is_grad_enabled()
+        if training:
+            self.settle()
+            pending = _PendingCall(self._set_gradients_aside(), [capture() if capture else None
+                                                                  for _, capture in self._ready_hooks])
             stashed = self.shared.stash() if self.shared else None
             self.schedule_for(batch).step(target=target, losses=losses, return_outputs=False, **inputs)
             if self.shared:
                 self.shared.sum_gradients(stashed)
+            self._pending = pending
         else:  # evaluation (model.eval() or torch.no_grad()): the loss only, no backward, no gradients touched
             self.schedule_for(batch).eval(target=target, losses=losses, return_outputs=False, **inputs)
         if losses:
@@ -219,7 +244,53 @@ class PipelineModule(nn.Module):
             loss = torch.zeros((), device=index.device)
         dist.broadcast(loss, src=dist.get_global_rank(self.group, dist.get_world_size(self.group) - 1),
                        group=self.group)
-        return PipelineOutput(loss)
+        return PipelineOutput(self._scale_probe(loss, pending) if training else loss)
+
+    # --- the user's backward on a loss whose backward already ran -------------------------------------
+    def _scale_probe(self, loss: torch.Tensor, pending: "_PendingCall") -> torch.Tensor:
+        """The step's loss as a tensor the user's loop can still transform and call backward on. The
+        schedule ran backward on the loss itself; a loop that accumulates gradients divides it first
+        (``loss / steps``), a weighted one multiplies it. The returned loss carries a probe (value 0,
+        derivative 1), so the user's backward leaves d(their loss)/d(loss) in the probe's gradient:
+        this call's gradients are scaled by it then, exactly as that backward would have scaled them."""
+        probe = torch.zeros((), device=loss.device, requires_grad=True)
+
+        def scale(leaf: torch.Tensor) -> None:
+            if self._pending is pending:
+                self.settle(float(leaf.grad))
+
+        probe.register_post_accumulate_grad_hook(scale)
+        return loss + probe
+
+    def settle(self, scale: float = 1.0) -> None:
+        """Make the last training call's gradients final: scaled by ``scale`` (what the user's backward
+        said; 1 where no backward came before the next call or the optimizer's step), added to those the
+        window's earlier calls left (set aside while the schedule ran), then the ready hooks."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        with torch.no_grad():
+            for param, earlier in zip(self._trained_parameters(), pending.earlier):
+                if param.grad is not None and scale != 1.0:
+                    param.grad.mul_(scale)
+                if earlier is not None:
+                    if param.grad is not None:
+                        earlier.add_(param.grad)
+                    param.grad = earlier
+        for (hook, _), captured in zip(self._ready_hooks, pending.captured):
+            hook(captured)
+
+    def _set_gradients_aside(self) -> list[Optional[torch.Tensor]]:
+        """The gradients earlier calls of an accumulation window left, taken off the parameters so the
+        schedule accumulates this call's alone (``settle`` adds them back)."""
+        earlier = []
+        for param in self._trained_parameters():
+            earlier.append(param.grad)
+            param.grad = None
+        return earlier
+
+    def _trained_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
 
     def schedule_for(self, batch: Any) -> Any:
         """The schedule for this batch's shapes. A stage learns the shapes it exchanges on its schedule's
@@ -400,7 +471,8 @@ class PipelineParallelOptimization(Optimization):
     stages = ("pipeline",)
     reads = ("model", "loss_func", "model_input_format", "amp_dtype", "per_rank_batch_size", "device", "dataset",
              "dataloader_args", "user_prepare_input", "input_dtype")
-    writes = ("model", "loss_func", "model_parallel", "backward_in_forward", "grad_partition_group", "args")
+    writes = ("model", "loss_func", "model_parallel", "backward_in_forward", "grad_partition_group", "settlers",
+              "args")
     mesh_dims = ("pipeline",)
     excludes = {"pipeline parallel": "mixed_parallel already includes pipeline parallel",
                 "micro-batches": "a pipeline splits the batch into micro-batches itself: set its num_micro_batch",
@@ -474,6 +546,7 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
                             input_format=ctx.model_input_format,
                             group=group, is_last=(num_stages - 1) in indices, shared=shared)
     holder["module"] = module
+    ctx.settlers.append(module.settle)
     ctx.model = module
     ctx.loss_func = pipeline_loss
     ctx.model_parallel = True
