@@ -85,9 +85,9 @@ class AtorchOptimizer:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm over every shard and rank; returns the norm before clipping."""
+        self._settle()
         if isinstance(self.optimizer, AtorchOptimizer):
             return self.optimizer.clip_grad_norm_(max_norm, norm_type)
-        self._settle()
         params = [p for group in self.param_groups for p in group["params"]]
         norm = total_grad_norm(params, norm_type, self.grad_partition_group)
         scale_grads_to_norm(params, max_norm, norm)

@@ -182,3 +182,41 @@ def train_returned(result: Any, steps: int, input_format: Optional[str] = "unpac
         result.optim.zero_grad()
         losses.append(global_mean(loss.detach().float()))
     return losses
+
+
+def accelerated_llama(load_strategy: Any = ()) -> tuple[list, Any]:
+    """32 rows of HF Llama's forward arguments and auto_accelerate's result on them (SGD, 8 rows a batch)."""
+    torch.manual_seed(0)
+    model = zoo_model("llama").build()
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(32):
+        ids = torch.randint(1, 64, (12,), generator=generator)
+        rows.append({"input_ids": ids, "labels": ids})
+    _, result, _ = auto_accelerate(model, torch.optim.SGD, rows, lambda batch, output: output.loss,
+                                   optim_args={"lr": 0.1}, dataloader_args={"batch_size": 8},
+                                   load_strategy=list(load_strategy))
+    return rows, result
+
+
+# the loss each micro-step of a window of two is scaled by before backward: the mean of the window, a
+# sum, and weights of the loop's own (as a loop weighting micro-steps by their token counts has)
+WINDOW_SCALES = {"mean": (0.5, 0.5), "sum": (1.0, 1.0), "weighted": (0.25, 0.75)}
+
+
+def train_accumulating(load_strategy: Any = (), scales: tuple[float, float] = (0.5, 0.5)) -> dict[str, torch.Tensor]:
+    """The user's own gradient accumulation over ``accelerated_llama``'s 4 batches, windows of two, the
+    boundary set before each model call as the README says, each call's loss multiplied by its ``scales``
+    entry before backward; the full final weights."""
+    _, result = accelerated_llama(load_strategy)
+    for step, batch in enumerate(result.dataloader):
+        batch = result.prepare_input(batch)
+        if result.args.requires_set_gradient_accumulation_boundary:
+            result.optim.set_gradient_accumulation_boundary(step % 2 == 1)
+        loss = result.loss_func(batch, result.model(**batch)) * scales[step % 2]
+        result.optim.backward(loss) if result.args.use_optim_backward else loss.backward()
+        if step % 2 == 1:
+            result.optim.step()
+            result.optim.zero_grad()
+    model = result.model
+    return model.full_state_dict() if hasattr(model, "full_state_dict") else full_state_dict(model)

@@ -11,10 +11,18 @@ import pytest
 import torch
 
 from atorch.auto.accelerate import auto_accelerate
-from atorch.errors import IncompatibleMethodsError, MethodConfigError
+from atorch.errors import IncompatibleMethodsError, InputError, MethodConfigError
 from atorch.models import GPTConfig, SyntheticTokenDataset, gpt_loss
 from atorch.testing import run_distributed
-from atorch.testing.training import build_gpt, train_gpt, train_plainly, train_returned
+from atorch.testing.training import (
+    WINDOW_SCALES,
+    build_gpt,
+    train_accumulating,
+    train_gpt,
+    train_plainly,
+    train_returned,
+    weight_difference,
+)
 from atorch.utils.batch import equal_chunks
 from tests.parity import assert_matches, run_suite
 
@@ -110,13 +118,27 @@ def test_the_seed_loop_and_evaluation_run_unchanged():
                                                  "grad_sync": "last_micro_step"}
     batch = result.prepare_input(next(iter(result.dataloader)))
     loss = result.loss_func(batch, result.model(**batch))
-    result.optim.backward(loss)  # already done inside the model: a no-op
+    result.optim.backward(loss)  # already done inside the model: only says how the loop scaled the loss
     result.optim.step()
     result.optim.zero_grad()
     result.model.eval()
     with torch.no_grad():
         output = result.model(**batch)  # the user's own output on the whole batch
     assert torch.allclose(result.loss_func(batch, output), gpt_loss(batch, output))
+
+
+def test_a_loop_s_own_gradient_accumulation_over_micro_batch_calls_scales_the_window_as_its_backward_says():
+    """micro_batch runs backward inside the model call: a loop accumulating over calls (``loss / steps``)
+    trained on the sum of its calls' gradients. The loop's backward now says how it scaled each call's loss
+    (``atorch.auto.loss_probe``) and the window's gradients are scaled by it before the step: the mean and
+    the sum of a window of two equal one process without micro_batch; calls scaled differently are refused
+    at the step (their gradients are already summed), naming the fix."""
+    for name in ("mean", "sum"):
+        reference = train_accumulating((), WINDOW_SCALES[name])
+        run = train_accumulating([("micro_batch", 2)], WINDOW_SCALES[name])
+        assert weight_difference(run, reference) < 1e-5, name
+    with pytest.raises(InputError, match="micro_batch ran backward inside each model call.*0.25, 0.75.*loss / steps"):
+        train_accumulating([("micro_batch", 2)], WINDOW_SCALES["weighted"])
 
 
 def test_refusals_name_the_reason():

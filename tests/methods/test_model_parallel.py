@@ -23,7 +23,10 @@ from atorch.testing import run_distributed
 from atorch.testing.community_models import NanoGPT
 from atorch.testing.hf_models import zoo_model
 from atorch.testing.training import (
+    WINDOW_SCALES,
+    accelerated_llama,
     relative_difference,
+    train_accumulating,
     train_gpt,
     train_plainly,
     train_returned,
@@ -488,45 +491,6 @@ def train_positional(load_strategy: Any = ()) -> dict:
     return {"losses": losses, "weights": weights}
 
 
-def accelerated_llama(load_strategy: Any = ()) -> tuple[list, Any]:
-    """32 rows of HF Llama's forward arguments and auto_accelerate's result on them (SGD, 8 rows a batch)."""
-    torch.manual_seed(0)
-    model = zoo_model("llama").build()
-    generator = torch.Generator().manual_seed(1)
-    rows = []
-    for _ in range(32):
-        ids = torch.randint(1, 64, (12,), generator=generator)
-        rows.append({"input_ids": ids, "labels": ids})
-    _, result, _ = auto_accelerate(model, torch.optim.SGD, rows, lambda batch, output: output.loss,
-                                   optim_args={"lr": 0.1}, dataloader_args={"batch_size": 8},
-                                   load_strategy=list(load_strategy))
-    return rows, result
-
-
-# the loss each micro-step of a window of two is scaled by before backward: the mean of the window, a
-# sum, and weights of the loop's own (as a loop weighting micro-steps by their token counts has)
-WINDOW_SCALES = {"mean": (0.5, 0.5), "sum": (1.0, 1.0), "weighted": (0.25, 0.75)}
-
-
-def train_accumulating(load_strategy: Any = ()) -> dict:
-    """The user's own gradient accumulation, windows of two batches, boundaries set before each model
-    call as the README says, each micro-step's loss scaled before backward (``WINDOW_SCALES``)."""
-    out = {}
-    for name, scales in WINDOW_SCALES.items():
-        _, result = accelerated_llama(load_strategy)
-        for step, batch in enumerate(result.dataloader):
-            batch = result.prepare_input(batch)
-            if result.args.requires_set_gradient_accumulation_boundary:
-                result.optim.set_gradient_accumulation_boundary(step % 2 == 1)
-            loss = result.loss_func(batch, result.model(**batch)) * scales[step % 2]
-            result.optim.backward(loss) if result.args.use_optim_backward else loss.backward()
-            if step % 2 == 1:
-                result.optim.step()
-                result.optim.zero_grad()
-        out[name] = result.model.full_state_dict() if load_strategy else full_state_dict(result.model)
-    return out
-
-
 def train_with_validation(load_strategy: Any = ()) -> dict:
     """HF Llama through auto_accelerate, 4 SGD steps of 8 rows, with a validation loss on 8 rows after the
     second step (``model.eval()`` under ``torch.no_grad()``) and after the third (``model.eval()`` alone,
@@ -700,7 +664,11 @@ def launch_2(cases: dict) -> dict:
     # DeepSpeed unimportable
     validation = {"pp": train_with_validation([PP2, "pipeline_parallel"]),
                   **({"ds_3d": train_with_validation(DS_3D)} if DEEPSPEED else {})}
-    accumulation = train_accumulating([PP2, "pipeline_parallel"])
+    accumulation = {name: train_accumulating([PP2, "pipeline_parallel"], scales)
+                    for name, scales in WINDOW_SCALES.items()}
+    if DEEPSPEED:  # a window's calls scaled alike (DeepSpeed's engine sums them before the loop's backward)
+        accumulation.update({f"ds_3d_{name}": train_accumulating(DS_3D, WINDOW_SCALES[name])
+                             for name in ("mean", "sum")})
     return {"suite": run_suite(cases), "layouts": inspect_parallel_layouts(), "lengths": pipeline_on_changing_lengths(),
             "deepspeed": deepspeed_pipeline(), "zoo": inspect_zoo_layouts(),
             "residual_sequences": residual_blocks_on_sequences(), "refusals": pipeline_refusals(),
@@ -885,11 +853,13 @@ def test_a_loop_s_own_gradient_accumulation_under_a_pipeline_scales_each_micro_s
     schedule's own division by its micro-batch count also rescaled the gradients earlier calls of the window
     left. Each call's gradients are now kept apart until the loop's backward, which says how to scale them
     (the loss carries a probe whose gradient is d(the loop's loss)/d(loss)). 8 batches in windows of two:
-    weights equal one process's for a mean, a sum and per-micro-step weights (pp2 1F1B)."""
-    reference = train_accumulating()
+    weights equal one process's for a mean, a sum and per-micro-step weights (pp2 1F1B), and for a mean and a
+    sum under ds_3d_parallel (DeepSpeed's engine, whose calls' gradients are summed at once: one factor a
+    window, ``WindowScales``)."""
+    reference = {name: train_accumulating((), scales) for name, scales in WINDOW_SCALES.items()}
     for rank, per_rank in enumerate(two_ranks):
         for name, weights in per_rank["accumulation"].items():
-            assert weight_difference(weights, reference[name]) < TOL, (rank, name)
+            assert weight_difference(weights, reference[name.removeprefix("ds_3d_")]) < TOL, (rank, name)
 
 
 def test_pipeline_averages_gradients_over_the_data_group_once_a_step(four_ranks):

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from atorch.auto.loss_probe import WindowScales
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason, without_shared_memory_allreduce
 from atorch.auto.opt_lib.pipeline_parallel import (
@@ -78,7 +79,7 @@ class DS3DParallelOptimization(Optimization):
              "optimizer": ("model", "loss_func", "model_input_format", "per_rank_batch_size", "optim_func",
                            "optim_args", "device", "dataset", "dataloader_args", "user_prepare_input",
                            "input_dtype")}
-    writes = {"pipeline": ("model",), "optimizer": ("model", "loss_func")}
+    writes = {"pipeline": ("model",), "optimizer": ("model", "loss_func", "settlers")}
     record_writes = ("data_parallel_wrapper", "optimizer_factory", "backward_in_forward", "args")
     excludes = {"sharding": "choose one sharding level",
                 "tensor parallel": "mixed_parallel already includes tensor parallel",
@@ -183,6 +184,7 @@ def _build_engine(ctx, config: DS3DParallelConfig, stages: Optional["DeepSpeedSt
     wrapper = DeepSpeedPipeline(engine, ctx.loss_func, micro, stages)
     holder["wrapper"] = wrapper
     ctx.model = wrapper
+    ctx.settlers.append(wrapper.settle)
     ctx.loss_func = pipeline_loss
     logger.info("ds_3d_parallel: DeepSpeed pipeline of %d stages x %d data ranks, %d micro-batches", pp, dp, micro)
     _defer_the_step(engine)
@@ -325,6 +327,11 @@ class DeepSpeedPipeline(nn.Module):
         self.micro = micro
         self.stages = stages
         self._batch: Any = None
+        self.window = WindowScales("ds_3d_parallel")
+
+    def settle(self) -> None:
+        """Scale the window's gradients as the loop scaled its calls' losses (``atorch.auto.loss_probe``)."""
+        self.window.settle(p for p in self.engine.parameters() if p.requires_grad)
 
     def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
         batch = batch_of_call(args, kwargs, self.stages.input_format if self.stages is not None else None)
@@ -340,11 +347,13 @@ class DeepSpeedPipeline(nn.Module):
             chunks = [(part, part) for part in index.chunk(self.micro)]
         else:
             chunks = [(select_rows(batch, part), part) for part in index.chunk(self.micro)]
-        if self.training and torch.is_grad_enabled():
+        training = self.training and torch.is_grad_enabled()
+        if training:
             loss = self.engine.train_batch(data_iter=iter(chunks))
         else:  # evaluation (model.eval() or torch.no_grad()): the loss only, no backward, no gradients touched
             loss = self.engine.eval_batch(data_iter=iter(chunks), num_micro_batches=self.micro)
-        return PipelineOutput(loss.detach().float() if torch.is_tensor(loss) else torch.tensor(float(loss)))
+        loss = loss.detach().float() if torch.is_tensor(loss) else torch.tensor(float(loss))
+        return PipelineOutput(self.window.probe(loss) if training else loss)
 
     @property
     def stage_modules(self) -> Optional[list[StageModule]]:

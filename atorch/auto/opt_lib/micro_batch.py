@@ -10,8 +10,10 @@ How the seed's loop runs unchanged (as under pipeline_parallel): the dataloader 
 per-rank batches; ``model(**batch)`` runs every micro-step (forward, the user's loss on the
 micro-batch divided by ``num_micro_batch``, backward; gradient communication as ``grad_sync`` says,
 through the data-parallel wrapper's accumulation switch) and returns a ``MicroBatchOutput``;
-``loss_func(batch, output)`` returns the batch's mean loss; ``optim.backward(loss)`` has nothing
-left to do (``result.args.use_optim_backward`` is True); ``optim.step()`` steps once. Without
+``loss_func(batch, output)`` returns the batch's mean loss; ``optim.backward(loss)`` only tells how
+the loop scaled that loss (a loop accumulating over calls divides it), which the window's gradients are
+scaled by before ``optim.step()`` steps once (``atorch.auto.loss_probe``; ``result.args.use_optim_backward``
+is True). Without
 gradients (``torch.no_grad()`` or ``model.eval()``) the model runs the whole batch and returns the
 user's own output, and ``loss_func`` is the user's.
 
@@ -39,6 +41,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from atorch.auto.loss_probe import WindowScales
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.errors import MethodConfigError
@@ -65,15 +68,17 @@ class MicroBatchConfig(MethodConfig):
 class MicroBatchOutput:
     """What ``model(...)`` returns under micro_batch: the micro-steps already ran (forward and backward)."""
 
-    loss: torch.Tensor  # the batch's mean loss, detached
+    loss: torch.Tensor  # the batch's mean loss, detached but for a probe of how the loop scales it
 
 
 class MicroBatchOptimizer(AtorchOptimizer):
-    """``backward`` is a no-op (the model ran it per micro-step); the user's own accumulation
-    boundary is remembered so micro-steps communicate only at the user's boundary."""
+    """``backward`` only tells the model how the loop scaled the loss (the model ran backward per
+    micro-step; ``atorch.auto.loss_probe``); the user's own accumulation boundary is remembered so
+    micro-steps communicate only at the user's boundary."""
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        return None
+        if loss.requires_grad:
+            loss.backward(**kwargs)
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         self.is_gradient_accumulation_boundary = bool(is_boundary)  # applied to the last micro-step
@@ -90,6 +95,11 @@ class MicroBatchModule(nn.Module):
         self.user_loss, self.optim, self.outer = loss_func, optim, outer
         self.num_micro_batch, self.input_format, self.grad_sync = num_micro_batch, input_format, grad_sync
         self.chunk_rows = chunk_rows  # a micro-step's rows as planned; a batch of other rows keeps to it
+        self.window = WindowScales("micro_batch")
+
+    def settle(self) -> None:
+        """Scale the window's gradients as the loop scaled its calls' losses (before the optimizer reads them)."""
+        self.window.settle(p for p in self.module.parameters() if p.requires_grad)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (torch.is_grad_enabled() and self.training):
@@ -106,7 +116,7 @@ class MicroBatchModule(nn.Module):
             loss = loss_value(self.user_loss(micro, call_with_batch(self.module, micro, self.input_format))) / k
             self._backward(loss)
             losses.append(loss.detach().float())
-        return MicroBatchOutput(torch.stack(losses).sum())
+        return MicroBatchOutput(self.window.probe(torch.stack(losses).sum()))
 
     def _set_sync(self, last: bool) -> None:
         """Gradients are communicated on the micro-steps ``grad_sync`` names (the last, or each) of the
@@ -166,6 +176,8 @@ def apply_micro_batch(ctx, config: MicroBatchConfig) -> None:
     outer = MicroBatchOptimizer(ctx.optim) if ctx.optim is not None else None
     ctx.model = MicroBatchModule(ctx.model, ctx.loss_func, ctx.optim, outer, k, ctx.model_input_format,
                                  config.grad_sync, batch // k if batch is not None else None)
+    if outer is not None:
+        outer.settlers.append(ctx.model.settle)
     ctx.loss_func = micro_batch_loss(ctx.loss_func)
     ctx.optim = outer
     ctx.args.use_optim_backward = True

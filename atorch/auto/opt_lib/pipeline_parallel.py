@@ -70,6 +70,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from atorch.auto.gradients import mark_counted_elsewhere
+from atorch.auto.loss_probe import with_scale_probe
 from atorch.auto.opt_lib.base import SHARDED_STAGES, SHARDED_STAGES_WHY, Optimization
 from atorch.auto.opt_lib.pipeline_structure import (
     BlockStructure,
@@ -253,14 +254,11 @@ class PipelineModule(nn.Module):
         (``loss / steps``), a weighted one multiplies it. The returned loss carries a probe (value 0,
         derivative 1), so the user's backward leaves d(their loss)/d(loss) in the probe's gradient:
         this call's gradients are scaled by it then, exactly as that backward would have scaled them."""
-        probe = torch.zeros((), device=loss.device, requires_grad=True)
-
-        def scale(leaf: torch.Tensor) -> None:
+        def scale(factor: float) -> None:
             if self._pending is pending:
-                self.settle(float(leaf.grad))
+                self.settle(factor)
 
-        probe.register_post_accumulate_grad_hook(scale)
-        return loss + probe
+        return with_scale_probe(loss, scale)
 
     def settle(self, scale: float = 1.0) -> None:
         """Make the last training call's gradients final: scaled by ``scale`` (what the user's backward
