@@ -47,11 +47,10 @@ as in EPL (default: the pipeline size × 2, at most the per-rank batch).
 The seed's loop runs unchanged: ``model(**batch)`` runs the whole schedule (forward, loss on the last
 stage, backward) and returns a ``PipelineOutput``; ``loss_func(batch, output)`` returns the step's mean
 loss (the same on every stage); ``optim.backward(loss)`` scales the call's gradients as the loop scaled
-that loss (a loop accumulating over calls divides it: ``PipelineModule.settle``; the data-parallel
-average waits for it) (``result.args.use_optim_backward`` is True); ``optim.step()`` updates this stage's
-parameters. In
-evaluation (``model.eval()`` or ``torch.no_grad()``) ``model(**batch)`` runs the forward-only schedule:
-the loss and no backward, so a validation pass leaves the gradients as they were.
+that loss (a loop accumulating over calls divides it: ``PipelineModule.settle``, which the data-parallel
+average waits for; ``result.args.use_optim_backward`` is True); ``optim.step()`` updates this stage's
+parameters. In evaluation (``model.eval()`` or ``torch.no_grad()``) ``model(**batch)`` runs the
+forward-only schedule: the loss and no backward, so a validation pass leaves the gradients as they were.
 """
 from __future__ import annotations
 
