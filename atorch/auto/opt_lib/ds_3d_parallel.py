@@ -385,7 +385,8 @@ class DeepSpeedPipeline(nn.Module):
 
 class EngineStepOptimizer(AtorchOptimizer):
     """The seed loop's optimizer under DeepSpeed's pipeline engine: ``train_batch`` (the model call) ran the
-    forwards, the backwards and the gradient reductions, so ``backward`` has nothing left to do; ``step`` and
+    forwards, the backwards and the gradient reductions, so ``backward`` only tells how the loop scaled the loss
+    (``DeepSpeedPipeline.settle`` scales the window's gradients by it before the step); ``step`` and
     ``zero_grad`` are the torch optimizer's own (DeepSpeed's step is deferred to them: ``_defer_the_step``),
     so the user's ``clip_grad_norm_`` sees the step's gradients, its norm taken over the pipeline stages."""
 
