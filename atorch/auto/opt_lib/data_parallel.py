@@ -75,20 +75,15 @@ def average_after_schedule(model: torch.nn.Module, group, state: dict) -> None:
     """A pipeline schedule accumulates every micro-batch's gradients inside one call of the model: a
     per-parameter hook would all-reduce each gradient once per micro-batch (that many times the
     traffic, one collective per parameter). Instead the finished gradients are averaged once, in
-    buckets, when the model says a training call's gradients are final (its
-    ``register_gradients_ready_hook``: after the user's backward scaled them; else when a training
-    forward returns), skipped where sync was off when the call began (an accumulation micro-step)."""
+    buckets, when the pipeline says a training call's gradients are final (its
+    ``register_gradients_ready_hook``: after the user's backward scaled them), skipped where sync was off
+    when the call began (an accumulation micro-step)."""
     def average(sync: bool) -> None:
         if sync:
             grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
             average_in_buckets([g.to_local() if isinstance(g, DTensor) else g for g in grads], group)
 
-    register = getattr(model, "register_gradients_ready_hook", None)
-    if register is not None:
-        register(average, capture=lambda: state["sync"])
-        return
-    model.register_forward_hook(lambda module, args, output: average(
-        state["sync"] and module.training and torch.is_grad_enabled()))
+    model.register_gradients_ready_hook(average, capture=lambda: state["sync"])
 
 
 @torch.no_grad()
