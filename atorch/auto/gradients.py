@@ -6,8 +6,10 @@ it owns. The global norm must count every element exactly once, so each case red
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Iterable, Optional
+import weakref
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -94,3 +96,79 @@ def clip_grad_norm_(target, max_norm: float, norm_type: float = 2.0) -> Optional
     norm = total_grad_norm(params, norm_type)
     scale_grads_to_norm(params, max_norm, norm)
     return norm
+
+
+# --- the user's own torch.nn.utils.clip_grad_norm_ --------------------------------------------------
+# A loop written for one process clips with ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)``.
+# Over an accelerated model torch's function takes the norm of what this rank holds: a pipeline stage's
+# own gradients (every stage then clips by a different factor: silently wrong weights), or under
+# tensor_parallel a mix of DTensor and plain gradients (torch raises inside the loop). So once atorch
+# has built an optimizer over several processes, the function is routed: the gradients of the accelerated
+# model's trainable parameters are clipped by their global norm, exactly as ``optim.clip_grad_norm_`` does
+# (settled first, unscaled under fp16 amp, DeepSpeed's threshold under DeepSpeed); any other call is
+# torch's own. A ``from torch.nn.utils import clip_grad_norm_`` bound before auto_accelerate ran keeps
+# torch's function: docs/semi-automatic.md says so.
+# id(parameter) -> (a weak reference to it, a weak reference to its optimizer); by identity, since a
+# tensor's == compares values
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+_TORCH_CLIP: dict[str, Callable] = {}
+
+
+def route_torch_clipping(optimizer: Any, model: torch.nn.Module) -> None:
+    """Route ``torch.nn.utils.clip_grad_norm_`` over ``model``'s trainable parameters to ``optimizer``'s
+    global-norm clip. Only the model's: a library's own call on its internal copies (DeepSpeed's fp16
+    optimizer clips its fp32 masters with torch's function) stays torch's."""
+    owner = weakref.ref(optimizer)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer.routed_clip_params = {id(p) for p in trainable}
+    for param in trainable:
+        _OWNERS[id(param)] = (weakref.ref(param, functools.partial(_forget, id(param))), owner)
+    if not _TORCH_CLIP:
+        _TORCH_CLIP["function"] = torch.nn.utils.clip_grad_norm_
+        torch.nn.utils.clip_grad_norm_ = _routed_clip_grad_norm_
+        torch.nn.utils.clip_grad.clip_grad_norm_ = _routed_clip_grad_norm_
+
+
+def _forget(key: int, dead: weakref.ref) -> None:
+    if _OWNERS.get(key, (None,))[0] is dead:
+        del _OWNERS[key]
+
+
+def _routed_clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                            foreach: Optional[bool] = None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_, by the global norm where an atorch optimizer steps the parameters."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    owner = _owner_of(params)
+    if owner is None:
+        return _TORCH_CLIP["function"](params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite,
+                                       foreach=foreach)
+    if owner.routed_clip_params <= {id(p) for p in params}:  # all the model trains, frozen ones beside
+        norm = owner.clip_grad_norm_(max_norm, norm_type)
+        if norm is None:  # DeepSpeed: this step's norm is taken inside step(); it clips there
+            norm = torch.tensor(float("nan"))
+    else:  # a part of them: its norm over the processes
+        owner._settle()
+        held = [p for p in params if id(p) in owner.routed_clip_params]
+        norm = total_grad_norm(held, norm_type, owner.grad_partition_group)
+        scale_grads_to_norm(held, max_norm, norm)
+    if error_if_nonfinite and norm is not None and not torch.isfinite(norm).all():
+        raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                           "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
+                           "by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    return norm
+
+
+def _owner_of(params: list[torch.Tensor]) -> Any:
+    """The one live atorch optimizer stepping every parameter of ``params`` that has a gradient (frozen
+    ones aside), or None: then torch's own function serves the call."""
+    owners = set()
+    for param in params:
+        entry = _OWNERS.get(id(param))
+        if entry is None or entry[0]() is not param:
+            if param.grad is not None:
+                return None
+            continue
+        owners.add(entry[1])
+    if len(owners) != 1:
+        return None
+    return next(iter(owners))()

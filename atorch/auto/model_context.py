@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
+from atorch.auto.gradients import route_torch_clipping
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.auto.optimizer_kernels import check_low_precision_update, optimizer_args
 from atorch.auto.stages import CONTEXT_WORK, STAGES
@@ -377,6 +378,7 @@ class ModelContext:
             self.raw_optim = built.torch_optimizer
             if isinstance(self.raw_optim, torch.optim.Optimizer):
                 check_low_precision_update(self.raw_optim)
+            self._route_torch_clipping()
             return
         if not isinstance(built, torch.optim.Optimizer):
             raise InputError(f"optim_func must return a torch.optim.Optimizer (it is called as "
@@ -385,6 +387,13 @@ class ModelContext:
         self.raw_optim = built
         self.optim = AtorchOptimizer(built, self.sync_toggles, self.grad_partition_group, settlers=self.settlers,
                                      backward_in_forward=self.backward_in_forward)
+        self._route_torch_clipping()
+
+    def _route_torch_clipping(self) -> None:
+        """Over several processes the user's ``torch.nn.utils.clip_grad_norm_`` on these parameters clips
+        by their global norm, as ``optim.clip_grad_norm_`` does (``atorch.auto.gradients``)."""
+        if self.model is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            route_torch_clipping(self.optim, self.model)
 
     def _build_lr_scheduler(self) -> None:
         if self.lr_scheduler_cls is not None and self.raw_optim is not None:

@@ -105,6 +105,8 @@ def train_gpt(
         if max_grad_norm is not None:
             if clip_via == "model":  # atorch.clip_grad_norm_ on the returned model
                 norm = clip_grad_norm_(result.model, max_grad_norm)
+            elif clip_via == "torch":  # a loop written for one process: torch's own function
+                norm = torch.nn.utils.clip_grad_norm_(result.model.parameters(), max_grad_norm)
             else:
                 norm = result.optim.clip_grad_norm_(max_grad_norm)
             norms.append(None if norm is None else float(norm))

@@ -65,6 +65,12 @@ CASES_2 = {
     "tp_sp": [TP2, "tensor_parallel", "sequence_parallel"],
     "tp_compiled": [TP2, "tensor_parallel", "native_dynamo"],  # DTensor blocks under per-block compile
     "tp_clip": {"strategy": [TP2, "tensor_parallel"], "max_grad_norm": 0.5},
+    # the loop's own torch.nn.utils.clip_grad_norm_(model.parameters(), c): by the global norm, as in one
+    # process (torch's alone raised over tensor_parallel's mix of DTensor and plain gradients, and clipped
+    # each pipeline stage by its own norm)
+    "tp_clip_torch": {"strategy": [TP2, "tensor_parallel"], "max_grad_norm": 0.5, "clip_via": "torch"},
+    "pp_1f1b_clip_torch": {"strategy": [PP2, ("pipeline_parallel", {"num_micro_batch": 4})], "max_grad_norm": 0.5,
+                           "clip_via": "torch"},
     "pp_gpipe": [PP2, ("pipeline_parallel", {"schedule": "GPipe", "num_micro_batch": 4})],
     "pp_1f1b": [PP2, ("pipeline_parallel", {"num_micro_batch": 4})],
     "pp_1f1b_checkpoint_clip": {"strategy": [PP2, ("pipeline_parallel", {"num_micro_batch": 4}),

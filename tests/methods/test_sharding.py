@@ -113,6 +113,10 @@ DEEPSPEED_CASES = {
     "ds_zero1_bf16": ["parallel_mode", ("zero1", {"use_ds_zero": True}), BF16],
     "ds_zero2_acc4_clip": {"strategy": ["parallel_mode", ("zero2", {"use_ds_zero": True})], "accumulation": 4,
                            "global_batch": ACC_BATCH, "max_grad_norm": CLIP},
+    # torch.nn.utils.clip_grad_norm_ in the loop: DeepSpeed keeps the gradients in its own buffers, so
+    # torch's function alone found none and never clipped; it now sets DeepSpeed's threshold
+    "ds_zero1_clip_via_torch": {"strategy": ["parallel_mode", ("zero1", {"use_ds_zero": True})],
+                                "max_grad_norm": CLIP, "clip_via": "torch"},
 }
 MEMORY_CASES = {
     f"memory_{name}": {"strategy": ["parallel_mode"] + ([method] if method else []), **ADAMW}
