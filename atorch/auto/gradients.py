@@ -101,13 +101,14 @@ def clip_grad_norm_(target, max_norm: float, norm_type: float = 2.0) -> Optional
 # --- the user's own torch.nn.utils.clip_grad_norm_ --------------------------------------------------
 # A loop written for one process clips with ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)``.
 # Over an accelerated model torch's function takes the norm of what this rank holds: a pipeline stage's
-# own gradients (every stage then clips by a different factor: silently wrong weights), or under
-# tensor_parallel a mix of DTensor and plain gradients (torch raises inside the loop). So once atorch
-# has built an optimizer over several processes, the function is routed: the gradients of the accelerated
-# model's trainable parameters are clipped by their global norm, exactly as ``optim.clip_grad_norm_`` does
-# (settled first, unscaled under fp16 amp, DeepSpeed's threshold under DeepSpeed); any other call is
-# torch's own. A ``from torch.nn.utils import clip_grad_norm_`` bound before auto_accelerate ran keeps
-# torch's function: docs/semi-automatic.md says so.
+# own gradients (every stage then clips by a different factor: silently wrong weights), under
+# tensor_parallel a mix of DTensor and plain gradients (torch raises inside the loop), under fp16 amp the
+# scaled gradients (the loop has no scaler to unscale them first: the update shrinks by the loss scale),
+# under DeepSpeed none (it keeps them in its buffers). So once atorch has built an optimizer, the function
+# is routed: the gradients of the accelerated model's trainable parameters are clipped exactly as
+# ``optim.clip_grad_norm_`` does (settled first, by their global norm, unscaled under fp16 amp,
+# DeepSpeed's threshold under DeepSpeed); any other call is torch's own. A ``from torch.nn.utils import
+# clip_grad_norm_`` bound before auto_accelerate ran keeps torch's function: docs/semi-automatic.md says so.
 # id(parameter) -> (a weak reference to it, a weak reference to its optimizer); by identity, since a
 # tensor's == compares values
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}

@@ -322,6 +322,7 @@ class ModelContext:
             if work is not None:
                 getattr(self, work.step)()
         self._build_lr_scheduler()
+        self._route_torch_clipping()
 
     def _wrap_data_parallel(self) -> None:
         """The data-parallel wrapper; a model built on the meta device gets its real storage here,
@@ -378,7 +379,6 @@ class ModelContext:
             self.raw_optim = built.torch_optimizer
             if isinstance(self.raw_optim, torch.optim.Optimizer):
                 check_low_precision_update(self.raw_optim)
-            self._route_torch_clipping()
             return
         if not isinstance(built, torch.optim.Optimizer):
             raise InputError(f"optim_func must return a torch.optim.Optimizer (it is called as "
@@ -387,12 +387,12 @@ class ModelContext:
         self.raw_optim = built
         self.optim = AtorchOptimizer(built, self.sync_toggles, self.grad_partition_group, settlers=self.settlers,
                                      backward_in_forward=self.backward_in_forward)
-        self._route_torch_clipping()
 
     def _route_torch_clipping(self) -> None:
-        """Over several processes the user's ``torch.nn.utils.clip_grad_norm_`` on these parameters clips
-        by their global norm, as ``optim.clip_grad_norm_`` does (``atorch.auto.gradients``)."""
-        if self.model is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        """The user's ``torch.nn.utils.clip_grad_norm_`` on the model's parameters clips as
+        ``optim.clip_grad_norm_`` does: by their global norm, unscaled under fp16 amp
+        (``atorch.auto.gradients``)."""
+        if self.model is not None and self.optim is not None:  # the final optimizer, amp's and micro_batch's on it
             route_torch_clipping(self.optim, self.model)
 
     def _build_lr_scheduler(self) -> None:

@@ -56,9 +56,10 @@ CONTEXT_WORK = {
                            ("model", "optim_func", "optim_args", "optim_param_func", "optimizer_factory",
                             "sync_toggles", "settlers", "grad_partition_group", "backward_in_forward"),
                            ("optim", "raw_optim")),
-    "dataloader": StageWork("_build_dataloader",  # and, after the last stage, _build_lr_scheduler
+    # and, after the last stage, _build_lr_scheduler and _route_torch_clipping (the final model and optimizer)
+    "dataloader": StageWork("_build_dataloader",
                             ("local", "dataset", "dataloader_args", "distributed_sampler_cls", "global_batch_size",
                              "per_rank_batch_size", "data_parallel_size", "lr_scheduler_cls", "lr_scheduler_args",
-                             "raw_optim"),
+                             "raw_optim", "model", "optim"),
                             ("dataloader", "lr_scheduler")),
 }

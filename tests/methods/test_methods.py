@@ -65,6 +65,21 @@ def test_fp16_amp_runs_forward_and_loss_in_half_precision():
     assert isinstance(result.optim.scaler, torch.amp.GradScaler)
 
 
+@pytest.mark.parametrize("clip_via", ["optimizer", "torch"])
+def test_clipping_under_fp16_amp_clips_the_unscaled_gradients(clip_via):
+    """The loop's own ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` too: torch's function
+    alone took the norm of the loss-scaled gradients (about 65536 times the true one here) and shrank every
+    update by the scale (the loop has no scaler to unscale first)."""
+    clip = 0.5
+    reference = train_gpt([], steps=3, max_grad_norm=clip)
+    run = train_gpt([("amp_native", {"dtype": torch.float16})], steps=3, max_grad_norm=clip, clip_via=clip_via)
+    assert all(norm > clip for norm in reference["grad_norms"]), reference["grad_norms"]  # every step clips
+    for norm, expected in zip(run["grad_norms"], reference["grad_norms"]):
+        assert abs(norm - expected) < 0.05 * expected, (run["grad_norms"], reference["grad_norms"])
+    moved = sum(float((run["weights"][k] - reference["weights"][k]).abs().max()) for k in reference["weights"])
+    assert moved < 0.05, moved
+
+
 def test_half_casts_parameters_and_floating_inputs():
     model = nn.Linear(4, 1)
     data = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
