@@ -145,14 +145,14 @@ def _routed_clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
                                        foreach=foreach)
     if owner.routed_clip_params <= {id(p) for p in params}:  # all the model trains, frozen ones beside
         norm = owner.clip_grad_norm_(max_norm, norm_type)
-        if norm is None:  # DeepSpeed: this step's norm is taken inside step(); it clips there
-            norm = torch.tensor(float("nan"))
+        if norm is None:  # DeepSpeed: this step's norm is taken inside step(), which clips; none to check here
+            return torch.tensor(float("nan"))
     else:  # a part of them: its norm over the processes
         owner._settle()
         held = [p for p in params if id(p) in owner.routed_clip_params]
         norm = total_grad_norm(held, norm_type, owner.grad_partition_group)
         scale_grads_to_norm(held, max_norm, norm)
-    if error_if_nonfinite and norm is not None and not torch.isfinite(norm).all():
+    if error_if_nonfinite and not torch.isfinite(norm).all():
         raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
                            "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
                            "by the non-finite norm anyway, set `error_if_nonfinite=False`")
