@@ -148,6 +148,9 @@ def _routed_clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
         if norm is None:  # DeepSpeed: this step's norm is taken inside step(), which clips; none to check here
             return torch.tensor(float("nan"))
     else:  # a part of them: its norm over the processes
+        refusal = owner.part_clip_refusal()
+        if refusal is not None:
+            raise refusal
         owner._settle()
         held = [p for p in params if id(p) in owner.routed_clip_params]
         norm = total_grad_norm(held, norm_type, owner.grad_partition_group)

@@ -93,6 +93,13 @@ class AtorchOptimizer:
         scale_grads_to_norm(params, max_norm, norm)
         return norm
 
+    def part_clip_refusal(self) -> Optional[Exception]:
+        """The error saying why the gradients of a part of the parameters cannot be clipped apart from the
+        rest (None: they can). The innermost wrapper knows: DeepSpeed keeps them in its own buffers."""
+        if isinstance(self.optimizer, AtorchOptimizer):
+            return self.optimizer.part_clip_refusal()
+        return None
+
     # --- delegation ----------------------------------------------------------------------------
     @property
     def param_groups(self) -> list[dict]:

@@ -107,6 +107,8 @@ def train_gpt(
                 norm = clip_grad_norm_(result.model, max_grad_norm)
             elif clip_via == "torch":  # a loop written for one process: torch's own function
                 norm = torch.nn.utils.clip_grad_norm_(result.model.parameters(), max_grad_norm)
+            elif clip_via == "torch_part":  # torch's function over a part: every parameter but the first
+                norm = torch.nn.utils.clip_grad_norm_(list(result.model.parameters())[1:], max_grad_norm)
             else:
                 norm = result.optim.clip_grad_norm_(max_grad_norm)
             norms.append(None if norm is None else float(norm))

@@ -160,6 +160,15 @@ class DeepSpeedOptimizer(AtorchOptimizer):
         norm = self.engine.get_global_grad_norm()
         return None if norm is None else torch.as_tensor(norm)
 
+    def part_clip_refusal(self) -> Optional[Exception]:
+        """DeepSpeed reduces the gradients into its own partitioned buffers and clips them all inside
+        ``step``: the parameters' ``.grad`` stays empty, so a part could only be left unclipped."""
+        return MethodConfigError(
+            "use_ds_zero", "DeepSpeed ZeRO keeps the gradients in its own buffers and clips them all, by their global "
+            "norm, inside step(); clip_grad_norm_ over a part of the parameters cannot clip that part apart from the "
+            "rest. Clip the whole model (torch.nn.utils.clip_grad_norm_(model.parameters(), c) or "
+            "result.optim.clip_grad_norm_(c)), or use zero1 / zero2 without use_ds_zero")
+
     def sharded_state_reason(self) -> Optional[str]:
         """DeepSpeed's state_dict is this process's flat partition only, keyed by DeepSpeed's buffers."""
         return ("DeepSpeed ZeRO (use_ds_zero) holds each process's partition of the optimizer state in flat "
