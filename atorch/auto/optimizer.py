@@ -7,6 +7,10 @@ engine) subclass or wrap it; everything else is delegated to the wrapped optimiz
 ``param_groups`` and ``state`` behave as the user's own. ``state_dict`` / ``load_state_dict`` are
 torch's where one process holds the whole state, and raise ShardedStateError where the strategy
 splits it (see docs/checkpoints.md): atorch.save_checkpoint covers those.
+
+It is a ``torch.optim.Optimizer`` (without that class's state: everything is the wrapped one's), so a
+loop's own learning-rate scheduler (``LambdaLR(result.optim, ...)``, transformers'
+``get_cosine_schedule_with_warmup``) and step hooks take it as they take the user's optimizer.
 """
 from __future__ import annotations
 
@@ -22,8 +26,12 @@ from atorch.errors import ShardedStateError
 SyncToggle = Callable[[bool], None]
 
 
-class AtorchOptimizer:
+class AtorchOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer (or another AtorchOptimizer).
+
+    A ``torch.optim.Optimizer`` by type only: ``torch.optim.Optimizer.__init__`` is never called, and
+    what that class keeps (``defaults``, the hooks' dicts) is read from the wrapped optimizer through
+    ``__getattr__``; a step hook registered here therefore runs at the innermost optimizer's step.
 
     ``sync_toggles`` are callables the data-parallel wrapper registered: called with False they stop
     gradient communication (micro-steps inside an accumulation window), with True they restore it.
@@ -165,7 +173,17 @@ class AtorchOptimizer:
         self.optimizer.add_param_group(group)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["optimizer"], name)
+        try:
+            inner = self.__dict__["optimizer"]
+        except KeyError:  # not built yet (unpickling): no attribute, rather than a KeyError
+            raise AttributeError(name) from None
+        return getattr(inner, name)
+
+    def __getstate__(self) -> dict:  # a plain object's, not torch.optim.Optimizer's (which has no wrapper)
+        return self.__dict__
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.optimizer!r})"

@@ -38,6 +38,7 @@ def train_gpt(
     max_grad_norm: Optional[float] = None,
     measure_state: bool = False,
     clip_via: str = "optimizer",
+    loop_scheduler: bool = False,
     hf_model: Optional[str] = None,
     interleaved_chunks: int = 1,
     pretrained: Optional[str] = None,
@@ -53,6 +54,8 @@ def train_gpt(
     ``accumulation`` splits each global batch into that many micro-batches (the loss of each divided
     by it, the optimizer told of the boundary as the seed says), which is the same update as one
     step on the whole batch. ``max_grad_norm`` clips by the global norm before each step.
+    ``loop_scheduler`` builds the loop's own scheduler on ``result.optim`` (``LambdaLR``, the learning rate
+    divided by 1, 2, 3, ... over the steps) and steps it after each optimizer step.
     ``measure_state`` records this rank's parameter / gradient / optimizer-state bytes after the last
     step, before its gradients are cleared.
 
@@ -86,6 +89,7 @@ def train_gpt(
     if pretrained:
         load_pretrained(pretrained, result)
     losses, norms = [], []
+    scheduler = torch.optim.lr_scheduler.LambdaLR(result.optim, lambda step: 1 / (step + 1)) if loop_scheduler else None
     batches = iter(result.dataloader)
     for _ in range(steps):
         step_loss = 0.0
@@ -113,6 +117,8 @@ def train_gpt(
                 norm = result.optim.clip_grad_norm_(max_grad_norm)
             norms.append(None if norm is None else float(norm))
         result.optim.step()
+        if scheduler is not None:
+            scheduler.step()
         if measure_state:
             state = training_state_bytes(result)
         result.optim.zero_grad()

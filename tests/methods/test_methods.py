@@ -80,6 +80,27 @@ def test_clipping_under_fp16_amp_clips_the_unscaled_gradients(clip_via):
     assert moved < 0.05, moved
 
 
+def test_the_loop_s_own_scheduler_and_step_hooks_take_result_optim():
+    """``result.optim`` is a torch.optim.Optimizer, as the loop's own scheduler demands (LambdaLR and
+    transformers' schedules raised "AtorchOptimizer is not an Optimizer"): under fp16 amp the schedule
+    reaches the torch optimizer's learning rate, the run matches fp32 with the same schedule and not
+    fp32 without it, and a step hook registered on ``result.optim`` runs at every step."""
+    reference = train_gpt([], steps=3, loop_scheduler=True)
+    unscheduled = train_gpt([], steps=3)
+    run = train_gpt([("amp_native", {"dtype": torch.float16})], steps=3, loop_scheduler=True)
+    optim = run["result"].optim
+    assert isinstance(optim, torch.optim.Optimizer) and optim.torch_optimizer.param_groups[0]["lr"] == 0.2 / 4
+    moved = sum(float((run["weights"][k] - reference["weights"][k]).abs().max()) for k in reference["weights"])
+    unmoved = sum(float((unscheduled["weights"][k] - reference["weights"][k]).abs().max()) for k in reference["weights"])
+    assert moved < 0.05 < unmoved, (moved, unmoved)
+    calls = []
+    optim.register_step_pre_hook(lambda opt, args, kwargs: calls.append(type(opt).__name__))
+    batch = run["result"].prepare_input(next(iter(run["result"].dataloader)))
+    optim.backward(run["result"].loss_func(batch, run["result"].model(**batch)))
+    optim.step()
+    assert calls == ["SGD"], calls
+
+
 def test_half_casts_parameters_and_floating_inputs():
     model = nn.Linear(4, 1)
     data = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))

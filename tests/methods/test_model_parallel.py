@@ -71,6 +71,9 @@ CASES_2 = {
     "tp_clip_torch": {"strategy": [TP2, "tensor_parallel"], "max_grad_norm": 0.5, "clip_via": "torch"},
     "pp_1f1b_clip_torch": {"strategy": [PP2, ("pipeline_parallel", {"num_micro_batch": 4})], "max_grad_norm": 0.5,
                            "clip_via": "torch"},
+    # the loop's own lr scheduler on result.optim (a torch.optim.Optimizer): each stage's learning rate
+    "pp_1f1b_loop_scheduler": {"strategy": [PP2, ("pipeline_parallel", {"num_micro_batch": 4})],
+                               "loop_scheduler": True},
     "pp_gpipe": [PP2, ("pipeline_parallel", {"schedule": "GPipe", "num_micro_batch": 4})],
     "pp_1f1b": [PP2, ("pipeline_parallel", {"num_micro_batch": 4})],
     "pp_1f1b_checkpoint_clip": {"strategy": [PP2, ("pipeline_parallel", {"num_micro_batch": 4}),
@@ -138,7 +141,7 @@ CASES_8 = {
 _REFERENCES: dict = {}
 
 
-REFERENCE_KEYS = ("hf_model", "max_grad_norm", "config", "steps", "lr")
+REFERENCE_KEYS = ("hf_model", "max_grad_norm", "config", "steps", "lr", "loop_scheduler")
 
 
 def reference_for(case) -> dict:

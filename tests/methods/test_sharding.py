@@ -67,6 +67,9 @@ FSDP_OPTIONS = {
     # wrapper stay around it
     "fsdp_ckpt_compiled": ["parallel_mode", ("fsdp", WRAP), CKPT, "native_dynamo"],
     "fsdp_clip_via_model": {"strategy": ["parallel_mode", ("fsdp", WRAP)], "max_grad_norm": CLIP, "clip_via": "model"},
+    # the loop's own lr scheduler built on result.optim (LambdaLR refused anything not a torch.optim.Optimizer)
+    "zero1_loop_scheduler": {"strategy": ["parallel_mode", "zero1"], "loop_scheduler": True},
+    "fsdp_bf16_loop_scheduler": {"strategy": ["parallel_mode", ("fsdp", WRAP), BF16], "loop_scheduler": True},
     # torch.nn.utils.clip_grad_norm_ over a part of the parameters: that part's global norm
     "fsdp_clip_part_via_torch": {"strategy": ["parallel_mode", ("fsdp", WRAP)], "max_grad_norm": CLIP,
                                  "clip_via": "torch_part"},
@@ -122,6 +125,8 @@ DEEPSPEED_CASES = {
     # torch's function alone found none and never clipped; it now sets DeepSpeed's threshold
     "ds_zero1_clip_via_torch": {"strategy": ["parallel_mode", ("zero1", {"use_ds_zero": True})],
                                 "max_grad_norm": CLIP, "clip_via": "torch"},
+    "ds_zero2_loop_scheduler": {"strategy": ["parallel_mode", ("zero2", {"use_ds_zero": True})],
+                                "loop_scheduler": True},
 }
 # refused with a typed error in the loop's first step: DeepSpeed's gradients are in its buffers, so a part
 # of the parameters clipped through torch's function was silently left unclipped (norm 0.0)
@@ -143,7 +148,8 @@ def _reference_key(case) -> tuple:
     _, kwargs = case_parts(case)
     part = kwargs.get("clip_via") == "torch_part"  # clips a part; every other clip_via clips all
     return (kwargs.get("global_batch", 8), kwargs.get("max_grad_norm"), kwargs.get("hf_model"),
-            repr(kwargs.get("config")), kwargs.get("optim_param_func"), "torch_part" if part else "optimizer")
+            repr(kwargs.get("config")), kwargs.get("optim_param_func"), "torch_part" if part else "optimizer",
+            kwargs.get("loop_scheduler", False))
 
 
 _REFERENCES: dict = {}
@@ -154,7 +160,7 @@ def reference_for(case) -> dict:
     if key not in _REFERENCES:
         _REFERENCES[key] = train_gpt([], global_batch=key[0], max_grad_norm=key[1], hf_model=key[2],
                                      config=case_parts(case)[1].get("config"), optim_param_func=key[4],
-                                     clip_via=key[5])
+                                     clip_via=key[5], loop_scheduler=key[6])
     return _REFERENCES[key]
 
 
