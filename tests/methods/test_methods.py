@@ -90,8 +90,10 @@ def test_the_loop_s_own_scheduler_and_step_hooks_take_result_optim():
     run = train_gpt([("amp_native", {"dtype": torch.float16})], steps=3, loop_scheduler=True)
     optim = run["result"].optim
     assert isinstance(optim, torch.optim.Optimizer) and optim.torch_optimizer.param_groups[0]["lr"] == 0.2 / 4
-    moved = sum(float((run["weights"][k] - reference["weights"][k]).abs().max()) for k in reference["weights"])
-    unmoved = sum(float((unscheduled["weights"][k] - reference["weights"][k]).abs().max()) for k in reference["weights"])
+    def apart(weights: dict) -> float:
+        return sum(float((weights[k] - reference["weights"][k]).abs().max()) for k in reference["weights"])
+
+    moved, unmoved = apart(run["weights"]), apart(unscheduled["weights"])
     assert moved < 0.05 < unmoved, (moved, unmoved)
     calls = []
     optim.register_step_pre_hook(lambda opt, args, kwargs: calls.append(type(opt).__name__))
