@@ -26,6 +26,7 @@ from atorch.auto.gradients import route_torch_clipping
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.auto.optimizer_kernels import check_low_precision_update, optimizer_args
 from atorch.auto.stages import CONTEXT_WORK, STAGES
+from atorch.checkpoint.save_pretrained import route_save_pretrained
 from atorch.distributed import mesh
 from atorch.distributed.distributed import get_data_partition_rank_and_size  # noqa: F401  (ATorch's import path)
 from atorch.errors import AtorchError, IncompatibleMethodsError, InputError, nearest_name
@@ -323,6 +324,8 @@ class ModelContext:
                 getattr(self, work.step)()
         self._build_lr_scheduler()
         self._route_torch_clipping()
+        if self.model is not None:  # a Hugging Face model's save_pretrained, over several processes
+            route_save_pretrained(self.model)
 
     def _wrap_data_parallel(self) -> None:
         """The data-parallel wrapper; a model built on the meta device gets its real storage here,

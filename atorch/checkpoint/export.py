@@ -111,25 +111,32 @@ def export_model(result: "AutoAccelerateResult", path: Union[str, os.PathLike], 
     No process holds more than its own part of the model plus one shard (or one larger tensor): see
     ``last_export_record``. The directory appears complete or not at all; a failure raises the same
     CheckpointError on every process."""
+    return export_module(result.model, path, max_shard_size=max_shard_size)
+
+
+def export_module(model: nn.Module, path: Union[str, os.PathLike], *,
+                  max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE, caller: str = "export_model") -> str:
+    """``export_model`` of a model as auto_accelerate returned it (``result.model``); ``caller`` names the
+    user's call in errors (``save_pretrained`` routes here)."""
     global _last_record
-    target = check_path(path, "export_model")
+    target = check_path(path, caller)
     limit = on_every_rank(lambda: parse_size(max_shard_size))
     on_every_rank(lambda: _check_target(target) if is_main_rank() else None)
-    tensors = model_tensors(result.model)
-    entries, aliases = _agreed_entries(result.model, tensors)
+    tensors = model_tensors(model)
+    entries, aliases = _agreed_entries(model, tensors)
     _last_record = record = ExportRecord(max_shard_bytes=limit, total_bytes=sum(e.nbytes for e in entries),
                                          largest_tensor_bytes=max((e.nbytes for e in entries), default=0))
     tmp = agreed_tmp_dir(target)
     writer = _ShardWriter(tmp, _plan_shards(entries, limit), aliases, record) if is_main_rank() else None
-    orders = saved_orders(result.model)
+    orders = saved_orders(model)
     for entry in entries:
         if writer is not None:
             writer.start(entry)  # the shard it closes is written before the tensor arrives
         full = _gather_to_main(entry, tensors, orders, record)
         if writer is not None:
             writer.add(entry, full)
-    error = writer.finish(model_roots(result.model)[0], target) if writer is not None else None
-    agree(error, "export_model: writing", target, only_main=True)
+    error = writer.finish(model_roots(model)[0], target) if writer is not None else None
+    agree(error, f"{caller}: writing", target, only_main=True)
     return target
 
 
@@ -476,4 +483,4 @@ def _with_aliases(state: dict[str, torch.Tensor], aliases: dict[str, str]) -> di
     return out
 
 
-__all__ = ["export_model", "load_exported", "last_export_record", "ExportRecord", "parse_size"]
+__all__ = ["export_model", "export_module", "load_exported", "last_export_record", "ExportRecord", "parse_size"]

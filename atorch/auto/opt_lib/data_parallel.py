@@ -8,6 +8,9 @@ are averaged once, bucketed, when that forward returns, not once per micro-batch
 """
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -34,12 +37,35 @@ def wrap_data_parallel(ctx) -> None:
         average_gradients_over(ctx, group)
         return
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    ddp = torch.nn.parallel.DistributedDataParallel(
+    ddp = DataParallelModel(
         ctx.model, device_ids=device_ids, process_group=group, find_unused_parameters=ctx.find_unused_parameters,
     )
     ctx.model = ddp
     # what DDP.no_sync() does, as a switch the optimizer can flip between micro-steps
     ctx.add_sync_toggle(lambda on: setattr(ddp, "require_backward_grad_sync", on))
+
+
+class DataParallelModel(torch.nn.parallel.DistributedDataParallel):
+    """DDP through which the user's model's values read as before: ``result.model.config``,
+    ``.generation_config``, a submodule. Not its methods: a method calling the model's own forward
+    would skip DDP's, and DDP's gradient synchronisation with it (each process would train apart,
+    silently), so reading one raises an AttributeError that says to call it on ``result.model.module``
+    (for inference) instead."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError as missing:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None or name.startswith("__") or not hasattr(inner, name):
+                raise missing from None
+        value = getattr(inner, name)
+        if inspect.ismethod(value) or inspect.isfunction(value):
+            raise AttributeError(
+                f"{name!r} is a method of your {type(inner).__name__} inside DistributedDataParallel: call it as "
+                f"result.model.module.{name}(...). Its own forward does not synchronise gradients over the "
+                "processes, so use it for inference, not to train")
+        return value
 
 
 def average_gradients_over(ctx, group) -> None:

@@ -1,0 +1,92 @@
+"""A Hugging Face model's ``save_pretrained`` on what auto_accelerate returned, over several processes.
+
+The end of most Hugging Face training scripts, ``model.save_pretrained(out, is_main_process=rank == 0)``
+called on every process, did not survive the strategies: over fsdp, zero2 and tensor_parallel the
+parameters are DTensor shards and transformers' own method hung in its writer (the processes never
+agree on a collective); a pipeline stage and DDP have no such method (AttributeError), and the user's
+module inside DDP, or one stage's, would write only what it holds. So over several processes the
+returned model (and the user's module(s) inside it) gets an instance attribute ``save_pretrained``
+that writes through ``export_module``: the unsharded weights under the user's names, in
+``save_pretrained``'s layout with ``config.json`` (collective, as Hugging Face asks for distributed
+saves; process 0 writes). One process keeps transformers' own method.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import weakref
+from typing import Any, Callable, Optional, Union
+
+import torch.distributed as dist
+from torch import nn
+
+from atorch.checkpoint.export import DEFAULT_MAX_SHARD_SIZE, export_module
+from atorch.checkpoint.tensors import model_roots
+from atorch.distributed.agreement import is_multi_rank, next_store_key, world_size
+from atorch.errors import CheckpointError
+
+# keyword arguments of transformers' save_pretrained that the export honours by what it always does
+_DEFAULT_LIKE = {"push_to_hub": False, "safe_serialization": True, "token": None, "variant": None}
+# how long the first process to call waits for the others before saying that the call is collective: a
+# script that saves from process 0 alone (``if rank == 0: model.save_pretrained(out)``) gets an error, not
+# a wait of the collective timeout
+ARRIVAL_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def route_save_pretrained(model: nn.Module) -> None:
+    """Over several processes, ``save_pretrained`` on ``model`` (what auto_accelerate returns) and on
+    the user's module(s) inside it writes through ``export_module``; nothing changes in one process or
+    for a model without the method."""
+    if not is_multi_rank():
+        return
+    roots = model_roots(model)
+    originals = [getattr(type(root), "save_pretrained", None) for root in roots]
+    if not any(callable(original) for original in originals):
+        return
+    routed = functools.partial(_save_pretrained, weakref.ref(model), originals[0])
+    functools.update_wrapper(routed, _save_pretrained)
+    for target in {id(t): t for t in (model, *roots)}.values():
+        target.__dict__["save_pretrained"] = routed  # an instance attribute before the class's method
+
+
+def _save_pretrained(model_ref: weakref.ref, original: Optional[Callable], save_directory: Union[str, os.PathLike],
+                     is_main_process: bool = True, state_dict: Optional[dict] = None,
+                     max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE, **kwargs: Any) -> None:
+    """``save_pretrained`` of the accelerated model: collective (every process calls it; process 0
+    writes, whatever ``is_main_process`` says). A ``state_dict`` the caller gathered itself goes to
+    transformers' own method, as given."""
+    model = model_ref()
+    if model is None:
+        raise CheckpointError("save_pretrained: the accelerated model no longer exists", key="save_pretrained")
+    if state_dict is not None and original is not None:
+        original(model_roots(model)[0], save_directory, is_main_process=is_main_process, state_dict=state_dict,
+                 max_shard_size=max_shard_size, **kwargs)
+        return
+    others = sorted(k for k, v in kwargs.items() if k not in _DEFAULT_LIKE or v != _DEFAULT_LIKE[k])
+    if others:
+        raise CheckpointError(
+            f"save_pretrained over several processes writes through atorch.export_model (unsharded weights, "
+            f"config.json, safetensors shards of max_shard_size), which does not take {others}; call it with "
+            "save_directory and max_shard_size on every process, or pass a state_dict you gathered "
+            "(atorch.export_model, then transformers' tools on its directory)", key=others[0])
+    _every_process_arrives()
+    export_module(model, save_directory, max_shard_size=max_shard_size, caller="save_pretrained")
+
+
+def _every_process_arrives() -> None:
+    """Wait, through the rendezvous store rather than a collective, until every process has called;
+    CheckpointError naming the missing ones after ``ARRIVAL_TIMEOUT``."""
+    timeout = ARRIVAL_TIMEOUT
+    store = dist.distributed_c10d._get_default_store()
+    key = next_store_key("atorch/save_pretrained")
+    store.set(f"{key}/{dist.get_rank()}", "1")
+    keys = [f"{key}/{rank}" for rank in range(world_size())]
+    try:
+        store.wait(keys, timeout)
+    except Exception as error:  # the store's own timeout error type differs between torch versions
+        missing = [rank for rank, k in enumerate(keys) if not store.check([k])]
+        raise CheckpointError(
+            f"save_pretrained is collective over the {world_size()} processes (each writes its part; process 0 "
+            f"writes the files, is_main_process=rank == 0 only says so): processes {missing} did not call it "
+            f"within {timeout.total_seconds():.0f} s. Call it on every process", key="save_pretrained") from error
