@@ -1,4 +1,5 @@
 """atorch: a PyTorch auto-optimization strategy engine."""
+from atorch import plan  # the package, callable as its function plan (atorch.plan.estimate reaches the package)
 from atorch.auto.accelerate import auto_accelerate
 from atorch.auto.gradients import clip_grad_norm_
 from atorch.auto.strategy import Strategy
@@ -8,7 +9,7 @@ from atorch.checkpoint.export import export_model
 from atorch.checkpoint.pretrained import LoadResult, load_pretrained
 from atorch.distributed.distributed import local_rank, rank, reset_distributed, world_size
 from atorch.distributed.init import init_distributed
-from atorch.plan import estimate, plan
+from atorch.plan import estimate
 
 __version__ = "0.1.0"
 __all__ = ["auto_accelerate", "save_checkpoint", "load_checkpoint", "wait_for_checkpoint", "export_model",

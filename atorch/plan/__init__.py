@@ -21,6 +21,8 @@ import dataclasses
 import logging
 import math
 import re
+import sys
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Union
@@ -34,6 +36,7 @@ from atorch.auto.search.topology import Topology, keep_tensor_in_node
 from atorch.auto.strategy import Strategy
 from atorch.cost_model import MeasuredProfile, fits_with_margin, predict_measured
 from atorch.errors import InputError
+from atorch.plan import elementwise  # noqa: F401  (atorch.plan.elementwise.elementwise_bytes, as the docs write it)
 from atorch.plan.analytic import (
     AC_MODES,
     ATTENTIONS,
@@ -826,4 +829,17 @@ def _check_positive(name: str, value: Any) -> None:
 
 
 __all__ = ["Plan", "plan", "plan_measured", "MeasuredProfile", "estimate", "format_plan", "plot_plan", "Candidate",
-           "Prediction"]
+           "Prediction", "elementwise"]
+
+
+class _CallablePackage(types.ModuleType):
+    """``atorch.plan`` is this package and its main function at once: ``atorch.plan(model, cluster, ...)``
+    calls ``plan``, while ``atorch.plan.estimate``, ``atorch.plan.plan_measured``, ``atorch.plan.elementwise``
+    and ``import atorch.plan.elementwise`` reach the package, as the docs write them (with the function
+    alone in its place, ``import atorch`` made each of those raise)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "Plan":
+        return plan(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

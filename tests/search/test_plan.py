@@ -34,6 +34,17 @@ LLAMA3_8B_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"
                     "rope_theta": 500000.0, "torch_dtype": "bfloat16"}
 
 
+
+def test_atorch_plan_is_the_function_and_the_package_the_docs_name():
+    """``atorch.plan(...)`` plans, and ``atorch.plan.plan_measured`` / ``atorch.plan.elementwise`` /
+    ``import atorch.plan.elementwise`` reach the package, as docs/plan.md writes them: with the function
+    re-exported in its place they raised (AttributeError, ImportError)."""
+    import atorch.plan.elementwise as elementwise
+    from atorch.plan import plan_measured
+
+    assert atorch.plan.elementwise is elementwise and atorch.plan.plan_measured is plan_measured
+    assert type(atorch.plan("llama3-8b", "8xH100-80GB", global_batch=16, seq_len=8192)).__name__ == "Plan"
+
 def test_cli_prints_the_ranked_table_for_a_transformers_config(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA3_8B_CONFIG))
@@ -887,17 +898,17 @@ def test_logits_are_split_on_the_vocabulary_only_where_the_loss_runs_on_the_spli
     assert gathered.memory_bytes - vocab_split.memory_bytes == pytest.approx(whole - split, rel=0.01)
     assert gathered.tokens_per_s_per_gpu == vocab_split.tokens_per_s_per_gpu
     seen = []
-    original = atorch.plan.__globals__["predict"]
+    original = vars(atorch.plan)["predict"]
 
     def spy(candidate, spec, cluster, work, facts=None):
         seen.append(work.vocab_parallel_loss)
         return original(candidate, spec, cluster, work, facts)
 
-    atorch.plan.__globals__["predict"] = spy
+    vars(atorch.plan)["predict"] = spy
     try:
         atorch.plan("llama3-8b", "8xH100-80GB", global_batch=8, seq_len=8192)
     finally:
-        atorch.plan.__globals__["predict"] = original
+        vars(atorch.plan)["predict"] = original
     assert seen and not any(seen)
 
 
