@@ -13,6 +13,7 @@ import collections.abc
 import inspect
 import logging
 import os
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Optional
@@ -174,7 +175,25 @@ class ModelContext:
         self.dataloader: Optional[DataLoader] = None
         self.lr_scheduler: Any = None
         self.check_inputs()
+        self._unwrap_compiled_model()
         self._infer_input_format()
+
+    def _unwrap_compiled_model(self) -> None:
+        """A model given as ``torch.compile(model)`` (nanoGPT compiles before wrapping): the strategy is applied
+        to the module it compiles. The wrapper's forward takes ``*args, **kwargs`` and its parameters are named
+        ``_orig_mod.*``, so tensor and pipeline parallelism could neither call a sample row (the batch's format
+        was not inferred) nor find the blocks, and failed. Its compilation is not kept (a method that
+        restructures the model would invalidate it): a warning says to name native_dynamo instead."""
+        inner = getattr(self.model, "_orig_mod", None)
+        compiled = isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule)
+        if not compiled or not isinstance(inner, torch.nn.Module):
+            return
+        warnings.warn(
+            f"auto_accelerate: the model is torch.compile's wrapper of a {type(inner).__name__}; the strategy is "
+            "applied to the module inside it (model._orig_mod), and that compilation is not kept: name "
+            "'native_dynamo' in load_strategy to compile after the strategy (each repeated block by default), or "
+            "leave it to the automatic search", UserWarning, stacklevel=2)
+        self.model = inner
 
     def _infer_input_format(self) -> None:
         """``model_input_format=None`` says ``model(batch)``; where the batch is a dict of the forward's own

@@ -103,6 +103,15 @@ def test_the_loop_s_own_scheduler_and_step_hooks_take_result_optim():
     assert calls == ["SGD"], calls
 
 
+def test_a_compiled_model_is_accelerated_by_the_module_it_compiles():
+    """``torch.compile(model)`` given: a warning says its compilation is not kept and how to compile;
+    the strategy and the returned model are the module's (no ``_orig_mod.`` names)."""
+    with pytest.warns(UserWarning, match="torch.compile's wrapper of a GPT"):
+        run = train_gpt(["amp_native"], steps=1, compiled_input=True)
+    assert type(run["result"].model).__name__ == "GPT"
+    assert not any("_orig_mod" in name for name, _ in run["result"].model.named_parameters())
+
+
 def test_half_casts_parameters_and_floating_inputs():
     model = nn.Linear(4, 1)
     data = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
