@@ -3,12 +3,12 @@
 The end of most Hugging Face training scripts, ``model.save_pretrained(out, is_main_process=rank == 0)``
 called on every process, did not survive the strategies: over fsdp, zero2 and tensor_parallel the
 parameters are DTensor shards and transformers' own method hung in its writer (the processes never
-agree on a collective); a pipeline stage and DDP have no such method (AttributeError), and the user's
-module inside DDP, or one stage's, would write only what it holds. So over several processes the
-returned model (and the user's module(s) inside it) gets an instance attribute ``save_pretrained``
-that writes through ``export_module``: the unsharded weights under the user's names, in
-``save_pretrained``'s layout with ``config.json`` (collective, as Hugging Face asks for distributed
-saves; process 0 writes). One process keeps transformers' own method.
+agree on a collective); a pipeline stage and DDP have no such method (AttributeError). So over several
+processes the returned model gets an instance attribute ``save_pretrained`` that writes through
+``export_module``: the unsharded weights under the user's names, in ``save_pretrained``'s layout with
+``config.json`` (collective, as Hugging Face asks for distributed saves; process 0 writes). One process
+keeps transformers' own method, and so does the user's module inside DDP (``result.model.module``), whose
+weights are whole on every process.
 """
 from __future__ import annotations
 
@@ -40,14 +40,33 @@ def route_save_pretrained(model: nn.Module) -> None:
     for a model without the method."""
     if not is_multi_rank():
         return
-    roots = model_roots(model)
-    originals = [getattr(type(root), "save_pretrained", None) for root in roots]
-    if not any(callable(original) for original in originals):
-        return
-    routed = functools.partial(_save_pretrained, weakref.ref(model), originals[0])
-    functools.update_wrapper(routed, _save_pretrained)
-    for target in {id(t): t for t in (model, *roots)}.values():
-        target.__dict__["save_pretrained"] = routed  # an instance attribute before the class's method
+    original = getattr(type(model_roots(model)[0]), "save_pretrained", None)
+    if callable(original):  # an instance attribute, found before the class's method
+        model.__dict__["save_pretrained"] = _RoutedSavePretrained(weakref.ref(model), original)
+
+
+class _RoutedSavePretrained:
+    """``save_pretrained`` of one accelerated model (held weakly). A pickled copy of the model (``torch.save``
+    of the whole module) gets ``_RoutedElsewhere`` in its place: the export needs this run's processes."""
+
+    def __init__(self, model_ref: weakref.ref, original: Callable):
+        self.model_ref, self.original = model_ref, original
+        functools.update_wrapper(self, _save_pretrained)
+
+    def __call__(self, save_directory: Union[str, os.PathLike], *args: Any, **kwargs: Any) -> None:
+        _save_pretrained(self.model_ref, self.original, save_directory, *args, **kwargs)
+
+    def __reduce__(self) -> tuple:
+        return _RoutedElsewhere, ()
+
+
+class _RoutedElsewhere:
+    """``save_pretrained`` of an unpickled copy of an accelerated model: says what to call instead."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        raise CheckpointError("save_pretrained of this copy was routed to atorch's export in the processes that "
+                              "trained the model; on a copy, call type(model).save_pretrained(model, ...)",
+                              key="save_pretrained")
 
 
 def _save_pretrained(model_ref: weakref.ref, original: Optional[Callable], save_directory: Union[str, os.PathLike],

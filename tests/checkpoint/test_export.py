@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import pickle
 import types
 
 import pytest
@@ -143,6 +144,10 @@ def _refusals(result) -> dict:
         result.model.save_pretrained("unused", push_to_hub=True)
     except CheckpointError as error:
         out["push_to_hub"] = f"{type(error).__name__}: {error}"
+    try:  # a pickled copy of the model (torch.save(result.model)) cannot export: it says what to call
+        pickle.loads(pickle.dumps(result.model.save_pretrained))("unused")
+    except CheckpointError as error:
+        out["copy"] = str(error)
     if isinstance(result.model, torch.nn.parallel.DistributedDataParallel):
         out["config"] = result.model.config is result.model.module.config
         try:
@@ -221,6 +226,7 @@ def test_the_model_s_own_save_pretrained_writes_the_export_on_every_strategy(exp
         refused = per_rank[name]["refused"]
         assert refused["push_to_hub"].startswith("CheckpointError: save_pretrained over several processes"), refused
         assert "['push_to_hub']" in refused["push_to_hub"]
+        assert "type(model).save_pretrained(model, ...)" in refused["copy"], refused
         if name == "llama-ddp":  # values read through DDP; a method is refused with where to call it
             assert refused["config"] is True
             assert "result.model.module.generate(...)" in refused["generate"], refused
