@@ -142,3 +142,12 @@ class ShardedStateError(CheckpointError):
 
 
 __all__ += ["CheckpointError", "ShardedStateError"]
+
+
+class LoopError(AtorchError, RuntimeError):
+    """The training loop used the returned optimizer in a way its strategy cannot serve (a step after
+    ``loss.backward()`` where the strategy scales the loss in ``optim.backward``); the message names
+    the call to make instead. Raised at that step, before any parameter changes."""
+
+
+__all__.append("LoopError")

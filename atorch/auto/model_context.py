@@ -13,7 +13,6 @@ import collections.abc
 import inspect
 import logging
 import os
-import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Optional
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
+from atorch.auto.given_model import unwrap_given_model
 from atorch.auto.gradients import route_torch_clipping
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.auto.optimizer_kernels import check_low_precision_update, optimizer_args
@@ -175,25 +175,15 @@ class ModelContext:
         self.dataloader: Optional[DataLoader] = None
         self.lr_scheduler: Any = None
         self.check_inputs()
-        self._unwrap_compiled_model()
+        self._unwrap_given_model()
         self._infer_input_format()
 
-    def _unwrap_compiled_model(self) -> None:
-        """A model given as ``torch.compile(model)`` (nanoGPT compiles before wrapping): the strategy is applied
-        to the module it compiles. The wrapper's forward takes ``*args, **kwargs`` and its parameters are named
-        ``_orig_mod.*``, so tensor and pipeline parallelism could neither call a sample row (the batch's format
-        was not inferred) nor find the blocks, and failed. Its compilation is not kept (a method that
-        restructures the model would invalidate it): a warning says to name native_dynamo instead."""
-        inner = getattr(self.model, "_orig_mod", None)
-        compiled = isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule)
-        if not compiled or not isinstance(inner, torch.nn.Module):
-            return
-        warnings.warn(
-            f"auto_accelerate: the model is torch.compile's wrapper of a {type(inner).__name__}; the strategy is "
-            "applied to the module inside it (model._orig_mod), and that compilation is not kept: name "
-            "'native_dynamo' in load_strategy to compile after the strategy (each repeated block by default), or "
-            "leave it to the automatic search", UserWarning, stacklevel=2)
-        self.model = inner
+    def _unwrap_given_model(self) -> None:
+        """A model the script wrapped before handing it over (DDP, nn.DataParallel, torch.compile): the strategy
+        is applied to the module inside, with a warning; one already sharded is refused (atorch.auto.given_model).
+        A wrapper's ``forward(*args, **kwargs)`` hid the batch's format and its parameter names, so tensor and
+        pipeline parallelism failed at their sample row."""
+        self.model = unwrap_given_model(self.model)
 
     def _infer_input_format(self) -> None:
         """``model_input_format=None`` says ``model(batch)``; where the batch is a dict of the forward's own

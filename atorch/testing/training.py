@@ -40,6 +40,7 @@ def train_gpt(
     clip_via: str = "optimizer",
     loop_scheduler: bool = False,
     compiled_input: bool = False,
+    given_wrapper: Optional[str] = None,
     hf_model: Optional[str] = None,
     interleaved_chunks: int = 1,
     pretrained: Optional[str] = None,
@@ -55,7 +56,9 @@ def train_gpt(
     ``accumulation`` splits each global batch into that many micro-batches (the loss of each divided
     by it, the optimizer told of the boundary as the seed says), which is the same update as one
     step on the whole batch. ``max_grad_norm`` clips by the global norm before each step.
-    ``compiled_input`` hands auto_accelerate ``torch.compile(model)``, as nanoGPT builds it.
+    ``compiled_input`` hands auto_accelerate ``torch.compile(model)``; ``given_wrapper`` ("DistributedDataParallel"
+    or "DataParallel") wraps the model in that torch wrapper before handing it over (after compiling it,
+    where both are asked: nanoGPT's order).
     ``loop_scheduler`` builds the loop's own scheduler on ``result.optim`` (``LambdaLR``, the learning rate
     divided by 1, 2, 3, ... over the steps) and steps it after each optimizer step.
     ``measure_state`` records this rank's parameter / gradient / optimizer-state bytes after the last
@@ -82,6 +85,8 @@ def train_gpt(
                                         vocab_size=config.vocab_size)
     if compiled_input:
         model = torch.compile(model)
+    if given_wrapper is not None:
+        model = getattr(torch.nn.parallel, given_wrapper)(model)
     if global_batch % accumulation:
         raise ValueError(f"global_batch {global_batch} does not split into {accumulation} micro-batches")
     status, result, strategy = auto_accelerate(

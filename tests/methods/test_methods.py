@@ -3,9 +3,11 @@ checkpoint recomputation, user-registered methods, dry-run reports, results and 
 import copy
 import logging
 import pickle
+import socket
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -14,6 +16,7 @@ from atorch.auto.accelerate import auto_accelerate
 from atorch.auto.opt_lib.activation_checkpoint import matching_modules
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.strategy import Strategy
+from atorch.errors import InputError, LoopError
 from atorch.models import GPTBlock, SyntheticTokenDataset, gpt_loss
 from atorch.testing.training import SMALL_GPT, build_gpt, train_gpt
 
@@ -110,6 +113,71 @@ def test_a_compiled_model_is_accelerated_by_the_module_it_compiles():
         run = train_gpt(["amp_native"], steps=1, compiled_input=True)
     assert type(run["result"].model).__name__ == "GPT"
     assert not any("_orig_mod" in name for name, _ in run["result"].model.named_parameters())
+
+
+@pytest.fixture
+def one_process_group():
+    """A gloo group of one process: torch's DistributedDataParallel needs a process group to be built."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("wrapper", ["DistributedDataParallel", "DataParallel"])
+def test_a_model_given_inside_ddp_or_data_parallel_is_accelerated_by_the_module_inside(wrapper, request):
+    """A script that wraps its model before anything else (``DDP(model)``, nanoGPT's
+    ``DDP(torch.compile(model))``): the strategy applies to the module inside, with a warning naming each
+    wrapper; the same steps as the plain model, to the last bit (the wrapper's own hooks do not run)."""
+    if wrapper == "DistributedDataParallel":
+        request.getfixturevalue("one_process_group")
+    plain = train_gpt(["amp_native"], steps=2)
+    with pytest.warns(UserWarning, match=f"{wrapper} of torch.compile's wrapper of a GPT"):
+        given = train_gpt(["amp_native"], steps=2, compiled_input=True, given_wrapper=wrapper)
+    assert type(given["result"].model).__name__ == "GPT"
+    assert given["losses"] == plain["losses"]
+    assert all(torch.equal(given["weights"][k], v) for k, v in plain["weights"].items())
+
+
+def test_a_model_already_sharded_is_refused_with_the_method_to_name_instead(one_process_group):
+    """fully_shard or parallelize_module applied before auto_accelerate: each rank holds parts of the
+    weights, which no method can start from; InputError names the sharded part and what to name."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (1,))
+    sharded = build_gpt(0, SMALL_GPT)
+    fully_shard(sharded.blocks[0], mesh=mesh)
+    with pytest.raises(InputError, match=r"already sharded: blocks\.0 \(FSDPGPTBlock\) is fully_shard.*'fsdp'"):
+        auto_accelerate(sharded, torch.optim.SGD, load_strategy=["amp_native"])
+    split = build_gpt(0, SMALL_GPT)
+    parallelize_module(split.blocks[0].mlp.up_proj, mesh, ColwiseParallel())
+    with pytest.raises(InputError, match=r"parameter blocks\.0\.mlp\.up_proj\.weight is a DTensor.*'tensor_parallel'"):
+        auto_accelerate(split, torch.optim.SGD, load_strategy=["amp_native"])
+
+
+def test_a_step_after_loss_backward_under_fp16_amp_says_to_call_optim_backward():
+    """fp16 amp scales the loss in ``optim.backward``; a loop that calls ``loss.backward()`` had GradScaler's
+    AssertionError (first step) and, once a scale existed, would divide unscaled gradients by it (a
+    silently tiny update). A LoopError names the call, before any parameter changes; the next step by
+    ``optim.backward`` trains."""
+    model, result, _ = gpt_accelerate(["amp_native"])
+
+    def backward_by_the_loop_then_step():
+        batch = result.prepare_input(next(iter(result.dataloader)))
+        result.loss_func(batch, result.model(**batch)).backward()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(LoopError, match=r"Call result.optim.backward\(loss\) instead of loss.backward\(\)"):
+            result.optim.step()
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        result.optim.zero_grad()
+
+    backward_by_the_loop_then_step()  # before the scaler has a scale
+    one_step(result)  # by optim.backward: the scale exists now
+    backward_by_the_loop_then_step()
 
 
 def test_half_casts_parameters_and_floating_inputs():

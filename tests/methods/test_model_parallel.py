@@ -71,9 +71,11 @@ CASES_2 = {
     "tp_clip_torch": {"strategy": [TP2, "tensor_parallel"], "max_grad_norm": 0.5, "clip_via": "torch"},
     "pp_1f1b_clip_torch": {"strategy": [PP2, ("pipeline_parallel", {"num_micro_batch": 4})], "max_grad_norm": 0.5,
                            "clip_via": "torch"},
-    # torch.compile(model) given (nanoGPT's order): the strategy applies to the module inside; before, the
-    # wrapper's (*args, **kwargs) forward hid the batch's format and both failed at their sample row
-    "tp_given_compiled": {"strategy": [TP2, "tensor_parallel"], "compiled_input": True},
+    # torch.compile(model) given, DDP(torch.compile(model)) too (nanoGPT's order): the strategy applies to the
+    # module inside; before, the wrappers' (*args, **kwargs) forward hid the batch's format and both failed at
+    # their sample row
+    "tp_given_ddp_compiled": {"strategy": [TP2, "tensor_parallel"], "compiled_input": True,
+                              "given_wrapper": "DistributedDataParallel"},
     "pp_1f1b_given_compiled": {"strategy": [PP2, ("pipeline_parallel", {"num_micro_batch": 4})],
                                "compiled_input": True},
     # the loop's own lr scheduler on result.optim (a torch.optim.Optimizer): each stage's learning rate

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.checkpoint.adapters import register_optimizer_adapter
-from atorch.errors import MethodConfigError
+from atorch.errors import LoopError, MethodConfigError
 from atorch.utils.config import LOW_PRECISION_DTYPES, MethodConfig, option
 from atorch.utils.forward_patch import patch_forward
 
@@ -154,9 +154,13 @@ class AmpOptimizer(AtorchOptimizer):
         self.agree = agree
         self.skipped_steps = 0
         self.last_step_skipped = False
+        self.scaled_backwards = 0  # since the last step: none means the loop called loss.backward() itself
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        super().backward(self.scaler.scale(loss) if self.scaler is not None else loss, **kwargs)
+        if self.scaler is not None:
+            self.scaled_backwards += 1
+            loss = self.scaler.scale(loss)
+        super().backward(loss, **kwargs)
 
     def step(self, closure=None):
         if self.scaler is not None:
@@ -165,6 +169,7 @@ class AmpOptimizer(AtorchOptimizer):
             target = self.torch_optimizer
             result = self.scaler.step(target, closure) if closure else self.scaler.step(target)
             self.scaler.update()
+            self.scaled_backwards = 0
             self._record(self.scaler.get_scale() < scale_before)
             return result
         if self.check_nonfinite and not grads_are_finite(self.torch_optimizer, self.agree):
@@ -185,6 +190,7 @@ class AmpOptimizer(AtorchOptimizer):
         target = self.torch_optimizer
         state = self.scaler._per_optimizer_states[id(target)]
         if state["stage"] is not _UNSCALED:
+            self._refuse_unscaled_loss()
             if _mixes_dtensor_and_plain_grads(target):
                 _unscale_dtensor_and_plain_apart(self.scaler, target, state)
             else:
@@ -192,6 +198,16 @@ class AmpOptimizer(AtorchOptimizer):
             if self.agree and dist.is_initialized() and dist.get_world_size() > 1:
                 for found_inf in state["found_inf_per_device"].values():
                     dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+
+    def _refuse_unscaled_loss(self) -> None:
+        """A step whose gradients no ``backward`` here scaled: unscaling them would divide them by the loss
+        scale (a silently tiny update once the scale exists, GradScaler's AssertionError before)."""
+        if self.scaled_backwards == 0:
+            raise LoopError(
+                "amp_native fp16: optim.step() (or clip_grad_norm_) came after gradients that optim.backward(loss) "
+                "did not compute: the fp16 loss scaler scales the loss there. Call result.optim.backward(loss) "
+                "instead of loss.backward() (result.args.use_optim_backward is True), or use bf16 "
+                "(amp_native {'dtype': torch.bfloat16}), which needs no scaler")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         self.unscale_()
