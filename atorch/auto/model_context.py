@@ -24,6 +24,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from atorch.auto.given_model import unwrap_given_model
 from atorch.auto.gradients import route_torch_clipping
+from atorch.auto.no_sync import route_no_sync
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.auto.optimizer_kernels import check_low_precision_update, optimizer_args
 from atorch.auto.stages import CONTEXT_WORK, STAGES
@@ -335,6 +336,7 @@ class ModelContext:
         self._route_torch_clipping()
         if self.model is not None:  # a Hugging Face model's save_pretrained, over several processes
             route_save_pretrained(self.model)
+            route_no_sync(self.model, self.optim)  # a DDP loop's ``with model.no_sync():``
 
     def _wrap_data_parallel(self) -> None:
         """The data-parallel wrapper; a model built on the meta device gets its real storage here,

@@ -35,6 +35,8 @@ def train_gpt(
     optim_func: Any = torch.optim.SGD,
     optim_args: Optional[dict] = None,
     accumulation: int = 1,
+    accumulate_via: str = "boundary",
+    loop_backward: bool = False,
     max_grad_norm: Optional[float] = None,
     measure_state: bool = False,
     clip_via: str = "optimizer",
@@ -55,7 +57,11 @@ def train_gpt(
 
     ``accumulation`` splits each global batch into that many micro-batches (the loss of each divided
     by it, the optimizer told of the boundary as the seed says), which is the same update as one
-    step on the whole batch. ``max_grad_norm`` clips by the global norm before each step.
+    step on the whole batch; ``accumulate_via`` says how the loop marks the window: "boundary"
+    (``set_gradient_accumulation_boundary`` where ``result.args`` asks for it), "no_sync" (a DDP loop:
+    ``with result.model.no_sync():`` around every micro-step but the last) or "unmarked" (neither).
+    ``loop_backward`` calls ``loss.backward()`` whatever ``use_optim_backward`` says. ``max_grad_norm``
+    clips by the global norm before each step.
     ``compiled_input`` hands auto_accelerate ``torch.compile(model)``; ``given_wrapper`` ("DistributedDataParallel"
     or "DataParallel") wraps the model in that torch wrapper before handing it over (after compiling it,
     where both are asked: nanoGPT's order).
@@ -103,18 +109,21 @@ def train_gpt(
     for _ in range(steps):
         step_loss = 0.0
         for micro in range(accumulation):
-            if result.args.requires_set_gradient_accumulation_boundary:
-                result.optim.set_gradient_accumulation_boundary(micro == accumulation - 1)
+            last = micro == accumulation - 1
+            if result.args.requires_set_gradient_accumulation_boundary and accumulate_via == "boundary":
+                result.optim.set_gradient_accumulation_boundary(last)
             full_batch = result.prepare_input(next(batches))
-            for chunk in range(interleaved_chunks):
-                batch = full_batch if interleaved_chunks == 1 else every_nth_row(full_batch, chunk, interleaved_chunks)
-                output = call_model(result.model, batch, input_format)
-                loss = result.loss_func(batch, output) / accumulation / interleaved_chunks
-                if result.args.use_optim_backward:
-                    result.optim.backward(loss)
-                else:
-                    loss.backward()
-                step_loss += global_mean(loss.detach().float())
+            with result.model.no_sync() if accumulate_via == "no_sync" and not last else contextlib.nullcontext():
+                for chunk in range(interleaved_chunks):
+                    batch = full_batch if interleaved_chunks == 1 else every_nth_row(full_batch, chunk,
+                                                                                     interleaved_chunks)
+                    output = call_model(result.model, batch, input_format)
+                    loss = result.loss_func(batch, output) / accumulation / interleaved_chunks
+                    if result.args.use_optim_backward and not loop_backward:
+                        result.optim.backward(loss)
+                    else:
+                        loss.backward()
+                    step_loss += global_mean(loss.detach().float())
         if max_grad_norm is not None:
             if clip_via == "model":  # atorch.clip_grad_norm_ on the returned model
                 norm = clip_grad_norm_(result.model, max_grad_norm)

@@ -1,5 +1,6 @@
 """Single-process behaviour of the spine and its methods beyond parity: skipping non-finite steps,
 checkpoint recomputation, user-registered methods, dry-run reports, results and saved strategies."""
+import contextlib
 import copy
 import logging
 import pickle
@@ -178,6 +179,29 @@ def test_a_step_after_loss_backward_under_fp16_amp_says_to_call_optim_backward()
     backward_by_the_loop_then_step()  # before the scaler has a scale
     one_step(result)  # by optim.backward: the scale exists now
     backward_by_the_loop_then_step()
+
+
+def test_the_returned_model_has_no_sync_as_a_ddp_loop_calls_it():
+    """``with model.no_sync():`` around every micro-step but the last (a DDP loop's accumulation): the
+    returned model has it under every strategy (one process here: gradients accumulate as without it); a
+    pickled copy's is a plain context, with nothing to skip."""
+    def accumulate(no_sync: bool) -> dict:
+        model, result, _ = gpt_accelerate([])
+        batches = iter(result.dataloader)
+        for micro in range(2):
+            batch = result.prepare_input(next(batches))
+            with result.model.no_sync() if no_sync and micro == 0 else contextlib.nullcontext():
+                assert result.optim.is_gradient_accumulation_boundary == (not no_sync or micro == 1)
+                (result.loss_func(batch, result.model(**batch)) / 2).backward()
+        result.optim.step()
+        assert result.optim.is_gradient_accumulation_boundary
+        return {"model": result.model, "weights": {k: v.clone() for k, v in model.state_dict().items()}}
+
+    marked, plain = accumulate(True), accumulate(False)
+    assert all(torch.equal(plain["weights"][k], v) for k, v in marked["weights"].items())
+    copied = pickle.loads(pickle.dumps(marked["model"]))
+    with copied.no_sync():
+        pass
 
 
 def test_half_casts_parameters_and_floating_inputs():

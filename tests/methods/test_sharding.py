@@ -61,6 +61,9 @@ FSDP_OPTIONS = {
         "atorch_size_based_min_num_params": 4000, "forward_prefetch": True, "sync_module_states": True,
         "limit_all_gathers": True, "use_orig_params": True})],
     "fsdp_ignored_cls": ["parallel_mode", ("fsdp", dict(WRAP, atorch_ignored_cls=("LayerNorm",)))],
+    # a DDP loop's accumulation: `with model.no_sync():` around every micro-step but the last
+    "fsdp_acc4_no_sync": {"strategy": ["parallel_mode", ("fsdp", WRAP)], "accumulation": 4, "global_batch": ACC_BATCH,
+                          "accumulate_via": "no_sync"},
     "fsdp_ignored_cls_acc4": {"strategy": ["parallel_mode", ("fsdp", dict(WRAP, atorch_ignored_cls=("LayerNorm",)))],
                               "accumulation": 4, "global_batch": ACC_BATCH},
     # native_dynamo compiles each block's forward; FSDP2's gather / reshard hooks and the checkpoint
@@ -127,13 +130,27 @@ DEEPSPEED_CASES = {
                                 "max_grad_norm": CLIP, "clip_via": "torch"},
     "ds_zero2_loop_scheduler": {"strategy": ["parallel_mode", ("zero2", {"use_ds_zero": True})],
                                 "loop_scheduler": True},
+    # a DDP loop's accumulation: DeepSpeed's own no_sync refused ZeRO-2 (AssertionError)
+    "ds_zero2_acc4_no_sync": {"strategy": ["parallel_mode", ("zero2", {"use_ds_zero": True})], "accumulation": 4,
+                              "global_batch": ACC_BATCH, "accumulate_via": "no_sync", "loop_backward": True},
 }
-# refused with a typed error in the loop's first step: DeepSpeed's gradients are in its buffers, so a part
-# of the parameters clipped through torch's function was silently left unclipped (norm 0.0)
+# refused with a typed error in the loop's first step, each with the words its error starts with and holds
 DEEPSPEED_REFUSED = {
+    # DeepSpeed's gradients are in its buffers, so a part of the parameters clipped through torch's function
+    # was silently left unclipped (norm 0.0)
     "ds_zero1_clip_part_via_torch": {"strategy": ["parallel_mode", ("zero1", {"use_ds_zero": True})],
                                      "max_grad_norm": CLIP, "clip_via": "torch_part"},
+    # a window accumulated without marking its boundaries: each backward's reduction replaced the last, so the
+    # step had the last micro-step's gradients only (silently); by optim.backward and by the loop's own
+    "ds_zero1_acc4_unmarked": {"strategy": ["parallel_mode", ("zero1", {"use_ds_zero": True})], "accumulation": 4,
+                               "global_batch": ACC_BATCH, "accumulate_via": "unmarked"},
+    "ds_zero2_acc4_unmarked_loop_backward": {"strategy": ["parallel_mode", ("zero2", {"use_ds_zero": True})],
+                                             "accumulation": 4, "global_batch": ACC_BATCH,
+                                             "accumulate_via": "unmarked", "loop_backward": True},
 }
+REFUSAL_WORDS = {"ds_zero1_clip_part_via_torch": ("MethodConfigError: use_ds_zero", "a part of the parameters"),
+                 "ds_zero1_acc4_unmarked": ("LoopError: use_ds_zero", "earlier micro-step's gradients would be lost"),
+                 "ds_zero2_acc4_unmarked_loop_backward": ("LoopError: use_ds_zero", "model.no_sync()")}
 MEMORY_CASES = {
     f"memory_{name}": {"strategy": ["parallel_mode"] + ([method] if method else []), **ADAMW}
     for name, method in {"ddp": None, **METHODS}.items()
@@ -202,9 +219,10 @@ def launch(cases: dict, comm_strategies: dict) -> dict:
 def _check(results: list, cases: dict, world: int) -> None:
     for key, case in cases.items():
         if key in DEEPSPEED_REFUSED:
+            starts, holds = REFUSAL_WORDS[key]
             for per_rank in results:
                 error = per_rank[key].get("error", "no error")
-                assert error.startswith("MethodConfigError: use_ds_zero") and "a part of the parameters" in error, error
+                assert error.startswith(starts) and holds in error, error
             continue
         if key.startswith("memory_"):
             continue

@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import sys
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -21,7 +22,7 @@ from atorch.auto.optimizer import AtorchOptimizer
 from atorch.checkpoint.adapters import register_optimizer_adapter
 from atorch.distributed import mesh
 from atorch.distributed.fault import register_rebuild_callback
-from atorch.errors import CheckpointError, MethodConfigError, RequirementError
+from atorch.errors import CheckpointError, LoopError, MethodConfigError, RequirementError
 
 logger = logging.getLogger(__name__)
 
@@ -133,9 +134,43 @@ class DeepSpeedOptimizer(AtorchOptimizer):
     def __init__(self, engine: Any, torch_optimizer: torch.optim.Optimizer):
         super().__init__(torch_optimizer)
         self.engine = engine
+        self.reduced_since_step = False  # a backward at a boundary ran: its reduction holds the gradients
+        self._watch_backward_passes()
+
+    def _watch_backward_passes(self) -> None:
+        """A loop that calls ``loss.backward()`` itself (written for DDP) reaches the engine's reduction
+        without ``backward`` here: a hook on the parameter whose gradient comes first (the last one, in
+        the usual order) sees each backward pass, and refuses a second boundary one before the rest of
+        its gradients are reduced."""
+        trainable = [p for p in self.engine.module.parameters() if p.requires_grad]
+        if not trainable:
+            return
+        this = weakref.ref(self)
+
+        def seen(param: torch.Tensor) -> None:
+            optimizer = this()
+            if optimizer is not None:
+                optimizer._refuse_a_second_reduction()
+                optimizer.reduced_since_step |= optimizer.is_gradient_accumulation_boundary
+
+        trainable[-1].register_post_accumulate_grad_hook(seen)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self._refuse_a_second_reduction()
         self.engine.backward(loss, **kwargs)
+
+    def _refuse_a_second_reduction(self) -> None:
+        """ZeRO reduces the gradients into its partitions at a boundary backward and the next one replaces
+        them: a loop that accumulates over backward calls without marking the boundaries (a DDP loop)
+        trained on its last micro-step's gradients only, silently. Raised before this backward runs."""
+        if self.reduced_since_step and self.is_gradient_accumulation_boundary:
+            raise LoopError(
+                "use_ds_zero: a second backward before optim.step() at a gradient-accumulation boundary: "
+                "DeepSpeed's ZeRO reduces the gradients at each boundary backward and the next one replaces "
+                "them, so the earlier micro-step's gradients would be lost. Accumulating over several backward "
+                "calls needs result.optim.set_gradient_accumulation_boundary(False) before every micro-step but "
+                "the last and True before the last (result.args.requires_set_gradient_accumulation_boundary), "
+                "or `with result.model.no_sync():` around every micro-step but the last")
 
     def step(self, closure: Any = None) -> None:
         if closure is not None:
@@ -143,9 +178,11 @@ class DeepSpeedOptimizer(AtorchOptimizer):
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         self.is_gradient_accumulation_boundary = True
+        self.reduced_since_step = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()
+        self.reduced_since_step = False
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         self.is_gradient_accumulation_boundary = bool(is_boundary)
