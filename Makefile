@@ -35,10 +35,17 @@ demo: $(STAMP)
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) \
 		examples/auto_accelerate/train.py --steps 30 --save-strategy outputs/demo_strategy.json
 
-# ruff (lint and import order; config in pyproject.toml) first: a finding fails the target
+# ruff (lint and import order; config in pyproject.toml) first: a finding fails the target. The suite
+# runs on two pytest workers, a test file to a worker (half its time is spent waiting on processes it
+# launched); the `solo` tests, which read their own processes' timings or memory or wait on timeouts,
+# run after it, alone. Both parts always run; either failing fails the target.
+WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -rs --durations=25 tests
+	@status=0; \
+	$(PY) -m pytest -q -rs --durations=25 -n $(WORKERS) --dist loadfile -m "not solo" tests || status=1; \
+	$(PY) -m pytest -q -rs --durations=10 -m solo tests || status=1; \
+	exit $$status
 
 # the two halves of the suite (tests/README.md): one process each, and the tests that launch ranks
 test-unit: $(STAMP)

@@ -43,6 +43,9 @@ from atorch.testing.rss import RssGrowth
 from atorch.testing.training import call_model, global_mean
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test extra")
+# solo: its RSS bounds are read off its processes, which another test's processes beside them would slow and
+# crowd; `make test` runs it alone
+pytestmark = pytest.mark.solo
 
 WORLD, BATCH, SEQ, VOCAB, TOL = 4, 4, 32, 2048, 1e-5
 FSDP = ["parallel_mode", ("fsdp", {"atorch_wrap_cls": ("LlamaDecoderLayer",)})]

@@ -34,7 +34,8 @@ from atorch.testing import run_distributed
 from atorch.testing.training import SMALL_GPT, build_gpt
 from atorch.utils.batch import move_to_device
 
-pytestmark = pytest.mark.multirank
+# solo: its assertions read this machine's timings / memory or wait on timeouts, so it runs alone (make test)
+pytestmark = [pytest.mark.multirank, pytest.mark.solo]
 
 METHODS = {"ddp": ["parallel_mode"], "zero1": ["zero1"], "zero2": ["zero2"], "fsdp": ["fsdp"],
            # rank 1 holds the second half of each weight (its collectives wait for rank 0's), or the second

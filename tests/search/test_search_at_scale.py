@@ -34,7 +34,8 @@ from atorch.testing.rss import RssGrowth
 from atorch.testing.training import train_returned
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test extra")
-pytestmark = pytest.mark.multirank
+# solo: its assertions read this machine's timings / memory or wait on timeouts, so it runs alone (make test)
+pytestmark = [pytest.mark.multirank, pytest.mark.solo]
 
 MIB = 2**20
 SEQ, VOCAB, BATCH = 64, 2048, 8  # BATCH: the global batch, 2 rows per process
