@@ -6,6 +6,8 @@ and a model that is already sharded, whose parameters no longer hold the whole w
 no method can be applied over a sharding it did not make."""
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 
 import torch
@@ -31,9 +33,20 @@ def unwrap_given_model(model: nn.Module) -> nn.Module:
         wrappers = " of ".join(taken_off)
         warnings.warn(
             f"auto_accelerate: the model is {wrappers} of a {type(model).__name__}; the strategy is applied to the "
-            f"{type(model).__name__} inside: " + "; ".join(_what_instead(taken_off)), UserWarning, stacklevel=3)
+            f"{type(model).__name__} inside: " + "; ".join(_what_instead(taken_off)), UserWarning,
+            stacklevel=_user_frame_level())
     refuse_sharded_model(model)
     return model
+
+
+def _user_frame_level() -> int:
+    """The ``stacklevel`` of the first frame outside atorch (the script's call to auto_accelerate), so the
+    warning names the user's line, however many of atorch's calls lie between."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _inside(model: nn.Module) -> tuple[nn.Module | None, str]:
