@@ -30,6 +30,7 @@ from atorch.auto.opt_lib.tp_shapes import (
 from atorch.errors import AtorchError, MethodConfigError
 from atorch.testing import run_distributed
 from atorch.testing.hf_models import ZOO, zoo_model
+from atorch.testing.training import relative_difference
 from atorch.utils.batch import call_with_batch
 from atorch.utils.dataflow import record_dataflow
 
@@ -761,11 +762,50 @@ def _head_norm_grads() -> dict:
     return {"diffs": diffs, "head_norms": result.args.extras["tensor_parallel"]["per_head_norms"]}
 
 
+def _bf16_weights_losses(sequence: bool) -> dict:
+    """A Llama the user cast to bf16 (``model.to(torch.bfloat16)``; HF returns its logits in fp32): 3 SGD
+    steps under tensor 2 (and sequence parallelism) against one process on the same batches. The plan's
+    check compared the bf16 layers' outputs at fp32's tolerance and refused every such model."""
+    from atorch.auto.accelerate import auto_accelerate
+
+    zoo = ZOO["llama"]
+    torch.manual_seed(0)
+    model = zoo.build().to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    dataset = zoo.make_dataset(12, 0)
+    batches = [torch.utils.data.default_collate([dataset[i] for i in range(j, j + 4)]) for j in (0, 4, 8)]
+    optim = torch.optim.SGD(reference.parameters(), lr=0.05)
+    expected = []
+    for batch in batches:
+        loss = zoo.loss_func(batch, reference(**batch))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        expected.append(loss.item())
+    try:
+        _, result, _ = auto_accelerate(
+            model, torch.optim.SGD, dataset, zoo.loss_func, optim_args={"lr": 0.05}, dataloader_args={"batch_size": 4},
+            model_input_format=zoo.input_format, ignore_dryrun_on_load_strategy=True,
+            load_strategy=[("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel",
+                           *(["sequence_parallel"] if sequence else [])])
+    except MethodConfigError as error:
+        return {"refused": str(error)}
+    got = []
+    for batch in batches:
+        loss = result.loss_func(batch, result.model(**batch))
+        loss.backward()
+        result.optim.step()
+        result.optim.zero_grad()
+        got.append(loss.item())
+    return {"expected": expected, "got": got}
+
+
 def _both() -> dict:
     return {**{name: _tp_run(name) for name in ("gained", "grouped", "scalar_gain", "quiet_fused", "quiet_fused_sp",
                                                  "titan_llama")},
             "fault": _rank_local_fault(),
-            "head_norms": _head_norm_grads()}
+            "head_norms": _head_norm_grads(),
+            "bf16_weights": {"tp": _bf16_weights_losses(False), "tp_sp": _bf16_weights_losses(True)}}
 
 
 @pytest.mark.multirank
@@ -797,3 +837,7 @@ def test_on_two_ranks_a_wrong_plan_is_refused_up_front_and_a_good_one_is_reporte
         assert "model.layers.0.self_attn.q_norm" in norms["head_norms"], norms
         # without summing over the ranks each q / k norm gradient would hold only this rank's heads' part
         assert max(norms["diffs"].values()) < 1e-5 and len(norms["diffs"]) == 4 * 4 + 1, norms["diffs"]
+        # a model cast to bf16 is split and trains as one process does, within bf16's parity tolerance (2e-2)
+        for layout, run in per_rank["bf16_weights"].items():
+            assert "refused" not in run, (layout, run)
+            assert relative_difference(run["got"], run["expected"]) < 2e-2, (layout, run)

@@ -51,7 +51,8 @@ class Probe:
         holder = {}
         with linear_prints(model) as prints:
             flow = record_dataflow(model, lambda m: holder.setdefault("out", self.run(m)))
-        return flow, Reference([t.detach().clone() for t in _float_tensors(holder["out"])], prints)
+        outputs = [t.detach().clone() for t in _float_tensors(holder["out"])]
+        return flow, Reference(outputs, prints, _tolerance(_computed_in(model, outputs)))
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Reference:
 
     outputs: list[torch.Tensor]
     prints: dict[str, list[tuple[float, float]]]
+    tolerance: float = 1e-3  # relative, for the precision the unsplit model computed in (``_computed_in``)
 
 
 @contextlib.contextmanager
@@ -152,13 +154,22 @@ def _forward_error(model: nn.Module, probe: Probe, reference: Reference, whole_o
         model.train(training)
     whole = {name: calls for name, calls in got.items() if name not in sharded_outputs}
     shards = {name: calls for name, calls in got.items() if name in sharded_outputs}
-    return _output_error(outputs, reference.outputs) or _print_error(whole, reference.prints, outputs), False, shards
+    error = (_output_error(outputs, reference.outputs, reference.tolerance)
+             or _print_error(whole, reference.prints, reference.tolerance))
+    return error, False, shards
 
 
-def _print_error(got: dict[str, list], expected: dict[str, list], outputs: list[torch.Tensor]) -> Optional[str]:
+def _computed_in(model: nn.Module, outputs: list[torch.Tensor]) -> torch.dtype:
+    """The least precise floating dtype the check's numbers went through: the model's parameters' (a model
+    the user cast to bf16 whose head returns fp32 logits, as HF's do, still computes every layer in bf16)
+    or its outputs'."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()} | {t.dtype for t in outputs}
+    return max(dtypes, key=lambda dtype: torch.finfo(dtype).eps, default=torch.float32)
+
+
+def _print_error(got: dict[str, list], expected: dict[str, list], tolerance: float) -> Optional[str]:
     """The first row-wise Linear whose output (sum, sum of absolute values) differs from the unsplit
-    model's, relative to the latter, beyond the outputs' tolerance."""
-    tolerance = _tolerance(outputs[0].dtype if outputs else torch.float32)
+    model's, relative to the latter, beyond the tolerance of the precision the model computes in."""
     for name, calls in got.items():
         for index, ((total, size), (ref_total, ref_size)) in enumerate(zip(calls, expected.get(name, []))):
             scale = max(ref_size, 1e-30)
@@ -169,7 +180,7 @@ def _print_error(got: dict[str, list], expected: dict[str, list], outputs: list[
     return None
 
 
-def _output_error(got: list[torch.Tensor], reference: list[torch.Tensor]) -> Optional[str]:
+def _output_error(got: list[torch.Tensor], reference: list[torch.Tensor], tolerance: float) -> Optional[str]:
     if len(got) != len(reference):
         return f"{len(got)} output tensors instead of {len(reference)}"
     for index, (a, b) in enumerate(zip(got, reference)):
@@ -177,7 +188,7 @@ def _output_error(got: list[torch.Tensor], reference: list[torch.Tensor]) -> Opt
             return f"output {index} has shape {tuple(a.shape)} instead of {tuple(b.shape)}"
         scale = b.abs().max().item() or 1.0
         diff = (a.float() - b.float()).abs().max().item() / scale
-        if not diff <= _tolerance(b.dtype):
+        if not diff <= tolerance:
             return f"output {index} differs by {diff:.1e} (relative) from the unsplit model's"
     return None
 
@@ -224,7 +235,7 @@ def _summed_shards_error(shards: list[dict], reference: Reference) -> Optional[s
         if len({len(c) for c in calls}) != 1:
             return f"{name} ran a different number of times on different ranks"
         summed[name] = [(sum(c[i][0] for c in calls), sum(c[i][1] for c in calls)) for i in range(len(calls[0]))]
-    return _print_error(summed, reference.prints, reference.outputs)
+    return _print_error(summed, reference.prints, reference.tolerance)
 
 
 def _backward(model: nn.Module, probe: Probe, group=None) -> None:
