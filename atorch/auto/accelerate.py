@@ -28,7 +28,7 @@ AutoAccelerateResult = namedtuple(
 )
 # the search's kargs (also ``verbose`` and ``dryrun_steps`` for semi-automatic mode) are validated,
 # with their defaults, by SearchOptions.from_kargs; find_unused_parameters goes to DDP
-KARGS = ("find_unused_parameters", "sample_batch", "batch_size", *SEARCH_KARGS)
+KARGS = ("find_unused_parameters", "sample_batch", "batch_size", "loss_items", *SEARCH_KARGS)
 # kargs that only the search reads: refused in semi-automatic mode rather than ignored
 SEARCH_ONLY_KARGS = ("time_limit", "search_topk", "report_dir", "use_profile_cache", "search_exhaustive",
                      "ranks_per_node", "intra_node_bandwidth", "inter_node_bandwidth")
@@ -88,7 +88,7 @@ def auto_accelerate(
             dataloader_args=dataloader_args, distributed_sampler_cls=distributed_sampler_cls,
             lr_scheduler_cls=lr_scheduler_cls, lr_scheduler_args=lr_scheduler_args,
             find_unused_parameters=bool(kargs.get("find_unused_parameters", False)), local=local,
-            per_rank_batch_size=batch_size,
+            per_rank_batch_size=batch_size, loss_items=kargs.get("loss_items"),
         )
 
     if trial_dataset is not dataset:

@@ -34,17 +34,19 @@ def unwrap_given_model(model: nn.Module) -> nn.Module:
         warnings.warn(
             f"auto_accelerate: the model is {wrappers} of a {type(model).__name__}; the strategy is applied to the "
             f"{type(model).__name__} inside: " + "; ".join(_what_instead(taken_off)), UserWarning,
-            stacklevel=_user_frame_level())
+            stacklevel=user_frame_level())
     refuse_sharded_model(model)
     return model
 
 
-def _user_frame_level() -> int:
-    """The ``stacklevel`` of the first frame outside atorch (the script's call to auto_accelerate), so the
-    warning names the user's line, however many of atorch's calls lie between."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def user_frame_level() -> int:
+    """The ``stacklevel`` of the first frame outside atorch and torch (the script's call to auto_accelerate,
+    or its ``model(**batch)`` through ``nn.Module.__call__``), so a warning names the user's line, however
+    many calls lie between."""
+    packages = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(torch.__file__)]
     frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+    while frame is not None and any(os.path.abspath(frame.f_code.co_filename).startswith(p + os.sep)
+                                    for p in packages):
         frame, level = frame.f_back, level + 1
     return level
 

@@ -24,6 +24,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from atorch.auto.given_model import unwrap_given_model
 from atorch.auto.gradients import route_torch_clipping
+from atorch.auto.loss_items import DataParallelItemLoss, LossItems, resolve_loss_items
 from atorch.auto.no_sync import route_no_sync
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.auto.optimizer_kernels import check_low_precision_update, optimizer_args
@@ -94,7 +95,8 @@ class ModelContext:
     Given by the user (read by methods, never replaced except ``model`` / ``loss_func``, which
     wrappers wrap): ``model``, ``optim_func``, ``optim_args``, ``optim_param_func``, ``dataset``,
     ``dataloader_args``, ``distributed_sampler_cls``, ``loss_func``, ``user_prepare_input``,
-    ``model_input_format``, ``lr_scheduler_cls``, ``lr_scheduler_args``, ``find_unused_parameters``.
+    ``model_input_format``, ``lr_scheduler_cls``, ``lr_scheduler_args``, ``find_unused_parameters``,
+    ``loss_items`` (resolved: ``atorch.auto.loss_items.LossItems`` or None).
 
     The batch plan, computed once: ``global_batch_size`` (``dataloader_args['batch_size']``, the
     batch of one optimizer step over all ranks); after the mesh exists, ``data_parallel_size`` and
@@ -104,8 +106,8 @@ class ModelContext:
 
     Facts methods share (each method declares which; ``opt_lib.stage_contract()``): ``device``,
     ``amp_dtype``, ``half_dtype``, ``input_dtype``, ``sequence_parallel``, ``model_parallel``,
-    ``backward_in_forward``, ``grad_partition_group``, ``sync_toggles``, ``settlers``, ``optimizer_factory``,
-    ``data_parallel_wrapper``.
+    ``backward_in_forward``, ``items_weighted``, ``grad_partition_group``, ``sync_toggles``, ``settlers``,
+    ``optimizer_factory``, ``data_parallel_wrapper``.
 
     Results: ``optim`` (what the user steps), ``raw_optim`` (the torch optimizer inside it),
     ``dataloader``, ``lr_scheduler``, ``args`` (``result.args``).
@@ -130,6 +132,7 @@ class ModelContext:
         device: Optional[torch.device] = None,
         local: bool = False,
         per_rank_batch_size: Optional[int] = None,
+        loss_items: Any = None,
     ):
         # given by the user
         self.model = model
@@ -145,6 +148,7 @@ class ModelContext:
         self.lr_scheduler_cls = lr_scheduler_cls
         self.lr_scheduler_args = _as_dict("lr_scheduler_args", lr_scheduler_args)
         self.find_unused_parameters = find_unused_parameters
+        self.loss_items: Optional[LossItems] = resolve_loss_items(loss_items)  # what loss_func averages over
         self.device: torch.device = device or default_device()
         self.local = local  # this process alone: the search's single-rank measurement
 
@@ -165,6 +169,7 @@ class ModelContext:
         self.sequence_parallel = False  # the residual stream between split projections is sequence-sharded
         self.model_parallel = False  # tensor / pipeline parallel: parameters are DTensors or stage-local
         self.backward_in_forward = False  # pipeline schedules run backward inside model(...)
+        self.items_weighted = False  # a method weighs its micro-batches' losses by loss_items itself
         self.grad_partition_group: Any = None  # ranks hold disjoint gradient shares (clipping reduces over it)
         self.sync_toggles: list[Callable[[bool], None]] = []  # gradient sync on/off (accumulation)
         self.settlers: list[Callable[[], None]] = []  # make gradients final before the optimizer reads them
@@ -178,6 +183,7 @@ class ModelContext:
         self.check_inputs()
         self._unwrap_given_model()
         self._infer_input_format()
+        self._check_loss_items()
 
     def _unwrap_given_model(self) -> None:
         """A model the script wrapped before handing it over (DDP, nn.DataParallel, torch.compile): the strategy
@@ -204,6 +210,17 @@ class ModelContext:
             logger.info("auto_accelerate: the batch is a dict of the model's forward arguments (%s): it is passed as "
                         "model(**batch) (model_input_format='unpack_dict')", ", ".join(map(str, batch)))
             self.model_input_format = self.args.model_input_format = "unpack_dict"
+
+    def _check_loss_items(self) -> None:
+        """``loss_items`` counts a map-style dataset's first row here, so a preset that finds no 'labels' or a
+        function that fails is an InputError before anything is applied, not a failure in the first step."""
+        if self.loss_items is None or self.dataset is None or isinstance(self.dataset, IterableDataset):
+            return
+        try:
+            batch = self.sample_batch()
+        except Exception:  # a dataset that cannot give a row here is reported where it is read
+            return
+        self.loss_items.count(batch)
 
     def release_training_objects(self) -> None:
         """Drop the model, optimizer, data loader and the wrappers' hooks this context built, after work
@@ -334,6 +351,7 @@ class ModelContext:
                 getattr(self, work.step)()
         self._build_lr_scheduler()
         self._route_torch_clipping()
+        self._weigh_loss_items()
         if self.model is not None:  # a Hugging Face model's save_pretrained, over several processes
             route_save_pretrained(self.model)
             route_no_sync(self.model, self.optim)  # a DDP loop's ``with model.no_sync():``
@@ -408,6 +426,16 @@ class ModelContext:
         (``atorch.auto.gradients``)."""
         if self.model is not None and self.optim is not None:  # the final optimizer, amp's and micro_batch's on it
             route_torch_clipping(self.optim, self.model)
+
+    def _weigh_loss_items(self) -> None:
+        """Under data parallelism the ranks' gradients are averaged: with ``loss_items`` each rank's loss
+        is weighted by its share of the global batch's items (``atorch.auto.loss_items``); without, a
+        batch whose rows hold different numbers of labelled tokens warns once. A method that splits the
+        call into micro-batches (a pipeline, micro_batch) weighs its pieces itself (``items_weighted``)."""
+        if self.local or self.loss_func is None or self.items_weighted or self.data_parallel_size <= 1:
+            return
+        self.loss_func = DataParallelItemLoss(self.loss_func, self.loss_items, mesh.parallel_group("data_parallel"),
+                                              self.data_parallel_size, self.device)
 
     def _build_lr_scheduler(self) -> None:
         if self.lr_scheduler_cls is not None and self.raw_optim is not None:

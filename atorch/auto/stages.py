@@ -56,10 +56,11 @@ CONTEXT_WORK = {
                            ("model", "optim_func", "optim_args", "optim_param_func", "optimizer_factory",
                             "sync_toggles", "settlers", "grad_partition_group", "backward_in_forward"),
                            ("optim", "raw_optim")),
-    # and, after the last stage, _build_lr_scheduler and _route_torch_clipping (the final model and optimizer)
+    # and, after the last stage, _build_lr_scheduler, _route_torch_clipping (the final model and optimizer) and
+    # _weigh_loss_items (the final loss_func, weighted over the data-parallel ranks unless a method weighs it)
     "dataloader": StageWork("_build_dataloader",
                             ("local", "dataset", "dataloader_args", "distributed_sampler_cls", "global_batch_size",
                              "per_rank_batch_size", "data_parallel_size", "lr_scheduler_cls", "lr_scheduler_args",
-                             "raw_optim", "model", "optim"),
-                            ("dataloader", "lr_scheduler")),
+                             "raw_optim", "model", "optim", "loss_func", "loss_items", "items_weighted", "device"),
+                            ("dataloader", "lr_scheduler", "loss_func")),
 }

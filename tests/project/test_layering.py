@@ -25,6 +25,7 @@ LAYER_OF_PREFIX = {
     "atorch.auto.optimizer": "context", "atorch.auto.optimizer_kernels": "context",
     "atorch.auto.gradients": "context", "atorch.auto.dryrun": "context", "atorch.auto.errors": "context",
     "atorch.auto.loss_probe": "context", "atorch.auto.given_model": "context", "atorch.auto.no_sync": "context",
+    "atorch.auto.loss_items": "context",
     "atorch.checkpoint": "context", "atorch.auto.checkpointing": "context",
     "atorch.auto.opt_lib": "opt_lib", "atorch.auto.apply": "opt_lib",
     "atorch.auto.search": "search", "atorch.plan": "search", "atorch.cost_model": "search",

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from atorch.auto.loss_items import MicroBatchItemWeights
 from atorch.auto.loss_probe import WindowScales
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason, without_shared_memory_allreduce
@@ -78,8 +79,8 @@ class DS3DParallelOptimization(Optimization):
                           "input_dtype"),
              "optimizer": ("model", "loss_func", "model_input_format", "per_rank_batch_size", "optim_func",
                            "optim_args", "device", "dataset", "dataloader_args", "user_prepare_input",
-                           "input_dtype")}
-    writes = {"pipeline": ("model",), "optimizer": ("model", "loss_func", "settlers")}
+                           "input_dtype", "loss_items")}
+    writes = {"pipeline": ("model",), "optimizer": ("model", "loss_func", "settlers", "items_weighted")}
     record_writes = ("data_parallel_wrapper", "optimizer_factory", "backward_in_forward", "args")
     excludes = {"sharding": "choose one sharding level",
                 "tensor parallel": "mixed_parallel already includes tensor parallel",
@@ -181,11 +182,14 @@ def _build_engine(ctx, config: DS3DParallelConfig, stages: Optional["DeepSpeedSt
     optimizer = ctx.optim_func([p for p in module.parameters() if p.requires_grad], **ctx.optim_args)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config,
                                            dist_init_required=False)
-    wrapper = DeepSpeedPipeline(engine, ctx.loss_func, micro, stages)
+    item_weights = MicroBatchItemWeights(ctx.loss_items, mesh.parallel_group("data_parallel"), dp, ctx.device,
+                                         "ds_3d_parallel")
+    wrapper = DeepSpeedPipeline(engine, ctx.loss_func, micro, stages, item_weights)
     holder["wrapper"] = wrapper
     ctx.model = wrapper
     ctx.settlers.append(wrapper.settle)
     ctx.loss_func = pipeline_loss
+    ctx.items_weighted = True
     logger.info("ds_3d_parallel: DeepSpeed pipeline of %d stages x %d data ranks, %d micro-batches", pp, dp, micro)
     _defer_the_step(engine)
     return EngineStepOptimizer(optimizer, module.mpu().get_pipe_parallel_group(), sequential=stages is None)
@@ -320,8 +324,10 @@ def _with_tied_stage_weights(base: type) -> type:
 
 
 class DeepSpeedPipeline(nn.Module):
-    def __init__(self, engine: Any, loss_func: Any, micro: int, stages: Optional[DeepSpeedStages] = None):
+    def __init__(self, engine: Any, loss_func: Any, micro: int, stages: Optional[DeepSpeedStages] = None,
+                 item_weights: Optional[MicroBatchItemWeights] = None):
         super().__init__()
+        self.item_weights = item_weights  # the micro-batches' losses weighted by loss_items (atorch.auto.loss_items)
         self.engine = engine
         self.user_loss = loss_func
         self.micro = micro
@@ -348,11 +354,17 @@ class DeepSpeedPipeline(nn.Module):
         else:
             chunks = [(select_rows(batch, part), part) for part in index.chunk(self.micro)]
         training = self.training and torch.is_grad_enabled()
+        if self.item_weights is not None:
+            self.item_weights.begin(batch, self.micro, training)
         if training:
             loss = self.engine.train_batch(data_iter=iter(chunks))
         else:  # evaluation (model.eval() or torch.no_grad()): the loss only, no backward, no gradients touched
             loss = self.engine.eval_batch(data_iter=iter(chunks), num_micro_batches=self.micro)
         loss = loss.detach().float() if torch.is_tensor(loss) else torch.tensor(float(loss))
+        if self.item_weights is not None:  # the last stage's item mean, on every stage as DeepSpeed's loss is
+            loss = self.item_weights.mean(loss) if self.engine.is_last_stage() else loss.clone()
+            dist.broadcast(loss, src=self.engine.grid.stage_to_global(self.engine.num_stages - 1),
+                           group=self.engine.module.mpu().get_pipe_parallel_group())
         return PipelineOutput(self.window.probe(loss) if training else loss)
 
     @property
@@ -363,7 +375,9 @@ class DeepSpeedPipeline(nn.Module):
         return [self.stages.stage] if self.stages is not None else None
 
     def micro_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
-        return loss_value(self.user_loss(select_rows(self._batch, index), output))
+        rows = select_rows(self._batch, index)
+        loss = loss_value(self.user_loss(rows, output))
+        return self.item_weights.weigh(rows, loss, int(index[0])) if self.item_weights is not None else loss
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's weights gathered over the pipeline, keyed as in the user's model (an

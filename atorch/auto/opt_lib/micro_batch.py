@@ -41,9 +41,11 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from atorch.auto.loss_items import MicroBatchItemWeights
 from atorch.auto.loss_probe import WindowScales
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.optimizer import AtorchOptimizer
+from atorch.distributed import mesh
 from atorch.errors import MethodConfigError
 from atorch.utils.batch import batch_of_call, batch_size_of, call_with_batch, equal_chunks, loss_value, map_tensors
 from atorch.utils.config import MethodConfig, option
@@ -89,13 +91,14 @@ class MicroBatchModule(nn.Module):
 
     def __init__(self, model: nn.Module, loss_func: Any, optim: Optional[AtorchOptimizer], outer: Any,
                  num_micro_batch: int, input_format: Optional[str], grad_sync: str = LAST_MICRO_STEP,
-                 chunk_rows: Optional[int] = None):
+                 chunk_rows: Optional[int] = None, item_weights: Optional[MicroBatchItemWeights] = None):
         super().__init__()
         self.module = model
         self.user_loss, self.optim, self.outer = loss_func, optim, outer
         self.num_micro_batch, self.input_format, self.grad_sync = num_micro_batch, input_format, grad_sync
         self.chunk_rows = chunk_rows  # a micro-step's rows as planned; a batch of other rows keeps to it
         self.window = WindowScales("micro_batch")
+        self.item_weights = item_weights  # the micro-steps' losses weighted by loss_items (atorch.auto.loss_items)
 
     def settle(self) -> None:
         """Scale the window's gradients as the loop scaled its calls' losses (before the optimizer reads them)."""
@@ -109,14 +112,19 @@ class MicroBatchModule(nn.Module):
         k = equal_chunks(rows, self.num_micro_batch, self.chunk_rows)
         if k != self.num_micro_batch:
             logger.info("micro_batch: a batch of %d rows runs as %d micro-steps, not %d", rows, k, self.num_micro_batch)
+        if self.item_weights is not None:
+            self.item_weights.begin(batch, k, True)
         losses = []
         for index in range(k):
             micro = map_tensors(lambda t: t.narrow(0, index * rows // k, rows // k), batch)
             self._set_sync(index == k - 1 or self.grad_sync == EACH_MICRO_STEP)
-            loss = loss_value(self.user_loss(micro, call_with_batch(self.module, micro, self.input_format))) / k
-            self._backward(loss)
+            loss = loss_value(self.user_loss(micro, call_with_batch(self.module, micro, self.input_format)))
+            if self.item_weights is not None:
+                loss = self.item_weights.weigh(micro, loss, index)
+            self._backward(loss / k)
             losses.append(loss.detach().float())
-        return MicroBatchOutput(self.window.probe(torch.stack(losses).sum()))
+        mean = torch.stack(losses).mean()
+        return MicroBatchOutput(self.window.probe(self.item_weights.mean(mean) if self.item_weights else mean))
 
     def _set_sync(self, last: bool) -> None:
         """Gradients are communicated on the micro-steps ``grad_sync`` names (the last, or each) of the
@@ -148,8 +156,9 @@ class MicroBatchOptimization(Optimization):
     name = "micro_batch"
     config_class = MicroBatchConfig
     stages = ("micro_batch",)
-    reads = ("model", "loss_func", "optim", "model_input_format", "per_rank_batch_size", "backward_in_forward")
-    writes = ("model", "loss_func", "optim", "args")
+    reads = ("model", "loss_func", "optim", "model_input_format", "per_rank_batch_size", "backward_in_forward",
+             "loss_items", "local", "data_parallel_size", "device")
+    writes = ("model", "loss_func", "optim", "items_weighted", "args")
     excludes = {"micro-batches": "a pipeline splits the batch into micro-batches itself: set its num_micro_batch"}
 
     def normalize(self, config: Any) -> MicroBatchConfig:
@@ -174,11 +183,15 @@ def apply_micro_batch(ctx, config: MicroBatchConfig) -> None:
                                 "schedule, which splits the batch into micro-batches itself): set the pipeline's "
                                 "num_micro_batch instead")
     outer = MicroBatchOptimizer(ctx.optim) if ctx.optim is not None else None
+    data_group = None if ctx.local else mesh.parallel_group("data_parallel")
+    item_weights = MicroBatchItemWeights(ctx.loss_items, data_group, 1 if ctx.local else ctx.data_parallel_size,
+                                         ctx.device, "micro_batch")
     ctx.model = MicroBatchModule(ctx.model, ctx.loss_func, ctx.optim, outer, k, ctx.model_input_format,
-                                 config.grad_sync, batch // k if batch is not None else None)
+                                 config.grad_sync, batch // k if batch is not None else None, item_weights)
     if outer is not None:
         outer.settlers.append(ctx.model.settle)
     ctx.loss_func = micro_batch_loss(ctx.loss_func)
+    ctx.items_weighted = True
     ctx.optim = outer
     ctx.args.use_optim_backward = True
     ctx.args.extras["micro_batch"] = {"num_micro_batch": k,

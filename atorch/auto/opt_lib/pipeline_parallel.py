@@ -69,6 +69,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from atorch.auto.gradients import mark_counted_elsewhere
+from atorch.auto.loss_items import MicroBatchItemWeights
 from atorch.auto.loss_probe import with_scale_probe
 from atorch.auto.opt_lib.base import SHARDED_STAGES, SHARDED_STAGES_WHY, Optimization
 from atorch.auto.opt_lib.pipeline_structure import (
@@ -195,7 +196,8 @@ class PipelineModule(nn.Module):
 
     def __init__(self, stage_modules: list, build_schedule: Callable[[int], Any], micro: int,
                  chunk_rows: Optional[int] = None, *, loss_func,
-                 input_format: Optional[str], group, is_last: bool, shared: Optional[SharedWeights] = None):
+                 input_format: Optional[str], group, is_last: bool, shared: Optional[SharedWeights] = None,
+                 item_weights: Optional[MicroBatchItemWeights] = None):
         super().__init__()
         self.stage_modules = nn.ModuleList(stage_modules)
         self.build_schedule = build_schedule  # micro-batches -> a schedule
@@ -206,6 +208,7 @@ class PipelineModule(nn.Module):
         self.group = group
         self.is_last = is_last
         self.shared = shared
+        self.item_weights = item_weights  # the micro-batches' losses weighted by loss_items (atorch.auto.loss_items)
         self._batch: Any = None
         self._pending: Optional[_PendingCall] = None
         self._ready_hooks: list[tuple[Callable[[Any], None], Optional[Callable[[], Any]]]] = []
@@ -227,6 +230,8 @@ class PipelineModule(nn.Module):
         target = index if self.is_last else None
         # every stage gets the batch (its blocks may need masks or positions made from it)
         training = self.training and torch.is_grad_enabled()
+        if self.item_weights is not None:
+            self.item_weights.begin(batch, self._micro_batches_for(first.shape[0]), training)
         if training:
             self.settle()
             pending = _PendingCall(self._set_gradients_aside(), [capture() if capture else None
@@ -240,6 +245,7 @@ class PipelineModule(nn.Module):
             self.schedule_for(batch).eval(target=target, losses=losses, return_outputs=False, **inputs)
         if losses:
             loss = torch.stack([micro_loss.detach().float() for micro_loss in losses]).mean()
+            loss = self.item_weights.mean(loss) if self.item_weights is not None else loss
         else:
             loss = torch.zeros((), device=index.device)
         dist.broadcast(loss, src=dist.get_global_rank(self.group, dist.get_world_size(self.group) - 1),
@@ -326,7 +332,9 @@ class PipelineModule(nn.Module):
         """The user's loss_func on one micro-batch, given the user's own output object (the last
         stage sent only its tensors through the schedule)."""
         user_output = self.stage_modules[-1].rebuild_output(output)
-        return loss_value(self.user_loss(select_rows(self._batch, index), user_output))
+        rows = select_rows(self._batch, index)
+        loss = loss_value(self.user_loss(rows, user_output))
+        return self.item_weights.weigh(rows, loss, int(index[0])) if self.item_weights is not None else loss
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's weights, gathered on every rank of the pipeline (names as in the user's
@@ -467,9 +475,9 @@ class PipelineParallelOptimization(Optimization):
     config_class = PipelineParallelConfig
     stages = ("pipeline",)
     reads = ("model", "loss_func", "model_input_format", "amp_dtype", "per_rank_batch_size", "device", "dataset",
-             "dataloader_args", "user_prepare_input", "input_dtype")
-    writes = ("model", "loss_func", "model_parallel", "backward_in_forward", "grad_partition_group", "settlers",
-              "args")
+             "dataloader_args", "user_prepare_input", "input_dtype", "loss_items")
+    writes = ("model", "loss_func", "model_parallel", "backward_in_forward", "items_weighted", "grad_partition_group",
+              "settlers", "args")
     mesh_dims = ("pipeline",)
     excludes = {"pipeline parallel": "mixed_parallel already includes pipeline parallel",
                 "micro-batches": "a pipeline splits the batch into micro-batches itself: set its num_micro_batch",
@@ -539,15 +547,18 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
                                     "dataloader_args") from error
 
     shared = SharedWeights(modules, holders, group, ctx.device)
+    item_weights = MicroBatchItemWeights(ctx.loss_items, mesh.parallel_group("data_parallel"),
+                                         mesh.data_parallel_size(), ctx.device, "pipeline_parallel")
     module = PipelineModule(modules, build_schedule, micro, per_rank_batch // micro, loss_func=ctx.loss_func,
                             input_format=ctx.model_input_format,
-                            group=group, is_last=(num_stages - 1) in indices, shared=shared)
+                            group=group, is_last=(num_stages - 1) in indices, shared=shared, item_weights=item_weights)
     holder["module"] = module
     ctx.settlers.append(module.settle)
     ctx.model = module
     ctx.loss_func = pipeline_loss
     ctx.model_parallel = True
     ctx.backward_in_forward = True
+    ctx.items_weighted = True
     ctx.grad_partition_group = group
     ctx.args.use_optim_backward = True
     ctx.args.extras["pipeline"] = {"stages": num_stages, "stage_indices": indices, "num_micro_batch": micro,

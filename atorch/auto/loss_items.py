@@ -1,0 +1,200 @@
+"""A loss averaged over items (labelled tokens), weighted as one process on the global batch weighs it.
+
+Why: an HF causal LM's loss, like ``cross_entropy(..., ignore_index=-100)``, is the mean over the labelled
+tokens of the batch it is given. One process on the global batch averages over every labelled token
+of it. Data parallelism averages the ranks' gradients, and a pipeline or ``micro_batch`` averages its
+micro-batches', each of them the gradient of that piece's own mean: a piece of few labelled tokens
+(short rows padded with -100, SFT's masked prompts) weighs as much as one of many. The step then
+trains on another objective than the script's one-process run, silently (DDP does the same).
+
+``auto_accelerate(..., loss_items=...)`` names how to count the items ``loss_func`` averages over in a
+batch: ``"next_token_labels"`` (``labels[..., 1:] != -100``: HF causal LMs shift their labels by one),
+``"labels"`` (``labels != -100``: masked LMs, token classification), or a function ``batch -> count``.
+Each piece's loss is then weighted by ``its items x pieces / the global batch's items`` (the pieces the
+gradients are averaged over: data-parallel ranks times the call's micro-batches; one all-reduce of a
+count per step), so the averaged gradient is the global batch's item mean: one process's, exactly.
+The loss a rank's ``loss_func`` returns keeps its value (the rank's own item mean); only its gradient
+is weighted, so a loop that prints it or divides it for its own accumulation runs as before.
+
+Without ``loss_items``, a data-parallel, pipelined or micro-batched run warns once when a batch's rows
+hold different numbers of labelled tokens (``labels`` other than -100), saying what to pass.
+"""
+from __future__ import annotations
+
+import collections.abc
+import warnings
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from atorch.auto.given_model import user_frame_level
+from atorch.errors import InputError
+from atorch.utils.batch import loss_value
+
+IGNORE_INDEX = -100  # the label torch's cross_entropy and HF's losses do not count
+
+
+def _labels(batch: Any, preset: str) -> torch.Tensor:
+    labels = batch.get("labels") if isinstance(batch, collections.abc.Mapping) else None
+    if not isinstance(labels, torch.Tensor):
+        raise InputError(f"loss_items={preset!r} counts the batch's 'labels' tensor, but the batch "
+                         f"({type(batch).__name__}) has none: give loss_items a function batch -> count of the "
+                         "items loss_func averages over")
+    return labels
+
+
+def _next_token_labels(batch: Any) -> torch.Tensor:
+    labels = _labels(batch, "next_token_labels")
+    return (labels[..., 1:] != IGNORE_INDEX).sum()
+
+
+def _all_labels(batch: Any) -> torch.Tensor:
+    return (_labels(batch, "labels") != IGNORE_INDEX).sum()
+
+
+PRESETS: dict[str, Callable[[Any], Any]] = {"next_token_labels": _next_token_labels, "labels": _all_labels}
+
+
+class LossItems:
+    """How many items ``loss_func`` averages over in a batch (``count``), and the weights that make
+    the pieces' means the global batch's mean."""
+
+    def __init__(self, counter: Callable[[Any], Any], name: str):
+        self.counter = counter
+        self.name = name
+
+    def count(self, batch: Any) -> float:
+        try:
+            value = self.counter(batch)
+        except InputError:
+            raise
+        except Exception as error:  # the user's function: its failure named as loss_items'
+            raise InputError(f"loss_items ({self.name}) raised {type(error).__name__} on a batch: {error}") from error
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise InputError(f"loss_items ({self.name}) must count a batch's items as a non-negative number, got "
+                             f"{value!r}")
+        return float(value)
+
+    def total(self, local: float, group: Any, device: torch.device) -> float:
+        """``local`` summed over ``group`` (the data-parallel ranks; None: this process alone)."""
+        if group is None or dist.get_world_size(group) == 1:
+            return local
+        count = torch.tensor([local], dtype=torch.float64, device=device)
+        dist.all_reduce(count, group=group)
+        return float(count.item())
+
+
+def resolve_loss_items(value: Union[None, str, Callable[[Any], Any]]) -> Optional[LossItems]:
+    """``auto_accelerate``'s ``loss_items``: None, a preset's name or a function; InputError otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value not in PRESETS:
+            raise InputError(f"loss_items={value!r} is not valid; choose one of {sorted(PRESETS)} or give a function "
+                             "batch -> count of the items loss_func averages over")
+        return LossItems(PRESETS[value], repr(value))
+    if callable(value):
+        return LossItems(value, getattr(value, "__name__", type(value).__name__))
+    raise InputError(f"loss_items must be one of {sorted(PRESETS)} or a function batch -> count, got "
+                     f"{type(value).__name__}: {value!r}")
+
+
+def item_weighted(loss: torch.Tensor, weight: float) -> torch.Tensor:
+    """``loss`` of the same value whose gradient is ``weight`` times its own."""
+    kept = loss.detach()
+    return (loss - kept) * weight + kept
+
+
+def piece_weight(items: float, pieces: int, total: float) -> float:
+    """The weight of a piece's mean when ``pieces`` such means are averaged: its share of the ``total``
+    items, times ``pieces``. A global batch with no item at all keeps the plain average (its mean is
+    undefined, as one process's is)."""
+    return items * pieces / total if total > 0 else 1.0
+
+
+_WARNED: set = set()
+
+
+def warn_unweighted(batch: Any, pieces: int, where: str) -> None:
+    """Once per process: the batch's rows hold different numbers of labelled tokens while ``pieces``
+    piece means are averaged without ``loss_items``."""
+    if pieces <= 1 or where in _WARNED or not isinstance(batch, collections.abc.Mapping):
+        return
+    labels = batch.get("labels")
+    if not isinstance(labels, torch.Tensor) or labels.dim() < 2 or labels.is_floating_point():
+        return
+    per_row = (labels != IGNORE_INDEX).flatten(1).sum(dim=1)
+    if per_row.numel() < 2 or bool((per_row == per_row[0]).all()):
+        return
+    _WARNED.add(where)
+    warnings.warn(
+        f"atorch: the rows of a batch hold different numbers of labelled tokens ('labels' other than -100) and "
+        f"{where} averages {pieces} pieces' own mean losses alike, so a piece of few tokens weighs as much as one "
+        "of many: the step's gradient is not one process's mean over the global batch's tokens. Pass "
+        "auto_accelerate(..., loss_items='next_token_labels') for a causal LM's shifted labels (HF's loss), "
+        "'labels' for unshifted ones, or a function batch -> count of the items loss_func averages over",
+        UserWarning, stacklevel=user_frame_level())
+
+
+class DataParallelItemLoss:
+    """``result.loss_func`` under data parallelism with ``loss_items``: the rank's loss, its gradient
+    weighted by the rank's share of the global batch's items times the data-parallel size (the ranks'
+    gradients are averaged). Only where the loss has a gradient: evaluation (one rank alone, under
+    ``no_grad``) runs no collective. Without ``loss_items`` (``items`` None) it only warns."""
+
+    def __init__(self, loss_func: Callable, items: Optional[LossItems], group: Any, size: int, device: torch.device):
+        self.loss_func, self.items, self.group, self.size, self.device = loss_func, items, group, size, device
+
+    def __call__(self, batch: Any, output: Any) -> Any:
+        value = self.loss_func(batch, output)
+        loss = loss_value(value)
+        if not loss.requires_grad:
+            return value
+        if self.items is None:
+            warn_unweighted(batch, self.size, "data parallelism")
+            return value
+        local = self.items.count(batch)
+        weighted = item_weighted(loss, piece_weight(local, self.size, self.items.total(local, self.group, self.device)))
+        return (weighted, *value[1:]) if isinstance(value, (list, tuple)) else weighted
+
+
+class MicroBatchItemWeights:
+    """One model call run as ``micro`` micro-batches (a pipeline's, ``micro_batch``'s) on each of
+    ``size`` data-parallel ranks, whose gradients are averaged over both: each micro-batch's loss is
+    weighted by its items times ``micro x size`` over the global batch's items, and the call's loss value
+    is the item mean of its micro-batches' (plain: their mean). ``begin`` once per call, with the whole
+    per-rank batch; ``weigh`` each micro-batch's loss, keyed by the micro-batch (a schedule may compute
+    one twice: torch's pipeline infers its backward's shapes from micro-batch 0's loss first); ``mean``
+    the call's value. Without ``loss_items`` it only warns."""
+
+    def __init__(self, items: Optional[LossItems], group: Any, size: int, device: torch.device, where: str):
+        self.items, self.group, self.size, self.device, self.where = items, group, size, device, where
+        self.micro, self.total = 1, None
+        self.seen: dict[int, tuple[float, torch.Tensor]] = {}  # micro-batch -> (items, loss value)
+
+    def begin(self, batch: Any, micro: int, training: bool) -> None:
+        self.micro, self.total, self.seen = micro, None, {}
+        if self.items is None:
+            if training:
+                warn_unweighted(batch, micro * self.size, self.where)
+        elif training:  # evaluation reports the item mean without a collective (one rank may evaluate alone)
+            self.total = self.items.total(self.items.count(batch), self.group, self.device)
+
+    def weigh(self, micro_batch: Any, loss: torch.Tensor, key: int) -> torch.Tensor:
+        if self.items is None:
+            return loss
+        count = self.items.count(micro_batch)
+        self.seen[key] = (count, loss.detach().float())
+        if self.total is None:
+            return loss
+        return item_weighted(loss, piece_weight(count, self.micro * self.size, self.total))
+
+    def mean(self, plain: torch.Tensor) -> torch.Tensor:
+        items = sum(count for count, _ in self.seen.values())
+        if self.items is None or items == 0:
+            return plain
+        total = sum(count * value.to(plain.device) for count, value in self.seen.values())
+        return (total / items).reshape(plain.shape).to(plain.dtype)
