@@ -9,7 +9,8 @@ trains on another objective than the script's one-process run, silently (DDP doe
 
 ``auto_accelerate(..., loss_items=...)`` names how to count the items ``loss_func`` averages over in a
 batch: ``"next_token_labels"`` (``labels[..., 1:] != -100``: HF causal LMs shift their labels by one),
-``"labels"`` (``labels != -100``: masked LMs, token classification), or a function ``batch -> count``.
+``"labels"`` (``labels != -100``: masked LMs, token classification), a function ``batch -> count``, or
+``"sum"`` for a loss summed over the batch (``reduction="sum"``), whose pieces' sums add up instead.
 Each piece's loss is then weighted by ``its items x pieces / the global batch's items`` (the pieces the
 gradients are averaged over: data-parallel ranks times the call's micro-batches; one all-reduce of a
 count per step), so the averaged gradient is the global batch's item mean: one process's, exactly.
@@ -54,17 +55,26 @@ def _all_labels(batch: Any) -> torch.Tensor:
 
 
 PRESETS: dict[str, Callable[[Any], Any]] = {"next_token_labels": _next_token_labels, "labels": _all_labels}
+SUMMED = "sum"  # loss_func sums over the batch (reduction="sum"): every piece's loss counts whole
 
 
 class LossItems:
     """How many items ``loss_func`` averages over in a batch (``count``), and the weights that make
-    the pieces' means the global batch's mean."""
+    the pieces' means the global batch's mean; or (``summed``) a loss summed over the batch, whose
+    pieces' sums add up to the global batch's: each weighs the count of pieces averaged."""
 
-    def __init__(self, counter: Callable[[Any], Any], name: str):
+    def __init__(self, counter: Optional[Callable[[Any], Any]], name: str, summed: bool = False):
         self.counter = counter
         self.name = name
+        self.summed = summed
+
+    def weight(self, items: float, pieces: int, total: Optional[float]) -> float:
+        """The gradient weight of one of ``pieces`` pieces averaged (``total``: the global batch's items)."""
+        return float(pieces) if self.summed else piece_weight(items, pieces, total)
 
     def count(self, batch: Any) -> float:
+        if self.summed:  # a sum is its pieces' total: no count needed (1 a piece: the call's value sums them)
+            return 1.0
         try:
             value = self.counter(batch)
         except InputError:
@@ -80,7 +90,7 @@ class LossItems:
 
     def total(self, local: float, group: Any, device: torch.device) -> float:
         """``local`` summed over ``group`` (the data-parallel ranks; None: this process alone)."""
-        if group is None or dist.get_world_size(group) == 1:
+        if self.summed or group is None or dist.get_world_size(group) == 1:
             return local
         count = torch.tensor([local], dtype=torch.float64, device=device)
         dist.all_reduce(count, group=group)
@@ -92,13 +102,15 @@ def resolve_loss_items(value: Union[None, str, Callable[[Any], Any]]) -> Optiona
     if value is None:
         return None
     if isinstance(value, str):
+        if value == SUMMED:
+            return LossItems(None, repr(value), summed=True)
         if value not in PRESETS:
-            raise InputError(f"loss_items={value!r} is not valid; choose one of {sorted(PRESETS)} or give a function "
-                             "batch -> count of the items loss_func averages over")
+            raise InputError(f"loss_items={value!r} is not valid; choose one of {sorted([*PRESETS, SUMMED])} or give "
+                             "a function batch -> count of the items loss_func averages over")
         return LossItems(PRESETS[value], repr(value))
     if callable(value):
         return LossItems(value, getattr(value, "__name__", type(value).__name__))
-    raise InputError(f"loss_items must be one of {sorted(PRESETS)} or a function batch -> count, got "
+    raise InputError(f"loss_items must be one of {sorted([*PRESETS, SUMMED])} or a function batch -> count, got "
                      f"{type(value).__name__}: {value!r}")
 
 
@@ -157,7 +169,8 @@ class DataParallelItemLoss:
             warn_unweighted(batch, self.size, "data parallelism")
             return value
         local = self.items.count(batch)
-        weighted = item_weighted(loss, piece_weight(local, self.size, self.items.total(local, self.group, self.device)))
+        total = self.items.total(local, self.group, self.device)
+        weighted = item_weighted(loss, self.items.weight(local, self.size, total))
         return (weighted, *value[1:]) if isinstance(value, (list, tuple)) else weighted
 
 
@@ -190,11 +203,12 @@ class MicroBatchItemWeights:
         self.seen[key] = (count, loss.detach().float())
         if self.total is None:
             return loss
-        return item_weighted(loss, piece_weight(count, self.micro * self.size, self.total))
+        return item_weighted(loss, self.items.weight(count, self.micro * self.size, self.total))
 
     def mean(self, plain: torch.Tensor) -> torch.Tensor:
         items = sum(count for count, _ in self.seen.values())
         if self.items is None or items == 0:
             return plain
         total = sum(count * value.to(plain.device) for count, value in self.seen.values())
-        return (total / items).reshape(plain.shape).to(plain.dtype)
+        value = total if self.items.summed else total / items  # a sum's call value is its micro-batches' sum
+        return value.reshape(plain.shape).to(plain.dtype)

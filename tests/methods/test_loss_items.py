@@ -6,13 +6,16 @@ averages its own tokens and the pieces are averaged alike, which is another obje
 ``loss_items`` the final weights after 3 steps differ from one process's by about 1e-2 (and atorch warns,
 naming the option); with ``loss_items="next_token_labels"`` they match within 1e-6 (fp32) under fsdp,
 a 2-stage pipeline, micro_batch under DDP, DeepSpeed ZeRO-2 and ds_3d_parallel, all in one 2-rank launch.
-A pipeline reports the item mean of its micro-batches, which is one process's loss on the same rows."""
+A pipeline reports the item mean of its micro-batches, which is one process's loss on the same rows.
+A loss summed over the batch (``reduction="sum"``) trains as one process's with ``loss_items="sum"``
+(before: the averaging scaled its gradient by 1 / the pieces)."""
 from __future__ import annotations
 
 import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from atorch.auto.accelerate import auto_accelerate
 from atorch.auto.loss_items import PRESETS, item_weighted, resolve_loss_items
@@ -32,6 +35,10 @@ CASES = {  # name: (strategy, loss_items)
     "micro_batch_ddp": ([["parallel_mode", None], ["micro_batch", 2]], "next_token_labels"),
     "fsdp_unweighted": ([["parallel_mode", None], ["fsdp", None]], None),
     "pipeline_unweighted": (PIPELINE_2, None),
+    "fsdp_sum": ([["parallel_mode", None], ["fsdp", None]], "sum"),
+    "pipeline_sum": (PIPELINE_2, "sum"),
+    "micro_batch_ddp_sum": ([["parallel_mode", None], ["micro_batch", 2]], "sum"),
+    "fsdp_sum_unweighted": ([["parallel_mode", None], ["fsdp", None]], None, "sum"),
 }
 if HAS_DEEPSPEED:
     CASES["ds_zero2"] = ([["parallel_mode", None], ["zero2", {"use_ds_zero": True}]], "next_token_labels")
@@ -62,10 +69,20 @@ def hf_loss(batch: dict, output) -> torch.Tensor:
     return output.loss
 
 
-def accelerated(strategy, loss_items):
+def summed_loss(batch: dict, output) -> torch.Tensor:
+    """The next-token cross-entropy summed over the batch's labelled tokens."""
+    logits = output.logits[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1), reduction="sum")
+
+
+LOSSES = {"mean": (hf_loss, 0.5), "sum": (summed_loss, 0.01)}  # loss, learning rate
+
+
+def accelerated(strategy, loss_items, loss: str = "mean"):
     torch.manual_seed(0)
     kwargs = {} if loss_items is None else {"loss_items": loss_items}
-    _, result, _ = auto_accelerate(tiny_llama(), torch.optim.SGD, sft_rows(), hf_loss, optim_args={"lr": 0.5},
+    loss_func, lr = LOSSES["sum" if loss_items == "sum" else loss]
+    _, result, _ = auto_accelerate(tiny_llama(), torch.optim.SGD, sft_rows(), loss_func, optim_args={"lr": lr},
                                    dataloader_args={"batch_size": GLOBAL_BATCH, "collate_fn": pad_to_longest},
                                    model_input_format="unpack_dict", load_strategy=strategy, **kwargs)
     return result
@@ -74,10 +91,10 @@ def accelerated(strategy, loss_items):
 def train_cases(cases: dict) -> dict:
     """On each rank: every case's losses, warnings and (rank 0) final weights."""
     out = {}
-    for name, (strategy, loss_items) in cases.items():
+    for name, (strategy, loss_items, *loss) in cases.items():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            result = accelerated(strategy, loss_items)
+            result = accelerated(strategy, loss_items, *loss)
             losses = train_returned(result, STEPS, "unpack_dict")
         model = result.model
         weights = model.full_state_dict() if hasattr(model, "full_state_dict") else full_state_dict(model)
@@ -86,18 +103,19 @@ def train_cases(cases: dict) -> dict:
     return out
 
 
-def one_process() -> tuple[list[float], dict]:
+def one_process(loss: str = "mean") -> tuple[list[float], dict]:
     torch.manual_seed(0)
     model = tiny_llama()
-    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss_func, lr = LOSSES[loss]
+    optim = torch.optim.SGD(model.parameters(), lr=lr)
     rows, losses = sft_rows(), []
     for step in range(STEPS):
         batch = pad_to_longest(rows[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH])
-        loss = model(**batch).loss
+        loss = loss_func(batch, model(**batch))
         loss.backward()
         optim.step()
         optim.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, {k: v.detach().float() for k, v in model.state_dict().items()}
 
 
@@ -111,14 +129,19 @@ def reference() -> tuple[list[float], dict]:
     return one_process()
 
 
+@pytest.fixture(scope="module")
+def summed_reference() -> tuple[list[float], dict]:
+    return one_process("sum")
+
+
 def _difference(run: dict, reference: dict) -> float:
     return weight_difference({k: run["weights"][k] for k in reference}, reference)
 
 
-@pytest.mark.parametrize("name", [n for n, (_, items) in CASES.items() if items is not None])
-def test_weighted_by_items_trains_as_one_process(two_rank_runs, reference, name):
+@pytest.mark.parametrize("name", [n for n, (_, items, *_) in CASES.items() if items is not None])
+def test_weighted_by_items_trains_as_one_process(two_rank_runs, reference, summed_reference, name):
     run = two_rank_runs[name]
-    difference = _difference(run, reference[1])
+    difference = _difference(run, (summed_reference if CASES[name][1] == "sum" else reference)[1])
     assert difference < TOLERANCE, f"{name}: final weights differ from one process's by {difference:.2e}"
     assert not run["warned"], run["warned"]
 
@@ -131,16 +154,23 @@ def test_without_loss_items_the_pieces_weigh_alike_and_atorch_warns(two_rank_run
     assert len(run["warned"]) == 1 and "loss_items='next_token_labels'" in run["warned"][0], run["warned"]
 
 
-def test_a_pipeline_reports_one_process_loss(two_rank_runs, reference):
-    """No data dimension: the rank's rows are the global batch, so the item mean of its micro-batches is
-    one process's loss; the weights match, so every step's does."""
-    losses = two_rank_runs["pipeline"]["losses"]
-    assert losses == pytest.approx(reference[0], rel=1e-5, abs=0)
+def test_a_pipeline_reports_one_process_loss(two_rank_runs, reference, summed_reference):
+    """No data dimension: the rank's rows are the global batch, so the item mean of its micro-batches (a
+    sum's: their sum) is one process's loss; the weights match, so every step's does."""
+    assert two_rank_runs["pipeline"]["losses"] == pytest.approx(reference[0], rel=1e-5, abs=0)
+    assert two_rank_runs["pipeline_sum"]["losses"] == pytest.approx(summed_reference[0], rel=1e-5, abs=0)
+
+
+def test_a_summed_loss_without_loss_items_is_scaled_by_the_averaging(two_rank_runs, summed_reference):
+    """DDP's behaviour: the ranks' sums averaged, half one process's gradient on 2 ranks (no warning: a
+    sum's pieces are not told from a mean's)."""
+    difference = _difference(two_rank_runs["fsdp_sum_unweighted"], summed_reference[1])
+    assert difference > 1e-3, f"the unweighted summed run matched one process ({difference:.2e}): no test"
 
 
 def test_bad_loss_items_are_input_errors():
     with pytest.raises(InputError, match=r"loss_items='tokens' is not valid; choose one of \['labels', "
-                                         r"'next_token_labels'\]"):
+                                         r"'next_token_labels', 'sum'\]"):
         resolve_loss_items("tokens")
     with pytest.raises(InputError, match="loss_items must be one of"):
         resolve_loss_items(3)
