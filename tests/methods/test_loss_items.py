@@ -5,7 +5,8 @@ mean over the labelled tokens of the batch it sees. Under data parallelism and m
 averages its own tokens and the pieces are averaged alike, which is another objective: without
 ``loss_items`` the final weights after 3 steps differ from one process's by about 1e-2 (and atorch warns,
 naming the option); with ``loss_items="next_token_labels"`` they match within 1e-6 (fp32) under fsdp,
-a 2-stage pipeline, micro_batch under DDP, DeepSpeed ZeRO-2 and ds_3d_parallel, all in one 2-rank launch.
+a 2-stage pipeline, micro_batch under DDP, DeepSpeed ZeRO-2 and ds_3d_parallel, all in one 2-rank launch,
+and on 4 ranks under pipeline 2 x data 2 and tensor 2 x data 2 with zero1.
 A pipeline reports the item mean of its micro-batches, which is one process's loss on the same rows.
 A loss summed over the batch (``reduction="sum"``) trains as one process's with ``loss_items="sum"``
 (before: the averaging scaled its gradient by 1 / the pieces)."""
@@ -117,6 +118,26 @@ def one_process(loss: str = "mean") -> tuple[list[float], dict]:
         optim.zero_grad()
         losses.append(float(loss.detach()))
     return losses, {k: v.detach().float() for k, v in model.state_dict().items()}
+
+
+FOUR_RANK_CASES = {  # the data dimension beside a pipeline and tensor parallelism
+    "pipeline_x_data": ([["parallel_mode", [[["pipeline", 2], ["data", 2]], None]], ["pipeline_parallel", None]],
+                        "next_token_labels"),
+    "tensor_x_data_zero1": ([["parallel_mode", [[["tensor", 2], ["data", 2]], None]], ["tensor_parallel", None],
+                             ["zero1", None]], "next_token_labels"),
+}
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs() -> dict:
+    return run_distributed(train_cases, 4, FOUR_RANK_CASES, timeout_s=420)[0]
+
+
+@pytest.mark.parametrize("name", list(FOUR_RANK_CASES))
+def test_weighted_by_items_beside_model_parallelism_trains_as_one_process(four_rank_runs, reference, name):
+    run = four_rank_runs[name]
+    difference = _difference(run, reference[1])
+    assert difference < TOLERANCE, f"{name}: final weights differ from one process's by {difference:.2e}"
 
 
 @pytest.fixture(scope="module")
