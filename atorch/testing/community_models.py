@@ -720,3 +720,51 @@ class UpDownMLP(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.proj_out(x)
+
+
+# --- 9. adapters as PEFT adds them (LoRA) ------------------------------------------------------------
+class LoraLinear(nn.Module):
+    """PEFT's ``lora.Linear`` layout: the frozen layer as ``base_layer``, beside it the trainable rank-r
+    ``lora_A`` / ``lora_B`` pair whose product is added, scaled by alpha / r."""
+
+    def __init__(self, base_layer: nn.Linear, rank: int = 4, alpha: float = 8.0):
+        super().__init__()
+        self.base_layer = base_layer
+        self.lora_A = nn.Linear(base_layer.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base_layer.out_features, bias=False)
+        nn.init.normal_(self.lora_B.weight, std=0.02)  # PEFT starts B at zero; nonzero here so A trains from step 0
+        self.scaling = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_B(self.lora_A(x)) * self.scaling
+
+
+class LoraWrapped(nn.Module):
+    """PEFT's ``LoraModel``: the model as ``model``, its named linears replaced by ``LoraLinear`` and every
+    other weight frozen; the forward only passes ``*args, **kwargs`` on."""
+
+    def __init__(self, model: nn.Module, targets: tuple[str, ...] = ("q_proj", "v_proj", "down_proj")):
+        super().__init__()
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+        for name, module in list(model.named_modules()):
+            for child_name, child in list(module.named_children()):
+                if child_name in targets and isinstance(child, nn.Linear):
+                    setattr(module, child_name, LoraLinear(child))
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+class PeftStyleModel(nn.Module):
+    """PEFT's ``PeftModel`` (``get_peft_model`` without a task type): ``base_model`` holds the
+    ``LoraWrapped`` model and the forward, again ``*args, **kwargs``, calls it: nothing in either
+    signature says which arguments the model inside takes."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.base_model = LoraWrapped(model)
+
+    def forward(self, *args, **kwargs):
+        return self.base_model(*args, **kwargs)

@@ -34,7 +34,7 @@ def dict_of_forward_arguments(model: Any, batch: Any) -> bool:
     if not isinstance(batch, Mapping) or not batch or not all(isinstance(k, str) for k in batch):
         return False
     try:
-        parameters = inspect.signature(model.forward).parameters
+        parameters = inspect.signature(_signature_holder(model).forward).parameters
     except (TypeError, ValueError, AttributeError):
         return False
     positional = [p for p in parameters.values()
@@ -43,6 +43,26 @@ def dict_of_forward_arguments(model: Any, batch: Any) -> bool:
         return False
     open_keywords = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     return open_keywords or set(batch) <= set(parameters)
+
+
+def _signature_holder(model: Any, depth: int = 8) -> Any:
+    """The module whose forward says what a call binds: ``model``, or where its forward only passes
+    ``*args, **kwargs`` on (PEFT's ``PeftModel`` and ``LoraModel``, other wrappers), the child that holds
+    every one of its parameters, as deep as such wrappers go."""
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    for _ in range(depth):
+        try:
+            parameters = inspect.signature(model.forward).parameters.values()
+        except (TypeError, ValueError, AttributeError):
+            return model
+        if not parameters or not all(p.kind in variadic for p in parameters) or not hasattr(model, "children"):
+            return model
+        total = sum(1 for _ in model.parameters())
+        inner = [child for child in model.children() if total and sum(1 for _ in child.parameters()) == total]
+        if len(inner) != 1:
+            return model
+        model = inner[0]
+    return model
 
 
 def equal_chunks(rows: int, preferred: int, largest: Optional[int] = None) -> int:

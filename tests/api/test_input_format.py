@@ -1,8 +1,11 @@
 """How atorch calls the model on a batch (``model_input_format``): with ``None``, a batch that is a dict of
 the model's own forward arguments (HF's ``input_ids`` / ``attention_mask`` / ``labels``) is passed as
 ``model(**batch)``, since ``model(batch)`` would bind the whole dict to ``input_ids``; a model whose forward
-takes the dict itself keeps ``model(batch)``; and a tensor plan whose sample does not run is refused,
-naming the fix, instead of being taken unchecked from projection names."""
+takes the dict itself keeps ``model(batch)``; a model inside wrappers whose forwards only pass ``*args,
+**kwargs`` on (PEFT's ``PeftModel`` / ``LoraModel``) is read through them, so a LoRA-adapted Llama trains
+under tensor 2 and pipeline 2 as one process does, with no ``model_input_format`` given (before, both
+failed at their sample row); and a tensor plan whose sample does not run is refused, naming the fix,
+instead of being taken unchecked from projection names."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +17,10 @@ from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib.tensor_parallel import _record
 from atorch.auto.opt_lib.tp_check import Probe
 from atorch.errors import MethodConfigError
-from atorch.testing.hf_models import zoo_model
+from atorch.testing import run_distributed
+from atorch.testing.community_models import PeftStyleModel
+from atorch.testing.hf_models import tiny_llama, zoo_model
+from atorch.testing.training import train_plainly, train_returned, weight_difference
 from atorch.utils.batch import dict_of_forward_arguments
 
 pytest.importorskip("transformers", reason="transformers is a test extra")
@@ -57,6 +63,73 @@ def test_a_dict_of_forward_arguments_is_read_only_where_model_batch_could_not_be
     assert dict_of_forward_arguments(Positional(), {"input_ids": 0, "scale": 2.0})
     assert not dict_of_forward_arguments(llama, {"attention_mask": 0})  # not its first argument
     assert not dict_of_forward_arguments(llama, [torch.zeros(2)])
+
+
+class PassThrough(nn.Module):
+    """A wrapper whose forward only passes ``*args, **kwargs`` on, its parameters in two children: which
+    one it calls is not read from its structure."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = Positional(), Positional()
+
+    def forward(self, *args, **kwargs):
+        return self.first(*args, **kwargs) + self.second(*args, **kwargs)
+
+
+def test_a_model_inside_pass_through_wrappers_is_read_through_them():
+    batch = {"input_ids": 0, "attention_mask": 0, "labels": 0}
+    assert dict_of_forward_arguments(PeftStyleModel(zoo_model("llama").build()), batch)
+    context = ModelContext(PeftStyleModel(zoo_model("llama").build()), dataset=ROWS, loss_func=LOSS)
+    assert context.model_input_format == "unpack_dict"
+    assert not dict_of_forward_arguments(PassThrough(), {"input_ids": 0})
+
+
+LORA_STRATEGIES = {"tensor 2": [["parallel_mode", [[["tensor", 2]], None]], ["tensor_parallel", None]],
+                   "pipeline 2": [["parallel_mode", [[["pipeline", 2]], None]], ["pipeline_parallel", None]]}
+
+
+def _lora_rows() -> list[dict]:
+    generator = torch.Generator().manual_seed(1)
+    return [{"input_ids": torch.randint(1, 64, (8,), generator=generator),
+             "labels": torch.randint(1, 64, (8,), generator=generator)} for _ in range(4)]
+
+
+def _lora_llama() -> nn.Module:
+    torch.manual_seed(0)
+    return PeftStyleModel(tiny_llama())
+
+
+def _train_lora(strategies: dict) -> dict:
+    """On each rank: the LoRA-adapted Llama under each strategy, 3 steps; the final weights."""
+    from atorch.auto.accelerate import auto_accelerate
+    from atorch.utils.modules import full_state_dict
+
+    out = {}
+    for name, strategy in strategies.items():
+        _, result, _ = auto_accelerate(_lora_llama(), torch.optim.AdamW, _lora_rows() * 3,
+                                       lambda batch, output: output.loss,
+                                       optim_args={"lr": 0.01}, dataloader_args={"batch_size": 4},
+                                       load_strategy=strategy)
+        train_returned(result, 3, "unpack_dict")
+        model = result.model
+        weights = model.full_state_dict() if hasattr(model, "full_state_dict") else full_state_dict(model)
+        out[name] = {key: value.detach().float().cpu() for key, value in weights.items()}
+    return out
+
+
+@pytest.mark.multirank
+def test_a_peft_style_lora_model_trains_under_tensor_and_pipeline_parallelism_as_one_process():
+    runs = run_distributed(_train_lora, 2, LORA_STRATEGIES, timeout_s=300)[0]
+    model = _lora_llama()
+    rows = _lora_rows()
+    batches = [{key: torch.stack([row[key] for row in rows]) for key in rows[0]}] * 3
+    train_plainly(model, batches, lambda batch, output: output.loss,
+                  optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01))
+    reference = {key: value.detach().float() for key, value in model.state_dict().items()}
+    for name, weights in runs.items():
+        difference = weight_difference({key: weights[key] for key in reference}, reference)
+        assert difference < 1e-5, f"{name}: final weights differ from one process's by {difference:.2e}"
 
 
 def test_a_map_style_batch_of_forward_arguments_is_passed_unpacked():

@@ -133,6 +133,7 @@ def four_rank_runs() -> dict:
     return run_distributed(train_cases, 4, FOUR_RANK_CASES, timeout_s=420)[0]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("name", list(FOUR_RANK_CASES))
 def test_weighted_by_items_beside_model_parallelism_trains_as_one_process(four_rank_runs, reference, name):
     run = four_rank_runs[name]
@@ -159,6 +160,7 @@ def _difference(run: dict, reference: dict) -> float:
     return weight_difference({k: run["weights"][k] for k in reference}, reference)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("name", [n for n, (_, items, *_) in CASES.items() if items is not None])
 def test_weighted_by_items_trains_as_one_process(two_rank_runs, reference, summed_reference, name):
     run = two_rank_runs[name]
@@ -167,6 +169,7 @@ def test_weighted_by_items_trains_as_one_process(two_rank_runs, reference, summe
     assert not run["warned"], run["warned"]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("name", ["fsdp_unweighted", "pipeline_unweighted"])
 def test_without_loss_items_the_pieces_weigh_alike_and_atorch_warns(two_rank_runs, reference, name):
     run = two_rank_runs[name]
@@ -175,6 +178,7 @@ def test_without_loss_items_the_pieces_weigh_alike_and_atorch_warns(two_rank_run
     assert len(run["warned"]) == 1 and "loss_items='next_token_labels'" in run["warned"][0], run["warned"]
 
 
+@pytest.mark.multirank
 def test_a_pipeline_reports_one_process_loss(two_rank_runs, reference, summed_reference):
     """No data dimension: the rank's rows are the global batch, so the item mean of its micro-batches (a
     sum's: their sum) is one process's loss; the weights match, so every step's does."""
@@ -182,6 +186,7 @@ def test_a_pipeline_reports_one_process_loss(two_rank_runs, reference, summed_re
     assert two_rank_runs["pipeline_sum"]["losses"] == pytest.approx(summed_reference[0], rel=1e-5, abs=0)
 
 
+@pytest.mark.multirank
 def test_a_summed_loss_without_loss_items_is_scaled_by_the_averaging(two_rank_runs, summed_reference):
     """DDP's behaviour: the ranks' sums averaged, half one process's gradient on 2 ranks (no warning: a
     sum's pieces are not told from a mean's)."""
