@@ -140,6 +140,25 @@ def export_module(model: nn.Module, path: Union[str, os.PathLike], *,
     return target
 
 
+def gather_trainable(model: nn.Module) -> Optional[dict[str, torch.Tensor]]:
+    """The trainable parameters of a model as auto_accelerate returned it, each whole, by the user's names,
+    on process 0 (None elsewhere); collective. What an adapter library's ``save_pretrained`` (PEFT's) keeps
+    of a state_dict: its adapters, without gathering the frozen model around them."""
+    tensors = model_tensors(model)
+    local = on_every_rank(lambda: sorted(name for name, tensor in tensors.items() if tensor.requires_grad))
+    trainable = set().union(*gather(local))
+    entries, _ = _agreed_entries(model, tensors)
+    record = ExportRecord()
+    orders = saved_orders(model)
+    out: dict[str, torch.Tensor] = {}
+    for entry in entries:
+        if entry.name in trainable:
+            full = _gather_to_main(entry, tensors, orders, record)
+            if full is not None:
+                out[entry.name] = full
+    return out if is_main_rank() else None
+
+
 # --- sizes -----------------------------------------------------------------------------------------
 def parse_size(size: Union[int, str]) -> int:
     """Bytes from an int or a string such as ``"5GB"`` (10**9), ``"5GiB"`` (2**30), ``"20KB"``,

@@ -8,22 +8,25 @@ processes the returned model gets an instance attribute ``save_pretrained`` that
 ``export_module``: the unsharded weights under the user's names, in ``save_pretrained``'s layout with
 ``config.json`` (collective, as Hugging Face asks for distributed saves; process 0 writes). One process
 keeps transformers' own method, and so does the user's module inside DDP (``result.model.module``), whose
-weights are whole on every process.
+weights are whole on every process. A ``save_pretrained`` of another library (PEFT's ``PeftModel``, which
+saves the adapters and their config) is called on process 0 with the trainable parameters gathered whole.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
 import weakref
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch.distributed as dist
 from torch import nn
 
-from atorch.checkpoint.export import DEFAULT_MAX_SHARD_SIZE, export_module
+from atorch.checkpoint.agreement import agree
+from atorch.checkpoint.export import DEFAULT_MAX_SHARD_SIZE, export_module, gather_trainable
 from atorch.checkpoint.tensors import model_roots
-from atorch.distributed.agreement import is_multi_rank, next_store_key, world_size
+from atorch.distributed.agreement import is_main_rank, is_multi_rank, next_store_key, world_size
 from atorch.errors import CheckpointError
 
 # keyword arguments of transformers' save_pretrained that the export honours by what it always does
@@ -82,6 +85,9 @@ def _save_pretrained(model_ref: weakref.ref, original: Optional[Callable], save_
         original(model_roots(model)[0], save_directory, is_main_process=is_main_process, state_dict=state_dict,
                  max_shard_size=max_shard_size, **kwargs)
         return
+    if original is not None and not _is_transformers(original):
+        _save_adapters(model, original, save_directory, **kwargs)
+        return
     others = sorted(k for k, v in kwargs.items() if k not in _DEFAULT_LIKE or v != _DEFAULT_LIKE[k])
     if others:
         raise CheckpointError(
@@ -91,6 +97,50 @@ def _save_pretrained(model_ref: weakref.ref, original: Optional[Callable], save_
             "(atorch.export_model, then transformers' tools on its directory)", key=others[0])
     _every_process_arrives()
     export_module(model, save_directory, max_shard_size=max_shard_size, caller="save_pretrained")
+
+
+def _is_transformers(method: Callable) -> bool:
+    return getattr(method, "__module__", "").split(".")[0] == "transformers"
+
+
+def _save_adapters(model: nn.Module, original: Callable, save_directory: Union[str, os.PathLike],
+                   **kwargs: Any) -> None:
+    """``save_pretrained`` of a library other than transformers (PEFT's ``PeftModel``: the adapters and
+    their config, not the model around them): process 0 calls the library's own method with the
+    trainable parameters gathered whole (``state_dict=``, which PEFT's method reads its adapters from),
+    and its outcome reaches every process. Before, the whole model was exported in transformers' layout,
+    which ``PeftModel.from_pretrained`` cannot read (no adapter_config.json)."""
+    _every_process_arrives()
+    gathered = gather_trainable(model)
+    error = None
+    if is_main_rank():
+        try:
+            root = model_roots(model)[0]
+            with _whole_structure(root):
+                original(root, save_directory, is_main_process=True, state_dict=gathered, **kwargs)
+        except Exception as failure:  # the library's own error, on every process
+            error = f"{type(failure).__name__}: {failure}"
+    agree(error, "save_pretrained", str(save_directory), only_main=True)
+
+
+@contextlib.contextmanager
+def _whole_structure(root: nn.Module) -> Iterator[None]:
+    """For the call's length, every module of a pipeline stage's model that another stage holds is put back
+    as its meta-device copy (``atorch_stands_for``), so a library that reads the model's layers (PEFT picks
+    its adapters' names from them) sees every layer, while the values come from the gathered state_dict."""
+    swapped = []
+    for name, module in list(root.named_modules(remove_duplicate=False)):
+        if name and callable(getattr(type(module), "atorch_stands_for", None)):
+            parent, _, child = name.rpartition(".")
+            owner = root.get_submodule(parent) if parent else root
+            swapped.append((owner, child, module))
+    for owner, child, module in swapped:
+        setattr(owner, child, module.atorch_stands_for())
+    try:
+        yield
+    finally:
+        for owner, child, module in reversed(swapped):
+            setattr(owner, child, module)
 
 
 def _every_process_arrives() -> None:

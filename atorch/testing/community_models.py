@@ -15,10 +15,13 @@ logits; the data and losses are in ``atorch.testing.hf_models`` (which registers
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -768,3 +771,19 @@ class PeftStyleModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.base_model(*args, **kwargs)
+
+    def save_pretrained(self, save_directory: str, state_dict: Optional[dict] = None, is_main_process: bool = True,
+                        **kwargs) -> None:
+        """PEFT's way: the adapters only (``adapter_model.safetensors`` beside ``adapter_config.json``), taken
+        from ``state_dict`` when given, their names picked by walking the model's LoRA layers, so every
+        layer must be there."""
+        if not is_main_process:
+            return
+        state = self.state_dict() if state_dict is None else state_dict
+        layers = [f"{name}.lora_" for name, module in self.named_modules() if isinstance(module, LoraLinear)]
+        adapters = {key: value.detach().contiguous() for key, value in state.items()
+                    if any(key.startswith(layer) for layer in layers)}
+        os.makedirs(save_directory, exist_ok=True)
+        safetensors.torch.save_file(adapters, os.path.join(save_directory, "adapter_model.safetensors"))
+        with open(os.path.join(save_directory, "adapter_config.json"), "w") as file:
+            json.dump({"peft_type": "LORA", "layers": len(layers)}, file)

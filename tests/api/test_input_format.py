@@ -86,7 +86,8 @@ def test_a_model_inside_pass_through_wrappers_is_read_through_them():
 
 
 LORA_STRATEGIES = {"tensor 2": [["parallel_mode", [[["tensor", 2]], None]], ["tensor_parallel", None]],
-                   "pipeline 2": [["parallel_mode", [[["pipeline", 2]], None]], ["pipeline_parallel", None]]}
+                   "pipeline 2": [["parallel_mode", [[["pipeline", 2]], None]], ["pipeline_parallel", None]],
+                   "fsdp": [["parallel_mode", None], ["fsdp", None]]}
 
 
 def _lora_rows() -> list[dict]:
@@ -100,8 +101,11 @@ def _lora_llama() -> nn.Module:
     return PeftStyleModel(tiny_llama())
 
 
-def _train_lora(strategies: dict) -> dict:
-    """On each rank: the LoRA-adapted Llama under each strategy, 3 steps; the final weights."""
+def _train_lora(strategies: dict, directory: str) -> dict:
+    """On each rank: the LoRA-adapted Llama under each strategy, 3 steps; the final weights, and the adapters
+    its own ``save_pretrained`` wrote (called on every rank, as a PEFT script does)."""
+    import safetensors.torch
+
     from atorch.auto.accelerate import auto_accelerate
     from atorch.utils.modules import full_state_dict
 
@@ -114,22 +118,33 @@ def _train_lora(strategies: dict) -> dict:
         train_returned(result, 3, "unpack_dict")
         model = result.model
         weights = model.full_state_dict() if hasattr(model, "full_state_dict") else full_state_dict(model)
-        out[name] = {key: value.detach().float().cpu() for key, value in weights.items()}
+        saved = f"{directory}/{name.replace(' ', '_')}"
+        model.save_pretrained(saved)
+        out[name] = {"weights": {key: value.detach().float().cpu() for key, value in weights.items()},
+                     "adapters": safetensors.torch.load_file(f"{saved}/adapter_model.safetensors")}
     return out
 
 
 @pytest.mark.multirank
-def test_a_peft_style_lora_model_trains_under_tensor_and_pipeline_parallelism_as_one_process():
-    runs = run_distributed(_train_lora, 2, LORA_STRATEGIES, timeout_s=300)[0]
+def test_a_peft_style_lora_model_trains_and_saves_its_adapters_under_tensor_pipeline_and_fsdp(tmp_path):
+    """Its ``save_pretrained`` (the library's, not transformers') writes every adapter, whole: over several
+    processes atorch calls it on process 0 with the trainable parameters gathered, and under a pipeline
+    with every layer of the model there (before: the whole model in transformers' layout, no
+    adapter_config.json; and a stage's adapters only)."""
+    runs = run_distributed(_train_lora, 2, LORA_STRATEGIES, str(tmp_path), timeout_s=300)[0]
     model = _lora_llama()
     rows = _lora_rows()
     batches = [{key: torch.stack([row[key] for row in rows]) for key in rows[0]}] * 3
     train_plainly(model, batches, lambda batch, output: output.loss,
                   optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01))
     reference = {key: value.detach().float() for key, value in model.state_dict().items()}
-    for name, weights in runs.items():
-        difference = weight_difference({key: weights[key] for key in reference}, reference)
+    adapters = {key for key in reference if ".lora_" in key}
+    for name, run in runs.items():
+        difference = weight_difference({key: run["weights"][key] for key in reference}, reference)
         assert difference < 1e-5, f"{name}: final weights differ from one process's by {difference:.2e}"
+        assert set(run["adapters"]) == adapters, f"{name}: save_pretrained wrote {sorted(run['adapters'])}"
+        for key in adapters:
+            assert torch.equal(run["adapters"][key].float(), run["weights"][key]), f"{name}: {key} saved otherwise"
 
 
 def test_a_map_style_batch_of_forward_arguments_is_passed_unpacked():

@@ -256,6 +256,11 @@ class Placeholder(nn.Module):
         except AttributeError:
             return getattr(self.__dict__["_meta"], name)
 
+    def atorch_stands_for(self) -> nn.Module:
+        """The meta-device copy of the module this one stands in for: its structure, without values (what a
+        library that reads the whole model's layers is shown: ``atorch.checkpoint.save_pretrained``)."""
+        return self.__dict__["_meta"]
+
 
 class PassThrough(Placeholder):
     """A block another stage owns: returns the hidden state it was given, shaped like the block's
