@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from atorch.auto.given_model import user_frame_level
+from atorch.distributed import mesh
 from atorch.errors import InputError
 from atorch.utils.batch import loss_value
 
@@ -88,8 +89,11 @@ class LossItems:
                              f"{value!r}")
         return float(value)
 
-    def total(self, local: float, group: Any, device: torch.device) -> float:
-        """``local`` summed over ``group`` (the data-parallel ranks; None: this process alone)."""
+    def total(self, local: float, across_data: bool, device: torch.device) -> float:
+        """``local`` summed over the data-parallel ranks (``across_data``; else this process's alone). The
+        group is looked up at the call, not kept: a rank whose work failed drops every hold on the process
+        group so that its peers' collectives fail at once (``run_isolated``)."""
+        group = mesh.parallel_group("data_parallel") if across_data else None
         if self.summed or group is None or dist.get_world_size(group) == 1:
             return local
         count = torch.tensor([local], dtype=torch.float64, device=device)
@@ -157,8 +161,8 @@ class DataParallelItemLoss:
     gradients are averaged). Only where the loss has a gradient: evaluation (one rank alone, under
     ``no_grad``) runs no collective. Without ``loss_items`` (``items`` None) it only warns."""
 
-    def __init__(self, loss_func: Callable, items: Optional[LossItems], group: Any, size: int, device: torch.device):
-        self.loss_func, self.items, self.group, self.size, self.device = loss_func, items, group, size, device
+    def __init__(self, loss_func: Callable, items: Optional[LossItems], size: int, device: torch.device):
+        self.loss_func, self.items, self.size, self.device = loss_func, items, size, device
 
     def __call__(self, batch: Any, output: Any) -> Any:
         value = self.loss_func(batch, output)
@@ -169,7 +173,7 @@ class DataParallelItemLoss:
             warn_unweighted(batch, self.size, "data parallelism")
             return value
         local = self.items.count(batch)
-        total = self.items.total(local, self.group, self.device)
+        total = self.items.total(local, True, self.device)
         weighted = item_weighted(loss, self.items.weight(local, self.size, total))
         return (weighted, *value[1:]) if isinstance(value, (list, tuple)) else weighted
 
@@ -183,8 +187,8 @@ class MicroBatchItemWeights:
     one twice: torch's pipeline infers its backward's shapes from micro-batch 0's loss first); ``mean``
     the call's value. Without ``loss_items`` it only warns."""
 
-    def __init__(self, items: Optional[LossItems], group: Any, size: int, device: torch.device, where: str):
-        self.items, self.group, self.size, self.device, self.where = items, group, size, device, where
+    def __init__(self, items: Optional[LossItems], size: int, device: torch.device, where: str):
+        self.items, self.size, self.device, self.where = items, size, device, where
         self.micro, self.total = 1, None
         self.seen: dict[int, tuple[float, torch.Tensor]] = {}  # micro-batch -> (items, loss value)
 
@@ -194,7 +198,7 @@ class MicroBatchItemWeights:
             if training:
                 warn_unweighted(batch, micro * self.size, self.where)
         elif training:  # evaluation reports the item mean without a collective (one rank may evaluate alone)
-            self.total = self.items.total(self.items.count(batch), self.group, self.device)
+            self.total = self.items.total(self.items.count(batch), self.size > 1, self.device)
 
     def weigh(self, micro_batch: Any, loss: torch.Tensor, key: int) -> torch.Tensor:
         if self.items is None:

@@ -434,8 +434,7 @@ class ModelContext:
         call into micro-batches (a pipeline, micro_batch) weighs its pieces itself (``items_weighted``)."""
         if self.local or self.loss_func is None or self.items_weighted or self.data_parallel_size <= 1:
             return
-        self.loss_func = DataParallelItemLoss(self.loss_func, self.loss_items, mesh.parallel_group("data_parallel"),
-                                              self.data_parallel_size, self.device)
+        self.loss_func = DataParallelItemLoss(self.loss_func, self.loss_items, self.data_parallel_size, self.device)
 
     def _build_lr_scheduler(self) -> None:
         if self.lr_scheduler_cls is not None and self.raw_optim is not None:

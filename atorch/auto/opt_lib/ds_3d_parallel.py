@@ -182,8 +182,7 @@ def _build_engine(ctx, config: DS3DParallelConfig, stages: Optional["DeepSpeedSt
     optimizer = ctx.optim_func([p for p in module.parameters() if p.requires_grad], **ctx.optim_args)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config,
                                            dist_init_required=False)
-    item_weights = MicroBatchItemWeights(ctx.loss_items, mesh.parallel_group("data_parallel"), dp, ctx.device,
-                                         "ds_3d_parallel")
+    item_weights = MicroBatchItemWeights(ctx.loss_items, dp, ctx.device, "ds_3d_parallel")
     wrapper = DeepSpeedPipeline(engine, ctx.loss_func, micro, stages, item_weights)
     holder["wrapper"] = wrapper
     ctx.model = wrapper

@@ -45,7 +45,6 @@ from atorch.auto.loss_items import MicroBatchItemWeights
 from atorch.auto.loss_probe import WindowScales
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.optimizer import AtorchOptimizer
-from atorch.distributed import mesh
 from atorch.errors import MethodConfigError
 from atorch.utils.batch import batch_of_call, batch_size_of, call_with_batch, equal_chunks, loss_value, map_tensors
 from atorch.utils.config import MethodConfig, option
@@ -183,9 +182,8 @@ def apply_micro_batch(ctx, config: MicroBatchConfig) -> None:
                                 "schedule, which splits the batch into micro-batches itself): set the pipeline's "
                                 "num_micro_batch instead")
     outer = MicroBatchOptimizer(ctx.optim) if ctx.optim is not None else None
-    data_group = None if ctx.local else mesh.parallel_group("data_parallel")
-    item_weights = MicroBatchItemWeights(ctx.loss_items, data_group, 1 if ctx.local else ctx.data_parallel_size,
-                                         ctx.device, "micro_batch")
+    item_weights = MicroBatchItemWeights(ctx.loss_items, 1 if ctx.local else ctx.data_parallel_size, ctx.device,
+                                         "micro_batch")
     ctx.model = MicroBatchModule(ctx.model, ctx.loss_func, ctx.optim, outer, k, ctx.model_input_format,
                                  config.grad_sync, batch // k if batch is not None else None, item_weights)
     if outer is not None:

@@ -547,8 +547,7 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
                                     "dataloader_args") from error
 
     shared = SharedWeights(modules, holders, group, ctx.device)
-    item_weights = MicroBatchItemWeights(ctx.loss_items, mesh.parallel_group("data_parallel"),
-                                         mesh.data_parallel_size(), ctx.device, "pipeline_parallel")
+    item_weights = MicroBatchItemWeights(ctx.loss_items, mesh.data_parallel_size(), ctx.device, "pipeline_parallel")
     module = PipelineModule(modules, build_schedule, micro, per_rank_batch // micro, loss_func=ctx.loss_func,
                             input_format=ctx.model_input_format,
                             group=group, is_last=(num_stages - 1) in indices, shared=shared, item_weights=item_weights)
