@@ -22,6 +22,7 @@ hold different numbers of labelled tokens (``labels`` other than -100), saying w
 """
 from __future__ import annotations
 
+import collections
 import collections.abc
 import warnings
 from typing import Any, Callable, Optional, Union
@@ -62,43 +63,59 @@ SUMMED = "sum"  # loss_func sums over the batch (reduction="sum"): every piece's
 class LossItems:
     """How many items ``loss_func`` averages over in a batch (``count``), and the weights that make
     the pieces' means the global batch's mean; or (``summed``) a loss summed over the batch, whose
-    pieces' sums add up to the global batch's: each weighs the count of pieces averaged."""
+    pieces' sums add up to the global batch's: each weighs the count of pieces averaged. Counts stay
+    tensors on the training device (no wait on it each step), checked on the host for the first
+    ``CHECKED_COUNTS`` batches only."""
 
     def __init__(self, counter: Optional[Callable[[Any], Any]], name: str, summed: bool = False):
         self.counter = counter
         self.name = name
         self.summed = summed
+        self.checked = 0
 
-    def weight(self, items: float, pieces: int, total: Optional[float]) -> float:
+    def weight(self, items: torch.Tensor, pieces: int, total: Optional[torch.Tensor]) -> torch.Tensor:
         """The gradient weight of one of ``pieces`` pieces averaged (``total``: the global batch's items)."""
-        return float(pieces) if self.summed else piece_weight(items, pieces, total)
+        if self.summed or total is None:
+            return torch.full_like(items, float(pieces))
+        return piece_weight(items, pieces, total)
 
-    def count(self, batch: Any) -> float:
+    def count(self, batch: Any, device: torch.device) -> torch.Tensor:
+        """The batch's items as a float64 scalar on ``device``; InputError for what is not a count."""
         if self.summed:  # a sum is its pieces' total: no count needed (1 a piece: the call's value sums them)
-            return 1.0
+            return torch.ones((), dtype=torch.float64, device=device)
         try:
             value = self.counter(batch)
         except InputError:
             raise
         except Exception as error:  # the user's function: its failure named as loss_items'
             raise InputError(f"loss_items ({self.name}) raised {type(error).__name__} on a batch: {error}") from error
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+            count = value.detach().to(device=device, dtype=torch.float64).reshape(())
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            count = torch.tensor(float(value), dtype=torch.float64, device=device)
+        else:
             raise InputError(f"loss_items ({self.name}) must count a batch's items as a non-negative number, got "
                              f"{value!r}")
-        return float(value)
+        if self.checked < CHECKED_COUNTS:
+            self.checked += 1
+            if not float(count) >= 0:
+                raise InputError(f"loss_items ({self.name}) must count a batch's items as a non-negative number, "
+                                 f"got {float(count)!r}")
+        return count
 
-    def total(self, local: float, across_data: bool, device: torch.device) -> float:
+    def total(self, local: torch.Tensor, across_data: bool) -> torch.Tensor:
         """``local`` summed over the data-parallel ranks (``across_data``; else this process's alone). The
         group is looked up at the call, not kept: a rank whose work failed drops every hold on the process
         group so that its peers' collectives fail at once (``run_isolated``)."""
         group = mesh.parallel_group("data_parallel") if across_data else None
         if self.summed or group is None or dist.get_world_size(group) == 1:
             return local
-        count = torch.tensor([local], dtype=torch.float64, device=device)
+        count = local.clone()
         dist.all_reduce(count, group=group)
-        return float(count.item())
+        return count
+
+
+CHECKED_COUNTS = 4  # batches whose count is checked on the host (a wait on the device each)
 
 
 def resolve_loss_items(value: Union[None, str, Callable[[Any], Any]]) -> Optional[LossItems]:
@@ -118,26 +135,35 @@ def resolve_loss_items(value: Union[None, str, Callable[[Any], Any]]) -> Optiona
                      f"{type(value).__name__}: {value!r}")
 
 
-def item_weighted(loss: torch.Tensor, weight: float) -> torch.Tensor:
-    """``loss`` of the same value whose gradient is ``weight`` times its own."""
+def item_weighted(loss: torch.Tensor, weight: Union[float, torch.Tensor]) -> torch.Tensor:
+    """``loss`` of the same value whose gradient is ``weight`` times its own (a weight tensor in at least
+    fp32: a bf16 weight would round the share by up to 0.4 %)."""
     kept = loss.detach()
+    if isinstance(weight, torch.Tensor):
+        weight = weight.to(device=loss.device, dtype=torch.promote_types(loss.dtype, torch.float32))
     return (loss - kept) * weight + kept
 
 
-def piece_weight(items: float, pieces: int, total: float) -> float:
+def piece_weight(items: torch.Tensor, pieces: int, total: torch.Tensor) -> torch.Tensor:
     """The weight of a piece's mean when ``pieces`` such means are averaged: its share of the ``total``
     items, times ``pieces``. A global batch with no item at all keeps the plain average (its mean is
     undefined, as one process's is)."""
-    return items * pieces / total if total > 0 else 1.0
+    return torch.where(total > 0, items * pieces / total.clamp_min(1e-300), torch.ones_like(items))
 
 
 _WARNED: set = set()
+_CHECKED: collections.Counter = collections.Counter()
+CHECKED_CALLS = 16  # batches looked at per place: each look reads the labels' counts on the host (a device sync)
 
 
 def warn_unweighted(batch: Any, pieces: int, where: str) -> None:
     """Once per process: the batch's rows hold different numbers of labelled tokens while ``pieces``
-    piece means are averaged without ``loss_items``."""
-    if pieces <= 1 or where in _WARNED or not isinstance(batch, collections.abc.Mapping):
+    piece means are averaged without ``loss_items``. Only the first ``CHECKED_CALLS`` batches of each
+    place are looked at, so a long run does not wait on the device for it every step."""
+    if pieces <= 1 or where in _WARNED or _CHECKED[where] >= CHECKED_CALLS:
+        return
+    _CHECKED[where] += 1
+    if not isinstance(batch, collections.abc.Mapping):
         return
     labels = batch.get("labels")
     if not isinstance(labels, torch.Tensor) or labels.dim() < 2 or labels.is_floating_point():
@@ -172,9 +198,8 @@ class DataParallelItemLoss:
         if self.items is None:
             warn_unweighted(batch, self.size, "data parallelism")
             return value
-        local = self.items.count(batch)
-        total = self.items.total(local, True, self.device)
-        weighted = item_weighted(loss, self.items.weight(local, self.size, total))
+        local = self.items.count(batch, self.device)
+        weighted = item_weighted(loss, self.items.weight(local, self.size, self.items.total(local, True)))
         return (weighted, *value[1:]) if isinstance(value, (list, tuple)) else weighted
 
 
@@ -189,8 +214,9 @@ class MicroBatchItemWeights:
 
     def __init__(self, items: Optional[LossItems], size: int, device: torch.device, where: str):
         self.items, self.size, self.device, self.where = items, size, device, where
-        self.micro, self.total = 1, None
-        self.seen: dict[int, tuple[float, torch.Tensor]] = {}  # micro-batch -> (items, loss value)
+        self.micro: int = 1
+        self.total: Optional[torch.Tensor] = None
+        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (items, loss value)
 
     def begin(self, batch: Any, micro: int, training: bool) -> None:
         self.micro, self.total, self.seen = micro, None, {}
@@ -198,21 +224,25 @@ class MicroBatchItemWeights:
             if training:
                 warn_unweighted(batch, micro * self.size, self.where)
         elif training:  # evaluation reports the item mean without a collective (one rank may evaluate alone)
-            self.total = self.items.total(self.items.count(batch), self.size > 1, self.device)
+            self.total = self.items.total(self.items.count(batch, self.device), self.size > 1)
 
     def weigh(self, micro_batch: Any, loss: torch.Tensor, key: int) -> torch.Tensor:
         if self.items is None:
             return loss
-        count = self.items.count(micro_batch)
+        count = self.items.count(micro_batch, self.device)
         self.seen[key] = (count, loss.detach().float())
         if self.total is None:
             return loss
         return item_weighted(loss, self.items.weight(count, self.micro * self.size, self.total))
 
     def mean(self, plain: torch.Tensor) -> torch.Tensor:
-        items = sum(count for count, _ in self.seen.values())
-        if self.items is None or items == 0:
+        if self.items is None or not self.seen:
             return plain
-        total = sum(count * value.to(plain.device) for count, value in self.seen.values())
-        value = total if self.items.summed else total / items  # a sum's call value is its micro-batches' sum
-        return value.reshape(plain.shape).to(plain.dtype)
+        counts = torch.stack([count.to(plain.device) for count, _ in self.seen.values()])
+        values = torch.stack([value.to(plain.device, torch.float64) for _, value in self.seen.values()])
+        total = (counts * values).sum()
+        if self.items.summed:  # a sum's call value is its micro-batches' sum
+            return total.reshape(plain.shape).to(plain.dtype)
+        items = counts.sum()
+        return torch.where(items > 0, total / items.clamp_min(1e-300), plain.to(torch.float64)).reshape(
+            plain.shape).to(plain.dtype)

@@ -220,7 +220,7 @@ class ModelContext:
             batch = self.sample_batch()
         except Exception:  # a dataset that cannot give a row here is reported where it is read
             return
-        self.loss_items.count(batch)
+        self.loss_items.count(batch, self.device)
 
     def release_training_objects(self) -> None:
         """Drop the model, optimizer, data loader and the wrappers' hooks this context built, after work

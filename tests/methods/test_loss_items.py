@@ -201,9 +201,9 @@ def test_bad_loss_items_are_input_errors():
     with pytest.raises(InputError, match="loss_items must be one of"):
         resolve_loss_items(3)
     with pytest.raises(InputError, match="non-negative number, got -1"):
-        resolve_loss_items(lambda batch: -1).count({})
+        resolve_loss_items(lambda batch: -1).count({}, torch.device("cpu"))
     with pytest.raises(InputError, match="raised KeyError"):
-        resolve_loss_items(lambda batch: batch["mask"].sum()).count({})
+        resolve_loss_items(lambda batch: batch["mask"].sum()).count({}, torch.device("cpu"))
 
 
 def test_a_preset_finds_no_labels_before_anything_is_applied():
