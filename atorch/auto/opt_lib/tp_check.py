@@ -27,7 +27,7 @@ from atorch.distributed.agreement import exchange_outside_collectives
 from atorch.errors import MethodConfigError
 from atorch.utils.batch import call_with_batch, loss_value, tensors
 from atorch.utils.dataflow import Dataflow, record_dataflow
-from atorch.utils.meta_init import sample_values
+from atorch.utils.meta_init import has_meta_tensors, sample_values
 
 logger = logging.getLogger(__name__)
 VARIANTS = ("views", "heads", "attributes")  # tp_shapes' remedies, in the order they are tried
@@ -253,6 +253,11 @@ def _backward(model: nn.Module, probe: Probe, group=None) -> None:
         with torch.random.fork_rng(devices=_devices()):
             model.eval()
             loss = loss_value(probe.loss(probe.batch, probe.run(model)))
+            if not loss.requires_grad and has_meta_tensors(model):
+                # a model still on the meta device runs forward only on sample values (sample_values), where
+                # no trainable leaf is reached when every parameter it holds is a sample (a frozen base with
+                # its adapters, PEFT's LoRA, on meta): nothing to check until its values are real
+                return
             loss.backward()
         prints = _gradient_prints(model)
     except Exception as error:  # at once: a peer waiting in a collective is ended by the dry run's fault handling
