@@ -733,13 +733,24 @@ class LoraLinear(nn.Module):
     def __init__(self, base_layer: nn.Linear, rank: int = 4, alpha: float = 8.0):
         super().__init__()
         self.base_layer = base_layer
-        self.lora_A = nn.Linear(base_layer.in_features, rank, bias=False)
-        self.lora_B = nn.Linear(rank, base_layer.out_features, bias=False)
-        nn.init.normal_(self.lora_B.weight, std=0.02)  # PEFT starts B at zero; nonzero here so A trains from step 0
-        self.scaling = alpha / rank
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(base_layer.in_features, rank, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(rank, base_layer.out_features, bias=False)})
+        nn.init.normal_(self.lora_B["default"].weight, std=0.02)  # PEFT starts B at zero; nonzero: A trains at once
+        self.scaling = {"default": alpha / rank}
+
+    @property
+    def weight(self) -> torch.Tensor:  # PEFT's BaseTunerLayer answers for the layer it wraps
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        return self.base_layer.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base_layer(x) + self.lora_B(self.lora_A(x)) * self.scaling
+        result = self.base_layer(x)
+        lora_A = self.lora_A["default"]
+        x = x.to(lora_A.weight.dtype)  # PEFT casts the input to the adapter's dtype, read outside its call
+        return result + self.lora_B["default"](lora_A(x)) * self.scaling["default"]
 
 
 class LoraWrapped(nn.Module):
