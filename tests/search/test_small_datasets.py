@@ -26,3 +26,22 @@ def test_a_dataset_of_two_batches_is_read_again_by_every_measurement(tmp_path):
     loss = gpt_loss(batch, result.model(**batch))
     loss.backward()
     assert torch.isfinite(loss)
+
+
+def test_rows_of_different_lengths_are_batched_by_the_user_s_collate_fn(tmp_path):
+    """SFT rows of 5-16 tokens padded by the script's collate_fn: the search's own sample batch (its model
+    analysis) is collated as training batches are (before: default_collate, "stack expects each tensor to be
+    equal size", raised out of auto_accelerate)."""
+    from atorch.testing.hf_models import tiny_llama
+    from tests.methods.test_loss_items import hf_loss, pad_to_longest, sft_rows
+
+    torch.manual_seed(0)
+    status, result, _ = auto_accelerate(
+        tiny_llama(), torch.optim.SGD, sft_rows(), hf_loss, optim_args={"lr": 0.1},
+        dataloader_args={"batch_size": 4, "collate_fn": pad_to_longest}, model_input_format="unpack_dict",
+        report_dir=str(tmp_path), use_profile_cache=False, excluded=["native_dynamo"], loss_items="next_token_labels")
+    assert status, "the search failed on padded rows"
+    batch = next(iter(result.dataloader))
+    loss = result.loss_func(batch, result.model(**batch))
+    loss.backward()
+    assert torch.isfinite(loss)

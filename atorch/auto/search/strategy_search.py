@@ -869,8 +869,9 @@ class StrategySearch:
     def _profile(self, probe) -> ModelProfile:
         """The static profile, FLOPs on one sample batch, the sequence length and the layout facts."""
         sample = None
-        if probe.dataset is not None:
-            loader = torch.utils.data.DataLoader(probe.dataset, batch_size=max(self.per_rank_batch, 1))
+        if probe.dataset is not None:  # batched as training batches it: the user's collate_fn pads ragged rows
+            loader = torch.utils.data.DataLoader(probe.dataset, batch_size=max(self.per_rank_batch, 1),
+                                                 collate_fn=probe.dataloader_args.get("collate_fn"))
             sample = next(iter(loader), None)
 
         def run_model(call, batch):
