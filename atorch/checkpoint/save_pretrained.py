@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import inspect
 import os
 import weakref
 from typing import Any, Callable, Iterator, Optional, Union
@@ -85,7 +86,7 @@ def _save_pretrained(model_ref: weakref.ref, original: Optional[Callable], save_
         original(model_roots(model)[0], save_directory, is_main_process=is_main_process, state_dict=state_dict,
                  max_shard_size=max_shard_size, **kwargs)
         return
-    if original is not None and not _is_transformers(original):
+    if original is not None and not _is_transformers(original) and _takes_state_dict(original):
         _save_adapters(model, original, save_directory, **kwargs)
         return
     others = sorted(k for k, v in kwargs.items() if k not in _DEFAULT_LIKE or v != _DEFAULT_LIKE[k])
@@ -101,6 +102,16 @@ def _save_pretrained(model_ref: weakref.ref, original: Optional[Callable], save_
 
 def _is_transformers(method: Callable) -> bool:
     return getattr(method, "__module__", "").split(".")[0] == "transformers"
+
+
+def _takes_state_dict(method: Callable) -> bool:
+    """Whether a library's ``save_pretrained`` can be handed the gathered weights (``state_dict=``, or
+    ``**kwargs`` as PEFT's takes it); one that cannot keeps the export."""
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "state_dict" or p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def _save_adapters(model: nn.Module, original: Callable, save_directory: Union[str, os.PathLike],
