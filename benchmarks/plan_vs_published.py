@@ -91,8 +91,10 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    "trainy-whitefiber": {"rank_order": "tensor-data-pipeline",
                                          "logit_bytes": COMPILED_LOSS_LOGIT_BYTES},
                    # torchao's B200 runs of torchtitan @ 6fc499f: FSDP alone; that version compiles the loss with
-                   # the model (components/loss.py, as Trainy's)
-                   "torchao": {"logit_bytes": COMPILED_LOSS_LOGIT_BYTES},
+                   # the model (components/loss.py, as Trainy's); its apply_fsdp (models/llama3/infra/parallelize.py)
+                   # shards the embedding and [norm, output] as units of their own (#1094, 2025-07-28: after
+                   # Trainy's e7c0cae, before 6fc499f)
+                   "torchao": {"logit_bytes": COMPILED_LOSS_LOGIT_BYTES, "fsdp_units": "embedding_and_head_apart"},
                    # Megatron-Core's distributed optimizer; Transformer Engine's attention, which prefers
                    # cuDNN's fused kernel on Hopper (TransformerEngine dot_product_attention/utils.py)
                    # NeMo-Framework-Launcher's Llama configs (launcher_scripts/conf/training/llama/*.yaml @

@@ -41,6 +41,7 @@ from atorch.plan.analytic import (
     AC_MODES,
     ATTENTIONS,
     EXPERT_DISPATCHES,
+    FSDP_UNITS,
     GRAD_REDUCE_DTYPES,
     GRAD_SYNCS,
     OPTIMIZER_STATES,
@@ -230,7 +231,7 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
              recompute_layers: Optional[int] = None, expert: int = 1, expert_tensor: Optional[int] = None,
              expert_comm_overlap: bool = False, expert_permute_fused: bool = False,
              expert_dispatch: str = "alltoall",
-             pipeline_layout: Optional[str] = None) -> Prediction:
+             pipeline_layout: Optional[str] = None, fsdp_units: str = "blocks_and_root") -> Prediction:
     """How fast and how big is the one configuration you name ("what I run today")?
 
     The same analytic model ``plan()`` ranks its candidates with, so a configuration that ``plan()``
@@ -361,6 +362,12 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     experts once and is forwarded there over NVLink, the combine adding a node's outputs up before
     sending them back: DeepEP's normal kernels, Hybrid-EP; ``analytic.expert_copies``). Needs expert > 1
     with whole experts on each rank (expert_tensor 1).
+    ``fsdp_units``: how FSDP groups the parameters into the units it gathers (``analytic.FSDP_UNITS``):
+    "blocks_and_root" (default: each block a unit and the rest, embedding, final norm and output layer,
+    the root's one unit, as atorch's fsdp and torchtitan before 2025-07 wrap them) or
+    "embedding_and_head_apart" (the embedding, and the final norm with the output layer, units of their own:
+    torchtitan since 2025-07-28), where the largest gathered unit is the larger of the two. Modelled for
+    sharding fsdp / hsdp without tensor or pipeline parallelism (whose ranks count two gathered blocks).
     Returns a ``Prediction`` (``tokens_per_s_per_gpu``, ``mfu``, ``memory_bytes``, ``fits`` and the
     time breakdown)."""
     spec, cluster, candidate, work = configuration(
@@ -378,7 +385,8 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
         vocab_parallel_loss=vocab_parallel_loss, saves_gathered_inputs=saves_gathered_inputs, context=context,
         context_comm_overlap=context_comm_overlap, recompute_layers=recompute_layers, expert=expert,
         expert_tensor=expert_tensor, expert_comm_overlap=expert_comm_overlap,
-        expert_permute_fused=expert_permute_fused, expert_dispatch=expert_dispatch, pipeline_layout=pipeline_layout)
+        expert_permute_fused=expert_permute_fused, expert_dispatch=expert_dispatch, pipeline_layout=pipeline_layout,
+        fsdp_units=fsdp_units)
     return predict(candidate, spec, cluster, work, spec_layout_facts(spec, cluster.world_size))
 
 
@@ -466,8 +474,8 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
                   saves_gathered_inputs: bool = False, context: int = 1, context_comm_overlap: bool = False,
                   recompute_layers: Optional[int] = None, expert: int = 1, expert_tensor: Optional[int] = None,
                   expert_comm_overlap: bool = False, expert_permute_fused: bool = False,
-                  expert_dispatch: str = "alltoall",
-                  pipeline_layout: Optional[str] = None) -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
+                  expert_dispatch: str = "alltoall", pipeline_layout: Optional[str] = None,
+                  fsdp_units: str = "blocks_and_root") -> tuple[TransformerSpec, ClusterSpec, Candidate, Workload]:
     """``estimate``'s arguments checked and turned into the planner's candidate and workload (for
     callers that adjust the workload further, such as the published-runs benchmark)."""
     spec, cluster = model_spec(model), cluster_spec(cluster)
@@ -571,7 +579,20 @@ def configuration(model: Any, cluster: Any, *, global_batch: int, seq_len: int, 
     if expert_dispatch != "alltoall":
         _check_expert_dispatch(candidate, work, expert_dispatch)
         work = dataclasses.replace(work, expert_dispatch=expert_dispatch)
+    if fsdp_units != "blocks_and_root":
+        _check_fsdp_units(fsdp_units, sharding, tensor, pipeline)
+        work = dataclasses.replace(work, fsdp_units=fsdp_units)
     return spec, cluster, candidate, work
+
+
+def _check_fsdp_units(units: Any, sharding: str, tensor: int, pipeline: int) -> None:
+    """``fsdp_units`` is a choice, and says something only where FSDP gathers units on a data rank of the
+    whole model."""
+    _check_choice("fsdp_units", units, FSDP_UNITS)
+    if sharding not in ("fsdp", "hsdp") or tensor * pipeline > 1:
+        raise InputError(f"fsdp_units={units!r} is not valid with sharding={sharding!r}, tensor={tensor}, "
+                         f"pipeline={pipeline}: it is modelled for FSDP's units over the whole model (sharding "
+                         "'fsdp' or 'hsdp', tensor=1, pipeline=1); give fsdp_units='blocks_and_root' there")
 
 
 def _check_expert_dispatch(candidate: Candidate, work: Workload, dispatch: Any) -> None:

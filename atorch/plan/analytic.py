@@ -79,6 +79,13 @@ RANK_ORDERS = ("tensor-pipeline-data", "tensor-data-pipeline")
 # flex dispatcher; DeepEP's Hybrid-EP design notes: its RDMA buffer holds a rank's tokens once per remote
 # node, and its combine pre-reduces within the node)
 EXPERT_DISPATCHES = ("alltoall", "hierarchical")
+# How FSDP groups the parameters into the units it gathers one at a time. "blocks_and_root": each block
+# a unit, everything else (the embedding, the final norm and the output layer) the root's one unit
+# (atorch's fsdp, torchtitan before 2025-07); "embedding_and_head_apart": the embedding and the final
+# norm with the output layer are units of their own (torchtitan since its #1094, 83e6941, 2025-07-28:
+# ``fully_shard(model.tok_embeddings)``, ``fully_shard([model.norm, model.output])``), so the largest
+# unit gathered is the larger of the two, not both together
+FSDP_UNITS = ("blocks_and_root", "embedding_and_head_apart")
 # the shardings FSDP runs, with its mixed-precision policy and its gathers (zero2: FSDP without resharding
 # after forward)
 FSDP_KINDS = ("fsdp", "hsdp", "zero2")
@@ -159,6 +166,8 @@ class Workload:
     # the selective share was fitted on (torchtitan's, op-level); a compiled block's partitioner drops
     # the saved outputs its backward never reads (benchmarks/compiled_activations.py measures it)
     selective_saved_scale: float = 1.0
+    # how FSDP's units group the parameters (FSDP_UNITS; ``apart_units_saving``)
+    fsdp_units: str = "blocks_and_root"
     # DeepSpeed's BF16 optimizer (Megatron-DeepSpeed's ZeRO-1 equivalent): each micro-batch's bf16
     # gradients are added into the fp32 buffer and stay allocated on the parameters until the next
     # backward clears them (its pipeline engine calls update_hp_grads(clear_lp_grads=False) after every
@@ -709,6 +718,7 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
     shard_group = shard_size(candidate, world)
     memory = estimate(stated, variant, shard_group, _profile(spec, P), _hardware(cluster)).memory_bytes
     cached = cached_block_bytes(candidate, spec, work, tokens / max(candidate.micro, 1), fp8=fp8) if reserved else 0.0
+    memory -= apart_units_saving(stated, spec, work, shard_group, P)
     return memory + fp32_gather_bytes(candidate, spec, work, shard_group) + cached
 
 
@@ -717,6 +727,21 @@ def counted_per_stage(candidate: Candidate, work: Workload) -> bool:
     tensor / pipeline parallelism and Megatron's distributed optimizer; pure data parallelism goes
     through the search's cost model instead."""
     return candidate.tensor * candidate.pipeline > 1 or (candidate.sharding == "zero1" and work.distributed_optimizer)
+
+
+def apart_units_saving(candidate: Candidate, spec: TransformerSpec, work: Workload, shard: int,
+                       param_bytes: float) -> float:
+    """What FSDP holds less where the embedding and the output layer are units of their own
+    (``fsdp_units="embedding_and_head_apart"``): ``cost_model.estimate`` counts three of the largest unit
+    gathered at once (a gathered unit, the prefetched next one and the unit's unsharded gradient), the
+    root's remainder (embedding, final norm and output layer together) where that is larger than a block;
+    apart, the largest unit is the larger of the embedding and the norm with the output layer."""
+    if work.fsdp_units != "embedding_and_head_apart" or candidate.sharding not in ("fsdp", "hsdp") or shard <= 1:
+        return 0.0
+    per_param = param_bytes / max(spec.param_count, 1) * (0.5 if candidate.precision.startswith("amp") else 1.0)
+    together = spec.embedding_params + spec.head_params + spec.hidden
+    apart = max(spec.embedding_params, spec.head_params + spec.hidden)
+    return 3 * per_param * (max(spec.block_params, together) - max(spec.block_params, apart))
 
 
 def fp32_gather_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload, shard: int) -> float:

@@ -543,12 +543,33 @@ def test_estimate_of_the_top_plan_gives_the_figures_plan_reports():
     ("grad_reduce_dtype", "fp16", "bf16"),
     ("attention", "eager", "materialised"), ("sequence_parallel", 1, "True"),
     ("half_grads_kept", "yes", "True"), ("half_grads_kept", True, "zero1"), ("stage_outputs_kept", 1, "True"),
-    ("stage_outputs_kept", True, "pipeline > 1"),
+    ("stage_outputs_kept", True, "pipeline > 1"), ("fsdp_units", "per_layer", "embedding_and_head_apart"),
 ])
 def test_estimate_names_a_bad_value_and_the_valid_choices(key, value, valid):
     with pytest.raises(InputError, match=valid) as error:
         atorch.estimate("llama3-8b", "8xH100-80GB", global_batch=16, seq_len=4096, **{key: value})
     assert key in str(error.value)
+
+
+def test_fsdp_units_apart_gather_the_larger_of_embedding_and_head_not_both():
+    """torchtitan since 2025-07 shards the embedding and [norm, output] as FSDP units of their own: the
+    three units FSDP holds gathered at once (the unit, the prefetched next, the unsharded gradient) are
+    the output layer's size, not the root's embedding + output. Llama 3 8B under autocast (bf16 gathers):
+    3 x 2 bytes x (embedding + output + norm - output - norm) = 6 bytes x the embedding's parameters less.
+    Refused where it is not modelled (zero2 gathers everything; tensor / pipeline ranks count blocks)."""
+    spec = model_spec("llama3-8b")
+    args = dict(global_batch=8, seq_len=8192, activation_checkpointing="selective")
+    root = atorch.estimate(spec, "8xH100-80GB", **args)
+    apart = atorch.estimate(spec, "8xH100-80GB", fsdp_units="embedding_and_head_apart", **args)
+    assert root.memory_bytes - apart.memory_bytes == pytest.approx(6 * spec.embedding_params, rel=1e-6)
+    assert apart.tokens_per_s_per_gpu == root.tokens_per_s_per_gpu
+    hsdp = dict(args, global_batch=16, sharding="hsdp")
+    assert (atorch.estimate(spec, "2x8xH100-80GB", fsdp_units="embedding_and_head_apart", **hsdp).memory_bytes
+            < atorch.estimate(spec, "2x8xH100-80GB", **hsdp).memory_bytes)
+    with pytest.raises(InputError, match="fsdp_units='embedding_and_head_apart' is not valid with sharding='zero2'"):
+        atorch.estimate(spec, "8xH100-80GB", sharding="zero2", fsdp_units="embedding_and_head_apart", **args)
+    with pytest.raises(InputError, match="tensor=2, pipeline=1: it is modelled for FSDP's units over the whole"):
+        atorch.estimate(spec, "8xH100-80GB", tensor=2, fsdp_units="embedding_and_head_apart", **args)
 
 
 def test_fp8_is_refused_on_a_device_without_fp8_and_other_frameworks_sharding_names_are_pointed_at_ours():

@@ -109,11 +109,6 @@ KNOWN_MISSES = {
                            "what holds that is not known (docs/plan.md); and its 405B run with context "
                            "parallelism 8 at 0.81: its published peak is 7.8 GiB above the same pipeline's at "
                            "context 4, with the same tokens a rank and the same sharding",
-        "torchao": "its B200 Float8 run at 1.23 of the published reservation (41.0 GiB against 33.4; its bf16 "
-                   "calibration row 43.0 against 33.7): the same torchtitan block, compiled under per-op selective "
-                   "AC with the loss compiled, is predicted within 4 % on Trainy's H200 rows (June 2025) and "
-                   "torchtitan's own H100 rows (December 2024); what the August 2025 PyTorch nightly on Blackwell "
-                   "keeps less of is not known (docs/plan.md)",
     },
     "fits": {
         "llama3": "all three runs, as section 3.3.2 describes them (FSDP keeping the weights gathered after "
