@@ -31,6 +31,7 @@ from atorch.auto.optimizer_kernels import check_low_precision_update, optimizer_
 from atorch.auto.stages import CONTEXT_WORK, STAGES
 from atorch.checkpoint.save_pretrained import route_save_pretrained
 from atorch.distributed import mesh
+from atorch.distributed.agreement import exchange_outside_collectives, is_multi_rank
 from atorch.distributed.distributed import get_data_partition_rank_and_size  # noqa: F401  (ATorch's import path)
 from atorch.errors import AtorchError, IncompatibleMethodsError, InputError, nearest_name
 from atorch.utils.batch import call_with_batch, cast_floating, dict_of_forward_arguments, move_to_device
@@ -213,14 +214,29 @@ class ModelContext:
 
     def _check_loss_items(self) -> None:
         """``loss_items`` counts a map-style dataset's first row here, so a preset that finds no 'labels' or a
-        function that fails is an InputError before anything is applied, not a failure in the first step."""
+        function that fails is an InputError before anything is applied, not a failure in the first step.
+        Every rank raises it where one rank's count failed (the user's function may fail on one rank only):
+        before, that rank left alone and its peers waited in their next collective until they gave up on
+        it (RankLostError, 13 s, the reason lost)."""
         if self.loss_items is None or self.dataset is None or isinstance(self.dataset, IterableDataset):
             return
+        error = ""
         try:
             batch = self.sample_batch()
         except Exception:  # a dataset that cannot give a row here is reported where it is read
-            return
-        self.loss_items.count(batch, self.device)
+            batch = None
+        if batch is not None:
+            try:
+                self.loss_items.count(batch, self.device)
+            except InputError as failed:
+                error = str(failed)
+        # through the store: no collective is in flight here, but one of another shape may follow on a peer
+        errors = exchange_outside_collectives(error) if is_multi_rank() and not self.local else [error]
+        failed_ranks = [(rank, text) for rank, text in enumerate(errors) if text]
+        if failed_ranks:
+            rank, text = failed_ranks[0]
+            where = f" (on rank {rank})" if len(errors) > 1 else ""
+            raise InputError(f"{text}{where}")
 
     def release_training_objects(self) -> None:
         """Drop the model, optimizer, data loader and the wrappers' hooks this context built, after work

@@ -1,9 +1,11 @@
 """Rank-local faults on 2 gloo ranks: an exception on one rank only, while the other rank is inside
-a collective, ends the dry run on every rank with DryRunError within seconds, and the process group
+a collective, ends the dry run on every rank with DryRunError within seconds (InputError where it is the
+user's loss_items count on the first row, which auto_accelerate checks before applying anything), and the process group
 stays usable for the next case (all cases share one launch, so every later case proves it).
 
 Matrix: where the fault is raised (loss_func, the model's forward at its second block, the user's
-prepare_input) × when (first call, third call) × the method (DDP, zero1, zero2, fsdp, tensor_parallel,
+prepare_input; the user's loss_items count under DDP, fsdp and a pipeline) × when (first call, third
+call) × the method (DDP, zero1, zero2, fsdp, tensor_parallel,
 pipeline_parallel: rank 0 then waits in a point-to-point receive, not a collective; ds_3d_parallel where
 DeepSpeed is installed).
 The same three places inside the fully automatic search (the sharded candidates fail on rank 1: the
@@ -49,6 +51,9 @@ METHODS = {"ddp": ["parallel_mode"], "zero1": ["zero1"], "zero2": ["zero2"], "fs
                                   ("ds_3d_parallel", {"num_micro_batch": 2})]}
               if deepspeed_unavailable_reason() is None else {})}
 PLACES = ("loss_func", "forward", "prepare_input")
+# the user's loss_items count (rank 0 then waits in the count's all-reduce over the data ranks, or, under a
+# pipeline, in its micro-batches' point-to-point receive): where atorch calls it
+LOSS_ITEMS_METHODS = ("ddp", "fsdp", "pipeline_parallel")
 CALLS = (1, 3)
 CASE_LIMIT_S = 30.0
 COLLECTIVE_TIMEOUT_S = 3.0  # how long a rank waits inside a collective for a failed peer
@@ -80,20 +85,25 @@ def _accelerate(method: str, place: str, at: int):
             fault()
         return move_to_device(batch, device)
 
+    def count_items(batch):
+        if place == "loss_items":
+            fault()
+        return batch["labels"].numel()
+
     if place == "forward":  # inside the forward, after the first block ran (FSDP has gathered and freed it)
         model.blocks[1].register_forward_pre_hook(lambda module, args: fault())
     return auto_accelerate(
         model, torch.optim.SGD, SyntheticTokenDataset(64, SMALL_GPT.block_size, SMALL_GPT.vocab_size), loss_func,
         prepare_input=prepare_input, optim_args={"lr": 0.1}, dataloader_args={"batch_size": 4},
         model_input_format="unpack_dict", load_strategy=METHODS[method], ignore_dryrun_on_load_strategy=False,
-        dryrun_collective_timeout=COLLECTIVE_TIMEOUT_S,
+        dryrun_collective_timeout=COLLECTIVE_TIMEOUT_S, loss_items=count_items if place == "loss_items" else None,
     )
 
 
 def launch() -> dict:
     cases = {}
     for method in METHODS:
-        for place in PLACES:
+        for place in PLACES + (("loss_items",) if method in LOSS_ITEMS_METHODS else ()):
             for at in CALLS:
                 started = time.monotonic()
                 try:
@@ -119,7 +129,9 @@ def test_every_rank_ends_each_fault_with_dry_run_error_quickly(faults):
     for rank, out in enumerate(faults):
         for case, (outcome, seconds) in out["cases"].items():
             print(f"rank {rank} {case}: {seconds:.2f} s, {outcome[:90]}")
-            assert outcome.startswith("DryRunError"), f"rank {rank} {case}: {outcome}"
+            # the count's first call is auto_accelerate's check of the first row, before anything is applied
+            expected = "InputError" if case.endswith("loss_items/call1") else "DryRunError"
+            assert outcome.startswith(expected), f"rank {rank} {case}: {outcome}"
             assert "injected fault on rank 1" in outcome, f"rank {rank} {case} lost the reason: {outcome}"
             assert seconds < CASE_LIMIT_S, f"rank {rank} {case} took {seconds:.1f} s"
 
