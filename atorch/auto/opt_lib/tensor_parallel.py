@@ -62,6 +62,7 @@ from atorch.auto.opt_lib.tp_agreement import (
 )
 from atorch.auto.opt_lib.tp_check import Probe, check_plan, probe_from_context
 from atorch.auto.opt_lib.tp_experts import gradient_summed, split_expert_bank
+from atorch.auto.opt_lib.tp_inputs import check_tensor_group_inputs
 from atorch.auto.opt_lib.tp_mha import split_mha
 from atorch.auto.opt_lib.tp_plan import TPPlan, _is_linear, find_tp_plan, plan_from_patterns, split_share
 from atorch.auto.opt_lib.tp_shapes import install_localizer, install_shared_head_gradients, localize_attributes
@@ -214,6 +215,7 @@ def apply_tensor_parallel(ctx, config: TensorParallelConfig, given: Optional[TPP
         share_initial_weights(ctx.model, tp_mesh)
         plan = _parallelize(ctx.model, config, tp, tp_mesh, sequence, probe_from_context(ctx))
         share_random_state(ctx.model, tp_mesh)
+        check_tensor_group_inputs(ctx.model, tp_mesh)
     ctx.model_parallel = True
     ctx.args.extras["tensor_parallel"] = plan.report()
     return plan

@@ -1,0 +1,70 @@
+"""The ranks of a tensor group must be given the same batch: checked on a tensor-parallel model's first calls.
+
+Every rank of a tensor group computes its share of one forward over one batch; the split matmuls' collectives
+add up those shares. Given different batches (a script's own DataLoader over a DistributedSampler of every
+rank, or a tensor-parallel teacher called with a data-parallel student's batches) each rank's share is of a
+different batch and the sums are nonsense of the right shape: the loss trains, wrongly, with no error
+(a teacher's logits were 0.5 off per element, the student's weights 2e-3 off one process's after 4 steps).
+``result.dataloader`` gives a tensor group one batch, so the dry runs and a script that uses it never meet
+this; a script that brings its own data did, silently.
+
+The model's first ``CHECKED_CALLS`` forwards compare a fingerprint of their inputs over the tensor group
+(one small all-gather each, then the hook removes itself) and raise ``InputError`` on every rank of the group
+where they differ. The tensor group alone takes part: a script may call one tensor group's model where the
+others do not (an evaluation on the first data rank), and the fingerprints are the same on all its ranks,
+so all of them raise together.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from atorch.distributed.agreement import comm_device
+from atorch.errors import InputError
+
+CHECKED_CALLS = 4  # the forwards checked; after them the hook is gone (no collective left in the step)
+
+
+def check_tensor_group_inputs(model: nn.Module, tp_mesh: Any) -> None:
+    """Compare the inputs of ``model``'s first ``CHECKED_CALLS`` forwards over ``tp_mesh``'s ranks."""
+    group = tp_mesh.get_group()
+    state = {"calls": 0}
+
+    @torch._dynamo.disable
+    def compare(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        state["calls"] += 1
+        if state["calls"] >= CHECKED_CALLS:
+            handle.remove()
+        mine = input_fingerprint(args, kwargs).to(comm_device(group))
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, mine, group=group)
+        differing = [i for i, theirs in enumerate(everyone) if not torch.equal(theirs, everyone[0])]
+        if differing:
+            ranks = dist.get_process_group_ranks(group)
+            raise InputError(
+                f"tensor_parallel: the ranks of a tensor group were given different inputs at call {state['calls']} "
+                f"(ranks {ranks}: rank {ranks[differing[0]]}'s differ from rank {ranks[0]}'s); every rank of a "
+                "tensor group computes one batch with the others, so each must be given the same batch: iterate "
+                "result.dataloader, or split your own data by the data-parallel rank and size "
+                "(atorch.distributed.distributed.get_data_partition_rank_and_size()), not by the global rank")
+
+    handle = model.register_forward_pre_hook(compare, with_kwargs=True)
+
+
+def input_fingerprint(args: tuple, kwargs: dict) -> torch.Tensor:
+    """A few numbers that equal inputs give alike on every rank: the tensors' count, their sizes, and their
+    values summed in float64, plainly and weighted by position (so swapped rows or arguments differ too).
+    Keyword arguments are read in sorted order, so their order of writing does not matter."""
+    leaves = [x for x in tree_leaves((args, [kwargs[k] for k in sorted(kwargs)]))
+              if isinstance(x, torch.Tensor) and not x.is_meta]
+    parts = [torch.zeros(4, dtype=torch.float64)]
+    for index, tensor in enumerate(leaves):
+        values = tensor.detach().reshape(-1).to(torch.float64)
+        weights = torch.arange(1, values.numel() + 1, dtype=torch.float64, device=values.device)
+        parts.append(torch.stack([torch.tensor(1.0, dtype=torch.float64), torch.tensor(float(values.numel())),
+                                  values.sum().cpu() * (index + 1), (values * weights).sum().cpu()]))
+    return torch.stack(parts).sum(0)
