@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from atorch.auto.accelerate import auto_accelerate
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason
 from atorch.auto.opt_lib.pipeline_parallel import balance_stages, plan_stages
-from atorch.auto.opt_lib.tp_inputs import CHECKED_CALLS
+from atorch.auto.opt_lib.same_batch import CHECKED_CALLS
 from atorch.distributed import mesh
 from atorch.errors import InputError, MethodConfigError
 from atorch.models import GPT, GPTConfig
@@ -676,25 +676,25 @@ def split_part_dropout(sequence: bool = False) -> dict:
     return {"masks": masks, "weights": full_state_dict(result.model)}
 
 
-def rank_own_batches() -> dict:
-    """A tp2 model given batches by result.dataloader trains; a fresh one called with a batch of each rank's
-    own (a script's DistributedSampler over every rank, a tensor-parallel teacher beside a data-parallel
+def rank_own_batches(strategy: list) -> dict:
+    """A tp2 / pp2 model given batches by result.dataloader trains; a fresh one called with a batch of each
+    rank's own (a script's DistributedSampler over every rank, a tensor-parallel teacher beside a data-parallel
     student) is refused on both ranks at its first call, where it used to compute a silently wrong result;
     after CHECKED_CALLS calls the check is gone (no collective left in the step)."""
     zoo = zoo_model("mlp_updown")
-    strategy = [("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"]
 
     def accelerate():
         torch.manual_seed(0)
         return auto_accelerate(DropoutUpDown(), torch.optim.SGD, zoo.make_dataset(12, 0), zoo.loss_func,
                                optim_args={"lr": 0.1}, dataloader_args={"batch_size": 4}, load_strategy=strategy)[1]
 
-    result = accelerate()
-    losses = []
-    for batch in result.dataloader:
+    def step(result, batch) -> float:
         loss = result.loss_func(batch, result.model(batch))
-        loss.backward()
-        losses.append(loss.item())
+        result.optim.backward(loss) if result.args.use_optim_backward else loss.backward()
+        return loss.item()
+
+    result = accelerate()
+    losses = [step(result, batch) for batch in result.dataloader]
     result = accelerate()
     own = torch.full((4, 32), float(dist.get_rank()))
     try:
@@ -726,7 +726,9 @@ def launch_2(cases: dict) -> dict:
             "same_batches": same_batches(), "compiled": compiled_split_models(), "split_dropout": split_part_dropout(),
             "sequence_dropout": split_part_dropout(sequence=True),
             "positional": train_positional([PP2, ("pipeline_parallel", {"schedule": "GPipe"})]),
-            "validation": validation, "accumulation": accumulation, "rank_own_batches": rank_own_batches()}
+            "validation": validation, "accumulation": accumulation, "rank_own_batches": {
+                "tensor": rank_own_batches([("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"]),
+                "pipeline": rank_own_batches([PP2, "pipeline_parallel"])}}
 
 
 @pytest.fixture(scope="module")
@@ -738,11 +740,13 @@ def test_two_rank_methods_match_reference(two_ranks):
     _check([r["suite"] for r in two_ranks], CASES_2)
 
 
-def test_a_tensor_group_given_different_batches_is_refused_on_every_rank(two_ranks):
+@pytest.mark.parametrize("dimension", ["tensor", "pipeline"])
+def test_a_tensor_or_pipeline_group_given_different_batches_is_refused_on_every_rank(two_ranks, dimension):
+    method = f"{dimension}_parallel"
     for out in two_ranks:
-        got = out["rank_own_batches"]
-        assert len(got["losses"]) == 3 and got["losses"] == two_ranks[0]["rank_own_batches"]["losses"]
-        assert got["refusal"].startswith("tensor_parallel: the ranks of a tensor group were given different "
+        got = out["rank_own_batches"][dimension]
+        assert len(got["losses"]) == 3 and got["losses"] == two_ranks[0]["rank_own_batches"][dimension]["losses"]
+        assert got["refusal"].startswith(f"{method}: the ranks of a {dimension} group were given different "
                                          "inputs at call 1 (ranks [0, 1]"), got["refusal"]
         assert "result.dataloader" in got["refusal"] and "get_data_partition_rank_and_size" in got["refusal"]
 

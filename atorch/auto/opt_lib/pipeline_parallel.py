@@ -86,6 +86,7 @@ from atorch.auto.opt_lib.pipeline_structure import (
     structure_from_order,
     trace_structure,
 )
+from atorch.auto.opt_lib.same_batch import check_same_batch
 from atorch.distributed import mesh
 from atorch.errors import MethodConfigError
 from atorch.utils.batch import batch_of_call, equal_chunks, first_tensor, loss_value, select_rows, tensors
@@ -552,6 +553,7 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
                             input_format=ctx.model_input_format,
                             group=group, is_last=(num_stages - 1) in indices, shared=shared, item_weights=item_weights)
     holder["module"] = module
+    check_same_batch(module, group, "pipeline_parallel", "pipeline")
     ctx.settlers.append(module.settle)
     ctx.model = module
     ctx.loss_func = pipeline_loss

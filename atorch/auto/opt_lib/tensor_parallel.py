@@ -53,6 +53,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from atorch.auto.opt_lib.base import Optimization
+from atorch.auto.opt_lib.same_batch import check_same_batch
 from atorch.auto.opt_lib.sequence_parallel import apply_sequence_parallel, plan_sequence_parallel, replicate_params
 from atorch.auto.opt_lib.tp_agreement import (
     draw_apart_in_split_parts,
@@ -62,7 +63,6 @@ from atorch.auto.opt_lib.tp_agreement import (
 )
 from atorch.auto.opt_lib.tp_check import Probe, check_plan, probe_from_context
 from atorch.auto.opt_lib.tp_experts import gradient_summed, split_expert_bank
-from atorch.auto.opt_lib.tp_inputs import check_tensor_group_inputs
 from atorch.auto.opt_lib.tp_mha import split_mha
 from atorch.auto.opt_lib.tp_plan import TPPlan, _is_linear, find_tp_plan, plan_from_patterns, split_share
 from atorch.auto.opt_lib.tp_shapes import install_localizer, install_shared_head_gradients, localize_attributes
@@ -211,11 +211,12 @@ def apply_tensor_parallel(ctx, config: TensorParallelConfig, given: Optional[TPP
             applied = _apply_to_stage(stage, plan, config, tp, tp_mesh, sequence)
             share_random_state(stage, tp_mesh)
         plan = given or applied
+        check_same_batch(ctx.model, tp_mesh.get_group(), "tensor_parallel", "tensor")  # the pipeline's root
     else:
         share_initial_weights(ctx.model, tp_mesh)
         plan = _parallelize(ctx.model, config, tp, tp_mesh, sequence, probe_from_context(ctx))
         share_random_state(ctx.model, tp_mesh)
-        check_tensor_group_inputs(ctx.model, tp_mesh)
+        check_same_batch(ctx.model, tp_mesh.get_group(), "tensor_parallel", "tensor")
     ctx.model_parallel = True
     ctx.args.extras["tensor_parallel"] = plan.report()
     return plan

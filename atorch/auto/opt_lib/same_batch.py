@@ -1,18 +1,19 @@
-"""The ranks of a tensor group must be given the same batch: checked on a tensor-parallel model's first calls.
+"""The ranks of a tensor or pipeline group must be given the same batch: checked on the model's first calls.
 
 Every rank of a tensor group computes its share of one forward over one batch; the split matmuls' collectives
-add up those shares. Given different batches (a script's own DataLoader over a DistributedSampler of every
-rank, or a tensor-parallel teacher called with a data-parallel student's batches) each rank's share is of a
-different batch and the sums are nonsense of the right shape: the loss trains, wrongly, with no error
-(a teacher's logits were 0.5 off per element, the student's weights 2e-3 off one process's after 4 steps).
-``result.dataloader`` gives a tensor group one batch, so the dry runs and a script that uses it never meet
-this; a script that brings its own data did, silently.
+add up those shares. A pipeline's first stage reads the batch's inputs and its last stage the same batch's
+labels. Given different batches (a script's own DataLoader over a DistributedSampler of every rank, or a
+tensor-parallel teacher called with a data-parallel student's batches) the sums are nonsense of the right
+shape, or the loss compares one batch's outputs with another's labels: it trains, wrongly, with no error (a
+tensor-parallel teacher's logits were 0.5 off per element, its student's weights 2e-3 off one process's after
+4 steps). ``result.dataloader`` gives such a group one batch, so the dry runs and a script that uses it never
+meet this; a script that brings its own data did, silently.
 
-The model's first ``CHECKED_CALLS`` forwards compare a fingerprint of their inputs over the tensor group
-(one small all-gather each, then the hook removes itself) and raise ``InputError`` on every rank of the group
-where they differ. The tensor group alone takes part: a script may call one tensor group's model where the
-others do not (an evaluation on the first data rank), and the fingerprints are the same on all its ranks,
-so all of them raise together.
+The model's first ``CHECKED_CALLS`` forwards compare a fingerprint of their inputs over the group (one small
+all-gather each, then the hook removes itself) and raise ``InputError`` on every rank of the group where they
+differ. The group alone takes part: a script may call one group's model where the others do not (an
+evaluation on the first data rank), and the fingerprints are the same on all its ranks, so all of them raise
+together.
 """
 from __future__ import annotations
 
@@ -27,11 +28,13 @@ from atorch.distributed.agreement import comm_device
 from atorch.errors import InputError
 
 CHECKED_CALLS = 4  # the forwards checked; after them the hook is gone (no collective left in the step)
+WHY = {"tensor": "each computes its share of the same matmuls",
+       "pipeline": "the first stage reads the batch's inputs and the last its labels"}
 
 
-def check_tensor_group_inputs(model: nn.Module, tp_mesh: Any) -> None:
-    """Compare the inputs of ``model``'s first ``CHECKED_CALLS`` forwards over ``tp_mesh``'s ranks."""
-    group = tp_mesh.get_group()
+def check_same_batch(model: nn.Module, group: Any, method: str, dimension: str) -> None:
+    """Compare the inputs of ``model``'s first ``CHECKED_CALLS`` forwards over ``group``'s ranks (the
+    ``dimension`` group ``method`` works over)."""
     state = {"calls": 0}
 
     @torch._dynamo.disable
@@ -46,11 +49,11 @@ def check_tensor_group_inputs(model: nn.Module, tp_mesh: Any) -> None:
         if differing:
             ranks = dist.get_process_group_ranks(group)
             raise InputError(
-                f"tensor_parallel: the ranks of a tensor group were given different inputs at call {state['calls']} "
+                f"{method}: the ranks of a {dimension} group were given different inputs at call {state['calls']} "
                 f"(ranks {ranks}: rank {ranks[differing[0]]}'s differ from rank {ranks[0]}'s); every rank of a "
-                "tensor group computes one batch with the others, so each must be given the same batch: iterate "
-                "result.dataloader, or split your own data by the data-parallel rank and size "
-                "(atorch.distributed.distributed.get_data_partition_rank_and_size()), not by the global rank")
+                f"{dimension} group works on one batch with the others ({WHY[dimension]}), so each must be given "
+                "the same batch: iterate result.dataloader, or split your own data by the data-parallel rank and "
+                "size (atorch.distributed.distributed.get_data_partition_rank_and_size()), not by the global rank")
 
     handle = model.register_forward_pre_hook(compare, with_kwargs=True)
 
