@@ -710,8 +710,8 @@ def rank_own_batches(strategy: list) -> dict:
 
 
 def launch_2(cases: dict) -> dict:
-    # the pipeline runs on changing lengths and with validation come before deepspeed_pipeline, which leaves
-    # DeepSpeed unimportable
+    # the pipeline runs on changing lengths, with validation and on each rank's own batches come before
+    # deepspeed_pipeline, which leaves DeepSpeed unimportable
     validation = {"pp": train_with_validation([PP2, "pipeline_parallel"]),
                   **({"ds_3d": train_with_validation(DS_3D)} if DEEPSPEED else {})}
     accumulation = {name: train_accumulating([PP2, "pipeline_parallel"], scales)
@@ -719,6 +719,9 @@ def launch_2(cases: dict) -> dict:
     if DEEPSPEED:  # a window's calls scaled alike (DeepSpeed's engine sums them before the loop's backward)
         accumulation.update({f"ds_3d_{name}": train_accumulating(DS_3D, WINDOW_SCALES[name])
                              for name in ("mean", "sum")})
+    own_batches = {"tensor": rank_own_batches([("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"]),
+                   "pipeline": rank_own_batches([PP2, "pipeline_parallel"]),
+                   **({"ds_3d": rank_own_batches(DS_3D)} if DEEPSPEED else {})}
     return {"suite": run_suite(cases), "layouts": inspect_parallel_layouts(), "lengths": pipeline_on_changing_lengths(),
             "deepspeed": deepspeed_pipeline(), "zoo": inspect_zoo_layouts(),
             "residual_sequences": residual_blocks_on_sequences(), "refusals": pipeline_refusals(),
@@ -726,9 +729,7 @@ def launch_2(cases: dict) -> dict:
             "same_batches": same_batches(), "compiled": compiled_split_models(), "split_dropout": split_part_dropout(),
             "sequence_dropout": split_part_dropout(sequence=True),
             "positional": train_positional([PP2, ("pipeline_parallel", {"schedule": "GPipe"})]),
-            "validation": validation, "accumulation": accumulation, "rank_own_batches": {
-                "tensor": rank_own_batches([("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"]),
-                "pipeline": rank_own_batches([PP2, "pipeline_parallel"])}}
+            "validation": validation, "accumulation": accumulation, "rank_own_batches": own_batches}
 
 
 @pytest.fixture(scope="module")
@@ -740,12 +741,13 @@ def test_two_rank_methods_match_reference(two_ranks):
     _check([r["suite"] for r in two_ranks], CASES_2)
 
 
-@pytest.mark.parametrize("dimension", ["tensor", "pipeline"])
-def test_a_tensor_or_pipeline_group_given_different_batches_is_refused_on_every_rank(two_ranks, dimension):
-    method = f"{dimension}_parallel"
+@pytest.mark.parametrize("case", ["tensor", "pipeline", pytest.param("ds_3d", marks=pytest.mark.skipif(
+    not DEEPSPEED, reason="DeepSpeed is not installed"))])
+def test_a_tensor_or_pipeline_group_given_different_batches_is_refused_on_every_rank(two_ranks, case):
+    method, dimension = ("ds_3d_parallel", "pipeline") if case == "ds_3d" else (f"{case}_parallel", case)
     for out in two_ranks:
-        got = out["rank_own_batches"][dimension]
-        assert len(got["losses"]) == 3 and got["losses"] == two_ranks[0]["rank_own_batches"][dimension]["losses"]
+        got = out["rank_own_batches"][case]
+        assert len(got["losses"]) == 3 and got["losses"] == two_ranks[0]["rank_own_batches"][case]["losses"]
         assert got["refusal"].startswith(f"{method}: the ranks of a {dimension} group were given different "
                                          "inputs at call 1 (ranks [0, 1]"), got["refusal"]
         assert "result.dataloader" in got["refusal"] and "get_data_partition_rank_and_size" in got["refusal"]

@@ -47,6 +47,7 @@ from atorch.auto.opt_lib.pipeline_parallel import (
     cut_stages,
     pipeline_loss,
 )
+from atorch.auto.opt_lib.same_batch import check_same_batch
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.checkpoint.adapters import register_optimizer_adapter
 from atorch.distributed import mesh
@@ -185,6 +186,7 @@ def _build_engine(ctx, config: DS3DParallelConfig, stages: Optional["DeepSpeedSt
     item_weights = MicroBatchItemWeights(ctx.loss_items, dp, ctx.device, "ds_3d_parallel")
     wrapper = DeepSpeedPipeline(engine, ctx.loss_func, micro, stages, item_weights)
     holder["wrapper"] = wrapper
+    check_same_batch(wrapper, module.mpu().get_pipe_parallel_group(), "ds_3d_parallel", "pipeline")
     ctx.model = wrapper
     ctx.settlers.append(wrapper.settle)
     ctx.loss_func = pipeline_loss
