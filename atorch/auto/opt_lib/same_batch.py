@@ -60,14 +60,17 @@ def check_same_batch(model: nn.Module, group: Any, method: str, dimension: str) 
 
 def input_fingerprint(args: tuple, kwargs: dict) -> torch.Tensor:
     """A few numbers that equal inputs give alike on every rank: the tensors' count, their sizes, and their
-    values summed in float64, plainly and weighted by position (so swapped rows or arguments differ too).
-    Keyword arguments are read in sorted order, so their order of writing does not matter."""
+    values summed in float64, plainly and with each row weighted by its position (so swapped rows or arguments
+    differ too). Reductions only: nothing the size of an input is allocated. Keyword arguments are read in
+    sorted order, so their order of writing does not matter."""
     leaves = [x for x in tree_leaves((args, [kwargs[k] for k in sorted(kwargs)]))
               if isinstance(x, torch.Tensor) and not x.is_meta]
     parts = [torch.zeros(4, dtype=torch.float64)]
     for index, tensor in enumerate(leaves):
-        values = tensor.detach().reshape(-1).to(torch.float64)
-        weights = torch.arange(1, values.numel() + 1, dtype=torch.float64, device=values.device)
-        parts.append(torch.stack([torch.tensor(1.0, dtype=torch.float64), torch.tensor(float(values.numel())),
-                                  values.sum().cpu() * (index + 1), (values * weights).sum().cpu()]))
+        rows = tensor.detach().reshape(tensor.shape[0] if tensor.dim() else 1, -1) if tensor.numel() else \
+            tensor.detach().reshape(1, 0)
+        row_sums = rows.sum(1, dtype=torch.float64)
+        positions = torch.arange(1, row_sums.numel() + 1, dtype=torch.float64, device=row_sums.device)
+        parts.append(torch.stack([torch.tensor(1.0, dtype=torch.float64), torch.tensor(float(tensor.numel())),
+                                  row_sums.sum().cpu() * (index + 1), (row_sums * positions).sum().cpu()]))
     return torch.stack(parts).sum(0)
