@@ -22,7 +22,7 @@ from atorch.errors import InputError, MethodConfigError
 from atorch.models import GPT, GPTConfig
 from atorch.testing import run_distributed
 from atorch.testing.community_models import NanoGPT
-from atorch.testing.hf_models import zoo_model
+from atorch.testing.hf_models import tiny_llama, zoo_model
 from atorch.testing.training import (
     WINDOW_SCALES,
     accelerated_llama,
@@ -709,6 +709,26 @@ def rank_own_batches(strategy: list) -> dict:
     return {"losses": losses, "refusal": refusal}
 
 
+def reads_through(strategy: list) -> dict:
+    """What a script reads on the model a pipeline returns: an HF Llama's config (the stage's own object, so a
+    setting reaches it), generation_config, device and dtype; its methods raise an AttributeError saying why."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    rows = [{"input_ids": (ids := torch.randint(1, 64, (12,))), "labels": ids} for _ in range(8)]
+    _, result, _ = auto_accelerate(model, torch.optim.SGD, rows, lambda batch, output: output.loss,
+                                   optim_args={"lr": 0.1}, dataloader_args={"batch_size": 4}, load_strategy=strategy)
+    returned = result.model
+    returned.config.use_cache = False
+    try:
+        returned.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)
+        method = "no error"
+    except AttributeError as error:
+        method = str(error)
+    return {"vocab": returned.config.vocab_size, "device": str(returned.device), "dtype": str(returned.dtype),
+            "generation_config": returned.generation_config is not None,
+            "use_cache": [stage.model.config.use_cache for stage in returned.stage_modules], "method": method}
+
+
 def launch_2(cases: dict) -> dict:
     # the pipeline runs on changing lengths, with validation and on each rank's own batches come before
     # deepspeed_pipeline, which leaves DeepSpeed unimportable
@@ -719,6 +739,8 @@ def launch_2(cases: dict) -> dict:
     if DEEPSPEED:  # a window's calls scaled alike (DeepSpeed's engine sums them before the loop's backward)
         accumulation.update({f"ds_3d_{name}": train_accumulating(DS_3D, WINDOW_SCALES[name])
                              for name in ("mean", "sum")})
+    read_through = {"pipeline": reads_through([PP2, "pipeline_parallel"]),
+                    **({"ds_3d": reads_through(DS_3D)} if DEEPSPEED else {})}
     own_batches = {"tensor": rank_own_batches([("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"]),
                    "pipeline": rank_own_batches([PP2, "pipeline_parallel"]),
                    **({"ds_3d": rank_own_batches(DS_3D)} if DEEPSPEED else {})}
@@ -729,7 +751,8 @@ def launch_2(cases: dict) -> dict:
             "same_batches": same_batches(), "compiled": compiled_split_models(), "split_dropout": split_part_dropout(),
             "sequence_dropout": split_part_dropout(sequence=True),
             "positional": train_positional([PP2, ("pipeline_parallel", {"schedule": "GPipe"})]),
-            "validation": validation, "accumulation": accumulation, "rank_own_batches": own_batches}
+            "validation": validation, "accumulation": accumulation, "rank_own_batches": own_batches,
+            "read_through": read_through}
 
 
 @pytest.fixture(scope="module")
@@ -751,6 +774,17 @@ def test_a_tensor_or_pipeline_group_given_different_batches_is_refused_on_every_
         assert got["refusal"].startswith(f"{method}: the ranks of a {dimension} group were given different "
                                          "inputs at call 1 (ranks [0, 1]"), got["refusal"]
         assert "result.dataloader" in got["refusal"] and "get_data_partition_rank_and_size" in got["refusal"]
+
+
+@pytest.mark.parametrize("case", ["pipeline", pytest.param("ds_3d", marks=pytest.mark.skipif(
+    not DEEPSPEED, reason="DeepSpeed is not installed"))])
+def test_a_pipeline_s_model_reads_the_user_model_s_config_and_device_through(two_ranks, case):
+    method = "ds_3d_parallel" if case == "ds_3d" else "pipeline_parallel"
+    for out in two_ranks:
+        got = out["read_through"][case]
+        assert got["vocab"] == 64 and got["device"] == "cpu" and got["dtype"] == "torch.float32", got
+        assert got["generation_config"] and got["use_cache"] == [False], got
+        assert got["method"].startswith(f"'generate' of your LlamaForCausalLM is not on what {method} returns"), got
 
 
 def data_group_traffic(steps: int = 2) -> dict:

@@ -47,6 +47,7 @@ from atorch.auto.opt_lib.pipeline_parallel import (
     cut_stages,
     pipeline_loss,
 )
+from atorch.auto.opt_lib.pipeline_structure import read_through
 from atorch.auto.opt_lib.same_batch import check_same_batch
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.checkpoint.adapters import register_optimizer_adapter
@@ -335,6 +336,15 @@ class DeepSpeedPipeline(nn.Module):
         self.stages = stages
         self._batch: Any = None
         self.window = WindowScales("ds_3d_parallel")
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            stages = self.__dict__.get("stages")
+            engine = self.__dict__.get("_modules", {}).get("engine")
+            user_model = stages.stage.model if stages is not None else getattr(engine, "module", None)
+            return read_through(self, name, user_model, "ds_3d_parallel")
 
     def settle(self) -> None:
         """Scale the window's gradients as the loop scaled its calls' losses (``atorch.auto.loss_probe``)."""

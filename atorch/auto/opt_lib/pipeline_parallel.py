@@ -81,6 +81,7 @@ from atorch.auto.opt_lib.pipeline_structure import (
     held_parameters,
     no_cache_kwargs,
     positional_names,
+    read_through,
     replace_everywhere,
     shared_between_stages,
     structure_from_order,
@@ -213,6 +214,13 @@ class PipelineModule(nn.Module):
         self._batch: Any = None
         self._pending: Optional[_PendingCall] = None
         self._ready_hooks: list[tuple[Callable[[Any], None], Optional[Callable[[], Any]]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            stages = self.__dict__.get("_modules", {}).get("stage_modules")
+            return read_through(self, name, stages[-1].model if stages else None, "pipeline_parallel")
 
     def register_gradients_ready_hook(self, hook: Callable[[Any], None],
                                       capture: Optional[Callable[[], Any]] = None) -> None:
