@@ -710,8 +710,9 @@ def rank_own_batches(strategy: list) -> dict:
 
 
 def reads_through(strategy: list) -> dict:
-    """What a script reads on the model a pipeline returns: an HF Llama's config (the stage's own object, so a
-    setting reaches it), generation_config, device and dtype; its methods raise an AttributeError saying why."""
+    """What a script reads on the model a pipeline (or micro_batch) returns: an HF Llama's config (the stage's
+    own object, so a setting reaches it), generation_config, device and dtype; its methods raise an
+    AttributeError saying why."""
     torch.manual_seed(0)
     model = tiny_llama()
     rows = [{"input_ids": (ids := torch.randint(1, 64, (12,))), "labels": ids} for _ in range(8)]
@@ -726,7 +727,8 @@ def reads_through(strategy: list) -> dict:
         method = str(error)
     return {"vocab": returned.config.vocab_size, "device": str(returned.device), "dtype": str(returned.dtype),
             "generation_config": returned.generation_config is not None,
-            "use_cache": [stage.model.config.use_cache for stage in returned.stage_modules], "method": method}
+            "use_cache": [stage.model.config.use_cache for stage in returned.stage_modules]
+            if hasattr(returned, "stage_modules") else [model.config.use_cache], "method": method}
 
 
 def launch_2(cases: dict) -> dict:
@@ -740,6 +742,7 @@ def launch_2(cases: dict) -> dict:
         accumulation.update({f"ds_3d_{name}": train_accumulating(DS_3D, WINDOW_SCALES[name])
                              for name in ("mean", "sum")})
     read_through = {"pipeline": reads_through([PP2, "pipeline_parallel"]),
+                    "micro_batch": reads_through(["fsdp", ("micro_batch", {"num_micro_batch": 2})]),
                     **({"ds_3d": reads_through(DS_3D)} if DEEPSPEED else {})}
     own_batches = {"tensor": rank_own_batches([("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"]),
                    "pipeline": rank_own_batches([PP2, "pipeline_parallel"]),
@@ -776,15 +779,17 @@ def test_a_tensor_or_pipeline_group_given_different_batches_is_refused_on_every_
         assert "result.dataloader" in got["refusal"] and "get_data_partition_rank_and_size" in got["refusal"]
 
 
-@pytest.mark.parametrize("case", ["pipeline", pytest.param("ds_3d", marks=pytest.mark.skipif(
+@pytest.mark.parametrize("case", ["pipeline", "micro_batch", pytest.param("ds_3d", marks=pytest.mark.skipif(
     not DEEPSPEED, reason="DeepSpeed is not installed"))])
 def test_a_pipeline_s_model_reads_the_user_model_s_config_and_device_through(two_ranks, case):
-    method = "ds_3d_parallel" if case == "ds_3d" else "pipeline_parallel"
+    wrapper, inner = {"pipeline": ("PipelineModule", "LlamaForCausalLM"),
+                      "micro_batch": ("MicroBatchModule", "FSDPLlamaForCausalLM"),
+                      "ds_3d": ("DeepSpeedPipeline", "LlamaForCausalLM")}[case]
     for out in two_ranks:
         got = out["read_through"][case]
         assert got["vocab"] == 64 and got["device"] == "cpu" and got["dtype"] == "torch.float32", got
         assert got["generation_config"] and got["use_cache"] == [False], got
-        assert got["method"].startswith(f"'generate' of your LlamaForCausalLM is not on what {method} returns"), got
+        assert got["method"].startswith(f"'generate' of your {inner} is not on {wrapper}: "), got
 
 
 def data_group_traffic(steps: int = 2) -> dict:

@@ -41,13 +41,14 @@ from atorch.auto.loss_probe import WindowScales
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason, without_shared_memory_allreduce
 from atorch.auto.opt_lib.pipeline_parallel import (
+    PIPELINE_WHY,
     PipelineOutput,
     SharedWeights,
     StageModule,
     cut_stages,
     pipeline_loss,
 )
-from atorch.auto.opt_lib.pipeline_structure import read_through
+from atorch.auto.opt_lib.read_through import read_through
 from atorch.auto.opt_lib.same_batch import check_same_batch
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.checkpoint.adapters import register_optimizer_adapter
@@ -344,7 +345,7 @@ class DeepSpeedPipeline(nn.Module):
             stages = self.__dict__.get("stages")
             engine = self.__dict__.get("_modules", {}).get("engine")
             user_model = stages.stage.model if stages is not None else getattr(engine, "module", None)
-            return read_through(self, name, user_model, "ds_3d_parallel")
+            return read_through(self, name, user_model, PIPELINE_WHY)
 
     def settle(self) -> None:
         """Scale the window's gradients as the loop scaled its calls' losses (``atorch.auto.loss_probe``)."""

@@ -44,6 +44,7 @@ from torch import nn
 from atorch.auto.loss_items import MicroBatchItemWeights
 from atorch.auto.loss_probe import WindowScales
 from atorch.auto.opt_lib.base import Optimization
+from atorch.auto.opt_lib.read_through import read_through
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.errors import MethodConfigError
 from atorch.utils.batch import batch_of_call, batch_size_of, call_with_batch, equal_chunks, loss_value, map_tensors
@@ -85,6 +86,11 @@ class MicroBatchOptimizer(AtorchOptimizer):
         self.is_gradient_accumulation_boundary = bool(is_boundary)  # applied to the last micro-step
 
 
+# why micro_batch's returned module does not offer the model's methods (``read_through``)
+MICRO_BATCH_WHY = ("a method of the model inside runs its own forward, without the micro-steps (and, under data "
+                   "parallelism, its gradient synchronisation): for inference, call it on result.model.module")
+
+
 class MicroBatchModule(nn.Module):
     """Runs ``num_micro_batch`` forward / loss / backward micro-steps on one per-rank batch."""
 
@@ -98,6 +104,12 @@ class MicroBatchModule(nn.Module):
         self.chunk_rows = chunk_rows  # a micro-step's rows as planned; a batch of other rows keeps to it
         self.window = WindowScales("micro_batch")
         self.item_weights = item_weights  # the micro-steps' losses weighted by loss_items (atorch.auto.loss_items)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return read_through(self, name, self.__dict__.get("_modules", {}).get("module"), MICRO_BATCH_WHY)
 
     def settle(self) -> None:
         """Scale the window's gradients as the loop scaled its calls' losses (before the optimizer reads them)."""

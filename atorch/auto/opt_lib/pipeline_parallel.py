@@ -81,12 +81,12 @@ from atorch.auto.opt_lib.pipeline_structure import (
     held_parameters,
     no_cache_kwargs,
     positional_names,
-    read_through,
     replace_everywhere,
     shared_between_stages,
     structure_from_order,
     trace_structure,
 )
+from atorch.auto.opt_lib.read_through import read_through
 from atorch.auto.opt_lib.same_batch import check_same_batch
 from atorch.distributed import mesh
 from atorch.errors import MethodConfigError
@@ -193,6 +193,12 @@ class _PendingCall:
     captured: list[Any]
 
 
+# why a pipeline's returned module does not offer the user's model's methods (``read_through``)
+PIPELINE_WHY = ("this process holds some of its stages, and the model's own methods and submodules would run or "
+                "name layers other processes hold. Train and evaluate with result.model(batch) (it returns the loss), "
+                "export with result.model.save_pretrained(...)")
+
+
 class PipelineModule(nn.Module):
     """This rank's stage(s) and the schedule that drives them; ``parameters()`` are the stage's."""
 
@@ -220,7 +226,7 @@ class PipelineModule(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             stages = self.__dict__.get("_modules", {}).get("stage_modules")
-            return read_through(self, name, stages[-1].model if stages else None, "pipeline_parallel")
+            return read_through(self, name, stages[-1].model if stages else None, PIPELINE_WHY)
 
     def register_gradients_ready_hook(self, hook: Callable[[Any], None],
                                       capture: Optional[Callable[[], Any]] = None) -> None:

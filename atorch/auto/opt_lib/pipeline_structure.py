@@ -317,24 +317,3 @@ def no_cache_kwargs(model: nn.Module, given: Iterable[str]) -> dict:
         return {}
     return {"use_cache": False} if "use_cache" in parameters and "use_cache" not in set(given) else {}
 
-
-# what a script reads on the model it trains (HF's ``model.config``, ``batch.to(model.device)``): values of the
-# user's model that a pipeline's returned module reads through to the stage's copy of it
-READ_THROUGH = ("config", "generation_config", "device", "dtype", "name_or_path", "main_input_name")
-
-
-def read_through(wrapper: nn.Module, name: str, user_model: Optional[nn.Module], method: str) -> Any:
-    """``wrapper.name`` where ``nn.Module`` found no such attribute: one of ``READ_THROUGH`` from this rank's
-    copy of the user's model (the same objects: setting ``config.use_cache`` reaches the stage), else an
-    AttributeError that says why the user's model's own method or value is not there (its methods would run
-    layers other processes hold). Before, a script's ``model.config`` or ``model.device`` raised a bare
-    "'PipelineModule' object has no attribute" under pipeline parallelism alone."""
-    if user_model is None or name.startswith("_") or not hasattr(user_model, name):
-        raise AttributeError(f"{type(wrapper).__name__!r} object has no attribute {name!r}")
-    if name in READ_THROUGH:
-        return getattr(user_model, name)
-    raise AttributeError(
-        f"{name!r} of your {type(user_model).__name__} is not on what {method} returns: this process holds "
-        f"some of its stages, and the model's own methods and submodules would run or name layers other processes "
-        f"hold. Train and evaluate with result.model(batch) (it returns the loss), export with "
-        f"result.model.save_pretrained(...); of its values {list(READ_THROUGH)} are read through")
