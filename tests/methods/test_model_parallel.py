@@ -679,8 +679,9 @@ def split_part_dropout(sequence: bool = False) -> dict:
 def rank_own_batches(strategy: list) -> dict:
     """A tp2 / pp2 model given batches by result.dataloader trains; a fresh one called with a batch of each
     rank's own (a script's DistributedSampler over every rank, a tensor-parallel teacher beside a data-parallel
-    student) is refused on both ranks at its first call, where it used to compute a silently wrong result;
-    after CHECKED_CALLS calls the check is gone (no collective left in the step)."""
+    student) is refused on both ranks at its first call, where it used to compute a silently wrong result; the
+    same at the first evaluation call after training's checks are done; after CHECKED_CALLS calls of each the
+    check is gone (no collective left in the step)."""
     zoo = zoo_model("mlp_updown")
 
     def accelerate():
@@ -705,8 +706,17 @@ def rank_own_batches(strategy: list) -> dict:
     same = torch.zeros(4, 32)
     for _ in range(CHECKED_CALLS - 1):
         result.model(same)
-    result.model(own)  # unchecked now: the check's hook removed itself
-    return {"losses": losses, "refusal": refusal}
+    result.model(own)  # training calls unchecked now
+    with torch.no_grad():  # an evaluation reading a loader of its own is checked apart
+        try:
+            result.model(own)
+            evaluation = "no error"
+        except InputError as error:
+            evaluation = str(error)
+        for _ in range(CHECKED_CALLS - 1):
+            result.model(same)
+        result.model(own)  # unchecked: the check's hook removed itself
+    return {"losses": losses, "refusal": refusal, "evaluation": evaluation}
 
 
 def reads_through(strategy: list) -> dict:
@@ -774,8 +784,10 @@ def test_a_tensor_or_pipeline_group_given_different_batches_is_refused_on_every_
     for out in two_ranks:
         got = out["rank_own_batches"][case]
         assert len(got["losses"]) == 3 and got["losses"] == two_ranks[0]["rank_own_batches"][case]["losses"]
-        assert got["refusal"].startswith(f"{method}: the ranks of a {dimension} group were given different "
-                                         "inputs at call 1 (ranks [0, 1]"), got["refusal"]
+        for mode in ("training", "evaluation"):
+            refusal = got["refusal" if mode == "training" else "evaluation"]
+            assert refusal.startswith(f"{method}: the ranks of a {dimension} group were given different inputs at "
+                                      f"{mode} call 1 (ranks [0, 1]"), refusal
         assert "result.dataloader" in got["refusal"] and "get_data_partition_rank_and_size" in got["refusal"]
 
 

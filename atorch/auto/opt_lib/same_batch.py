@@ -9,11 +9,11 @@ tensor-parallel teacher's logits were 0.5 off per element, its student's weights
 4 steps). ``result.dataloader`` gives such a group one batch, so the dry runs and a script that uses it never
 meet this; a script that brings its own data did, silently.
 
-The model's first ``CHECKED_CALLS`` forwards compare a fingerprint of their inputs over the group (one small
-all-gather each, then the hook removes itself) and raise ``InputError`` on every rank of the group where they
-differ. The group alone takes part: a script may call one group's model where the others do not (an
-evaluation on the first data rank), and the fingerprints are the same on all its ranks, so all of them raise
-together.
+The model's first ``CHECKED_CALLS`` forwards in training, and as many in evaluation, compare a fingerprint of
+their inputs over the group (one small all-gather each; then the hook removes itself) and raise
+``InputError`` on every rank of the group where they differ. The group alone takes part: a script may call
+one group's model where the others do not (an evaluation on the first data rank), and the fingerprints are
+the same on all its ranks, so all of them raise together.
 """
 from __future__ import annotations
 
@@ -27,20 +27,25 @@ from torch.utils._pytree import tree_leaves
 from atorch.distributed.agreement import comm_device
 from atorch.errors import InputError
 
-CHECKED_CALLS = 4  # the forwards checked; after them the hook is gone (no collective left in the step)
+CHECKED_CALLS = 4  # the forwards checked in training and as many in evaluation; then the hook is gone
 WHY = {"tensor": "each computes its share of the same matmuls",
        "pipeline": "the first stage reads the batch's inputs and the last its labels"}
 
 
 def check_same_batch(model: nn.Module, group: Any, method: str, dimension: str) -> None:
-    """Compare the inputs of ``model``'s first ``CHECKED_CALLS`` forwards over ``group``'s ranks (the
-    ``dimension`` group ``method`` works over)."""
-    state = {"calls": 0}
+    """Compare the inputs of ``model``'s first ``CHECKED_CALLS`` training forwards and first ``CHECKED_CALLS``
+    evaluation forwards (``model.eval()`` or ``torch.no_grad()``) over ``group``'s ranks (the ``dimension``
+    group ``method`` works over). Evaluation is counted apart: a script's evaluation often reads a loader of
+    its own, long after its training's first calls."""
+    calls = {"training": 0, "evaluation": 0}
 
     @torch._dynamo.disable
     def compare(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        state["calls"] += 1
-        if state["calls"] >= CHECKED_CALLS:
+        mode = "training" if module.training and torch.is_grad_enabled() else "evaluation"
+        if calls[mode] >= CHECKED_CALLS:
+            return
+        calls[mode] += 1
+        if min(calls.values()) >= CHECKED_CALLS:
             handle.remove()
         mine = input_fingerprint(args, kwargs).to(comm_device(group))
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -49,11 +54,12 @@ def check_same_batch(model: nn.Module, group: Any, method: str, dimension: str) 
         if differing:
             ranks = dist.get_process_group_ranks(group)
             raise InputError(
-                f"{method}: the ranks of a {dimension} group were given different inputs at call {state['calls']} "
-                f"(ranks {ranks}: rank {ranks[differing[0]]}'s differ from rank {ranks[0]}'s); every rank of a "
-                f"{dimension} group works on one batch with the others ({WHY[dimension]}), so each must be given "
-                "the same batch: iterate result.dataloader, or split your own data by the data-parallel rank and "
-                "size (atorch.distributed.distributed.get_data_partition_rank_and_size()), not by the global rank")
+                f"{method}: the ranks of a {dimension} group were given different inputs at {mode} call "
+                f"{calls[mode]} (ranks {ranks}: rank {ranks[differing[0]]}'s differ from rank {ranks[0]}'s); every "
+                f"rank of a {dimension} group works on one batch with the others ({WHY[dimension]}), so each must be "
+                "given the same batch: iterate result.dataloader, or split your own data by the data-parallel rank "
+                "and size (atorch.distributed.distributed.get_data_partition_rank_and_size()), not by the global "
+                "rank")
 
     handle = model.register_forward_pre_hook(compare, with_kwargs=True)
 
