@@ -316,4 +316,3 @@ def no_cache_kwargs(model: nn.Module, given: Iterable[str]) -> dict:
     except (TypeError, ValueError):
         return {}
     return {"use_cache": False} if "use_cache" in parameters and "use_cache" not in set(given) else {}
-

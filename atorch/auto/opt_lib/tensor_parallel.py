@@ -211,12 +211,11 @@ def apply_tensor_parallel(ctx, config: TensorParallelConfig, given: Optional[TPP
             applied = _apply_to_stage(stage, plan, config, tp, tp_mesh, sequence)
             share_random_state(stage, tp_mesh)
         plan = given or applied
-        check_same_batch(ctx.model, tp_mesh.get_group(), "tensor_parallel", "tensor")  # the pipeline's root
     else:
         share_initial_weights(ctx.model, tp_mesh)
         plan = _parallelize(ctx.model, config, tp, tp_mesh, sequence, probe_from_context(ctx))
         share_random_state(ctx.model, tp_mesh)
-        check_same_batch(ctx.model, tp_mesh.get_group(), "tensor_parallel", "tensor")
+    check_same_batch(ctx.model, tp_mesh.get_group(), "tensor_parallel", "tensor")  # under a pipeline: its root
     ctx.model_parallel = True
     ctx.args.extras["tensor_parallel"] = plan.report()
     return plan
