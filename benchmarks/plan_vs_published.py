@@ -158,6 +158,10 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
                    # no sequence parallelism; Megatron's rank order (tensor, then data, then pipeline)
                    "megatron-2021": {"attention": "materialised", "sequence_parallel": False,
                                      "rank_order": "tensor-data-pipeline"},
+                   # Megatron-LM in 2022 (Korthikanti et al., sections 4-6): still no flash attention; its
+                   # "present work" runs sequence parallelism (the default here), its full-recompute rows do
+                   # not (a row fact below); Megatron's rank order
+                   "megatron-2022": {"attention": "materialised", "rank_order": "tensor-data-pipeline"},
                    # Megatron-LM's MoE recipes (examples/moe_recipes @ d48bd6be, pretrain_gpt.py arguments): the
                    # distributed optimizer, Transformer Engine's fused attention (NVTE_FUSED_ATTN), a bf16
                    # gradient buffer (accumulate_allreduce_grads_in_fp32 unset), the fused SwiGLU
@@ -176,6 +180,10 @@ SOURCE_WORKLOAD = {"atorch": {"logit_bytes": 18, "fp32_residual": True, "logits_
 # split that counts the two ends as a block each (pipeline_ends_as_layers)
 TORCHTITAN_405B_SPLIT = {"tp_comm_overlap": True, "pipeline_ends_as_layers": True}
 ROW_WORKLOAD = {"titan llama3.1-70b 256xH100 2d asyncTP fp8+compile": {"tp_comm_overlap": True},
+                # the 2022 paper's full-recompute baseline runs tensor parallelism without sequence parallelism
+                # (Table 5: "full recomputation without sequence parallelism", section 6.3)
+                **{f"megatron2022 gpt {run} full-recompute": {"sequence_parallel": False}
+                   for run in ("22b 8gpu tp8", "175b 64gpu tp8pp8vp3", "530b 280gpu tp8pp35vp3", "1t 512gpu tp8pp64")},
                 **{f"asynctp llama3.1-{size} {precision} asyncTP": {"tp_comm_overlap": True}
                    for size in ("70b 256xH100", "8b 64xH100") for precision in ("bf16", "fp8")},
                 "titan llama3.1-405b 512xH100 3d 1F1B fp8+compile": TORCHTITAN_405B_SPLIT,

@@ -202,10 +202,16 @@ def selective_predictions(candidates: list[Candidate], spec: TransformerSpec, cl
     return [predict(c, spec, cluster, selective, facts) for c in candidates if c.checkpoint]
 
 
+# how a label names the checkpointing estimate() was given where it is not full (plan() ranks selective too)
+CHECKPOINT_LABELS = {"selective": "sel-ckpt", "core_attention": "attn-ckpt"}
+
+
 def plan_label(prediction: Prediction) -> str:
-    """The candidate's label, with ``ckpt`` named ``sel-ckpt`` under selective checkpointing."""
+    """The candidate's label, with ``ckpt`` named ``sel-ckpt`` under selective checkpointing (``attn-ckpt``
+    where only the attention core is recomputed)."""
     label = prediction.candidate.label
-    return label.replace("ckpt", "sel-ckpt") if prediction.checkpointing == "selective" else label
+    named = CHECKPOINT_LABELS.get(prediction.checkpointing)
+    return label.replace("ckpt", named) if named else label
 
 
 # estimate()'s precision names -> the candidates' (amp: fp32 master weights, bf16 compute)
@@ -237,11 +243,13 @@ def estimate(model: Union[str, Mapping[str, Any], nn.Module, TransformerSpec],
     The same analytic model ``plan()`` ranks its candidates with, so a configuration that ``plan()``
     lists gets the same figures here. ``sharding``: ddp / zero1 (a distributed optimizer) / zero2 /
     fsdp / hsdp (fsdp inside a node, replicated across); ``precision``: bf16 / fp16 (autocast over fp32
-    weights), pure_bf16, fp32 or fp8 (fp8 matmuls); ``activation_checkpointing``: none / selective /
-    full; ``micro_batch_size``: sequences per forward on one data rank (None: the whole per-rank batch,
-    or the pipeline's default split); ``optimizer_states``: fp32 (fp32 master weights, gradients and Adam
-    moments), bf16_moments (bf16 Adam moments beside fp32 master weights) or bf16 (no fp32 copy: bf16
-    weights, gradients and moments, as Apex's DistributedFusedAdam with dtype=bf16);
+    weights), pure_bf16, fp32 or fp8 (fp8 matmuls); ``activation_checkpointing``: none / selective
+    (an op policy keeping the matmul outputs, torchtitan's) / full / core_attention (only the attention
+    core recomputed: Megatron's ``--recompute-granularity selective``); ``micro_batch_size``: sequences
+    per forward on one data rank (None: the whole per-rank batch, or the pipeline's default split);
+    ``optimizer_states``: fp32 (fp32 master weights, gradients and Adam moments), bf16_moments (bf16
+    Adam moments beside fp32 master weights) or bf16 (no fp32 copy: bf16 weights, gradients and
+    moments, as Apex's DistributedFusedAdam with dtype=bf16);
     ``pipeline_ends_as_layers``: the pipeline split counts the embedding and the output layer as a block
     each, one block fewer on the first and the last stage (Megatron-Core's
     account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split);

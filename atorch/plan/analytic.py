@@ -43,7 +43,13 @@ LOGIT_BYTES = 10
 # bytes per logit), its backward the saved log-probabilities, a zeroed gradient, their ``exp`` and the
 # sum of both (4 x 4 = 16; the bf16 logits freed before backward, as torchtitan does): 16 at the peak
 LOSS_PARALLEL_LOGIT_BYTES = 16
-AC_MODES = ("none", "selective", "full")
+# Activation checkpointing: "none"; "selective", an op policy that keeps the matmul outputs and recomputes
+# the rest (torchtitan's, fitted: ``selective activation share``); "full", each block's forward again in
+# backward; "core_attention", only the attention core again (the scores, softmax, dropout and the value
+# matmul), the rest kept: Megatron's ``--recompute-granularity selective`` (Korthikanti et al. 2022,
+# section 5), which under materialised attention drops the saved scores, under flash attention only reruns
+# the kernel (flash saves no scores)
+AC_MODES = ("none", "selective", "full", "core_attention")
 # What the optimizer keeps beside the weights: "fp32" master weights, gradients and Adam moments (the
 # default of torch amp, FSDP and Megatron); "bf16_moments": fp32 master weights and gradients, bf16 Adam
 # moments (Megatron-Core's --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16);
@@ -303,7 +309,7 @@ class Prediction:
     comm_s: float = 0.0
     notes: list = field(default_factory=list)
     allocated_bytes: int = 0  # the live tensors at the peak; memory_bytes is what the allocator reserves
-    checkpointing: str = "none"  # the activation checkpointing predicted: none / selective / full
+    checkpointing: str = "none"  # the activation checkpointing predicted: one of AC_MODES
 
 
 def predict(candidate: Candidate, spec: TransformerSpec, cluster: ClusterSpec, work: Workload,
@@ -583,6 +589,7 @@ def activation_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload
     mode = checkpointing(candidate, work)
     selective = calibration.value("selective activation share") * work.selective_saved_scale
     kept = {"none": per_token, "selective": selective * per_token,
+            "core_attention": per_token - materialised_saved_bytes(spec, work, tensor),
             "full": spec.hidden * residual / sequence}[mode]  # the block input, sequence-split too
     if mode == "full":  # the blocks not recomputed keep all their activations
         kept = work.recomputed_blocks * kept + (1 - work.recomputed_blocks) * per_token
@@ -610,9 +617,7 @@ def block_bytes_per_token(candidate: Candidate, spec: TransformerSpec, work: Wor
     # without it they are whole on every tensor rank
     sequence = tensor if work.sequence_parallel else 1
     per_token = split * width / tensor + unsplit * residual / sequence
-    if work.attention == "materialised":
-        # per head and key: the softmax output, the dropout mask and the dropped-out probabilities
-        per_token += MATERIALISED_SAVED_BYTES * spec.heads * work.seq_len / tensor
+    per_token += materialised_saved_bytes(spec, work, tensor)
     if fp8:
         # the two norm outputs and the MLP's activation output are saved only as the fp8 inputs of the
         # matmuls they feed; the attention output is saved twice, in bf16 by the attention (its backward
@@ -622,6 +627,15 @@ def block_bytes_per_token(candidate: Candidate, spec: TransformerSpec, work: Wor
     if gathers_whole(work, tensor):  # the two norm outputs (their fp8 casts under fp8) saved gathered
         per_token += 2 * spec.hidden * (1 if fp8 else width) * (1 - 1 / tensor)
     return per_token
+
+
+def materialised_saved_bytes(spec: TransformerSpec, work: Workload, tensor: int = 1) -> float:
+    """What materialised attention saves per token beyond its inputs, per head and key: the softmax
+    output, the dropout mask and the dropped-out probabilities (none under flash attention, or where the
+    attention core is recomputed: ``core_attention``, which drops exactly these)."""
+    if work.attention != "materialised":
+        return 0.0
+    return MATERIALISED_SAVED_BYTES * spec.heads * work.seq_len / tensor
 
 
 def context_gather_bytes(candidate: Candidate, spec: TransformerSpec, work: Workload, tokens: float,
@@ -708,7 +722,8 @@ def predict_memory(candidate: Candidate, spec: TransformerSpec, cluster: Cluster
     if work.syncs_each_micro_step(candidate):  # one micro-batch's activations, no unsharded gradients kept
         tokens /= max(candidate.micro, 1)
         candidate = dataclasses.replace(candidate, micro=1)
-    kept_casts = candidate.precision.startswith("amp") and checkpointing(candidate, work) == "none"
+    # autocast's bf16 weight copies stay alive to backward unless the matmuls run again there
+    kept_casts = candidate.precision.startswith("amp") and checkpointing(candidate, work) in ("none", "core_attention")
     autocast_copies = 0.5 * P if kept_casts else 0.0
     act = activation_bytes(candidate, spec, work, tokens, fp8=fp8)
     stated = half_states(candidate, work)
@@ -1210,6 +1225,14 @@ def full_recompute_share(candidate: Candidate, work: Workload) -> float:
     return work.recomputed_blocks if checkpointing(candidate, work) == "full" else 0.0
 
 
+def attention_recomputed_share(candidate: Candidate, work: Workload) -> float:
+    """The share of the blocks whose attention core (scores, softmax, dropout, the value matmul) backward
+    runs again: every block's under ``core_attention``, the fully recomputed blocks' under full."""
+    if checkpointing(candidate, work) == "core_attention":
+        return 1.0
+    return full_recompute_share(candidate, work)
+
+
 def recomputed_block_share(spec: TransformerSpec, work: Workload, pipeline: int, layers_per_chunk: int) -> float:
     """The share of all blocks that Megatron-Core's block method recomputes: the first
     ``layers_per_chunk`` blocks of every pipeline model chunk (``chunk_blocks``), all of a smaller one."""
@@ -1224,14 +1247,14 @@ def attention_seconds(candidate: Candidate, spec: TransformerSpec, cluster: Clus
     the whole s x s square (the causal mask skips nothing): 4 s d FLOPs per token, layer and head forward,
     8 backward, 4 more under full recompute, at the matmul efficiency of a matmul as wide as a head."""
     if work.attention == "materialised":
-        per_token = ((12.0 + 4.0 * full_recompute_share(candidate, work)) * spec.layers * spec.attention_width
+        per_token = ((12.0 + 4.0 * attention_recomputed_share(candidate, work)) * spec.layers * spec.attention_width
                      * work.seq_len)
         peak = cluster.device.fp32_flops if candidate.precision == "fp32" else cluster.device.bf16_flops
         efficiency = width_efficiency(spec.head_dim, cluster)
         return work.tokens * per_token / cluster.world_size / (peak * efficiency)
     length = spec.attention_length(work.attended)  # over the layers: sliding windows count their window
     per_token = ATTENTION_FLOPS_PER_SEQ_DIM * spec.attention_width * length
-    per_token += 2.0 * spec.attention_width * length * full_recompute_share(candidate, work)
+    per_token += 2.0 * spec.attention_width * length * attention_recomputed_share(candidate, work)
     peak = cluster.device.fp32_flops if candidate.precision == "fp32" else cluster.device.bf16_flops
     family = attention_family(cluster)
     efficiency = matmul_efficiency(candidate, spec, cluster) * calibration.value(f"{family} attention efficiency")
@@ -1264,7 +1287,8 @@ def memory_bound_seconds(candidate: Candidate, spec: TransformerSpec, cluster: C
     per_block += expert_permute_bytes(spec, work, width)
     per_block += fp8_cast_bytes(spec) if candidate.precision == "fp8" else 0.0
     if work.attention == "materialised":  # the scores, per head and key, forward (again under recompute), backward
-        scores = MATERIALISED_FORWARD_BYTES * (1 + recomputed_share(candidate, work)) + MATERIALISED_BACKWARD_BYTES
+        again = max(recomputed_share(candidate, work), attention_recomputed_share(candidate, work))
+        scores = MATERIALISED_FORWARD_BYTES * (1 + again) + MATERIALISED_BACKWARD_BYTES
         per_block += scores * spec.heads * work.seq_len
     blocks = per_block * spec.layers * tokens / (t * candidate.pipeline)
     weights = 0.0

@@ -21,7 +21,7 @@ from atorch.auto import auto_accelerate
 from atorch.errors import InputError
 from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
 from atorch.plan import PRECISIONS
-from atorch.plan.analytic import COLLECTIVE_LATENCY_S
+from atorch.plan.analytic import COLLECTIVE_LATENCY_S, MATERIALISED_SAVED_BYTES
 from atorch.plan.hardware_specs import DEVICES, ClusterSpec, cluster_spec, device_spec
 from atorch.plan.model_specs import BUILTIN_CONFIGS, TransformerSpec, model_spec
 from atorch.testing.families import FAMILIES
@@ -534,7 +534,7 @@ def test_estimate_of_the_top_plan_gives_the_figures_plan_reports():
 
 @pytest.mark.parametrize("key, value, valid", [
     ("sharding", "fsdp2", "hsdp"), ("precision", "bfloat16", "pure_bf16"),
-    ("activation_checkpointing", "op", "selective"), ("tensor", 3, "divide"), ("micro_batch_size", 0, "positive"),
+    ("activation_checkpointing", "op", "core_attention"), ("tensor", 3, "divide"), ("micro_batch_size", 0, "positive"),
     ("optimizer_states", "fp16", "bf16_moments"),
     ("grad_sync", "every", "each_micro_step"), ("tp_comm_overlap", "yes", "True"),
     ("grad_reduce_overlap", 1, "None"), ("param_gather_overlap", "on", "None"), ("pipeline_p2p_overlap", 0, "None"),
@@ -1078,6 +1078,29 @@ def test_materialised_attention_is_slower_and_keeps_its_scores():
     few, many = ({**shape, "num_attention_heads": heads} for heads in (20, 80))
     assert (atorch.estimate(many, "2x8xA100-80GB", attention="materialised", **args).tokens_per_s_per_gpu
             < atorch.estimate(few, "2x8xA100-80GB", attention="materialised", **args).tokens_per_s_per_gpu)
+
+
+def test_core_attention_checkpointing_recomputes_the_attention_core_alone():
+    """activation_checkpointing="core_attention" (Megatron's --recompute-granularity selective): under
+    materialised attention it keeps every activation but the scores, exactly the 5 bytes per head and key
+    a token of each block (Korthikanti et al.'s 5as/h), and pays their recompute: slower than keeping
+    everything, faster than recomputing every block. Under flash attention there are no scores to drop:
+    the same memory, the kernel's forward once more."""
+    gpt_22b = {"model_type": "gpt2", "n_embd": 6144, "n_layer": 48, "n_head": 64, "n_inner": 24576,
+               "vocab_size": 51200, "n_positions": 2048}
+    args = dict(global_batch=4, seq_len=2048, tensor=8, sharding="ddp", micro_batch_size=4)
+    modes = {mode: atorch.estimate(gpt_22b, "8xA100-80GB", attention="materialised", activation_checkpointing=mode,
+                                   **args) for mode in ("none", "core_attention", "full")}
+    scores = 48 * MATERIALISED_SAVED_BYTES * 64 * 2048 / 8 * (4 * 2048)  # layers x per token x the rank's tokens
+    assert modes["none"].allocated_bytes - modes["core_attention"].allocated_bytes == pytest.approx(scores, rel=1e-6)
+    assert modes["full"].memory_bytes < modes["core_attention"].memory_bytes
+    speed = {mode: p.tokens_per_s_per_gpu for mode, p in modes.items()}
+    assert speed["full"] < speed["core_attention"] < speed["none"]
+    assert modes["core_attention"].checkpointing == "core_attention"
+    flash = {mode: atorch.estimate(gpt_22b, "8xA100-80GB", activation_checkpointing=mode, **args)
+             for mode in ("none", "core_attention")}
+    assert flash["core_attention"].memory_bytes == flash["none"].memory_bytes
+    assert flash["core_attention"].tokens_per_s_per_gpu < flash["none"].tokens_per_s_per_gpu
 
 
 def test_without_sequence_parallelism_the_residual_stream_is_whole_on_every_tensor_rank():
