@@ -227,6 +227,17 @@ ROW_WORKLOAD = {"titan llama3.1-70b 256xH100 2d asyncTP fp8+compile": {"tp_comm_
                 "mbridge qwen3-235b-a22b pretrain 256gpu tp2pp8vp4ep32 26.04.01": {
                     "expert_tensor": 1, "pipeline_ends_as_layers": True, "expert_comm_overlap": True,
                     "tp_comm_overlap": False},
+                # the Qwen3 30B BF16 recipe (recipes/qwen/h100/qwen3_moe.py
+                # qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config @ 067f987d): HybridEP (moe_flex_dispatcher_backend
+                # "hybridep"); the A/B's second row and the canonical run overlap the expert all-to-alls
+                # (overlap_moe_expert_parallel_comm), the canonical run fuses the permutation into HybridEP (the perf
+                # recipe's moe_permute_fusion_into_hybridep)
+                "mbridge qwen3-30b-a3b pretrain 16gpu ep16 bf16 hybridep no-overlap 2026-07": {
+                    "expert_dispatch": "hierarchical"},
+                "mbridge qwen3-30b-a3b pretrain 16gpu ep16 bf16 hybridep overlap 2026-07": {
+                    "expert_dispatch": "hierarchical", "expert_comm_overlap": True},
+                "mbridge qwen3-30b-a3b pretrain 16gpu ep16 bf16 hybridep canonical 2026-08": {
+                    "expert_dispatch": "hierarchical", "expert_comm_overlap": True, "expert_permute_fused": True},
                 # examples/moe_recipes/qwen3_30b/h100/bf16_32GPU_TP1PP1EP8.yaml @ d48bd6be: overlap_grad_reduce
                 # and overlap_param_gather
                 "mlm qwen3-30b-a3b bf16 32gpu ep8": {"grad_reduce_overlap": True, "param_gather_overlap": True},

@@ -107,6 +107,38 @@ def test_the_memory_breakdown_adds_up_to_the_predicted_peak(layout):
     assert ("activations (the stage that holds the most)" in parts) == layered
 
 
+def test_the_distributed_optimizer_s_fp32_main_gradients_live_at_the_step_not_beside_the_activations():
+    """Megatron's distributed optimizer over a bf16 gradient buffer casts its shard to fp32 main gradients
+    at the optimizer step and frees them at the next step's zero_grad, after backward has freed the
+    activations: the peak is the state plus the larger of the two, and the breakdown names the one at the
+    peak. So a bf16 buffer saves exactly its half of the fp32 buffer where the activations are the peak."""
+    from atorch.plan import configuration
+    from atorch.plan.analytic import STEP_MAIN_GRADS, layout_state_parts, memory_breakdown, spec_layout_facts
+
+    layout = dict(tensor=4, pipeline=4, sharding="zero1", distributed_optimizer=True, virtual_stages=5,
+                  micro_batch_size=1)
+
+    def breakdown(dtype: str, global_batch: int, seq_len: int) -> tuple[dict, dict]:
+        args = dict(global_batch=global_batch, seq_len=seq_len, grad_reduce_dtype=dtype, **layout)
+        spec, cluster, candidate, work = configuration("llama2-70b", "8x8xH100-80GB", **args)
+        facts = spec_layout_facts(spec, cluster.world_size)
+        state = layout_state_parts(candidate, spec, work, facts, candidate.data_size(cluster.world_size))
+        return state, memory_breakdown(candidate, spec, cluster, work, facts)
+
+    state, parts = breakdown("bf16", 64, 4096)
+    assert state[STEP_MAIN_GRADS] > 0 and STEP_MAIN_GRADS not in parts
+    activations = parts["activations (the stage that holds the most)"]
+    assert activations > state[STEP_MAIN_GRADS]
+    assert parts["peak"] == pytest.approx(sum(b for k, b in state.items() if k != STEP_MAIN_GRADS) + activations)
+    fp32_state, fp32_parts = breakdown("fp32", 64, 4096)
+    saved = fp32_state["gradient buffer"] - state["gradient buffer"]
+    assert fp32_parts["peak"] - parts["peak"] == pytest.approx(saved)
+    state, parts = breakdown("bf16", 64, 64)  # short sequences: the step's main gradients are the peak
+    assert "activations (the stage that holds the most)" not in parts
+    assert parts[STEP_MAIN_GRADS] == pytest.approx(state[STEP_MAIN_GRADS])
+    assert parts["peak"] == pytest.approx(sum(state.values()))
+
+
 def test_cli_breaks_down_the_plan_its_strategy_line_names(capsys):
     """Where selective checkpointing ranks first (no atorch method applies it), the table says so, and the
     step breakdown below it is the top applicable plan's, under that plan's own label, not the selective
