@@ -681,7 +681,8 @@ def rank_own_batches(strategy: list) -> dict:
     rank's own (a script's DistributedSampler over every rank, a tensor-parallel teacher beside a data-parallel
     student) is refused on both ranks at its first call, where it used to compute a silently wrong result; the
     same at the first evaluation call after training's checks are done; after CHECKED_CALLS calls of each the
-    check is gone (no collective left in the step)."""
+    check is gone (no collective left in the step). The same batch holding NaN and both infinities passes (the
+    first evaluation call)."""
     zoo = zoo_model("mlp_updown")
 
     def accelerate():
@@ -707,16 +708,23 @@ def rank_own_batches(strategy: list) -> dict:
     for _ in range(CHECKED_CALLS - 1):
         result.model(same)
     result.model(own)  # training calls unchecked now
+    holding_nan = torch.zeros(4, 32)
+    holding_nan[1, 3], holding_nan[2, 5], holding_nan[3, 7] = float("nan"), float("inf"), float("-inf")
     with torch.no_grad():  # an evaluation reading a loader of its own is checked apart
+        try:  # first the same batch on both ranks, holding NaN and both infinities (their sums are NaN)
+            result.model(holding_nan)
+            nan_batch = "no error"
+        except InputError as error:
+            nan_batch = str(error)
         try:
             result.model(own)
             evaluation = "no error"
         except InputError as error:
             evaluation = str(error)
-        for _ in range(CHECKED_CALLS - 1):
+        for _ in range(CHECKED_CALLS - 2):
             result.model(same)
         result.model(own)  # unchecked: the check's hook removed itself
-    return {"losses": losses, "refusal": refusal, "evaluation": evaluation}
+    return {"losses": losses, "refusal": refusal, "evaluation": evaluation, "nan_batch": nan_batch}
 
 
 def reads_through(strategy: list) -> dict:
@@ -784,11 +792,12 @@ def test_a_tensor_or_pipeline_group_given_different_batches_is_refused_on_every_
     for out in two_ranks:
         got = out["rank_own_batches"][case]
         assert len(got["losses"]) == 3 and got["losses"] == two_ranks[0]["rank_own_batches"][case]["losses"]
-        for mode in ("training", "evaluation"):
+        for mode, call in (("training", 1), ("evaluation", 2)):  # evaluation's call 1: the batch holding NaN
             refusal = got["refusal" if mode == "training" else "evaluation"]
             assert refusal.startswith(f"{method}: the ranks of a {dimension} group were given different inputs at "
-                                      f"{mode} call 1 (ranks [0, 1]"), refusal
+                                      f"{mode} call {call} (ranks [0, 1]"), refusal
         assert "result.dataloader" in got["refusal"] and "get_data_partition_rank_and_size" in got["refusal"]
+        assert got["nan_batch"] == "no error"  # refused before 2026-12-01: its NaN fingerprint equalled nothing
 
 
 @pytest.mark.parametrize("case", ["pipeline", "micro_batch", pytest.param("ds_3d", marks=pytest.mark.skipif(

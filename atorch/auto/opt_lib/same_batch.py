@@ -50,7 +50,7 @@ def check_same_batch(model: nn.Module, group: Any, method: str, dimension: str) 
         mine = input_fingerprint(args, kwargs).to(comm_device(group))
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(everyone, mine, group=group)
-        differing = [i for i, theirs in enumerate(everyone) if not torch.equal(theirs, everyone[0])]
+        differing = [i for i, theirs in enumerate(everyone) if not same_fingerprint(theirs, everyone[0])]
         if differing:
             ranks = dist.get_process_group_ranks(group)
             raise InputError(
@@ -64,19 +64,42 @@ def check_same_batch(model: nn.Module, group: Any, method: str, dimension: str) 
     handle = model.register_forward_pre_hook(compare, with_kwargs=True)
 
 
+def same_fingerprint(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaN where NaN (a fingerprint is never NaN from NaN inputs, ``input_fingerprint``; this keeps
+    the comparison total all the same)."""
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 def input_fingerprint(args: tuple, kwargs: dict) -> torch.Tensor:
     """A few numbers that equal inputs give alike on every rank: the tensors' count, their sizes, and their
     values summed in float64, plainly and with each row weighted by its position (so swapped rows or arguments
-    differ too). Reductions only: nothing the size of an input is allocated. Keyword arguments are read in
-    sorted order, so their order of writing does not matter."""
+    differ too). Reductions only: nothing the size of an input is allocated, except for a floating tensor
+    holding NaN or an infinity (missing values a model masks itself, an additive attention mask), whose sums
+    would be NaN or infinite for any batch: its finite values are summed, and where its NaN and infinities
+    sit is counted apart. Keyword arguments are read in sorted order, so their order of writing does not
+    matter."""
     leaves = [x for x in tree_leaves((args, [kwargs[k] for k in sorted(kwargs)]))
               if isinstance(x, torch.Tensor) and not x.is_meta]
-    parts = [torch.zeros(4, dtype=torch.float64)]
+    parts = [torch.zeros(6, dtype=torch.float64)]
     for index, tensor in enumerate(leaves):
         rows = tensor.detach().reshape(tensor.shape[0] if tensor.dim() else 1, -1) if tensor.numel() else \
             tensor.detach().reshape(1, 0)
-        row_sums = rows.sum(1, dtype=torch.float64)
+        row_sums, special = _row_sums(rows)
         positions = torch.arange(1, row_sums.numel() + 1, dtype=torch.float64, device=row_sums.device)
         parts.append(torch.stack([torch.tensor(1.0, dtype=torch.float64), torch.tensor(float(tensor.numel())),
-                                  row_sums.sum().cpu() * (index + 1), (row_sums * positions).sum().cpu()]))
+                                  row_sums.sum().cpu() * (index + 1), (row_sums * positions).sum().cpu(),
+                                  special.sum().cpu() * (index + 1), (special * positions).sum().cpu()]))
     return torch.stack(parts).sum(0)
+
+
+def _row_sums(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's sum in float64, and each row's count of NaN (1), +inf (2) and -inf (3); where a floating
+    tensor holds any of those, its finite values alone are summed."""
+    sums = rows.sum(1, dtype=torch.float64)
+    if not rows.is_floating_point() or bool(torch.isfinite(sums).all()):
+        return sums, torch.zeros_like(sums)
+    finite = torch.isfinite(rows)
+    sums = torch.where(finite, rows, torch.zeros((), dtype=rows.dtype, device=rows.device)).sum(1, dtype=torch.float64)
+    special = rows.isnan().sum(1, dtype=torch.float64) + 2 * (rows == float("inf")).sum(1, dtype=torch.float64)
+    special += 3 * (rows == float("-inf")).sum(1, dtype=torch.float64)
+    return sums, special
