@@ -55,6 +55,29 @@ class TorchEncoderLM(nn.Module):
         return self.lm_head(self.encoder(x, mask=mask, is_causal=True))
 
 
+
+class TorchEncoderMaskArgLM(TorchEncoderLM):
+    """The same model called as PyTorch's nn.Transformer language-modeling tutorial calls its own:
+    ``model(src, src_mask)``, the causal mask made once by the script and given to every call. That mask
+    is a tensor every row of the batch shares (its first dimension is the sequence, not the batch): a
+    micro-batch must take it whole (``shared_mask_batches`` makes such batches)."""
+
+    def forward(self, input_ids: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.embedding(input_ids) + self.pos_embedding(positions)
+        return self.lm_head(self.encoder(x, mask=src_mask))
+
+
+def shared_mask_batches(rows: int, count: int, seed: int = 0) -> list[dict]:
+    """``count`` batches of ``rows`` token rows for ``TorchEncoderMaskArgLM``, each with the one causal
+    mask its rows share (``src_mask``, SEQ x SEQ), put first as a script's collate may put it; rows != SEQ
+    keeps the mask's first dimension apart from the batch's."""
+    generator = torch.Generator().manual_seed(seed)
+    mask = nn.Transformer.generate_square_subsequent_mask(SEQ)
+    return [{"src_mask": mask, "input_ids": torch.randint(0, VOCAB, (rows, SEQ), generator=generator)}
+            for _ in range(count)]
+
+
 # --- 2. torchtitan / Meta reference Llama ----------------------------------------------------------
 @dataclass
 class TitanModelArgs:

@@ -12,6 +12,7 @@ from atorch.auto.gradients import clip_grad_norm_
 from atorch.checkpoint.pretrained import load_pretrained
 from atorch.distributed import mesh
 from atorch.models import GPT, GPTConfig, SyntheticTokenDataset, gpt_loss
+from atorch.testing.community_models import TorchEncoderMaskArgLM, shared_mask_batches
 from atorch.testing.hf_models import zoo_model
 from atorch.utils.batch import call_with_batch
 from atorch.utils.memory import training_state_bytes
@@ -248,3 +249,37 @@ def train_accumulating(load_strategy: Any = (), scales: tuple[float, float] = (0
             result.optim.zero_grad()
     model = result.model
     return model.full_state_dict() if hasattr(model, "full_state_dict") else full_state_dict(model)
+
+
+def shared_mask_loss(batch: dict, output: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy of ``TorchEncoderMaskArgLM``'s logits on its batch's ``input_ids``."""
+    logits, ids = output[:, :-1].float(), batch["input_ids"]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def train_shared_mask(load_strategy: Any, rows: int = 8, steps: int = 3) -> dict:
+    """``TorchEncoderMaskArgLM`` trained ``steps`` SGD steps on ``shared_mask_batches`` (each batch's rows
+    share one causal mask, an input of another first dimension than the batch's) under ``load_strategy``,
+    and the same steps plainly on this process: both runs' losses and weights. ``None``: the plain run alone."""
+    batches = shared_mask_batches(rows, steps)
+    torch.manual_seed(0)
+    plain = TorchEncoderMaskArgLM()
+    reference = {"losses": train_plainly(plain, batches, shared_mask_loss), "weights": full_state_dict(plain)}
+    rows_of_data = [{"input_ids": row} for batch in batches for row in batch["input_ids"]]
+
+    def collate(items: list) -> dict:  # as the script's own collate_fn: the rows stacked, the one mask beside them
+        return {"src_mask": batches[0]["src_mask"], "input_ids": torch.stack([item["input_ids"] for item in items])}
+
+    torch.manual_seed(0)
+    _, result, _ = auto_accelerate(TorchEncoderMaskArgLM(), torch.optim.SGD, rows_of_data, shared_mask_loss,
+                                   optim_args={"lr": 0.1}, dataloader_args={"batch_size": rows, "collate_fn": collate},
+                                   model_input_format="unpack_dict", load_strategy=list(load_strategy))
+    losses = []
+    for batch in batches:
+        batch = result.prepare_input(batch)
+        loss = result.loss_func(batch, result.model(**batch))
+        result.optim.backward(loss) if result.args.use_optim_backward else loss.backward()
+        result.optim.step()
+        result.optim.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "weights": full_state_dict(result.model), "reference": reference}

@@ -105,12 +105,17 @@ def first_tensor(data: Any) -> Optional[torch.Tensor]:
     return found[0] if found else None
 
 
-def batch_size_of(data: Any) -> int:
-    """Rows in a batch: the first dimension of its first tensor (1 for a scalar or no tensor)."""
-    tensor = first_tensor(data)
-    if tensor is None or tensor.dim() == 0:
+def batch_size_of(data: Any, expected: Optional[int] = None) -> int:
+    """Rows in a batch: ``expected`` (the rows a method planned for) where a tensor's first dimension is
+    that, else the first dimension most of its tensors share, the first tensor's where none is shared
+    more (1 for scalars or no tensor). Not simply the first tensor's: a script's collate may put an input
+    the rows share (a sequence x sequence mask) before the rows themselves."""
+    sizes = [t.shape[0] for t in tensors(data) if t.dim() > 0]
+    if not sizes:
         return 1
-    return tensor.shape[0]
+    if expected in sizes:
+        return expected
+    return max(sizes, key=sizes.count)  # the first of the most common: ties go to the earliest tensor
 
 
 def move_to_device(data: Any, device: torch.device) -> Any:
@@ -127,9 +132,25 @@ def to_meta(data: Any) -> Any:
     return map_tensors(lambda t: torch.empty_like(t, device="meta"), data)
 
 
-def select_rows(data: Any, index: torch.Tensor) -> Any:
-    """The rows ``index`` of every tensor in the batch (micro-batch slicing)."""
-    return map_tensors(lambda t: t.index_select(0, index.to(t.device)), data)
+def holds_rows(tensor: torch.Tensor, rows: int) -> bool:
+    """Whether ``tensor`` holds the batch's rows (its first dimension is the batch's ``rows``). A tensor of
+    another first dimension, or none (an attention mask shared by every row, as nn.Transformer's
+    ``generate_square_subsequent_mask`` makes; a position table; a scalar), is the same for every row:
+    a micro-batch takes it whole, not a slice of it."""
+    return tensor.dim() > 0 and tensor.shape[0] == rows
+
+
+def select_rows(data: Any, index: torch.Tensor, rows: Optional[int] = None) -> Any:
+    """The rows ``index`` of every tensor in the batch that holds its rows (micro-batch slicing); the
+    others whole (``holds_rows``). ``rows``: the batch's rows, else its first tensor's first dimension."""
+    rows = batch_size_of(data) if rows is None else rows
+    return map_tensors(lambda t: t.index_select(0, index.to(t.device)) if holds_rows(t, rows) else t, data)
+
+
+def narrow_rows(data: Any, start: int, length: int, rows: int) -> Any:
+    """Rows ``start`` to ``start + length`` of every tensor in the batch that holds its ``rows`` rows, the
+    others whole (``holds_rows``)."""
+    return map_tensors(lambda t: t.narrow(0, start, length) if holds_rows(t, rows) else t, data)
 
 
 def loss_value(output: Any) -> torch.Tensor:

@@ -21,6 +21,7 @@ from atorch.testing.training import (
     train_gpt,
     train_plainly,
     train_returned,
+    train_shared_mask,
     weight_difference,
 )
 from atorch.utils.batch import equal_chunks
@@ -55,6 +56,17 @@ def test_one_process_matches_the_unsplit_batch(reference):
         assert_matches(run, reference, strategy, f"1 process {strategy}")
         expected = 2 if strategy[0] is MB2 else 4
         assert run["result"].args.extras["micro_batch"]["num_micro_batch"] == expected
+
+
+def test_an_input_the_rows_share_goes_whole_to_every_micro_step():
+    """PyTorch's nn.Transformer tutorial calls its model as model(src, src_mask): one causal mask (sequence x
+    sequence) for every row. micro_batch sliced every input by rows, the mask too ('The shape of the 2D
+    attn_mask is torch.Size([4, 16])'); an input whose first dimension is not the batch's rows now goes whole
+    to each micro-step, and 3 steps match the unsplit batch's."""
+    for count in (2, 4):
+        out = train_shared_mask([("micro_batch", {"num_micro_batch": count})])
+        assert out["losses"] == pytest.approx(out["reference"]["losses"], rel=1e-5)
+        assert weight_difference(out["weights"], out["reference"]["weights"]) < 1e-6
 
 
 def suite_and_sync_memory(cases: dict) -> dict:

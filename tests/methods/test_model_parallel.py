@@ -31,6 +31,7 @@ from atorch.testing.training import (
     train_gpt,
     train_plainly,
     train_returned,
+    train_shared_mask,
     weight_difference,
 )
 from atorch.utils.modules import full_state_dict
@@ -762,6 +763,8 @@ def launch_2(cases: dict) -> dict:
     read_through = {"pipeline": reads_through([PP2, "pipeline_parallel"]),
                     "micro_batch": reads_through(["fsdp", ("micro_batch", {"num_micro_batch": 2})]),
                     **({"ds_3d": reads_through(DS_3D)} if DEEPSPEED else {})}
+    shared_mask = {name: shared_mask_summary(strategy) for name, strategy in
+                   [("pipeline", [PP2, "pipeline_parallel"]), *([("ds_3d", DS_3D)] if DEEPSPEED else [])]}
     own_batches = {"tensor": rank_own_batches([("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"]),
                    "pipeline": rank_own_batches([PP2, "pipeline_parallel"]),
                    **({"ds_3d": rank_own_batches(DS_3D)} if DEEPSPEED else {})}
@@ -773,7 +776,14 @@ def launch_2(cases: dict) -> dict:
             "sequence_dropout": split_part_dropout(sequence=True),
             "positional": train_positional([PP2, ("pipeline_parallel", {"schedule": "GPipe"})]),
             "validation": validation, "accumulation": accumulation, "rank_own_batches": own_batches,
-            "read_through": read_through}
+            "read_through": read_through, "shared_mask": shared_mask}
+
+
+def shared_mask_summary(strategy: list) -> dict:
+    """``train_shared_mask`` under a pipeline: its losses, the plain run's, and the weights' difference."""
+    out = train_shared_mask(strategy)
+    return {"losses": out["losses"], "reference": out["reference"]["losses"],
+            "weights": weight_difference(out["weights"], out["reference"]["weights"])}
 
 
 @pytest.fixture(scope="module")
@@ -798,6 +808,20 @@ def test_a_tensor_or_pipeline_group_given_different_batches_is_refused_on_every_
                                       f"{mode} call {call} (ranks [0, 1]"), refusal
         assert "result.dataloader" in got["refusal"] and "get_data_partition_rank_and_size" in got["refusal"]
         assert got["nan_batch"] == "no error"  # refused before 2026-12-01: its NaN fingerprint equalled nothing
+
+
+@pytest.mark.parametrize("case", ["pipeline", pytest.param("ds_3d", marks=pytest.mark.skipif(
+    not DEEPSPEED, reason="DeepSpeed is not installed"))])
+def test_an_input_the_rows_share_goes_whole_to_every_micro_batch(two_ranks, case):
+    """PyTorch's nn.Transformer tutorial calls its model as model(src, src_mask): one causal mask (sequence x
+    sequence) for every row. A pipeline split every input into micro-batches by its first dimension, the mask
+    too ('The shape of the 2D attn_mask is torch.Size([2, 16])', inside the user's loop); an input whose first
+    dimension is not the batch's rows now goes whole to each micro-batch, and 3 SGD steps match one process's
+    (losses within 1e-5, weights within 1e-6 relative)."""
+    for out in two_ranks:
+        got = out["shared_mask"][case]
+        assert got["losses"] == pytest.approx(got["reference"], rel=1e-5), got
+        assert got["weights"] < 1e-6, got
 
 
 @pytest.mark.parametrize("case", ["pipeline", "micro_batch", pytest.param("ds_3d", marks=pytest.mark.skipif(

@@ -232,6 +232,7 @@ class _BatchHolder:
     """The step's batch, where every stage reads its micro-batch's rows (a plain object: not a module)."""
 
     batch: Any = None
+    rows: Optional[int] = None  # the batch's rows (``batch_size_of``)
 
 
 class DeepSpeedStage(nn.Module):
@@ -253,7 +254,7 @@ class DeepSpeedStage(nn.Module):
         else:
             hidden_state, index = received
             hidden = (hidden_state,)
-        rows = select_rows(self.holder.batch, index)
+        rows = select_rows(self.holder.batch, index, self.holder.rows)
         inputs = dict(rows) if self.input_format == "unpack_dict" else {"input": rows}
         output = self.stage(*hidden, **inputs)
         if self.stage.is_last:
@@ -336,6 +337,7 @@ class DeepSpeedPipeline(nn.Module):
         self.micro = micro
         self.stages = stages
         self._batch: Any = None
+        self._batch_rows: Optional[int] = None  # the batch's rows (batch_size_of), read by micro_loss
         self.window = WindowScales("ds_3d_parallel")
 
     def __getattr__(self, name: str) -> Any:
@@ -353,18 +355,18 @@ class DeepSpeedPipeline(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
         batch = batch_of_call(args, kwargs, self.stages.input_format if self.stages is not None else None)
-        self._batch = batch
-        size = batch_size_of(batch)
+        size = batch_size_of(batch, self.engine.train_micro_batch_size_per_gpu() * self.micro)
+        self._batch, self._batch_rows = batch, size
         if size % self.micro:
             raise MethodConfigError("ds_3d_parallel", f"a batch of {size} rows does not split into its {self.micro} "
                                     "micro-batches, and DeepSpeed's engine runs a fixed count (an epoch's last "
                                     "batch): set drop_last=True in dataloader_args")
         index = torch.arange(size, device=next(self.engine.parameters()).device)
         if self.stages is not None:  # every stage reads its micro-batch's rows of the batch
-            self.stages.holder.batch = batch
+            self.stages.holder.batch, self.stages.holder.rows = batch, size
             chunks = [(part, part) for part in index.chunk(self.micro)]
         else:
-            chunks = [(select_rows(batch, part), part) for part in index.chunk(self.micro)]
+            chunks = [(select_rows(batch, part, size), part) for part in index.chunk(self.micro)]
         training = self.training and torch.is_grad_enabled()
         if self.item_weights is not None:
             self.item_weights.begin(batch, self.micro, training)
@@ -387,7 +389,7 @@ class DeepSpeedPipeline(nn.Module):
         return [self.stages.stage] if self.stages is not None else None
 
     def micro_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
-        rows = select_rows(self._batch, index)
+        rows = select_rows(self._batch, index, self._batch_rows)
         loss = loss_value(self.user_loss(rows, output))
         return self.item_weights.weigh(rows, loss, int(index[0])) if self.item_weights is not None else loss
 

@@ -47,7 +47,7 @@ from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.read_through import read_through
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.errors import MethodConfigError
-from atorch.utils.batch import batch_of_call, batch_size_of, call_with_batch, equal_chunks, loss_value, map_tensors
+from atorch.utils.batch import batch_of_call, batch_size_of, call_with_batch, equal_chunks, loss_value, narrow_rows
 from atorch.utils.config import MethodConfig, option
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class MicroBatchModule(nn.Module):
         if not (torch.is_grad_enabled() and self.training):
             return self.module(*args, **kwargs)  # evaluation: the whole batch, the user's output
         batch = batch_of_call(args, kwargs, self.input_format)
-        rows = batch_size_of(batch)
+        rows = batch_size_of(batch, self.chunk_rows * self.num_micro_batch if self.chunk_rows else None)
         k = equal_chunks(rows, self.num_micro_batch, self.chunk_rows)
         if k != self.num_micro_batch:
             logger.info("micro_batch: a batch of %d rows runs as %d micro-steps, not %d", rows, k, self.num_micro_batch)
@@ -127,7 +127,7 @@ class MicroBatchModule(nn.Module):
             self.item_weights.begin(batch, k, True)
         losses = []
         for index in range(k):
-            micro = map_tensors(lambda t: t.narrow(0, index * rows // k, rows // k), batch)
+            micro = narrow_rows(batch, index * rows // k, rows // k, rows)
             self._set_sync(index == k - 1 or self.grad_sync == EACH_MICRO_STEP)
             loss = loss_value(self.user_loss(micro, call_with_batch(self.module, micro, self.input_format)))
             if self.item_weights is not None:

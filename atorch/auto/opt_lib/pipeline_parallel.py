@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
@@ -90,7 +91,16 @@ from atorch.auto.opt_lib.read_through import read_through
 from atorch.auto.opt_lib.same_batch import check_same_batch
 from atorch.distributed import mesh
 from atorch.errors import MethodConfigError
-from atorch.utils.batch import batch_of_call, equal_chunks, first_tensor, loss_value, select_rows, tensors
+from atorch.utils.batch import (
+    batch_of_call,
+    batch_size_of,
+    equal_chunks,
+    first_tensor,
+    holds_rows,
+    loss_value,
+    select_rows,
+    tensors,
+)
 from atorch.utils.config import MethodConfig, option
 from atorch.utils.meta_init import sample_values
 from atorch.utils.modules import block_stack, full_state_dict
@@ -208,7 +218,7 @@ class PipelineModule(nn.Module):
                  item_weights: Optional[MicroBatchItemWeights] = None):
         super().__init__()
         self.stage_modules = nn.ModuleList(stage_modules)
-        self.build_schedule = build_schedule  # micro-batches -> a schedule
+        self.build_schedule = build_schedule  # (micro-batches, how each input splits) -> a schedule
         self.micro, self.chunk_rows = micro, chunk_rows
         self.schedules: collections.OrderedDict = collections.OrderedDict()  # batch shapes -> schedule
         self.user_loss = loss_func
@@ -218,6 +228,7 @@ class PipelineModule(nn.Module):
         self.shared = shared
         self.item_weights = item_weights  # the micro-batches' losses weighted by loss_items (atorch.auto.loss_items)
         self._batch: Any = None
+        self._batch_rows: Optional[int] = None  # the batch's rows (batch_size_of), read by micro_loss
         self._pending: Optional[_PendingCall] = None
         self._ready_hooks: list[tuple[Callable[[Any], None], Optional[Callable[[], Any]]]] = []
 
@@ -237,16 +248,17 @@ class PipelineModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
         batch = batch_of_call(args, kwargs, self.input_format)
-        self._batch = batch
         first = _first_tensor(batch)
-        index = torch.arange(first.shape[0], device=first.device)
+        rows = batch_size_of(batch, self._planned_rows())
+        self._batch, self._batch_rows = batch, rows
+        index = torch.arange(rows, device=first.device)
         losses: list = []
         inputs = dict(batch) if self.input_format == "unpack_dict" else {"input": batch}
         target = index if self.is_last else None
         # every stage gets the batch (its blocks may need masks or positions made from it)
         training = self.training and torch.is_grad_enabled()
         if self.item_weights is not None:
-            self.item_weights.begin(batch, self._micro_batches_for(first.shape[0]), training)
+            self.item_weights.begin(batch, self._micro_batches_for(rows), training)
         if training:
             self.settle()
             pending = _PendingCall(self._set_gradients_aside(), [capture() if capture else None
@@ -322,11 +334,25 @@ class PipelineModule(nn.Module):
             if self.schedules:
                 logger.info("pipeline_parallel: a batch of new shapes %s: its stages exchange them once (padding "
                             "batches to a few fixed lengths saves that forward)", shapes)
-            schedule = self.build_schedule(self._micro_batches_for(_first_tensor(batch).shape[0]))
+            rows = batch_size_of(batch, self._planned_rows())
+            schedule = self.build_schedule(self._micro_batches_for(rows), self._chunk_spec(batch, rows))
         self.schedules[shapes] = schedule
         while len(self.schedules) > SCHEDULES_KEPT:
             self.schedules.popitem(last=False)
         return schedule
+
+    def _planned_rows(self) -> Optional[int]:
+        """A batch's rows as planned (the per-rank batch), which tells them from an input the rows share."""
+        return self.chunk_rows * self.micro if self.chunk_rows else None
+
+    def _chunk_spec(self, batch: Any, rows: int) -> dict:
+        """How the schedule splits each input into micro-batches: the tensors that hold the batch's rows on
+        their first dimension by rows, the others whole to every micro-batch (``holds_rows``: a mask shared
+        by every row, as ``nn.Transformer.generate_square_subsequent_mask`` makes, was split by its own first
+        dimension, and every micro-batch's call failed on its shape)."""
+        inputs = dict(batch) if self.input_format == "unpack_dict" else {"input": batch}
+        return pytree.tree_map(lambda value: TensorChunkSpec(0) if isinstance(value, torch.Tensor)
+                               and holds_rows(value, rows) else _Replicate(), inputs)
 
     def _micro_batches_for(self, rows: int) -> int:
         """The configured micro-batch count, or for a batch of other rows (an epoch's last batch, without
@@ -347,7 +373,7 @@ class PipelineModule(nn.Module):
         """The user's loss_func on one micro-batch, given the user's own output object (the last
         stage sent only its tensors through the schedule)."""
         user_output = self.stage_modules[-1].rebuild_output(output)
-        rows = select_rows(self._batch, index)
+        rows = select_rows(self._batch, index, self._batch_rows)
         loss = loss_value(self.user_loss(rows, user_output))
         return self.item_weights.weigh(rows, loss, int(index[0])) if self.item_weights is not None else loss
 
@@ -549,12 +575,13 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     loss_fn = lambda output, index: holder["module"].micro_loss(output, index)  # noqa: E731
     schedule_cls = getattr(schedules, SCHEDULES[config.schedule])
 
-    def build_schedule(micro_batches: int) -> Any:
+    def build_schedule(micro_batches: int, kwargs_chunk_spec: Optional[dict] = None) -> Any:
         for stage_module in modules:
             stage_module.agree_on_first_input(mesh.parallel_group("tensor"))
         stages = [PipelineStage(m, i, num_stages, ctx.device, group=group) for m, i in zip(modules, indices)]
         try:
-            return schedule_cls(stages if len(stages) > 1 else stages[0], micro_batches, loss_fn=loss_fn)
+            return schedule_cls(stages if len(stages) > 1 else stages[0], micro_batches, loss_fn=loss_fn,
+                                kwargs_chunk_spec=kwargs_chunk_spec)
         except ValueError as error:  # a count the schedule cannot run (interleaving needs enough of them)
             raise MethodConfigError("pipeline_parallel", f"{config.schedule} cannot run {micro_batches} "
                                     f"micro-batches ({error}); a batch whose rows do not divide into {micro} "

@@ -238,6 +238,21 @@ def _summed_shards_error(shards: list[dict], reference: Reference) -> Optional[s
     return _print_error(summed, reference.prints, reference.tolerance)
 
 
+class LossFuncError(Exception):
+    """The user's loss_func raised on the sample batch (``_sample_loss``)."""
+
+
+def _sample_loss(probe: Probe, output: Any) -> torch.Tensor:
+    """The user's loss on the sample batch, its failure told apart from the split model's: a loss_func that
+    reads what prepare_input dropped (labels kept out of the model's input) fails here first."""
+    try:
+        return loss_value(probe.loss(probe.batch, output))
+    except Exception as error:
+        raise LossFuncError(f"your loss_func(batch, output) raised {type(error).__name__}: {str(error)[:300]} on it "
+                            "(batch as prepare_input returns it, the model's input, which loss_func gets too: "
+                            "keep in it what the loss reads, such as labels)") from error
+
+
 def _backward(model: nn.Module, probe: Probe, group=None) -> None:
     """One forward and backward through the loss (no optimizer step); gradients are dropped after.
 
@@ -252,7 +267,7 @@ def _backward(model: nn.Module, probe: Probe, group=None) -> None:
     try:
         with torch.random.fork_rng(devices=_devices()):
             model.eval()
-            loss = loss_value(probe.loss(probe.batch, probe.run(model)))
+            loss = _sample_loss(probe, probe.run(model))
             if not loss.requires_grad and has_meta_tensors(model):
                 # a model still on the meta device runs forward only on sample values (sample_values), where
                 # no trainable leaf is reached when every parameter it holds is a sample (a frozen base with
@@ -260,7 +275,9 @@ def _backward(model: nn.Module, probe: Probe, group=None) -> None:
                 return
             loss.backward()
         prints = _gradient_prints(model)
-    except Exception as error:  # at once: a peer waiting in a collective is ended by the dry run's fault handling
+    except LossFuncError as error:  # at once: a peer waiting in a collective is ended by the dry run's fault handling
+        raise MethodConfigError("tensor_parallel", f"checking the split model on a sample batch, {error}") from error
+    except Exception as error:
         raise MethodConfigError("tensor_parallel", f"the split model's backward failed on a sample batch: "
                                 f"{type(error).__name__}: {str(error)[:300]}") from error
     finally:
