@@ -140,10 +140,9 @@ def holds_rows(tensor: torch.Tensor, rows: int) -> bool:
     return tensor.dim() > 0 and tensor.shape[0] == rows
 
 
-def select_rows(data: Any, index: torch.Tensor, rows: Optional[int] = None) -> Any:
-    """The rows ``index`` of every tensor in the batch that holds its rows (micro-batch slicing); the
-    others whole (``holds_rows``). ``rows``: the batch's rows, else its first tensor's first dimension."""
-    rows = batch_size_of(data) if rows is None else rows
+def select_rows(data: Any, index: torch.Tensor, rows: int) -> Any:
+    """The rows ``index`` of every tensor in the batch that holds its ``rows`` rows (micro-batch slicing);
+    the others whole (``holds_rows``)."""
     return map_tensors(lambda t: t.index_select(0, index.to(t.device)) if holds_rows(t, rows) else t, data)
 
 

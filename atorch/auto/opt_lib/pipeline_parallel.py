@@ -264,12 +264,12 @@ class PipelineModule(nn.Module):
             pending = _PendingCall(self._set_gradients_aside(), [capture() if capture else None
                                                                   for _, capture in self._ready_hooks])
             stashed = self.shared.stash() if self.shared else None
-            self.schedule_for(batch).step(target=target, losses=losses, return_outputs=False, **inputs)
+            self.schedule_for(batch, rows).step(target=target, losses=losses, return_outputs=False, **inputs)
             if self.shared:
                 self.shared.sum_gradients(stashed)
             self._pending = pending
         else:  # evaluation (model.eval() or torch.no_grad()): the loss only, no backward, no gradients touched
-            self.schedule_for(batch).eval(target=target, losses=losses, return_outputs=False, **inputs)
+            self.schedule_for(batch, rows).eval(target=target, losses=losses, return_outputs=False, **inputs)
         if losses:
             loss = torch.stack([micro_loss.detach().float() for micro_loss in losses]).mean()
             loss = self.item_weights.mean(loss) if self.item_weights is not None else loss
@@ -322,19 +322,19 @@ class PipelineModule(nn.Module):
     def _trained_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
-    def schedule_for(self, batch: Any) -> Any:
+    def schedule_for(self, batch: Any, rows: int) -> Any:
         """The schedule for this batch's shapes. A stage learns the shapes it exchanges on its schedule's
         first step and keeps receive buffers of those shapes, so batches padded to their own longest row
         (a collator's ``padding=True``) need a schedule per shape: built on a new shape (the stages then
         exchange its shapes once, one extra forward of each stage), the last ``SCHEDULES_KEPT`` kept for
-        shapes that come again. Every rank of the pipeline gets the same batch, so all build together."""
+        shapes that come again. Every rank of the pipeline gets the same batch, so all build together.
+        ``rows``: the batch's rows, as ``forward`` read them (``batch_size_of``)."""
         shapes = tuple(tuple(t.shape) for t in tensors(batch))
         schedule = self.schedules.pop(shapes, None)
         if schedule is None:
             if self.schedules:
                 logger.info("pipeline_parallel: a batch of new shapes %s: its stages exchange them once (padding "
                             "batches to a few fixed lengths saves that forward)", shapes)
-            rows = batch_size_of(batch, self._planned_rows())
             schedule = self.build_schedule(self._micro_batches_for(rows), self._chunk_spec(batch, rows))
         self.schedules[shapes] = schedule
         while len(self.schedules) > SCHEDULES_KEPT:
