@@ -235,6 +235,12 @@ class MicroBatchItemWeights:
             return loss
         return item_weighted(loss, self.items.weight(count, self.micro * self.size, self.total))
 
+    def counts(self) -> Optional[dict[int, float]]:
+        """The call's micro-batches' loss items, by micro-batch key (None without ``loss_items``)."""
+        if self.items is None:
+            return None
+        return {key: float(count) for key, (count, _) in self.seen.items()}
+
     def mean(self, plain: torch.Tensor) -> torch.Tensor:
         if self.items is None or not self.seen:
             return plain

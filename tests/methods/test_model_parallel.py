@@ -515,7 +515,7 @@ def train_with_validation(load_strategy: Any = ()) -> dict:
     as a loop that forgets no_grad does); the model goes back to ``train()`` after each."""
     rows, result = accelerated_llama(load_strategy)
     held_out = result.prepare_input(torch.utils.data.default_collate(rows[:8]))
-    losses, validation = [], []
+    losses, validation, logits = [], [], []
     for step, batch in enumerate(result.dataloader):
         batch = result.prepare_input(batch)
         loss = result.loss_func(batch, result.model(**batch))
@@ -526,10 +526,23 @@ def train_with_validation(load_strategy: Any = ()) -> dict:
         if step in (1, 2):
             result.model.eval()
             with torch.no_grad() if step == 1 else contextlib.nullcontext():
-                validation.append(float(result.loss_func(held_out, result.model(**held_out))))
+                output = result.model(**held_out)
+                validation.append(float(result.loss_func(held_out, output)))
+                logits.append(_logits_read(output, held_out["labels"]))
             result.model.train()
     weights = result.model.full_state_dict() if load_strategy else full_state_dict(result.model)
-    return {"losses": losses, "validation": validation, "weights": weights}
+    return {"losses": losses, "validation": validation, "logits": logits, "weights": weights}
+
+
+def _logits_read(output: Any, labels: torch.Tensor) -> Any:
+    """What an evaluation loop reads of the logits: their shape, sum and the predictions' hits on the labels
+    (through ``output.logits`` and ``output["logits"]``), or the error reading them raised."""
+    try:
+        hits = (output.logits.argmax(-1)[:, :-1] == labels[:, 1:]).sum()
+        return {"shape": list(output["logits"].shape), "sum": float(output.logits.double().sum()),
+                "abs": float(output.logits.double().abs().sum()), "hits": int(hits)}
+    except (AttributeError, TypeError, KeyError) as error:
+        return f"{type(error).__name__}: {error}"
 
 
 def pipeline_on_changing_lengths() -> dict:
@@ -754,6 +767,7 @@ def launch_2(cases: dict) -> dict:
     # the pipeline runs on changing lengths, with validation and on each rank's own batches come before
     # deepspeed_pipeline, which leaves DeepSpeed unimportable
     validation = {"pp": train_with_validation([PP2, "pipeline_parallel"]),
+                  "pp_loss_only": train_with_validation([PP2, ("pipeline_parallel", {"eval_outputs": False})]),
                   **({"ds_3d": train_with_validation(DS_3D)} if DEEPSPEED else {})}
     accumulation = {name: train_accumulating([PP2, "pipeline_parallel"], scales)
                     for name, scales in WINDOW_SCALES.items()}
@@ -993,6 +1007,26 @@ def test_a_validation_pass_under_a_pipeline_computes_the_loss_and_leaves_trainin
             assert relative_difference(run["validation"], reference["validation"]) < TOL, (rank, name, run)
             assert relative_difference(run["losses"], reference["losses"]) < TOL, (rank, name, run)
             assert weight_difference(run["weights"], reference["weights"]) < TOL, (rank, name)
+
+
+def test_evaluation_under_a_pipeline_returns_the_model_s_outputs_on_every_stage(two_ranks):
+    """An evaluation loop reads the outputs, not only the loss: ``output.logits.argmax(-1)`` for accuracy.
+    Under a pipeline only the last stage ever held them, a micro-batch at a time, and ``model(**batch)``
+    returned the loss alone (AttributeError: 'PipelineOutput' object has no attribute 'logits'). In
+    evaluation the last stage now merges its micro-batches' outputs into the whole batch's and sends them
+    to every stage: the logits read on both ranks equal one process's (pp2 1F1B, and ds_3d_parallel), through
+    attributes and keys; ``eval_outputs=False`` keeps the loss-only call, and reading the logits then says
+    why there are none."""
+    reference = train_with_validation()
+    for rank, per_rank in enumerate(two_ranks):
+        runs = per_rank["validation"]
+        for name in ("pp", "ds_3d") if DEEPSPEED else ("pp",):
+            for got, want in zip(runs[name]["logits"], reference["logits"], strict=True):
+                assert isinstance(got, dict), (rank, name, got)
+                assert got["shape"] == want["shape"] and got["hits"] == want["hits"], (rank, name, got, want)
+                assert abs(got["sum"] - want["sum"]) <= TOL * want["abs"], (rank, name, got, want)
+        for got in runs["pp_loss_only"]["logits"]:
+            assert got.startswith("AttributeError") and "eval_outputs is False" in got, (rank, got)
 
 
 def test_a_loop_s_own_gradient_accumulation_under_a_pipeline_scales_each_micro_step_as_its_backward_says(

@@ -23,7 +23,9 @@ model, so a ``tensor`` dimension above 1 is refused; use ``mixed_parallel`` for 
 any model. As with pipeline_parallel, ``model(batch)`` runs the whole step and returns a
 ``PipelineOutput``, ``loss_func`` returns its loss, ``optim.backward`` is a no-op, and ``optim.step`` takes
 the step DeepSpeed's ``train_batch`` would have ended with (deferred, so the loop's gradient clipping,
-taken over every stage's gradients, applies as under any other method).
+taken over every stage's gradients, applies as under any other method). In evaluation the
+``PipelineOutput`` also reads through to the model's outputs for the whole batch on every stage, as
+pipeline_parallel's does (``eval_outputs``).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from atorch.auto.loss_items import MicroBatchItemWeights
 from atorch.auto.loss_probe import WindowScales
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason, without_shared_memory_allreduce
+from atorch.auto.opt_lib.eval_outputs import MicroOutputs, share_from
 from atorch.auto.opt_lib.pipeline_parallel import (
     PIPELINE_WHY,
     PipelineOutput,
@@ -68,6 +71,9 @@ class DS3DParallelConfig(MethodConfig):
     partition_method: Optional[str] = option(None, doc="an nn.Sequential's split by DeepSpeed: 'parameters' (None: "
                                              "this), 'uniform' or 'type:<regex>'; other models are cut at their "
                                              "blocks as pipeline_parallel cuts them")
+    eval_outputs: bool = option(True, doc="in evaluation, also return the model's outputs for the whole batch on "
+                                "every stage (merged from the last stage's micro-batches); False: the loss only, "
+                                "no outputs kept or sent")
 
 
 
@@ -186,7 +192,7 @@ def _build_engine(ctx, config: DS3DParallelConfig, stages: Optional["DeepSpeedSt
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config,
                                            dist_init_required=False)
     item_weights = MicroBatchItemWeights(ctx.loss_items, dp, ctx.device, "ds_3d_parallel")
-    wrapper = DeepSpeedPipeline(engine, ctx.loss_func, micro, stages, item_weights)
+    wrapper = DeepSpeedPipeline(engine, ctx.loss_func, micro, stages, item_weights, config.eval_outputs)
     holder["wrapper"] = wrapper
     check_same_batch(wrapper, module.mpu().get_pipe_parallel_group(), "ds_3d_parallel", "pipeline")
     ctx.model = wrapper
@@ -329,9 +335,11 @@ def _with_tied_stage_weights(base: type) -> type:
 
 class DeepSpeedPipeline(nn.Module):
     def __init__(self, engine: Any, loss_func: Any, micro: int, stages: Optional[DeepSpeedStages] = None,
-                 item_weights: Optional[MicroBatchItemWeights] = None):
+                 item_weights: Optional[MicroBatchItemWeights] = None, eval_outputs: bool = True):
         super().__init__()
         self.item_weights = item_weights  # the micro-batches' losses weighted by loss_items (atorch.auto.loss_items)
+        self.eval_outputs = eval_outputs
+        self.micro_outputs = MicroOutputs()  # the last stage's micro-batch outputs in evaluation
         self.engine = engine
         self.user_loss = loss_func
         self.micro = micro
@@ -372,14 +380,23 @@ class DeepSpeedPipeline(nn.Module):
             self.item_weights.begin(batch, self.micro, training)
         if training:
             loss = self.engine.train_batch(data_iter=iter(chunks))
-        else:  # evaluation (model.eval() or torch.no_grad()): the loss only, no backward, no gradients touched
+        else:  # evaluation (model.eval() or torch.no_grad()): forward only, no gradients touched
+            self.micro_outputs.begin(self.eval_outputs and self.engine.is_last_stage())
             loss = self.engine.eval_batch(data_iter=iter(chunks), num_micro_batches=self.micro)
         loss = loss.detach().float() if torch.is_tensor(loss) else torch.tensor(float(loss))
+        last = self.engine.grid.stage_to_global(self.engine.num_stages - 1)
+        group = self.engine.module.mpu().get_pipe_parallel_group()
         if self.item_weights is not None:  # the last stage's item mean, on every stage as DeepSpeed's loss is
             loss = self.item_weights.mean(loss) if self.engine.is_last_stage() else loss.clone()
-            dist.broadcast(loss, src=self.engine.grid.stage_to_global(self.engine.num_stages - 1),
-                           group=self.engine.module.mpu().get_pipe_parallel_group())
-        return PipelineOutput(self.window.probe(loss) if training else loss)
+            dist.broadcast(loss, src=last, group=group)
+        if training:
+            return PipelineOutput(self.window.probe(loss))
+        if not self.eval_outputs:
+            return PipelineOutput(loss)
+        weights = self.item_weights.counts() if self.item_weights is not None else None
+        outputs = share_from(lambda: self.micro_outputs.merged(weights), dist.get_group_rank(group, last), group,
+                             index.device)
+        return PipelineOutput(loss, outputs)
 
     @property
     def stage_modules(self) -> Optional[list[StageModule]]:
@@ -390,6 +407,7 @@ class DeepSpeedPipeline(nn.Module):
 
     def micro_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
         rows = select_rows(self._batch, index, self._batch_rows)
+        self.micro_outputs.keep(int(index[0]), output, len(index))
         loss = loss_value(self.user_loss(rows, output))
         return self.item_weights.weigh(rows, loss, int(index[0])) if self.item_weights is not None else loss
 

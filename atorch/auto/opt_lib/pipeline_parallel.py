@@ -50,7 +50,9 @@ loss (the same on every stage); ``optim.backward(loss)`` scales the call's gradi
 that loss (a loop accumulating over calls divides it: ``PipelineModule.settle``, which the data-parallel
 average waits for; ``result.args.use_optim_backward`` is True); ``optim.step()`` updates this stage's
 parameters. In evaluation (``model.eval()`` or ``torch.no_grad()``) ``model(**batch)`` runs the
-forward-only schedule: the loss and no backward, so a validation pass leaves the gradients as they were.
+forward-only schedule: the loss and no backward, so a validation pass leaves the gradients as they were;
+the returned ``PipelineOutput`` also reads through to the model's own output for the whole batch, merged
+from the last stage's micro-batches and sent to every stage (``eval_outputs``: ``eval_outputs.py``).
 """
 from __future__ import annotations
 
@@ -73,6 +75,7 @@ from atorch.auto.gradients import mark_counted_elsewhere
 from atorch.auto.loss_items import MicroBatchItemWeights
 from atorch.auto.loss_probe import with_scale_probe
 from atorch.auto.opt_lib.base import SHARDED_STAGES, SHARDED_STAGES_WHY, Optimization
+from atorch.auto.opt_lib.eval_outputs import MicroOutputs, share_from
 from atorch.auto.opt_lib.pipeline_structure import (
     BlockStructure,
     PassThrough,
@@ -123,6 +126,9 @@ class PipelineParallelConfig(MethodConfig):
                                                "balanced by matmul parameters")
     stages_per_rank: Optional[int] = option(None, doc="stages per rank (>= 2 only with Interleaved1F1B); None: 2 with "
                                             "Interleaved1F1B, else 1", minimum=1)
+    eval_outputs: bool = option(True, doc="in evaluation, also return the model's outputs for the whole batch on "
+                                "every stage (merged from the last stage's micro-batches); False: the loss only, "
+                                "no outputs kept or sent")
 
 
 # --- the cut -------------------------------------------------------------------------------------
@@ -188,10 +194,55 @@ def plan_stages(model: nn.Module, num_stages: int) -> StageSplit:
 # --- the runtime ---------------------------------------------------------------------------------
 @dataclass
 class PipelineOutput:
-    """What ``model(**batch)`` returns under pipeline parallelism: the step already ran."""
+    """What ``model(**batch)`` returns under pipeline parallelism: the step already ran. ``loss``: the
+    step's mean loss, the same on every stage. ``outputs``: in evaluation, the model's own output for the
+    whole batch on every stage (``eval_outputs``), which the object reads through to: ``output.logits``,
+    ``output[0]``, and torch functions on a model that returns a tensor. A training call's outputs were
+    spent by the backward the schedule ran inside it: ``None``."""
 
     loss: torch.Tensor
     outputs: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        outputs = self.__dict__.get("outputs")
+        if outputs is None or name.startswith("__"):
+            raise AttributeError(f"PipelineOutput has no {name!r}: {_NO_OUTPUTS_WHY}")
+        return getattr(outputs, name)
+
+    def __getitem__(self, key: Any) -> Any:
+        if self.outputs is None:
+            raise TypeError(f"PipelineOutput cannot be indexed: {_NO_OUTPUTS_WHY}")
+        return self.outputs[key]
+
+    def __iter__(self) -> Any:
+        if self.outputs is None:
+            raise TypeError(f"PipelineOutput cannot be unpacked: {_NO_OUTPUTS_WHY}")
+        return iter(self.outputs)
+
+    def __len__(self) -> int:
+        if self.outputs is None:
+            raise TypeError(f"PipelineOutput has no length: {_NO_OUTPUTS_WHY}")
+        return len(self.outputs)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        """torch functions on the output of a model that returns a tensor (``output.softmax(-1)`` reads
+        through ``__getattr__``; ``torch.softmax(output, -1)``, ``output == labels`` come here)."""
+        def unwrap(value: Any) -> Any:
+            if isinstance(value, PipelineOutput):
+                if not isinstance(value.outputs, torch.Tensor):
+                    raise TypeError(f"{getattr(func, '__name__', func)} takes tensors, and this PipelineOutput "
+                                    f"holds {type(value.outputs).__name__}: {_NO_OUTPUTS_WHY}")
+                return value.outputs
+            return value
+
+        return func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
+
+
+_NO_OUTPUTS_WHY = ("under a pipeline a training call returns the step's loss only (output.loss: the schedule ran the "
+                   "backward inside the call and spent the outputs); in evaluation (model.eval() or torch.no_grad()) "
+                   "it reads through to the model's own output for the whole batch, unless the method's eval_outputs "
+                   "is False")
 
 
 @dataclass
@@ -205,7 +256,8 @@ class _PendingCall:
 
 # why a pipeline's returned module does not offer the user's model's methods (``read_through``)
 PIPELINE_WHY = ("this process holds some of its stages, and the model's own methods and submodules would run or "
-                "name layers other processes hold. Train and evaluate with result.model(batch) (it returns the loss), "
+                "name layers other processes hold. Train and evaluate with result.model(batch) (it returns the loss, "
+                "and in evaluation the model's outputs), "
                 "export with result.model.save_pretrained(...)")
 
 
@@ -215,7 +267,7 @@ class PipelineModule(nn.Module):
     def __init__(self, stage_modules: list, build_schedule: Callable[[int], Any], micro: int,
                  chunk_rows: Optional[int] = None, *, loss_func,
                  input_format: Optional[str], group, is_last: bool, shared: Optional[SharedWeights] = None,
-                 item_weights: Optional[MicroBatchItemWeights] = None):
+                 item_weights: Optional[MicroBatchItemWeights] = None, eval_outputs: bool = True):
         super().__init__()
         self.stage_modules = nn.ModuleList(stage_modules)
         self.build_schedule = build_schedule  # (micro-batches, how each input splits) -> a schedule
@@ -227,6 +279,8 @@ class PipelineModule(nn.Module):
         self.is_last = is_last
         self.shared = shared
         self.item_weights = item_weights  # the micro-batches' losses weighted by loss_items (atorch.auto.loss_items)
+        self.eval_outputs = eval_outputs
+        self.micro_outputs = MicroOutputs()  # the last stage's micro-batch outputs in evaluation
         self._batch: Any = None
         self._batch_rows: Optional[int] = None  # the batch's rows (batch_size_of), read by micro_loss
         self._pending: Optional[_PendingCall] = None
@@ -268,7 +322,8 @@ class PipelineModule(nn.Module):
             if self.shared:
                 self.shared.sum_gradients(stashed)
             self._pending = pending
-        else:  # evaluation (model.eval() or torch.no_grad()): the loss only, no backward, no gradients touched
+        else:  # evaluation (model.eval() or torch.no_grad()): forward only, no gradients touched
+            self.micro_outputs.begin(self.eval_outputs and self.is_last)
             self.schedule_for(batch, rows).eval(target=target, losses=losses, return_outputs=False, **inputs)
         if losses:
             loss = torch.stack([micro_loss.detach().float() for micro_loss in losses]).mean()
@@ -277,7 +332,15 @@ class PipelineModule(nn.Module):
             loss = torch.zeros((), device=index.device)
         dist.broadcast(loss, src=dist.get_global_rank(self.group, dist.get_world_size(self.group) - 1),
                        group=self.group)
-        return PipelineOutput(self._scale_probe(loss, pending) if training else loss)
+        if training:
+            return PipelineOutput(self._scale_probe(loss, pending))
+        return PipelineOutput(loss, self._shared_outputs(first.device) if self.eval_outputs else None)
+
+    def _shared_outputs(self, device: torch.device) -> Any:
+        """The evaluation call's output for the whole batch, merged on the last stage, on every stage."""
+        weights = self.item_weights.counts() if self.item_weights is not None else None
+        return share_from(lambda: self.micro_outputs.merged(weights), dist.get_world_size(self.group) - 1,
+                          self.group, device)
 
     # --- the user's backward on a loss whose backward already ran -------------------------------------
     def _scale_probe(self, loss: torch.Tensor, pending: "_PendingCall") -> torch.Tensor:
@@ -374,6 +437,7 @@ class PipelineModule(nn.Module):
         stage sent only its tensors through the schedule)."""
         user_output = self.stage_modules[-1].rebuild_output(output)
         rows = select_rows(self._batch, index, self._batch_rows)
+        self.micro_outputs.keep(int(index[0]), user_output, len(index))
         loss = loss_value(self.user_loss(rows, user_output))
         return self.item_weights.weigh(rows, loss, int(index[0])) if self.item_weights is not None else loss
 
@@ -592,7 +656,8 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     item_weights = MicroBatchItemWeights(ctx.loss_items, mesh.data_parallel_size(), ctx.device, "pipeline_parallel")
     module = PipelineModule(modules, build_schedule, micro, per_rank_batch // micro, loss_func=ctx.loss_func,
                             input_format=ctx.model_input_format,
-                            group=group, is_last=(num_stages - 1) in indices, shared=shared, item_weights=item_weights)
+                            group=group, is_last=(num_stages - 1) in indices, shared=shared, item_weights=item_weights,
+                            eval_outputs=config.eval_outputs)
     holder["module"] = module
     check_same_batch(module, group, "pipeline_parallel", "pipeline")
     ctx.settlers.append(module.settle)
