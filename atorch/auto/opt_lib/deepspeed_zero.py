@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.checkpoint.adapters import register_optimizer_adapter
@@ -123,9 +124,36 @@ def _build_engine(ctx, params: Any, method: str, stage: int) -> "DeepSpeedOptimi
     forget_deepspeed_grid()
     engine, _, _, _ = deepspeed.initialize(model=ctx.model, optimizer=optimizer, config=config,
                                            dist_init_required=False)
+    read_the_model_config(engine, ctx.model)
     ctx.model = engine
     logger.info("%s: DeepSpeed ZeRO-%d engine over %d ranks", method, stage, dp_size)
     return DeepSpeedOptimizer(engine, optimizer)
+
+
+def read_the_model_config(engine: Any, model: nn.Module) -> None:
+    """``engine.config`` as the user's model's ``config`` (the same object), where the model has one.
+
+    DeepSpeed's engine reads the model's attributes through, but not those it has itself, and it keeps its
+    own config dict as ``config``: an HF script's ``model.config.use_cache = False`` or
+    ``model.config.vocab_size`` met that dict ("'dict' object has no attribute"). DeepSpeed reads its settings
+    from ``engine._config``; its dict stays as ``engine.ds_config``, and its own ``save_checkpoint``, which
+    records the dict, sees it while it saves."""
+    model_config = getattr(model, "config", None)
+    if model_config is None:
+        return
+    engine.ds_config = engine.config
+    engine.config = model_config
+    save_checkpoint = engine.save_checkpoint
+
+    @functools.wraps(save_checkpoint)
+    def save_with_the_ds_config(*args: Any, **kwargs: Any) -> Any:
+        engine.config = engine.ds_config
+        try:
+            return save_checkpoint(*args, **kwargs)
+        finally:
+            engine.config = model_config
+
+    engine.save_checkpoint = save_with_the_ds_config
 
 
 class DeepSpeedOptimizer(AtorchOptimizer):
