@@ -56,3 +56,8 @@ def assert_matches(run: dict, reference: dict, strategy, label: str) -> None:
     if run["weights"] is not None:
         weight_diff = weight_difference(run["weights"], reference["weights"])
         assert weight_diff < tol, f"{label}: final weights differ by {weight_diff:.2e} (tolerance {tol})"
+    if run.get("grad_norms"):  # the norm the loop's clip_grad_norm_ returned each step, as one process's
+        assert None not in run["grad_norms"], f"{label}: clip_grad_norm_ returned None: {run['grad_norms']}"
+        norm_diff = relative_difference(run["grad_norms"], reference["grad_norms"])
+        assert norm_diff < tol, (f"{label}: the returned gradient norms differ by {norm_diff:.2e} (tolerance {tol})"
+                                 f"\n{run['grad_norms']}\n{reference['grad_norms']}")

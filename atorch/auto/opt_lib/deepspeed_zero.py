@@ -4,7 +4,8 @@ DeepSpeed owns both the model (its engine) and the optimizer, so this backend cl
 data-parallel slot (no DDP) and builds the engine where the optimizer is built. What the user's loop
 gets back is the engine as the model and an optimizer whose ``backward`` / ``step`` /
 ``set_gradient_accumulation_boundary`` drive the engine; ``result.args.use_optim_backward`` says so.
-Clipping is DeepSpeed's own (inside ``step``, by the global norm of the partitioned gradients).
+Clipping is DeepSpeed's own (inside ``step``, by the global norm of the partitioned gradients); the
+loop's ``clip_grad_norm_`` sets its threshold and returns that norm.
 """
 from __future__ import annotations
 
@@ -217,13 +218,28 @@ class DeepSpeedOptimizer(AtorchOptimizer):
         self.engine.set_gradient_accumulation_boundary(bool(is_boundary))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Optional[torch.Tensor]:
-        """DeepSpeed clips inside ``step`` by the global norm of its partitioned gradients: this sets
-        the threshold for the coming step and returns the norm of the previous one (or None)."""
+        """DeepSpeed clips inside ``step`` by the global norm of its partitioned gradients: this sets the
+        threshold for the coming step and returns that norm, as ``torch.nn.utils.clip_grad_norm_`` returns
+        the norm it clips by. DeepSpeed's own ``get_global_grad_norm`` is the previous step's (NaN before
+        the first): a loop logging it, or skipping a step whose norm is not finite, read a step late. The
+        norm is computed here from the partitions the boundary backward reduced (all data ranks take
+        part, as they all clip), the way ``step`` computes it; before any backward since the last step
+        there are none, and the previous step's stands (None before the first)."""
         if float(norm_type) != 2.0:
             raise MethodConfigError("use_ds_zero", f"DeepSpeed clips by the 2-norm only, got norm_type={norm_type}")
         self.engine.optimizer.clip_grad = float(max_norm)
+        if self.reduced_since_step:
+            return self._reduced_gradients_norm()
         norm = self.engine.get_global_grad_norm()
-        return None if norm is None else torch.as_tensor(norm)
+        return None if norm is None or self.engine.global_steps == 0 else torch.as_tensor(norm)
+
+    def _reduced_gradients_norm(self) -> torch.Tensor:
+        """The global 2-norm of the gradients ZeRO-1/2 reduced into this rank's partitions (DeepSpeed's
+        ``scaled_global_norm``, over the loss scale: 1 in fp32 and bf16): infinity where one is not
+        finite, as DeepSpeed's step reads it."""
+        zero = self.engine.optimizer
+        norm = torch.as_tensor(zero.scaled_global_norm(), dtype=torch.float32)
+        return norm / float(getattr(zero, "loss_scale", 1.0) or 1.0)
 
     def part_clip_refusal(self) -> Optional[Exception]:
         """DeepSpeed reduces the gradients into its own partitioned buffers and clips them all inside
