@@ -13,6 +13,7 @@ import collections.abc
 import inspect
 import logging
 import os
+import random
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Optional
@@ -34,7 +35,7 @@ from atorch.distributed import mesh
 from atorch.distributed.agreement import exchange_outside_collectives, is_multi_rank
 from atorch.distributed.distributed import get_data_partition_rank_and_size  # noqa: F401  (ATorch's import path)
 from atorch.errors import AtorchError, IncompatibleMethodsError, InputError, nearest_name
-from atorch.utils.batch import call_with_batch, cast_floating, dict_of_forward_arguments, move_to_device
+from atorch.utils.batch import call_with_batch, cast_floating, dict_of_forward_arguments, move_to_device, stacking_dims
 from atorch.utils.data import RankShareCollate, ResumableDataLoader
 from atorch.utils.meta_init import InitPlan, MaterializeRecord, has_meta_tensors, materialize, plan_initialisation
 
@@ -586,9 +587,9 @@ class ModelContext:
             data = cast_floating(data, self.input_dtype)
         return data
 
-    def sample_batch(self) -> Any:
-        """One row of the dataset, collated and prepared as the training loop's batches are (None
-        without a dataset): what methods trace or check a model with before training starts."""
+    def sample_batch(self, copies: int = 1) -> Any:
+        """One row of the dataset (``copies`` times), collated and prepared as the training loop's batches
+        are (None without a dataset): what methods trace or check a model with before training starts."""
         if self.dataset is None:
             return None
         if isinstance(self.dataset, torch.utils.data.IterableDataset):
@@ -596,7 +597,20 @@ class ModelContext:
         else:
             row = self.dataset[0]
         collate = self.dataloader_args.get("collate_fn") or torch.utils.data.default_collate
-        return self.prepare_input(collate([row]))
+        return self.prepare_input(collate([row] * copies))
+
+    def row_stacking(self) -> Optional[list[tuple[str, tuple[int, ...], Optional[int]]]]:
+        """Where the data pipeline (the collate_fn, then prepare_input) stacks a batch's rows, input by
+        input (``atorch.utils.batch.stacking_dims``): one row collated once and twice. The random state
+        is left as it was (a collate may draw: masking for a masked LM). None without a dataset."""
+        if self.dataset is None:
+            return None
+        state = random.getstate()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                return stacking_dims(self.sample_batch(1), self.sample_batch(2))
+        finally:
+            random.setstate(state)
 
     def call_model(self, model: torch.nn.Module, data: Any) -> Any:
         return call_with_batch(model, data, self.model_input_format)

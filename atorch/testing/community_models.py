@@ -78,6 +78,27 @@ def shared_mask_batches(rows: int, count: int, seed: int = 0) -> list[dict]:
             for _ in range(count)]
 
 
+class SequenceFirstLM(TorchEncoderLM):
+    """The same model laid out as PyTorch's "Language Modeling with nn.Transformer" tutorial lays out its
+    own: ``nn.TransformerEncoderLayer``'s default ``batch_first=False``, token batches ``(seq, batch)``
+    (``sequence_first_collate``), called as ``model(src, tgt)`` with the targets beside the source."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(DIM, HEADS, 2 * DIM, dropout=0.0, activation="gelu", norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, DEPTH, norm=nn.LayerNorm(DIM), enable_nested_tensor=False)
+
+    def forward(self, src: torch.Tensor, tgt: Optional[torch.Tensor] = None) -> torch.Tensor:
+        positions = torch.arange(src.shape[0], device=src.device)[:, None]
+        mask = nn.Transformer.generate_square_subsequent_mask(src.shape[0], device=src.device)
+        return self.lm_head(self.encoder(self.embedding(src) + self.pos_embedding(positions), mask=mask))
+
+
+def sequence_first_collate(rows: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``(source, target)`` token sequences stacked on dimension 1: ``(seq, batch)`` each."""
+    return torch.stack([row[0] for row in rows], 1), torch.stack([row[1] for row in rows], 1)
+
+
 # --- 2. torchtitan / Meta reference Llama ----------------------------------------------------------
 @dataclass
 class TitanModelArgs:

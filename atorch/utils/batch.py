@@ -194,3 +194,23 @@ class SampleRowsDataset(torch.utils.data.Dataset):
             raise IndexError(index)
         row = index % self.rows
         return map_tensors(lambda t: t[row], self.sample)
+
+
+def stacking_dims(one: Any, two: Any) -> Optional[list[tuple[str, tuple[int, ...], Optional[int]]]]:
+    """Where a data pipeline stacks a batch's rows, read from the same row collated once (``one``) and
+    twice (``two``): for each tensor of the batch, its path, its shape in ``two`` and the first dimension
+    that doubled between the two (None where none did: an input the rows share, such as one causal mask).
+    None where the two batches differ in structure (a collate that does not stack rows)."""
+    leaves_one, spec_one = pytree.tree_flatten_with_path(one)
+    leaves_two, spec_two = pytree.tree_flatten_with_path(two)
+    if spec_one != spec_two:
+        return None
+    out = []
+    for (path, single), (_, double) in zip(leaves_one, leaves_two):
+        if not isinstance(single, torch.Tensor) or not isinstance(double, torch.Tensor):
+            continue
+        if single.dim() != double.dim():
+            return None
+        doubled = [d for d in range(single.dim()) if double.shape[d] == 2 * single.shape[d] and single.shape[d]]
+        out.append((pytree.keystr(path), tuple(double.shape), doubled[0] if doubled else None))
+    return out

@@ -171,6 +171,65 @@ def test_refusals_name_the_reason():
                         load_strategy=["pipeline_parallel", MB2])
 
 
+def sequence_first_rows(count: int = 16) -> list:
+    generator = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, 64, (17,), generator=generator) for _ in range(count)]
+    return [(t[:-1], t[1:]) for t in tokens]
+
+
+def sequence_first_loss(batch, output):
+    return torch.nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), batch[1].reshape(-1))
+
+
+def test_a_sequence_first_batch_is_refused_where_micro_batches_would_split_its_sequence():
+    """PyTorch's nn.Transformer tutorial lays batches out (seq, batch) (batch_first=False). Micro-batches
+    take rows on the first dimension, so they split the sequence instead: each micro-step attended over
+    half of every sequence and the losses moved off one process's, silently (4.4576 against 4.4499 on the
+    tutorial's model). Where the rows go is read from the data pipeline (one row collated once and twice),
+    and the strategy is refused by name when applied."""
+    from atorch.testing.community_models import SequenceFirstLM, sequence_first_collate
+
+    with pytest.raises(MethodConfigError, match=r"micro_batch: .* stacks the rows of the input at \[0\] on "
+                                                r"dimension 1 \(shape \[16, 2\] for 2 rows\)"):
+        auto_accelerate(SequenceFirstLM(), torch.optim.SGD, sequence_first_rows(), sequence_first_loss,
+                        optim_args={"lr": 0.1}, dataloader_args={"batch_size": 8, "collate_fn": sequence_first_collate},
+                        model_input_format="unpack_sequence", load_strategy=[("micro_batch", 2)])
+
+
+def test_where_the_rows_go_is_read_from_the_data_pipeline_and_leaves_the_random_state():
+    """``ModelContext.row_stacking``: the dimension that doubles from one row to two, input by input: the
+    first for a default collate, the second for a sequence-first one, none for an input the rows share (a
+    causal mask given beside the tokens); the collate's random draws are undone."""
+    import random
+
+    from atorch.auto.model_context import ModelContext
+    from atorch.testing.community_models import sequence_first_collate
+
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(16)
+
+    def drawing_collate(rows):  # a masked LM's collate draws; the probe must not move the user's streams
+        torch.rand(1), random.random()
+        return {"input_ids": torch.stack([r[0] for r in rows]), "mask": mask}
+
+    def context(collate):
+        return ModelContext(torch.nn.Linear(2, 2), torch.optim.SGD, sequence_first_rows(4), sequence_first_loss,
+                            dataloader_args={"batch_size": 2, "collate_fn": collate})
+
+    def layout(collate):
+        return context(collate).row_stacking()
+
+    drawing = context(drawing_collate)
+    torch.manual_seed(3)
+    random.seed(3)
+    before = torch.rand(1), random.random()
+    torch.manual_seed(3)
+    random.seed(3)
+    assert drawing.row_stacking() == [("['input_ids']", (2, 16), 0), ("['mask']", (16, 16), None)]
+    assert (torch.rand(1), random.random()) == before
+    assert layout(sequence_first_collate) == [("[0]", (16, 2), 1), ("[1]", (16, 2), 1)]
+    assert layout(None) == [("[0]", (2, 16), 0), ("[1]", (2, 16), 0)]
+
+
 SEARCH_GPT = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)
 
 

@@ -52,6 +52,7 @@ from atorch.auto.opt_lib.pipeline_parallel import (
     pipeline_loss,
 )
 from atorch.auto.opt_lib.read_through import read_through
+from atorch.auto.opt_lib.row_layout import check_rows_first
 from atorch.auto.opt_lib.same_batch import check_same_batch
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.checkpoint.adapters import register_optimizer_adapter
@@ -111,6 +112,7 @@ class DS3DParallelOptimization(Optimization):
         reason = deepspeed_unavailable_reason()
         if reason:
             raise RequirementError(f"ds_3d_parallel: {reason}")
+        check_rows_first(ctx, self.name)
         sequential = isinstance(ctx.model, nn.Sequential)
         if sequential and ctx.model_input_format is not None:
             raise MethodConfigError(self.name, "an nn.Sequential model needs model_input_format None: its first "

@@ -45,6 +45,7 @@ from atorch.auto.loss_items import MicroBatchItemWeights
 from atorch.auto.loss_probe import WindowScales
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.read_through import read_through
+from atorch.auto.opt_lib.row_layout import check_rows_first
 from atorch.auto.optimizer import AtorchOptimizer
 from atorch.errors import MethodConfigError
 from atorch.utils.batch import batch_of_call, batch_size_of, call_with_batch, equal_chunks, loss_value, narrow_rows
@@ -168,7 +169,9 @@ class MicroBatchOptimization(Optimization):
     config_class = MicroBatchConfig
     stages = ("micro_batch",)
     reads = ("model", "loss_func", "optim", "model_input_format", "per_rank_batch_size", "backward_in_forward",
-             "loss_items", "local", "data_parallel_size", "device")
+             "loss_items", "local", "data_parallel_size", "device",
+             # where the data pipeline stacks a batch's rows (row_layout.check_rows_first)
+             "dataset", "dataloader_args", "user_prepare_input", "input_dtype")
     writes = ("model", "loss_func", "optim", "items_weighted", "args")
     excludes = {"micro-batches": "a pipeline splits the batch into micro-batches itself: set its num_micro_batch"}
 
@@ -193,6 +196,7 @@ def apply_micro_batch(ctx, config: MicroBatchConfig) -> None:
         raise MethodConfigError("micro_batch", "the model already runs backward inside forward (a pipeline "
                                 "schedule, which splits the batch into micro-batches itself): set the pipeline's "
                                 "num_micro_batch instead")
+    check_rows_first(ctx, "micro_batch")
     outer = MicroBatchOptimizer(ctx.optim) if ctx.optim is not None else None
     item_weights = MicroBatchItemWeights(ctx.loss_items, 1 if ctx.local else ctx.data_parallel_size, ctx.device,
                                          "micro_batch")

@@ -91,6 +91,7 @@ from atorch.auto.opt_lib.pipeline_structure import (
     trace_structure,
 )
 from atorch.auto.opt_lib.read_through import read_through
+from atorch.auto.opt_lib.row_layout import check_rows_first
 from atorch.auto.opt_lib.same_batch import check_same_batch
 from atorch.distributed import mesh
 from atorch.errors import MethodConfigError
@@ -621,6 +622,7 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     if ctx.amp_dtype == torch.float16:
         raise MethodConfigError("pipeline_parallel",
                                 "fp16 amp's loss scaling inside the schedule is not supported; use bf16")
+    check_rows_first(ctx, "pipeline_parallel")
     group = mesh.parallel_group("pipeline")
     per_rank = stages_per_rank(config, "pipeline_parallel")
     num_stages = pp * per_rank

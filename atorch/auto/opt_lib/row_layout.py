@@ -1,0 +1,31 @@
+"""Where a batch's rows are, for the methods that split a batch into micro-batches (micro_batch,
+pipeline_parallel and mixed_parallel's pipeline, ds_3d_parallel).
+
+They take each input's rows on its first dimension. A data pipeline that stacks the rows on another
+dimension of an input (a sequence-first layout, ``(seq, batch)``: ``nn.Transformer``'s default
+``batch_first=False`` and its language-modelling tutorial's batches) would have its sequence split
+instead: every micro-batch attending over a part of each sequence, the losses and the gradients silently
+not one process's. ``check_rows_first`` reads where the rows go from the data pipeline itself (one
+dataset row collated once and twice, then prepared: ``ModelContext.row_stacking``), not from shapes
+that may coincide, and refuses such a batch by name when the method is applied.
+"""
+from __future__ import annotations
+
+from atorch.errors import MethodConfigError
+
+
+def check_rows_first(ctx, method: str) -> None:
+    """MethodConfigError naming the input whose rows the data pipeline stacks on a dimension other than
+    the first; nothing without a dataset, or where the collate does not stack rows one by one."""
+    layout = ctx.row_stacking()
+    elsewhere = [(path, shape, dim) for path, shape, dim in layout or [] if dim not in (None, 0)]
+    if not elsewhere:
+        return
+    path, shape, dim = elsewhere[0]
+    raise MethodConfigError(
+        method, f"micro-batches take each input's rows on its first dimension, but the data pipeline (collate_fn, "
+        f"then prepare_input) stacks the rows of the input at {path or 'the batch'} on dimension {dim} (shape "
+        f"{list(shape)} for 2 rows): a sequence-first layout (nn.Transformer's default batch_first=False) would have "
+        "its sequence split, every micro-batch attending over a part of it, silently. Stack the rows first (the "
+        "collate stacking on dimension 0 and the model built with batch_first=True), or train without "
+        "micro-batches: data parallelism shards a batch by its rows")
