@@ -105,12 +105,15 @@ def first_tensor(data: Any) -> Optional[torch.Tensor]:
     return found[0] if found else None
 
 
-def batch_size_of(data: Any, expected: Optional[int] = None) -> int:
+def batch_size_of(data: Any, expected: Optional[int] = None, shared: frozenset[str] = frozenset()) -> int:
     """Rows in a batch: ``expected`` (the rows a method planned for) where a tensor's first dimension is
     that, else the first dimension most of its tensors share, the first tensor's where none is shared
     more (1 for scalars or no tensor). Not simply the first tensor's: a script's collate may put an input
-    the rows share (a sequence x sequence mask) before the rows themselves."""
-    sizes = [t.shape[0] for t in tensors(data) if t.dim() > 0]
+    the rows share (a sequence x sequence mask) before the rows themselves. ``shared``: the paths
+    (``pytree.keystr``) of inputs the data pipeline does not stack rows into, never counted."""
+    leaves = pytree.tree_flatten_with_path(data)[0]
+    sizes = [t.shape[0] for path, t in leaves
+             if isinstance(t, torch.Tensor) and t.dim() > 0 and pytree.keystr(path) not in shared]
     if not sizes:
         return 1
     if expected in sizes:
@@ -140,16 +143,29 @@ def holds_rows(tensor: torch.Tensor, rows: int) -> bool:
     return tensor.dim() > 0 and tensor.shape[0] == rows
 
 
-def select_rows(data: Any, index: torch.Tensor, rows: int) -> Any:
+def select_rows(data: Any, index: torch.Tensor, rows: int, shared: frozenset[str] = frozenset()) -> Any:
     """The rows ``index`` of every tensor in the batch that holds its ``rows`` rows (micro-batch slicing);
-    the others whole (``holds_rows``)."""
-    return map_tensors(lambda t: t.index_select(0, index.to(t.device)) if holds_rows(t, rows) else t, data)
+    the others whole (``holds_rows``), and those at the ``shared`` paths whatever their shape."""
+    return on_rows(lambda t: t.index_select(0, index.to(t.device)), data, rows, shared)
 
 
-def narrow_rows(data: Any, start: int, length: int, rows: int) -> Any:
+def narrow_rows(data: Any, start: int, length: int, rows: int, shared: frozenset[str] = frozenset()) -> Any:
     """Rows ``start`` to ``start + length`` of every tensor in the batch that holds its ``rows`` rows, the
-    others whole (``holds_rows``)."""
-    return map_tensors(lambda t: t.narrow(0, start, length) if holds_rows(t, rows) else t, data)
+    others whole (``holds_rows``), and those at the ``shared`` paths whatever their shape."""
+    return on_rows(lambda t: t.narrow(0, start, length), data, rows, shared)
+
+
+def on_rows(fn: Callable[[torch.Tensor], Any], data: Any, rows: int, shared: frozenset[str] = frozenset()) -> Any:
+    """``data`` with ``fn`` applied to every tensor that holds the batch's rows (``holds_rows``) and is not
+    at one of the ``shared`` paths (inputs the data pipeline does not stack rows into: their first
+    dimension may equal the rows by coincidence, as a sequence x sequence mask does when the batch has as
+    many rows as the sequence has tokens)."""
+    def apply(path: Any, leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and holds_rows(leaf, rows) and pytree.keystr(path) not in shared:
+            return fn(leaf)
+        return leaf
+
+    return pytree.tree_map_with_path(apply, data)
 
 
 def loss_value(output: Any) -> torch.Tensor:

@@ -62,11 +62,13 @@ def test_an_input_the_rows_share_goes_whole_to_every_micro_step():
     """PyTorch's nn.Transformer tutorial calls its model as model(src, src_mask): one causal mask (sequence x
     sequence) for every row. micro_batch sliced every input by rows, the mask too ('The shape of the 2D
     attn_mask is torch.Size([4, 16])'); an input whose first dimension is not the batch's rows now goes whole
-    to each micro-step, and 3 steps match the unsplit batch's."""
-    for count in (2, 4):
-        out = train_shared_mask([("micro_batch", {"num_micro_batch": count})])
-        assert out["losses"] == pytest.approx(out["reference"]["losses"], rel=1e-5)
-        assert weight_difference(out["weights"], out["reference"]["weights"]) < 1e-6
+    to each micro-step, and 3 steps match the unsplit batch's. Also with as many rows as the sequence has
+    tokens (16), where the mask's first dimension equals the rows: taken for rows and sliced until the data
+    pipeline was read for where it stacks them (row_layout: the mask doubles on no dimension)."""
+    for count, rows in ((2, 8), (4, 8), (2, 16)):
+        out = train_shared_mask([("micro_batch", {"num_micro_batch": count})], rows=rows)
+        assert out["losses"] == pytest.approx(out["reference"]["losses"], rel=1e-5), (count, rows)
+        assert weight_difference(out["weights"], out["reference"]["weights"]) < 1e-6, (count, rows)
 
 
 def suite_and_sync_memory(cases: dict) -> dict:

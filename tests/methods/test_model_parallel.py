@@ -796,8 +796,9 @@ def launch_2(cases: dict) -> dict:
                                                    ("zero2", {"use_ds_zero": True})])} if DEEPSPEED else {})}
     sequence_first = {"pipeline": sequence_first_refusal([PP2, "pipeline_parallel"]),
                       **({"ds_3d": sequence_first_refusal(DS_3D)} if DEEPSPEED else {})}
-    shared_mask = {name: shared_mask_summary(strategy) for name, strategy in
-                   [("pipeline", [PP2, "pipeline_parallel"]), *([("ds_3d", DS_3D)] if DEEPSPEED else [])]}
+    shared_mask = {f"{name}{suffix}": shared_mask_summary(strategy, rows) for name, strategy in
+                   [("pipeline", [PP2, "pipeline_parallel"]), *([("ds_3d", DS_3D)] if DEEPSPEED else [])]
+                   for suffix, rows in (("", 8), ("_rows_equal_sequence", 16))}
     own_batches = {"tensor": rank_own_batches([("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"]),
                    "pipeline": rank_own_batches([PP2, "pipeline_parallel"]),
                    **({"ds_3d": rank_own_batches(DS_3D)} if DEEPSPEED else {})}
@@ -812,9 +813,9 @@ def launch_2(cases: dict) -> dict:
             "read_through": read_through, "shared_mask": shared_mask, "sequence_first": sequence_first}
 
 
-def shared_mask_summary(strategy: list) -> dict:
+def shared_mask_summary(strategy: list, rows: int = 8) -> dict:
     """``train_shared_mask`` under a pipeline: its losses, the plain run's, and the weights' difference."""
-    out = train_shared_mask(strategy)
+    out = train_shared_mask(strategy, rows=rows)
     return {"losses": out["losses"], "reference": out["reference"]["losses"],
             "weights": weight_difference(out["weights"], out["reference"]["weights"])}
 
@@ -850,11 +851,14 @@ def test_an_input_the_rows_share_goes_whole_to_every_micro_batch(two_ranks, case
     sequence) for every row. A pipeline split every input into micro-batches by its first dimension, the mask
     too ('The shape of the 2D attn_mask is torch.Size([2, 16])', inside the user's loop); an input whose first
     dimension is not the batch's rows now goes whole to each micro-batch, and 3 SGD steps match one process's
-    (losses within 1e-5, weights within 1e-6 relative)."""
+    (losses within 1e-5, weights within 1e-6 relative). Also with as many rows as the sequence has tokens
+    (16): the mask's first dimension equals the rows, and it was split as rows until the data pipeline was read
+    for where it stacks them (row_layout)."""
     for out in two_ranks:
-        got = out["shared_mask"][case]
-        assert got["losses"] == pytest.approx(got["reference"], rel=1e-5), got
-        assert got["weights"] < 1e-6, got
+        for rows in ("", "_rows_equal_sequence"):
+            got = out["shared_mask"][case + rows]
+            assert got["losses"] == pytest.approx(got["reference"], rel=1e-5), (rows, got)
+            assert got["weights"] < 1e-6, (rows, got)
 
 
 @pytest.mark.parametrize("case", ["pipeline", "micro_batch", *(pytest.param(name, marks=pytest.mark.skipif(

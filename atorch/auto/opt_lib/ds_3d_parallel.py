@@ -194,7 +194,8 @@ def _build_engine(ctx, config: DS3DParallelConfig, stages: Optional["DeepSpeedSt
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config,
                                            dist_init_required=False)
     item_weights = MicroBatchItemWeights(ctx.loss_items, dp, ctx.device, "ds_3d_parallel")
-    wrapper = DeepSpeedPipeline(engine, ctx.loss_func, micro, stages, item_weights, config.eval_outputs)
+    wrapper = DeepSpeedPipeline(engine, ctx.loss_func, micro, stages, item_weights, config.eval_outputs,
+                                check_rows_first(ctx, "ds_3d_parallel"))
     holder["wrapper"] = wrapper
     check_same_batch(wrapper, module.mpu().get_pipe_parallel_group(), "ds_3d_parallel", "pipeline")
     ctx.model = wrapper
@@ -241,6 +242,7 @@ class _BatchHolder:
 
     batch: Any = None
     rows: Optional[int] = None  # the batch's rows (``batch_size_of``)
+    shared: frozenset = frozenset()  # the inputs the data pipeline stacks no rows into (row_layout): whole
 
 
 class DeepSpeedStage(nn.Module):
@@ -262,7 +264,7 @@ class DeepSpeedStage(nn.Module):
         else:
             hidden_state, index = received
             hidden = (hidden_state,)
-        rows = select_rows(self.holder.batch, index, self.holder.rows)
+        rows = select_rows(self.holder.batch, index, self.holder.rows, self.holder.shared)
         inputs = dict(rows) if self.input_format == "unpack_dict" else {"input": rows}
         output = self.stage(*hidden, **inputs)
         if self.stage.is_last:
@@ -337,8 +339,10 @@ def _with_tied_stage_weights(base: type) -> type:
 
 class DeepSpeedPipeline(nn.Module):
     def __init__(self, engine: Any, loss_func: Any, micro: int, stages: Optional[DeepSpeedStages] = None,
-                 item_weights: Optional[MicroBatchItemWeights] = None, eval_outputs: bool = True):
+                 item_weights: Optional[MicroBatchItemWeights] = None, eval_outputs: bool = True,
+                 shared_inputs: frozenset[str] = frozenset()):
         super().__init__()
+        self.shared_inputs = shared_inputs  # the inputs the data pipeline stacks no rows into (row_layout)
         self.item_weights = item_weights  # the micro-batches' losses weighted by loss_items (atorch.auto.loss_items)
         self.eval_outputs = eval_outputs
         self.micro_outputs = MicroOutputs()  # the last stage's micro-batch outputs in evaluation
@@ -365,7 +369,7 @@ class DeepSpeedPipeline(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
         batch = batch_of_call(args, kwargs, self.stages.input_format if self.stages is not None else None)
-        size = batch_size_of(batch, self.engine.train_micro_batch_size_per_gpu() * self.micro)
+        size = batch_size_of(batch, self.engine.train_micro_batch_size_per_gpu() * self.micro, self.shared_inputs)
         self._batch, self._batch_rows = batch, size
         if size % self.micro:
             raise MethodConfigError("ds_3d_parallel", f"a batch of {size} rows does not split into its {self.micro} "
@@ -374,9 +378,10 @@ class DeepSpeedPipeline(nn.Module):
         index = torch.arange(size, device=next(self.engine.parameters()).device)
         if self.stages is not None:  # every stage reads its micro-batch's rows of the batch
             self.stages.holder.batch, self.stages.holder.rows = batch, size
+            self.stages.holder.shared = self.shared_inputs
             chunks = [(part, part) for part in index.chunk(self.micro)]
         else:
-            chunks = [(select_rows(batch, part, size), part) for part in index.chunk(self.micro)]
+            chunks = [(select_rows(batch, part, size, self.shared_inputs), part) for part in index.chunk(self.micro)]
         training = self.training and torch.is_grad_enabled()
         if self.item_weights is not None:
             self.item_weights.begin(batch, self.micro, training)
@@ -408,7 +413,7 @@ class DeepSpeedPipeline(nn.Module):
         return [self.stages.stage] if self.stages is not None else None
 
     def micro_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
-        rows = select_rows(self._batch, index, self._batch_rows)
+        rows = select_rows(self._batch, index, self._batch_rows, self.shared_inputs)
         self.micro_outputs.keep(int(index[0]), output, len(index))
         loss = loss_value(self.user_loss(rows, output))
         return self.item_weights.weigh(rows, loss, int(index[0])) if self.item_weights is not None else loss

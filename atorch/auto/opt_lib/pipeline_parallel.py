@@ -100,8 +100,8 @@ from atorch.utils.batch import (
     batch_size_of,
     equal_chunks,
     first_tensor,
-    holds_rows,
     loss_value,
+    on_rows,
     select_rows,
     tensors,
 )
@@ -268,7 +268,8 @@ class PipelineModule(nn.Module):
     def __init__(self, stage_modules: list, build_schedule: Callable[[int], Any], micro: int,
                  chunk_rows: Optional[int] = None, *, loss_func,
                  input_format: Optional[str], group, is_last: bool, shared: Optional[SharedWeights] = None,
-                 item_weights: Optional[MicroBatchItemWeights] = None, eval_outputs: bool = True):
+                 item_weights: Optional[MicroBatchItemWeights] = None, eval_outputs: bool = True,
+                 shared_inputs: frozenset[str] = frozenset()):
         super().__init__()
         self.stage_modules = nn.ModuleList(stage_modules)
         self.build_schedule = build_schedule  # (micro-batches, how each input splits) -> a schedule
@@ -282,6 +283,7 @@ class PipelineModule(nn.Module):
         self.item_weights = item_weights  # the micro-batches' losses weighted by loss_items (atorch.auto.loss_items)
         self.eval_outputs = eval_outputs
         self.micro_outputs = MicroOutputs()  # the last stage's micro-batch outputs in evaluation
+        self.shared_inputs = shared_inputs  # the inputs the data pipeline stacks no rows into (row_layout): whole
         self._batch: Any = None
         self._batch_rows: Optional[int] = None  # the batch's rows (batch_size_of), read by micro_loss
         self._pending: Optional[_PendingCall] = None
@@ -304,7 +306,7 @@ class PipelineModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
         batch = batch_of_call(args, kwargs, self.input_format)
         first = _first_tensor(batch)
-        rows = batch_size_of(batch, self._planned_rows())
+        rows = batch_size_of(batch, self._planned_rows(), self.shared_inputs)
         self._batch, self._batch_rows = batch, rows
         index = torch.arange(rows, device=first.device)
         losses: list = []
@@ -413,10 +415,11 @@ class PipelineModule(nn.Module):
         """How the schedule splits each input into micro-batches: the tensors that hold the batch's rows on
         their first dimension by rows, the others whole to every micro-batch (``holds_rows``: a mask shared
         by every row, as ``nn.Transformer.generate_square_subsequent_mask`` makes, was split by its own first
-        dimension, and every micro-batch's call failed on its shape)."""
-        inputs = dict(batch) if self.input_format == "unpack_dict" else {"input": batch}
-        return pytree.tree_map(lambda value: TensorChunkSpec(0) if isinstance(value, torch.Tensor)
-                               and holds_rows(value, rows) else _Replicate(), inputs)
+        dimension, and every micro-batch's call failed on its shape), and so are the inputs the data pipeline
+        stacks no rows into (``shared_inputs``), whatever their shape."""
+        specs = on_rows(lambda _: TensorChunkSpec(0), batch, rows, self.shared_inputs)
+        specs = pytree.tree_map(lambda spec: spec if isinstance(spec, TensorChunkSpec) else _Replicate(), specs)
+        return dict(specs) if self.input_format == "unpack_dict" else {"input": specs}
 
     def _micro_batches_for(self, rows: int) -> int:
         """The configured micro-batch count, or for a batch of other rows (an epoch's last batch, without
@@ -437,7 +440,7 @@ class PipelineModule(nn.Module):
         """The user's loss_func on one micro-batch, given the user's own output object (the last
         stage sent only its tensors through the schedule)."""
         user_output = self.stage_modules[-1].rebuild_output(output)
-        rows = select_rows(self._batch, index, self._batch_rows)
+        rows = select_rows(self._batch, index, self._batch_rows, self.shared_inputs)
         self.micro_outputs.keep(int(index[0]), user_output, len(index))
         loss = loss_value(self.user_loss(rows, user_output))
         return self.item_weights.weigh(rows, loss, int(index[0])) if self.item_weights is not None else loss
@@ -622,7 +625,7 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     if ctx.amp_dtype == torch.float16:
         raise MethodConfigError("pipeline_parallel",
                                 "fp16 amp's loss scaling inside the schedule is not supported; use bf16")
-    check_rows_first(ctx, "pipeline_parallel")
+    shared_inputs = check_rows_first(ctx, "pipeline_parallel")
     group = mesh.parallel_group("pipeline")
     per_rank = stages_per_rank(config, "pipeline_parallel")
     num_stages = pp * per_rank
@@ -659,7 +662,7 @@ def apply_pipeline(ctx, config: PipelineParallelConfig) -> None:
     module = PipelineModule(modules, build_schedule, micro, per_rank_batch // micro, loss_func=ctx.loss_func,
                             input_format=ctx.model_input_format,
                             group=group, is_last=(num_stages - 1) in indices, shared=shared, item_weights=item_weights,
-                            eval_outputs=config.eval_outputs)
+                            eval_outputs=config.eval_outputs, shared_inputs=shared_inputs)
     holder["module"] = module
     check_same_batch(module, group, "pipeline_parallel", "pipeline")
     ctx.settlers.append(module.settle)

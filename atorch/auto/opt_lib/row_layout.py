@@ -7,20 +7,23 @@ dimension of an input (a sequence-first layout, ``(seq, batch)``: ``nn.Transform
 instead: every micro-batch attending over a part of each sequence, the losses and the gradients silently
 not one process's. ``check_rows_first`` reads where the rows go from the data pipeline itself (one
 dataset row collated once and twice, then prepared: ``ModelContext.row_stacking``), not from shapes
-that may coincide, and refuses such a batch by name when the method is applied.
+that may coincide, and refuses such a batch by name when the method is applied. The inputs it stacks no
+rows into are taken whole by every micro-batch, even where their first dimension equals the rows.
 """
 from __future__ import annotations
 
 from atorch.errors import MethodConfigError
 
 
-def check_rows_first(ctx, method: str) -> None:
+def check_rows_first(ctx, method: str) -> frozenset[str]:
     """MethodConfigError naming the input whose rows the data pipeline stacks on a dimension other than
-    the first; nothing without a dataset, or where the collate does not stack rows one by one."""
-    layout = ctx.row_stacking()
-    elsewhere = [(path, shape, dim) for path, shape, dim in layout or [] if dim not in (None, 0)]
+    the first. Returns the paths (``pytree.keystr``) of the inputs it stacks no rows into (an input the
+    rows share), which micro-batches take whole whatever their shape; none without a dataset, or where the
+    collate does not stack rows one by one."""
+    layout = ctx.row_stacking() or []
+    elsewhere = [(path, shape, dim) for path, shape, dim in layout if dim not in (None, 0)]
     if not elsewhere:
-        return
+        return frozenset(path for path, _, dim in layout if dim is None)
     path, shape, dim = elsewhere[0]
     raise MethodConfigError(
         method, f"micro-batches take each input's rows on its first dimension, but the data pipeline (collate_fn, "
