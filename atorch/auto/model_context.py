@@ -10,6 +10,7 @@ declared attribute of ``ModelContext`` below; each method declares which it read
 from __future__ import annotations
 
 import collections.abc
+import copy
 import inspect
 import logging
 import os
@@ -592,12 +593,19 @@ class ModelContext:
         are (None without a dataset): what methods trace or check a model with before training starts."""
         if self.dataset is None:
             return None
-        if isinstance(self.dataset, torch.utils.data.IterableDataset):
-            row = next(iter(self.dataset))
-        else:
-            row = self.dataset[0]
         collate = self.dataloader_args.get("collate_fn") or torch.utils.data.default_collate
-        return self.prepare_input(collate([row] * copies))
+        return self.prepare_input(collate([_copied(self._first_row()) for _ in range(copies)]))
+
+    def _first_row(self) -> Any:
+        """The dataset's first row, read once per context: every method's check and trace reads the same
+        row, and an IterableDataset is started once for it, not once per reader (each reader collates its
+        own copies: a collate may pop keys from the rows it is given)."""
+        if "_first_row_read" not in self.__dict__:
+            if isinstance(self.dataset, torch.utils.data.IterableDataset):
+                self._first_row_read = next(iter(self.dataset))
+            else:
+                self._first_row_read = self.dataset[0]
+        return self._first_row_read
 
     def row_stacking(self) -> Optional[list[tuple[str, tuple[int, ...], Optional[int]]]]:
         """Where the data pipeline (the collate_fn, then prepare_input) stacks a batch's rows, input by
@@ -614,6 +622,14 @@ class ModelContext:
 
     def call_model(self, model: torch.nn.Module, data: Any) -> Any:
         return call_with_batch(model, data, self.model_input_format)
+
+
+def _copied(row: Any) -> Any:
+    """A copy of a dataset row for one reader (the row itself where it cannot be copied)."""
+    try:
+        return copy.deepcopy(row)
+    except Exception:  # an object that refuses copying (a handle, a lock): readers share it
+        return row
 
 
 def _as_dict(argument: str, value: Any) -> dict:

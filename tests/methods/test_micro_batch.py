@@ -232,6 +232,32 @@ def test_where_the_rows_go_is_read_from_the_data_pipeline_and_leaves_the_random_
     assert layout(None) == [("[0]", (2, 16), 0), ("[1]", (2, 16), 0)]
 
 
+def test_the_context_reads_a_dataset_s_first_row_once_for_every_reader():
+    """The row methods trace and probe with (``ModelContext.sample_batch``, ``row_stacking``) is read once:
+    an IterableDataset is started once, not once per reader, and a collate that pops keys from the rows it
+    is given leaves the next reader's copy whole."""
+    from atorch.auto.model_context import ModelContext
+
+    class Counted(torch.utils.data.IterableDataset):
+        started = 0
+
+        def __iter__(self):
+            Counted.started += 1
+            for i in range(8):
+                yield {"input_ids": torch.arange(4) + i, "labels": torch.arange(4)}
+
+    def popping_collate(rows):  # as some collators do with the labels
+        labels = torch.stack([row.pop("labels") for row in rows])
+        return {"input_ids": torch.stack([row["input_ids"] for row in rows]), "labels": labels}
+
+    context = ModelContext(torch.nn.Linear(4, 4), torch.optim.SGD, Counted(), lambda batch, output: output.sum(),
+                           dataloader_args={"batch_size": 2, "collate_fn": popping_collate})
+    started = Counted.started
+    assert context.row_stacking() == [("['input_ids']", (2, 4), 0), ("['labels']", (2, 4), 0)]
+    assert sorted(context.sample_batch()) == ["input_ids", "labels"]
+    assert Counted.started - started <= 1
+
+
 SEARCH_GPT = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)
 
 
