@@ -275,3 +275,31 @@ def test_layout_candidates_follow_the_model_and_the_rules():
     facts = layout_facts(tied, 2)
     assert "pp2" not in facts.unsupported and "tp2" not in facts.unsupported
     assert "BatchNorm" in layout_facts(SmallResNet(), 2).unsupported["pp2"]
+
+
+def test_micro_batched_candidates_are_not_searched_where_the_rows_are_not_first():
+    """A data pipeline that stacks rows on another dimension (nn.Transformer's tutorial's (seq, batch)
+    batches): applying micro_batch or a pipeline refuses it (row_layout), so the search leaves out every
+    candidate that splits the batch into micro-batches, with the reason, and keeps the others."""
+    from atorch.auto.model_context import ModelContext
+    from atorch.auto.opt_lib.row_layout import rows_elsewhere
+    from atorch.auto.search.analyser import analyse_model
+    from atorch.auto.search.candidates import SearchSpace, enumerate_candidates
+    from atorch.auto.search.layouts import layout_facts
+    from atorch.testing.community_models import SequenceFirstLM, sequence_first_collate
+
+    rows = [(torch.arange(16), torch.arange(16)) for _ in range(8)]
+    context = ModelContext(SequenceFirstLM(), torch.optim.SGD, rows, lambda batch, output: output.sum(),
+                           dataloader_args={"batch_size": 4, "collate_fn": sequence_first_collate},
+                           model_input_format="unpack_sequence")
+    why = rows_elsewhere(context)
+    assert why.startswith("micro-batches take each input's rows") and "on dimension 1" in why, why
+    model = build_gpt(0, GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32))
+    profile = analyse_model(model)
+    profile.layouts = layout_facts(model, 2)
+    space = SearchSpace(2, torch.device("cpu"), profile, frozenset({"amp_native"}), per_rank_batch=4,
+                        rows_elsewhere=why)
+    candidates, skipped = enumerate_candidates(space)
+    assert candidates and all(c.micro == 1 and c.pipeline == 1 for c in candidates)
+    assert any(c.tensor == 2 for c in candidates)  # tensor parallelism splits no batch
+    assert skipped["ddp+fp32+pp2"] == why and skipped["fsdp+fp32+mb2"] == why, skipped

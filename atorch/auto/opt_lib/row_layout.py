@@ -15,6 +15,16 @@ from __future__ import annotations
 from atorch.errors import MethodConfigError
 
 
+def rows_elsewhere(ctx) -> str:
+    """Why micro-batches cannot split this data pipeline's batches ("" where they can): the search leaves
+    out the candidates ``check_rows_first`` would refuse."""
+    try:
+        check_rows_first(ctx, "micro-batches")
+    except MethodConfigError as error:
+        return str(error).removeprefix("micro-batches: ").split(": a sequence-first")[0]
+    return ""
+
+
 def check_rows_first(ctx, method: str) -> frozenset[str]:
     """MethodConfigError naming the input whose rows the data pipeline stacks on a dimension other than
     the first. Returns the paths (``pytree.keystr``) of the inputs it stacks no rows into (an input the

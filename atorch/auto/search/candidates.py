@@ -138,6 +138,9 @@ class SearchSpace:
     included: Strategy = field(default_factory=Strategy)  # every candidate has these methods
     per_rank_batch: int = 1  # under pure data parallelism
     ranks_per_node: int = 0  # 0: one node; else hybrid sharding (shard in a node, replicate across) is a candidate
+    # why micro-batches (micro_batch, pipelines) cannot split this data pipeline's batches ("": they can):
+    # it stacks an input's rows on a dimension other than the first (row_layout.check_rows_first)
+    rows_elsewhere: str = ""
 
 
 def _method_unavailable(name: str) -> Optional[str]:
@@ -211,6 +214,14 @@ def _rule_micro_batch(c: Candidate, space: SearchSpace) -> Optional[str]:
     return None
 
 
+def _rule_rows_first(c: Candidate, space: SearchSpace) -> Optional[str]:
+    """Micro-batches (micro_batch's, a pipeline's) take rows on each input's first dimension: not searched
+    where the data pipeline stacks them elsewhere (a sequence-first layout), which applying them refuses."""
+    if space.rows_elsewhere and (c.micro > 1 or c.pipeline > 1):
+        return space.rows_elsewhere
+    return None
+
+
 def _rule_grad_sync(c: Candidate, space: SearchSpace) -> Optional[str]:
     """Gradients synchronised at each micro-step: a split under fsdp / zero2 (``SYNC_SEARCHED``)."""
     if c.grad_sync == LAST_MICRO_STEP:
@@ -254,7 +265,7 @@ def _rule_compatible(c: Candidate, space: SearchSpace) -> Optional[str]:
 
 
 RULES: tuple[Rule, ...] = (_rule_single_process, _rule_excluded, _rule_included, _rule_checkpoint_needs_block,
-                           _rule_layout, _rule_micro_batch, _rule_grad_sync, _rule_compatible)
+                           _rule_layout, _rule_micro_batch, _rule_rows_first, _rule_grad_sync, _rule_compatible)
 
 
 def enumerate_candidates(space: SearchSpace) -> tuple[list[Candidate], dict[str, str]]:

@@ -27,6 +27,7 @@ import torch
 from atorch.auto import opt_lib
 from atorch.auto.apply import apply_strategy, resolve_strategy
 from atorch.auto.dryrun import DryRunResult, dry_run, dry_run_copy
+from atorch.auto.opt_lib.row_layout import rows_elsewhere
 from atorch.auto.search.analyser import ModelProfile, analyse_model
 from atorch.auto.search.candidates import Candidate, SearchSpace, enumerate_candidates, needless_split, refinements
 from atorch.auto.search.layouts import layout_facts
@@ -186,7 +187,8 @@ class StrategySearch:
         self.profile = self._profile(probe)
         self.space = SearchSpace(self.world, probe.device, self.profile, self.options.excluded,
                                  self.options.included, self.per_rank_batch,
-                                 self.topology.ranks_per_node if self.topology.nodes > 1 else 0)
+                                 self.topology.ranks_per_node if self.topology.nodes > 1 else 0,
+                                 rows_elsewhere(probe))
         self.candidates, _ = enumerate_candidates(self.space)
         self._say(f"search: {len(self.candidates)} candidate strategies for {self.world} rank(s); model "
                   f"{self.profile.param_count / 1e6:.2f} M parameters, repeated block {self.profile.main_block}")
