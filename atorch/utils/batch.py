@@ -113,7 +113,7 @@ def batch_size_of(data: Any, expected: Optional[int] = None, shared: frozenset[s
     (``pytree.keystr``) of inputs the data pipeline does not stack rows into, never counted."""
     leaves = pytree.tree_flatten_with_path(data)[0]
     sizes = [t.shape[0] for path, t in leaves
-             if isinstance(t, torch.Tensor) and t.dim() > 0 and pytree.keystr(path) not in shared]
+             if isinstance(t, torch.Tensor) and t.dim() > 0 and not _at(path, shared)]
     if not sizes:
         return 1
     if expected in sizes:
@@ -161,11 +161,16 @@ def on_rows(fn: Callable[[torch.Tensor], Any], data: Any, rows: int, shared: fro
     dimension may equal the rows by coincidence, as a sequence x sequence mask does when the batch has as
     many rows as the sequence has tokens)."""
     def apply(path: Any, leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and holds_rows(leaf, rows) and pytree.keystr(path) not in shared:
+        if isinstance(leaf, torch.Tensor) and holds_rows(leaf, rows) and not _at(path, shared):
             return fn(leaf)
         return leaf
 
     return pytree.tree_map_with_path(apply, data)
+
+
+def _at(path: Any, paths: frozenset[str]) -> bool:
+    """Whether a pytree ``path`` is one of ``paths`` (``pytree.keystr`` form; formatted only when asked)."""
+    return bool(paths) and pytree.keystr(path) in paths
 
 
 def loss_value(output: Any) -> torch.Tensor:

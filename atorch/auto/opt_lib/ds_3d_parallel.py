@@ -42,7 +42,7 @@ from atorch.auto.loss_items import MicroBatchItemWeights
 from atorch.auto.loss_probe import WindowScales
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason, without_shared_memory_allreduce
-from atorch.auto.opt_lib.eval_outputs import MicroOutputs, share_from
+from atorch.auto.opt_lib.eval_outputs import MicroOutputs
 from atorch.auto.opt_lib.pipeline_parallel import (
     PIPELINE_WHY,
     PipelineOutput,
@@ -112,7 +112,7 @@ class DS3DParallelOptimization(Optimization):
         reason = deepspeed_unavailable_reason()
         if reason:
             raise RequirementError(f"ds_3d_parallel: {reason}")
-        check_rows_first(ctx, self.name)
+        shared_inputs = check_rows_first(ctx, self.name)
         sequential = isinstance(ctx.model, nn.Sequential)
         if sequential and ctx.model_input_format is not None:
             raise MethodConfigError(self.name, "an nn.Sequential model needs model_input_format None: its first "
@@ -131,7 +131,7 @@ class DS3DParallelOptimization(Optimization):
         if not sequential:  # this rank's stage replaces the model before it is materialised
             ctx.add_wrapper("pipeline", self.name, cut.take)
         ctx.set_data_parallel_wrapper(self.name, lambda ctx: None)  # the engine does data parallelism
-        ctx.optimizer_factory = lambda ctx, params: _build_engine(ctx, config, cut.stages)
+        ctx.optimizer_factory = lambda ctx, params: _build_engine(ctx, config, cut.stages, shared_inputs)
         ctx.backward_in_forward = True
         ctx.args.use_optim_backward = True
 
@@ -157,9 +157,11 @@ def _check_no_tensor_dimension() -> None:
                                 "a tensor dimension above 1 needs a Megatron model; use mixed_parallel")
 
 
-def _build_engine(ctx, config: DS3DParallelConfig, stages: Optional["DeepSpeedStages"]) -> "EngineStepOptimizer":
+def _build_engine(ctx, config: DS3DParallelConfig, stages: Optional["DeepSpeedStages"],
+                  shared_inputs: frozenset[str] = frozenset()) -> "EngineStepOptimizer":
     """DeepSpeed's engine over ``stages`` (this rank's stage, cut at the ``pipeline`` stage), or over the
-    layers of the nn.Sequential model when ``stages`` is None."""
+    layers of the nn.Sequential model when ``stages`` is None; ``shared_inputs``: the inputs every
+    micro-batch takes whole (``row_layout.check_rows_first``)."""
     import deepspeed
     from deepspeed.pipe import PipelineModule as DSPipelineModule
 
@@ -195,7 +197,7 @@ def _build_engine(ctx, config: DS3DParallelConfig, stages: Optional["DeepSpeedSt
                                            dist_init_required=False)
     item_weights = MicroBatchItemWeights(ctx.loss_items, dp, ctx.device, "ds_3d_parallel")
     wrapper = DeepSpeedPipeline(engine, ctx.loss_func, micro, stages, item_weights, config.eval_outputs,
-                                check_rows_first(ctx, "ds_3d_parallel"))
+                                shared_inputs)
     holder["wrapper"] = wrapper
     check_same_batch(wrapper, module.mpu().get_pipe_parallel_group(), "ds_3d_parallel", "pipeline")
     ctx.model = wrapper
@@ -383,12 +385,13 @@ class DeepSpeedPipeline(nn.Module):
         else:
             chunks = [(select_rows(batch, part, size, self.shared_inputs), part) for part in index.chunk(self.micro)]
         training = self.training and torch.is_grad_enabled()
+        # the last stage keeps its micro-batches' outputs in evaluation only (a training call's are spent)
+        self.micro_outputs.begin(not training and self.eval_outputs and self.engine.is_last_stage())
         if self.item_weights is not None:
             self.item_weights.begin(batch, self.micro, training)
         if training:
             loss = self.engine.train_batch(data_iter=iter(chunks))
         else:  # evaluation (model.eval() or torch.no_grad()): forward only, no gradients touched
-            self.micro_outputs.begin(self.eval_outputs and self.engine.is_last_stage())
             loss = self.engine.eval_batch(data_iter=iter(chunks), num_micro_batches=self.micro)
         loss = loss.detach().float() if torch.is_tensor(loss) else torch.tensor(float(loss))
         last = self.engine.grid.stage_to_global(self.engine.num_stages - 1)
@@ -400,10 +403,8 @@ class DeepSpeedPipeline(nn.Module):
             return PipelineOutput(self.window.probe(loss))
         if not self.eval_outputs:
             return PipelineOutput(loss)
-        weights = self.item_weights.counts() if self.item_weights is not None else None
-        outputs = share_from(lambda: self.micro_outputs.merged(weights), dist.get_group_rank(group, last), group,
-                             index.device)
-        return PipelineOutput(loss, outputs)
+        return PipelineOutput(loss, self.micro_outputs.share(self.item_weights, dist.get_group_rank(group, last),
+                                                             group, index.device))
 
     @property
     def stage_modules(self) -> Optional[list[StageModule]]:

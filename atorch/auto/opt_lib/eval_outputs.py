@@ -55,6 +55,12 @@ class MicroOutputs:
         if self.collecting:
             self.chunks[key] = (pytree.tree_map(_detached, output), rows)
 
+    def share(self, item_weights: Any, source: int, group: Any, device: torch.device) -> Any:
+        """The call's output for the whole batch, merged here on ``source`` (the last stage's group rank),
+        on every rank of ``group``; ``item_weights`` (``MicroBatchItemWeights`` or None) weigh its scalars."""
+        weights = item_weights.counts() if item_weights is not None else None
+        return share_from(lambda: self.merged(weights), source, group, device)
+
     def merged(self, weights: Optional[dict[int, float]] = None) -> Any:
         """The whole batch's output; ``weights`` (micro-batch key -> loss items) weigh the scalars."""
         keys = sorted(self.chunks)

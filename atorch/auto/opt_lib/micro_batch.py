@@ -98,10 +98,10 @@ class MicroBatchModule(nn.Module):
     def __init__(self, model: nn.Module, loss_func: Any, optim: Optional[AtorchOptimizer], outer: Any,
                  num_micro_batch: int, input_format: Optional[str], grad_sync: str = LAST_MICRO_STEP,
                  chunk_rows: Optional[int] = None, item_weights: Optional[MicroBatchItemWeights] = None,
-                 shared: frozenset[str] = frozenset()):
+                 shared_inputs: frozenset[str] = frozenset()):
         super().__init__()
         self.module = model
-        self.shared = shared  # the inputs the data pipeline stacks no rows into (row_layout): taken whole
+        self.shared_inputs = shared_inputs  # the inputs the data pipeline stacks no rows into (row_layout): whole
         self.user_loss, self.optim, self.outer = loss_func, optim, outer
         self.num_micro_batch, self.input_format, self.grad_sync = num_micro_batch, input_format, grad_sync
         self.chunk_rows = chunk_rows  # a micro-step's rows as planned; a batch of other rows keeps to it
@@ -122,7 +122,8 @@ class MicroBatchModule(nn.Module):
         if not (torch.is_grad_enabled() and self.training):
             return self.module(*args, **kwargs)  # evaluation: the whole batch, the user's output
         batch = batch_of_call(args, kwargs, self.input_format)
-        rows = batch_size_of(batch, self.chunk_rows * self.num_micro_batch if self.chunk_rows else None, self.shared)
+        rows = batch_size_of(batch, self.chunk_rows * self.num_micro_batch if self.chunk_rows else None,
+                             self.shared_inputs)
         k = equal_chunks(rows, self.num_micro_batch, self.chunk_rows)
         if k != self.num_micro_batch:
             logger.info("micro_batch: a batch of %d rows runs as %d micro-steps, not %d", rows, k, self.num_micro_batch)
@@ -130,7 +131,7 @@ class MicroBatchModule(nn.Module):
             self.item_weights.begin(batch, k, True)
         losses = []
         for index in range(k):
-            micro = narrow_rows(batch, index * rows // k, rows // k, rows, self.shared)
+            micro = narrow_rows(batch, index * rows // k, rows // k, rows, self.shared_inputs)
             self._set_sync(index == k - 1 or self.grad_sync == EACH_MICRO_STEP)
             loss = loss_value(self.user_loss(micro, call_with_batch(self.module, micro, self.input_format)))
             if self.item_weights is not None:
@@ -198,12 +199,13 @@ def apply_micro_batch(ctx, config: MicroBatchConfig) -> None:
         raise MethodConfigError("micro_batch", "the model already runs backward inside forward (a pipeline "
                                 "schedule, which splits the batch into micro-batches itself): set the pipeline's "
                                 "num_micro_batch instead")
-    shared = check_rows_first(ctx, "micro_batch")
+    shared_inputs = check_rows_first(ctx, "micro_batch")
     outer = MicroBatchOptimizer(ctx.optim) if ctx.optim is not None else None
     item_weights = MicroBatchItemWeights(ctx.loss_items, 1 if ctx.local else ctx.data_parallel_size, ctx.device,
                                          "micro_batch")
     ctx.model = MicroBatchModule(ctx.model, ctx.loss_func, ctx.optim, outer, k, ctx.model_input_format,
-                                 config.grad_sync, batch // k if batch is not None else None, item_weights, shared)
+                                 config.grad_sync, batch // k if batch is not None else None, item_weights,
+                                 shared_inputs)
     if outer is not None:
         outer.settlers.append(ctx.model.settle)
     ctx.loss_func = micro_batch_loss(ctx.loss_func)

@@ -75,7 +75,7 @@ from atorch.auto.gradients import mark_counted_elsewhere
 from atorch.auto.loss_items import MicroBatchItemWeights
 from atorch.auto.loss_probe import with_scale_probe
 from atorch.auto.opt_lib.base import SHARDED_STAGES, SHARDED_STAGES_WHY, Optimization
-from atorch.auto.opt_lib.eval_outputs import MicroOutputs, share_from
+from atorch.auto.opt_lib.eval_outputs import MicroOutputs
 from atorch.auto.opt_lib.pipeline_structure import (
     BlockStructure,
     PassThrough,
@@ -314,6 +314,8 @@ class PipelineModule(nn.Module):
         target = index if self.is_last else None
         # every stage gets the batch (its blocks may need masks or positions made from it)
         training = self.training and torch.is_grad_enabled()
+        # the last stage keeps its micro-batches' outputs in evaluation only (a training call's are spent)
+        self.micro_outputs.begin(not training and self.eval_outputs and self.is_last)
         if self.item_weights is not None:
             self.item_weights.begin(batch, self._micro_batches_for(rows), training)
         if training:
@@ -326,7 +328,6 @@ class PipelineModule(nn.Module):
                 self.shared.sum_gradients(stashed)
             self._pending = pending
         else:  # evaluation (model.eval() or torch.no_grad()): forward only, no gradients touched
-            self.micro_outputs.begin(self.eval_outputs and self.is_last)
             self.schedule_for(batch, rows).eval(target=target, losses=losses, return_outputs=False, **inputs)
         if losses:
             loss = torch.stack([micro_loss.detach().float() for micro_loss in losses]).mean()
@@ -337,13 +338,10 @@ class PipelineModule(nn.Module):
                        group=self.group)
         if training:
             return PipelineOutput(self._scale_probe(loss, pending))
-        return PipelineOutput(loss, self._shared_outputs(first.device) if self.eval_outputs else None)
-
-    def _shared_outputs(self, device: torch.device) -> Any:
-        """The evaluation call's output for the whole batch, merged on the last stage, on every stage."""
-        weights = self.item_weights.counts() if self.item_weights is not None else None
-        return share_from(lambda: self.micro_outputs.merged(weights), dist.get_world_size(self.group) - 1,
-                          self.group, device)
+        if not self.eval_outputs:
+            return PipelineOutput(loss)
+        return PipelineOutput(loss, self.micro_outputs.share(self.item_weights, dist.get_world_size(self.group) - 1,
+                                                             self.group, first.device))
 
     # --- the user's backward on a loss whose backward already ran -------------------------------------
     def _scale_probe(self, loss: torch.Tensor, pending: "_PendingCall") -> torch.Tensor:
