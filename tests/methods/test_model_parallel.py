@@ -425,12 +425,63 @@ def deepspeed_pipeline() -> dict:
     return out
 
 
+class SkipBlock(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.proj(self.norm(h))
+
+
+class SkipToHeadLM(torch.nn.Module):
+    """A stack of residual blocks whose head also reads the first block's output (a skip past the others)."""
+
+    def __init__(self, vocab: int = 64, width: int = 16, depth: int = 4):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.ModuleList(SkipBlock(width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        first = None
+        for block in self.blocks:
+            h = block(h)
+            first = h if first is None else first
+        return self.head(h + first)
+
+
+def side_channel_models() -> dict[str, tuple]:
+    """Models whose output reads more of the blocks than the hidden state they hand on: (model, dataset,
+    loss, input format, the words the refusal must name)."""
+    import transformers
+
+    from atorch.testing.hf_models import _decoder_config, hf_loss, next_token_loss, token_dataset, token_rows_dataset
+
+    config = _decoder_config("MixtralConfig", num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                             output_router_logits=True, router_aux_loss_coef=0.5)
+    return {
+        "mixtral_router_logits": (transformers.MixtralForCausalLM._from_config(config), token_dataset(16), hf_loss,
+                                  "unpack_dict", "output['router_logits']"),
+        "skip_to_head": (SkipToHeadLM(), token_rows_dataset(16), next_token_loss, None, "blocks.0"),
+    }
+
+
 def pipeline_refusals() -> dict:
     """The zoo models a pipeline cannot reproduce, and what the tied GPT-2 stage layout looks like."""
     out = {}
     for name in ZOO_REFUSED:
         try:
             train_gpt(PP2_1F1B, hf_model=name, steps=1)
+            out[name] = "no error"
+        except Exception as error:
+            out[name] = f"{type(error).__name__}: {error}"
+    for name, (model, dataset, loss, input_format, _) in side_channel_models().items():
+        try:
+            auto_accelerate(model, torch.optim.SGD, dataset, loss, optim_args={"lr": 0.1}, load_strategy=PP2_1F1B,
+                            dataloader_args={"batch_size": 8}, model_input_format=input_format)
             out[name] = "no error"
         except Exception as error:
             out[name] = f"{type(error).__name__}: {error}"
@@ -1449,6 +1500,13 @@ def test_pipeline_refuses_what_stages_cannot_reproduce(two_ranks):
         for name, reason in ZOO_REFUSED.items():
             assert refusals[name].startswith("MethodConfigError: pipeline_parallel") and reason in refusals[name], \
                 (rank, name, refusals[name])
+        # an output reading the blocks besides the hidden state they hand on (Mixtral's router logits for its
+        # load-balancing loss, a skip from the first block to the head) would train differently on stages
+        for name, (*_, named) in side_channel_models().items():
+            refusal = refusals[name]
+            assert refusal.startswith("MethodConfigError: pipeline_parallel"), (rank, name, refusal)
+            assert "other than the hidden state each hands to the next" in refusal and named in refusal, \
+                (rank, name, refusal)
 
 
 def test_pipeline_places_layers_by_execution_and_ties_embeddings(two_ranks):

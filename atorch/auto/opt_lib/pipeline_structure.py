@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from atorch.errors import MethodConfigError
@@ -105,12 +106,18 @@ def _under_block(model: nn.Module, path: str, block_ids: set[int]) -> bool:
 # --- the trace -------------------------------------------------------------------------------------
 class _Tracer:
     """Forward hooks recording the order units and blocks run in, and each block's hidden state in
-    and out (to check that the blocks form one chain)."""
+    and out (to check that the blocks form one chain).
+
+    The hidden state each block hands on (and the one the first block takes) is replaced by a detached
+    copy that requires grad (``handed_on``): the autograd graph of the model's output then reaches one
+    of those copies, other than the last block's, only where the output reads a value the blocks
+    compute besides the hidden state they hand on (``side_channels``)."""
 
     def __init__(self, model: nn.Module, blocks: list, units: list[str]):
         self.events: list[tuple[str, Any]] = []
         self.inputs: dict[int, Optional[torch.Tensor]] = {}
         self.outputs: dict[int, Any] = {}
+        self.handed_on: dict[int, torch.Tensor] = {}  # -1: the first block's input; k: block k's output
         self.handles = []
         for index, (_, block) in enumerate(blocks):
             self.handles.append(block.register_forward_pre_hook(self._block_in(index), with_kwargs=True))
@@ -121,13 +128,32 @@ class _Tracer:
     def _block_in(self, index: int) -> Callable:
         def hook(module, args, kwargs):
             self.events.append(("block", index))
+            replaced = None
+            if index == 0 and -1 not in self.handed_on:
+                replaced = _with_hidden(args, kwargs, self._detached(-1, hidden_argument(args, kwargs)))
+                args, kwargs = replaced or (args, kwargs)
             self.inputs.setdefault(index, hidden_argument(args, kwargs))
+            return replaced
         return hook
 
     def _block_out(self, index: int) -> Callable:
         def hook(module, args, output):
-            self.outputs.setdefault(index, output)
+            if index not in self.outputs:
+                first = tensors(output)[:1]
+                leading = output[0] if isinstance(output, tuple) else output
+                handed = self._detached(index, first[0]) if first and leading is first[0] else None
+                if handed is not None:
+                    output = handed if isinstance(output, torch.Tensor) else (handed,) + tuple(output[1:])
+                self.outputs[index] = output
+                return output
+            return None
         return hook
+
+    def _detached(self, index: int, hidden: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if hidden is None or not torch.is_grad_enabled() or not hidden.is_floating_point():
+            return None
+        self.handed_on[index] = hidden.detach().requires_grad_()
+        return self.handed_on[index].clone()  # not the leaf itself: a block may add to its input in place
 
     def _unit(self, name: str) -> Callable:
         return lambda module, args: self.events.append(("unit", name))
@@ -135,6 +161,15 @@ class _Tracer:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def _with_hidden(args: tuple, kwargs: dict, hidden: Optional[torch.Tensor]) -> Optional[tuple[tuple, dict]]:
+    """The call's arguments with ``hidden`` in the hidden state's place (``hidden_argument``)."""
+    if hidden is None:
+        return None
+    if args:
+        return (hidden,) + tuple(args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
 
 
 def hidden_argument(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
@@ -151,14 +186,18 @@ def trace_structure(model: nn.Module, blocks: list[tuple[str, nn.Module]],
     tracer = _Tracer(model, blocks, units)
     training = model.training
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=_cuda_devices(model)):
+        # with autograd recording, each block's graph cut at the hidden state it hands on (_Tracer): what
+        # the output's graph still reaches shows what else of the blocks it reads
+        with torch.enable_grad(), torch.random.fork_rng(devices=_cuda_devices(model)):
             model.eval()
-            run(model)
+            output = run(model)
     finally:
         model.train(training)
         tracer.remove()
     calls = [index for kind, index in tracer.events if kind == "block"]
     _check_block_chain(blocks, calls, tracer)
+    _check_side_channels(output, blocks, tracer)
+    del output
     first = tracer.events.index(("block", 0))
     last = max(i for i, event in enumerate(tracer.events) if event == ("block", len(blocks) - 1))
     seen = {name: [i for i, event in enumerate(tracer.events) if event == ("unit", name)] for name in units}
@@ -192,6 +231,60 @@ def _check_block_chain(blocks: list, calls: list[int], tracer: _Tracer) -> None:
                                     "returned (code between the blocks changes it, or the block takes it under "
                                     "another name than the first argument or 'hidden_states'): a stage boundary "
                                     "carries exactly that tensor")
+
+
+def _check_side_channels(output: Any, blocks: list, tracer: _Tracer) -> None:
+    """Refuse a model whose output reads values its blocks compute besides the hidden state each hands
+    to the next (a Mixture-of-Experts model's router logits for its load-balancing loss, collected
+    hidden states or attention weights, a skip from an early block to the head): a stage boundary
+    carries that hidden state only, so on a pipeline the last stage would see its own blocks' values
+    alone and the earlier stages' would get no gradient from them, a silently different training."""
+    last = len(blocks) - 1
+    leaves = {id(t): k for k, t in tracer.handed_on.items() if k != last}
+    if not leaves:
+        return
+    read: dict[int, list[str]] = {}
+    for path, value in _tensor_leaves(output):
+        for k in _leaves_reached(value, leaves):
+            read.setdefault(k, []).append(path)
+    if read:
+        paths = sorted({p for ps in read.values() for p in ps})
+        paths = paths if len(paths) <= 4 else paths[:4] + [f"{len(paths) - 4} more"]
+        names = ["the first block's input" if k < 0 else blocks[k][0] for k in sorted(read)]
+        raise MethodConfigError(METHOD, f"the model's output ({', '.join(paths)}) reads values computed inside the "
+                                f"repeated blocks other than the hidden state each hands to the next (from "
+                                f"{', '.join(names)}), e.g. the router logits of a load-balancing loss "
+                                "(output_router_logits), collected hidden states (output_hidden_states) or attention "
+                                "weights: a stage boundary carries the hidden state only, so the last stage would "
+                                "see its own blocks' values alone and the others' would get no gradient; turn that "
+                                "output off, compute such a loss inside the blocks, or use tensor, expert or data "
+                                "parallelism")
+
+
+def _tensor_leaves(output: Any) -> list[tuple[str, torch.Tensor]]:
+    """(path, tensor) for each tensor in the output that carries an autograd graph."""
+    if hasattr(output, "to_tuple") and hasattr(output, "keys"):  # a transformers ModelOutput
+        output = {key: output[key] for key in output.keys()}
+    flat, _ = pytree.tree_flatten_with_path(output)
+    return [(f"output{pytree.keystr(path)}", leaf) for path, leaf in flat
+            if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None]
+
+
+def _leaves_reached(tensor: torch.Tensor, leaves: dict[int, int]) -> set[int]:
+    """Which of ``leaves`` (tensor id -> block index) the tensor's autograd graph reaches."""
+    found: set[int] = set()
+    seen: set[int] = set()
+    stack = [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) in leaves:
+            found.add(leaves[id(variable)])
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
 
 
 def _cuda_devices(model: nn.Module) -> list:
