@@ -582,7 +582,12 @@ def train_with_validation(load_strategy: Any = ()) -> dict:
                 logits.append(_logits_read(output, held_out["labels"]))
             result.model.train()
     weights = result.model.full_state_dict() if load_strategy else full_state_dict(result.model)
-    return {"losses": losses, "validation": validation, "logits": logits, "weights": weights}
+    try:  # a call asking for every layer's hidden state
+        with torch.no_grad():
+            collected = f"{len(result.model.eval()(**held_out, output_hidden_states=True).hidden_states)} hidden states"
+    except Exception as error:
+        collected = f"{type(error).__name__}: {error}"
+    return {"losses": losses, "validation": validation, "logits": logits, "weights": weights, "collected": collected}
 
 
 def _logits_read(output: Any, labels: torch.Tensor) -> Any:
@@ -1119,6 +1124,12 @@ def test_evaluation_under_a_pipeline_returns_the_model_s_outputs_on_every_stage(
                 assert abs(got["sum"] - want["sum"]) <= TOL * want["abs"], (rank, name, got, want)
         for got in runs["pp_loss_only"]["logits"]:
             assert got.startswith("AttributeError") and "eval_outputs is False" in got, (rank, got)
+        # every layer's hidden state asked for in the call: the last stage holds its own layers' only (it
+        # returned them beside stand-ins for the first stage's, silently wrong)
+        assert reference["collected"] == "5 hidden states", reference["collected"]
+        for name in ("pp", "ds_3d") if DEEPSPEED else ("pp",):
+            got = runs[name]["collected"]
+            assert got.startswith("InputError") and "output_hidden_states=True" in got, (rank, name, got)
 
 
 def test_a_loop_s_own_gradient_accumulation_under_a_pipeline_scales_each_micro_step_as_its_backward_says(

@@ -51,6 +51,7 @@ from atorch.auto.opt_lib.pipeline_parallel import (
     cut_stages,
     pipeline_loss,
 )
+from atorch.auto.opt_lib.pipeline_structure import refuse_collecting_switches
 from atorch.auto.opt_lib.read_through import read_through
 from atorch.auto.opt_lib.row_layout import check_rows_first
 from atorch.auto.opt_lib.same_batch import check_same_batch
@@ -371,6 +372,7 @@ class DeepSpeedPipeline(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
         batch = batch_of_call(args, kwargs, self.stages.input_format if self.stages is not None else None)
+        refuse_collecting_switches("ds_3d_parallel", batch, kwargs)
         size = batch_size_of(batch, self.engine.train_micro_batch_size_per_gpu() * self.micro, self.shared_inputs)
         self._batch, self._batch_rows = batch, size
         if size % self.micro:

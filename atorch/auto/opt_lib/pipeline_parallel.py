@@ -85,6 +85,7 @@ from atorch.auto.opt_lib.pipeline_structure import (
     held_parameters,
     no_cache_kwargs,
     positional_names,
+    refuse_collecting_switches,
     replace_everywhere,
     shared_between_stages,
     structure_from_order,
@@ -305,6 +306,7 @@ class PipelineModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> PipelineOutput:
         batch = batch_of_call(args, kwargs, self.input_format)
+        refuse_collecting_switches("pipeline_parallel", batch, kwargs)
         first = _first_tensor(batch)
         rows = batch_size_of(batch, self._planned_rows(), self.shared_inputs)
         self._batch, self._batch_rows = batch, rows

@@ -29,7 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from atorch.errors import MethodConfigError
+from atorch.errors import InputError, MethodConfigError
 from atorch.utils.batch import map_tensors, tensors, to_meta
 
 METHOD = "pipeline_parallel"
@@ -259,6 +259,24 @@ def _check_side_channels(output: Any, blocks: list, tracer: _Tracer) -> None:
                                 "see its own blocks' values alone and the others' would get no gradient; turn that "
                                 "output off, compute such a loss inside the blocks, or use tensor, expert or data "
                                 "parallelism")
+
+
+# transformers' switches that make a model return what its layers compute besides the hidden state they
+# hand on (each layer's hidden state, attention weights, router logits): set in a call, the trace never saw them
+COLLECTING_SWITCHES = ("output_hidden_states", "output_attentions", "output_router_logits")
+
+
+def refuse_collecting_switches(method: str, batch: Any, kwargs: dict) -> None:
+    """InputError for a call that turns on a switch of ``COLLECTING_SWITCHES``: on stages the output would hold
+    the last stage's layers' values beside stand-ins for the others', silently (``_check_side_channels``
+    refuses a model whose config turns one on, when the strategy is applied)."""
+    given = {**(batch if isinstance(batch, dict) else {}), **kwargs}
+    on = [key for key in COLLECTING_SWITCHES if given.get(key) is True]
+    if on:
+        raise InputError(f"{method}: the call sets {', '.join(f'{key}=True' for key in on)}: a stage boundary carries "
+                         "the hidden state only, so the output would hold the last stage's layers' values beside "
+                         "stand-ins for the other stages' (silently wrong); call without it, or read them from a "
+                         "model that is not pipelined")
 
 
 def _tensor_leaves(output: Any) -> list[tuple[str, torch.Tensor]]:
