@@ -834,6 +834,37 @@ def sequence_first_refusal(strategy: list) -> str:
     return "no error"
 
 
+TP2 = ("parallel_mode", ([("tensor", 2)], None))
+
+
+def collected_outputs(load_strategy: Any) -> dict:
+    """An eager-attention Llama's evaluation call asking for every layer's hidden state, then also for the
+    attention weights, against one process's: the hidden states' largest difference (or their shapes where
+    they differ), and the error the second call raised."""
+    torch.manual_seed(0)
+    model, reference = tiny_llama(), tiny_llama()
+    for one in (model, reference):
+        one.config._attn_implementation = "eager"
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(1))
+    rows = [{"input_ids": r, "labels": r} for r in ids]
+    _, result, _ = auto_accelerate(model, torch.optim.SGD, rows, lambda b, o: o.loss, optim_args={"lr": 0.1},
+                                   dataloader_args={"batch_size": 8}, load_strategy=load_strategy)
+    batch = {"input_ids": ids[:8]}
+    out = {}
+    with torch.no_grad():
+        got = result.model.eval()(**batch, output_hidden_states=True).hidden_states
+        want = reference.eval()(**batch, output_hidden_states=True).hidden_states
+        out["hidden"] = [float((g - w).abs().max()) if g.shape == w.shape else list(g.shape)
+                         for g, w in zip(got, want, strict=True)]
+        try:
+            result.model(**batch, output_attentions=True)
+            out["attentions"] = "no error"
+        except Exception as error:
+            out["attentions"] = f"{type(error).__name__}: {error}"
+    return out
+
+
 def launch_2(cases: dict) -> dict:
     # the pipeline runs on changing lengths, with validation and on each rank's own batches come before
     # deepspeed_pipeline, which leaves DeepSpeed unimportable
@@ -866,7 +897,9 @@ def launch_2(cases: dict) -> dict:
             "sequence_dropout": split_part_dropout(sequence=True),
             "positional": train_positional([PP2, ("pipeline_parallel", {"schedule": "GPipe"})]),
             "validation": validation, "accumulation": accumulation, "rank_own_batches": own_batches,
-            "read_through": read_through, "shared_mask": shared_mask, "sequence_first": sequence_first}
+            "read_through": read_through, "shared_mask": shared_mask, "sequence_first": sequence_first,
+            "collected": {"tensor": collected_outputs([TP2, "tensor_parallel"]),
+                          "tensor_sequence": collected_outputs([TP2, "tensor_parallel", "sequence_parallel"])}}
 
 
 def shared_mask_summary(strategy: list, rows: int = 8) -> dict:
@@ -1130,6 +1163,21 @@ def test_evaluation_under_a_pipeline_returns_the_model_s_outputs_on_every_stage(
         for name in ("pp", "ds_3d") if DEEPSPEED else ("pp",):
             got = runs[name]["collected"]
             assert got.startswith("InputError") and "output_hidden_states=True" in got, (rank, name, got)
+
+
+def test_a_split_model_returns_every_layer_s_whole_hidden_state_and_refuses_its_heads_attention_weights(two_ranks):
+    """Under tensor + sequence parallelism the layers hand each other this rank's tokens, and a call with
+    ``output_hidden_states=True`` returned those: [8, 8, 32] for one process's [8, 16, 32], silently. The
+    shards handed on are recorded by identity during the forward and gathered where the model returns them:
+    every hidden state as one process's (within 1e-6), under tensor parallelism alone too. The attention
+    weights of a split attention are this rank's heads' only ([8, 2, 16, 16] for [8, 4, 16, 16]): a call
+    returning them (``output_attentions=True``) is an InputError saying so."""
+    for rank, per_rank in enumerate(two_ranks):
+        for name, got in per_rank["collected"].items():
+            assert len(got["hidden"]) == 5 and all(isinstance(d, float) and d < 1e-6 for d in got["hidden"]), \
+                (rank, name, got["hidden"])
+            assert got["attentions"].startswith("InputError: tensor_parallel") and "output_attentions" in \
+                got["attentions"], (rank, name, got["attentions"])
 
 
 def test_a_loop_s_own_gradient_accumulation_under_a_pipeline_scales_each_micro_step_as_its_backward_says(

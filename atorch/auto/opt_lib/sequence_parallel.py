@@ -52,6 +52,7 @@ from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
@@ -234,11 +235,16 @@ def _summary(region_of: dict) -> str:
 def apply_sequence_parallel(model: nn.Module, plan: SequencePlan, device_mesh) -> None:
     """Register the shard / gather hooks and replicate the norms (after parallelize_module, so each
     gather runs before the projection style's own input handling)."""
+    handed = _HandedShards(device_mesh)
     for region in plan.regions:
         first, last = (model.get_submodule(n) for n in (region.blocks[0], region.blocks[-1]))
         first.register_forward_pre_hook(partial(_map_hidden, partial(_shard, device_mesh, region), region.blocks[0]),
                                         with_kwargs=True, prepend=True)
         last.register_forward_hook(partial(_gather_output, device_mesh, region, region.blocks[-1]))
+        first.register_forward_pre_hook(partial(handed.record_input, region), with_kwargs=True)  # after the shard
+        for name in region.blocks[:-1]:
+            model.get_submodule(name).register_forward_hook(partial(handed.record, region))
+    model.register_forward_hook(handed.gather_in_output, always_call=True)
     for name, region in plan.gathers.items():
         gather = _gather_plain if name in plan.plain_gathers else _gather
         model.get_submodule(name).register_forward_pre_hook(
@@ -249,6 +255,37 @@ def apply_sequence_parallel(model: nn.Module, plan: SequencePlan, device_mesh) -
     for name, region in plan.norms.items():
         distribute_module(model.get_submodule(name), device_mesh, replicate_params, partial(_norm_input, region),
                           _norm_output)
+
+
+class _HandedShards:
+    """The sequence shards the blocks hand each other during one forward, by identity, so that where the
+    model also returns one of them (each layer's hidden state: transformers' ``output_hidden_states``) the
+    caller gets the whole sequence, as in one process, not this rank's tokens."""
+
+    def __init__(self, device_mesh) -> None:
+        self.device_mesh = device_mesh
+        self.shards: dict[int, tuple[torch.Tensor, SequenceRegion]] = {}
+
+    def record(self, region: SequenceRegion, module: nn.Module, args: tuple, output: Any) -> None:
+        hidden = output if isinstance(output, torch.Tensor) else output[0] if isinstance(output, tuple) else None
+        if isinstance(hidden, torch.Tensor) and not torch.compiler.is_compiling():  # eager only
+            self.shards[id(hidden)] = (hidden, region)
+
+    def record_input(self, region: SequenceRegion, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.record(region, module, args, args[0] if args else kwargs.get("hidden_states"))
+
+    def gather_in_output(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        shards, self.shards = self.shards, {}
+        if not shards or torch.compiler.is_compiling():
+            return None
+
+        def whole(value: torch.Tensor) -> torch.Tensor:
+            shard, region = shards.get(id(value), (None, None))
+            if shard is not value:
+                return value
+            return _gather(self.device_mesh, region, value, "an output").to_local()
+
+        return pytree.tree_map_only(torch.Tensor, whole, output)
 
 
 def _map_hidden(fn: Callable, where: str, module: nn.Module, args: tuple, kwargs: dict,

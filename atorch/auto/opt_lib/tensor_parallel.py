@@ -64,6 +64,7 @@ from atorch.auto.opt_lib.tp_agreement import (
 from atorch.auto.opt_lib.tp_check import Probe, check_plan, probe_from_context
 from atorch.auto.opt_lib.tp_experts import gradient_summed, split_expert_bank
 from atorch.auto.opt_lib.tp_mha import split_mha
+from atorch.auto.opt_lib.tp_outputs import refuse_head_outputs
 from atorch.auto.opt_lib.tp_plan import TPPlan, _is_linear, find_tp_plan, plan_from_patterns, split_share
 from atorch.auto.opt_lib.tp_shapes import install_localizer, install_shared_head_gradients, localize_attributes
 from atorch.checkpoint.tensors import SAVED_ORDERS_ATTR
@@ -358,6 +359,7 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
     draw_apart_in_split_parts(model, [model.get_submodule(n) for n, s in plan.styles.items() if s == "colwise"],
                               [model.get_submodule(n) for n, s in plan.styles.items() if s == "rowwise"],
                               list(regions.values()), tp_mesh.get_local_rank())
+    refuse_head_outputs(model, [name for name in plan.regions if plan.region_heads.get(name)])
     localizers = {name: install_localizer(module, plan.regions[name], tp, _fused_parts_in(plan, name),
                                           plan.region_head_dims.get(name, set()), tp_mesh.get_local_rank())
                   for name, module in regions.items()}
