@@ -865,6 +865,33 @@ def collected_outputs(load_strategy: Any) -> dict:
     return out
 
 
+def _deep_supervision_loss(batch: dict, output: Any) -> torch.Tensor:
+    return output.loss + 0.1 * output.hidden_states[2].pow(2).mean()
+
+
+def train_on_a_middle_layer(load_strategy: Any) -> list[float]:
+    """3 SGD steps of a Llama returning every layer's hidden state (its config's ``output_hidden_states``),
+    its loss reading the second layer's beside the LM loss; ``load_strategy`` None: one process."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    model.config.output_hidden_states = True
+    ids = torch.randint(0, 64, (24, 16), generator=torch.Generator().manual_seed(1))
+    rows = [{"input_ids": r, "labels": r} for r in ids]
+    if load_strategy is None:
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            loss = _deep_supervision_loss(None, model(**torch.utils.data.default_collate(rows[step * 8:step * 8 + 8])))
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(float(loss))
+        return losses
+    _, result, _ = auto_accelerate(model, torch.optim.SGD, rows, _deep_supervision_loss, optim_args={"lr": 0.1},
+                                   dataloader_args={"batch_size": 8}, load_strategy=load_strategy)
+    return train_returned(result, 3)
+
+
 def launch_2(cases: dict) -> dict:
     # the pipeline runs on changing lengths, with validation and on each rank's own batches come before
     # deepspeed_pipeline, which leaves DeepSpeed unimportable
@@ -899,7 +926,16 @@ def launch_2(cases: dict) -> dict:
             "validation": validation, "accumulation": accumulation, "rank_own_batches": own_batches,
             "read_through": read_through, "shared_mask": shared_mask, "sequence_first": sequence_first,
             "collected": {"tensor": collected_outputs([TP2, "tensor_parallel"]),
-                          "tensor_sequence": collected_outputs([TP2, "tensor_parallel", "sequence_parallel"])}}
+                          "tensor_sequence": collected_outputs([TP2, "tensor_parallel", "sequence_parallel"])},
+            "middle_layer": _or_error(train_on_a_middle_layer, [TP2, "tensor_parallel", "sequence_parallel"])}
+
+
+def _or_error(function: Any, *args: Any) -> Any:
+    """``function(*args)``, or the error it raised as text (one failing case must not end the launch)."""
+    try:
+        return function(*args)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
 
 
 def shared_mask_summary(strategy: list, rows: int = 8) -> dict:
@@ -1178,6 +1214,11 @@ def test_a_split_model_returns_every_layer_s_whole_hidden_state_and_refuses_its_
                 (rank, name, got["hidden"])
             assert got["attentions"].startswith("InputError: tensor_parallel") and "output_attentions" in \
                 got["attentions"], (rank, name, got["attentions"])
+    # a loss reading a middle layer's hidden state trains as one process's under tensor + sequence
+    reference = train_on_a_middle_layer(None)
+    for rank, per_rank in enumerate(two_ranks):
+        got = per_rank["middle_layer"]
+        assert not isinstance(got, str) and relative_difference(got, reference) < 1e-5, (rank, got, reference)
 
 
 def test_a_loop_s_own_gradient_accumulation_under_a_pipeline_scales_each_micro_step_as_its_backward_says(

@@ -279,12 +279,15 @@ class _HandedShards:
         if not shards or torch.compiler.is_compiling():
             return None
 
-        def whole(value: torch.Tensor) -> torch.Tensor:
-            shard, region = shards.get(id(value), (None, None))
-            if shard is not value:
-                return value
-            return _gather(self.device_mesh, region, value, "an output").to_local()
+        def handed(value: Any) -> bool:
+            return isinstance(value, torch.Tensor) and shards.get(id(value), (None,))[0] is value
 
+        def whole(value: torch.Tensor) -> torch.Tensor:
+            return _gather(self.device_mesh, shards[id(value)][1], value, "an output").to_local() if handed(value) \
+                else value
+
+        if not any(handed(leaf) for leaf in pytree.tree_leaves(output)):
+            return None  # the output as it is (no shard in it)
         return pytree.tree_map_only(torch.Tensor, whole, output)
 
 
