@@ -311,11 +311,12 @@ def model_spec(value: Union[str, Mapping[str, Any], nn.Module, TransformerSpec])
             path = path / "config.json"
         if path.is_file():
             try:
-                # named by its directory (a checkpoint's config.json), or by the file itself
-                named = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
-                return from_hf_config(json.loads(path.read_text()), name=named)
+                config = json.loads(path.read_text())
             except ValueError as error:
                 raise InputError(f"model config {text!r} is not valid JSON: {error}") from error
+            # named by its directory (a checkpoint's config.json), or by the file itself
+            named = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
+            return from_hf_config(config, name=named)
         close = nearest_name(text, BUILTIN_CONFIGS)
         hint = f" Did you mean {close!r}?" if close else ""
         raise InputError(f"model {text!r} is neither a built-in name nor a config.json file.{hint} Built-in: "

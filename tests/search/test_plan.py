@@ -176,6 +176,20 @@ def test_a_config_file_names_the_model_by_its_directory_or_its_own_name(tmp_path
     assert model_spec(str(tmp_path / "qwen3-30b.json")).name == "qwen3-30b"
 
 
+def test_a_config_file_s_own_error_is_not_called_bad_json(tmp_path):
+    """A well-formed config.json the planner cannot read (a Mamba model: no attention heads) was reported as
+    'not valid JSON'; its own reason comes through, and only a file that does not parse is called so."""
+    (tmp_path / "mamba").mkdir()
+    (tmp_path / "mamba" / "config.json").write_text(json.dumps(
+        {"model_type": "mamba2", "hidden_size": 2560, "num_hidden_layers": 64, "vocab_size": 50280}))
+    with pytest.raises(InputError) as refused:
+        model_spec(str(tmp_path / "mamba"))
+    assert "not valid JSON" not in str(refused.value) and "num_attention_heads" in str(refused.value)
+    (tmp_path / "broken.json").write_text("{\"hidden_size\": 4096,")
+    with pytest.raises(InputError, match="is not valid JSON"):
+        model_spec(str(tmp_path / "broken.json"))
+
+
 def test_an_encoder_decoder_config_is_refused_rather_than_counted_as_one_stack():
     """T5's config reads as 6 layers of 512 (its encoder alone: 35 M of its 60 M parameters): refused by
     name rather than planned at half its size."""
