@@ -164,6 +164,16 @@ def test_search_in_one_process(tmp_path):
     assert {r["label"] for r in got["rows"]} >= {"ddp+fp32", "ddp+fp32+ckpt"}
 
 
+def test_a_time_limit_spent_before_any_dry_run_still_dry_runs_the_best_predicted(tmp_path):
+    """A limit the analysis alone spends (a millisecond) returned (False, None, None) with every candidate
+    'skipped: time limit': the first candidate by prediction is now dry-run regardless, and the search
+    returns what trained (every later one would be skipped: in one process the others do not fit unsplit)."""
+    got = _search(str(tmp_path), excluded=["amp_native"], time_limit=1e-3)
+    assert got["status"] and got["strategy"] is not None, got["table"]
+    statuses = [r["status"] for r in got["rows"]]
+    assert statuses.count("ok") == 1, got["table"]
+
+
 def test_search_input_errors():
     from atorch.errors import InputError, UnknownMethodError
 

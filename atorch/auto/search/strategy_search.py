@@ -645,9 +645,10 @@ class StrategySearch:
 
     def dry_run_best(self) -> Optional[int]:
         """Dry-run candidates in predicted order: up to ``topk``, and on until one succeeds (or all, with
-        ``exhaustive``), within the time limit; fewer where the rest cannot win (``_cannot_win``). On a GPU a
-        candidate kept out only by the memory model's default margin takes its place in that order once the
-        error measured so far admits it (``_near_limit_before``). Returns the chosen candidate's index."""
+        ``exhaustive``), within the time limit (the first even past it, so that what returns has trained);
+        fewer where the rest cannot win (``_cannot_win``). On a GPU a candidate kept out only by the memory
+        model's default margin takes its place in that order once the error measured so far admits it
+        (``_near_limit_before``). Returns the chosen candidate's index."""
         tried, best, position = 0, None, 0
         queue = list(self.order)
         while queue:
@@ -658,8 +659,13 @@ class StrategySearch:
             position += near is None
             row = self.rows[index]
             if self._out_of_time():
-                row.status = "skipped: time limit"
-                continue
+                if tried:
+                    row.status = "skipped: time limit"
+                    continue
+                # the analysis spent the limit: one dry run still, so that what returns has trained
+                if is_main_rank():
+                    logger.warning("time_limit (%s s) passed before any dry run: trying the best predicted "
+                                   "candidate regardless", self.options.time_limit)
             if not room:
                 row.status = "not tried"
                 row.reason = "below the top-k by prediction"
