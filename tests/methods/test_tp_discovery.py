@@ -828,3 +828,50 @@ def test_on_two_ranks_a_wrong_plan_is_refused_up_front_and_a_good_one_is_reporte
         for layout, run in per_rank["bf16_weights"].items():
             assert "refused" not in run, (layout, run)
             assert relative_difference(run["got"], run["expected"]) < 2e-2, (layout, run)
+
+
+class _WeightsAttention(nn.Module):
+    """An attention returning its weights beside its output, as HF eager attention does."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights = torch.softmax(x @ x.transpose(-1, -2), dim=-1)
+        return weights @ x, weights
+
+
+class _CheckpointedAttentionModel(nn.Module):
+    def __init__(self, return_weights: bool = False):
+        super().__init__()
+        self.proj, self.attn, self.return_weights = nn.Linear(4, 4), _WeightsAttention(), return_weights
+
+    def forward(self, x: torch.Tensor) -> object:
+        out, weights = torch.utils.checkpoint.checkpoint(self.attn, self.proj(x), use_reentrant=True)
+        return (out, weights) if self.return_weights else out
+
+
+def test_what_split_layers_return_is_recorded_within_the_model_s_forward_only():
+    """The recorders behind tensor_parallel's output checks (``tp_outputs``: a split attention's weights in
+    the model's output refused; ``sequence_parallel``: the shards handed between blocks gathered where the
+    output holds them) keep tensors for one forward of the model. A reentrant checkpoint's recompute in
+    backward (HF's gradient_checkpointing_enable, atorch's checkpoint with no_reentrant=False) runs the layers
+    and their hooks again outside it: what they return then is not kept (it was, until the next forward,
+    every layer's recomputed attention weights or hidden state)."""
+    from atorch.auto.opt_lib.sequence_parallel import SequenceRegion, _HandedShards
+    from atorch.auto.opt_lib.tp_outputs import refuse_head_outputs
+    from atorch.errors import InputError
+
+    model = _CheckpointedAttentionModel()
+    refuse_head_outputs(model, ["attn"])
+    recorder = next(hook.__self__ for hook in model._forward_hooks.values())
+    model(torch.randn(2, 3, 4, requires_grad=True)).sum().backward()
+    assert recorder.seen == {} and not recorder.active
+    returning = _CheckpointedAttentionModel(return_weights=True)
+    refuse_head_outputs(returning, ["attn"])
+    with pytest.raises(InputError, match="attention weights of this rank's heads"):
+        returning(torch.randn(2, 3, 4))
+
+    handed, region = _HandedShards(device_mesh=None), SequenceRegion(blocks=["attn"])
+    handed.begin(model, ())
+    handed.record(region, model, (), torch.ones(2))
+    assert handed.gather_in_output(model, (), torch.zeros(2)) is None and handed.shards == {}
+    handed.record(region, model, (), torch.ones(2))  # a recompute in backward, after the forward ended
+    assert handed.shards == {}

@@ -244,6 +244,7 @@ def apply_sequence_parallel(model: nn.Module, plan: SequencePlan, device_mesh) -
         first.register_forward_pre_hook(partial(handed.record_input, region), with_kwargs=True)  # after the shard
         for name in region.blocks[:-1]:
             model.get_submodule(name).register_forward_hook(partial(handed.record, region))
+    model.register_forward_pre_hook(handed.begin)
     model.register_forward_hook(handed.gather_in_output, always_call=True)
     for name, region in plan.gathers.items():
         gather = _gather_plain if name in plan.plain_gathers else _gather
@@ -265,17 +266,21 @@ class _HandedShards:
     def __init__(self, device_mesh) -> None:
         self.device_mesh = device_mesh
         self.shards: dict[int, tuple[torch.Tensor, SequenceRegion]] = {}
+        self.active = False  # inside the model's forward (not a checkpoint's recompute in backward)
+
+    def begin(self, module: nn.Module, args: tuple) -> None:
+        self.shards, self.active = {}, True
 
     def record(self, region: SequenceRegion, module: nn.Module, args: tuple, output: Any) -> None:
         hidden = output if isinstance(output, torch.Tensor) else output[0] if isinstance(output, tuple) else None
-        if isinstance(hidden, torch.Tensor) and not torch.compiler.is_compiling():  # eager only
+        if self.active and isinstance(hidden, torch.Tensor) and not torch.compiler.is_compiling():  # eager only
             self.shards[id(hidden)] = (hidden, region)
 
     def record_input(self, region: SequenceRegion, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.record(region, module, args, args[0] if args else kwargs.get("hidden_states"))
 
     def gather_in_output(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        shards, self.shards = self.shards, {}
+        shards, self.shards, self.active = self.shards, {}, False
         if not shards or torch.compiler.is_compiling():
             return None
 

@@ -23,14 +23,18 @@ from atorch.errors import InputError
 class _HeadOutputs:
     def __init__(self) -> None:
         self.seen: dict[int, tuple[torch.Tensor, str]] = {}
+        self.active = False  # inside the model's forward: a checkpoint's recompute in backward keeps nothing
+
+    def begin(self, module: nn.Module, args: tuple) -> None:
+        self.seen, self.active = {}, True
 
     def record(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
-        if isinstance(output, tuple) and not torch.compiler.is_compiling():  # not inside a compiled graph
+        if self.active and isinstance(output, tuple) and not torch.compiler.is_compiling():  # eager only
             for extra in tensors_of(output[1:]):
                 self.seen[id(extra)] = (extra, name)
 
     def refuse_in_output(self, module: nn.Module, args: tuple, output: Any) -> None:
-        seen, self.seen = self.seen, {}
+        seen, self.seen, self.active = self.seen, {}, False
         if torch.compiler.is_compiling():
             return
         returned = sorted({seen[id(t)][1] for t in tensors_of(output) if id(t) in seen and seen[id(t)][0] is t})
@@ -54,4 +58,5 @@ def refuse_head_outputs(model: nn.Module, attentions: list[str]) -> None:
     outputs = _HeadOutputs()
     for name in attentions:
         model.get_submodule(name).register_forward_hook(partial(outputs.record, name))
+    model.register_forward_pre_hook(outputs.begin)
     model.register_forward_hook(outputs.refuse_in_output, always_call=True)
