@@ -58,6 +58,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 
 from atorch.auto.opt_lib.base import Optimization
 from atorch.errors import MethodConfigError
+from atorch.utils.batch import tensors
 from atorch.utils.config import MethodConfig
 from atorch.utils.dataflow import Dataflow
 from atorch.utils.modules import repeated_blocks
@@ -284,14 +285,14 @@ class _HandedShards:
         if not shards or torch.compiler.is_compiling():
             return None
 
-        def handed(value: Any) -> bool:
-            return isinstance(value, torch.Tensor) and shards.get(id(value), (None,))[0] is value
+        def handed(value: torch.Tensor) -> bool:
+            return shards.get(id(value), (None,))[0] is value
 
         def whole(value: torch.Tensor) -> torch.Tensor:
             return _gather(self.device_mesh, shards[id(value)][1], value, "an output").to_local() if handed(value) \
                 else value
 
-        if not any(handed(leaf) for leaf in pytree.tree_leaves(output)):
+        if not any(handed(leaf) for leaf in tensors(output)):
             return None  # the output as it is (no shard in it)
         return pytree.tree_map_only(torch.Tensor, whole, output)
 

@@ -14,10 +14,10 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from atorch.errors import InputError
+from atorch.utils.batch import tensors
 
 
 class _HeadOutputs:
@@ -30,24 +30,20 @@ class _HeadOutputs:
 
     def record(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
         if self.active and isinstance(output, tuple) and not torch.compiler.is_compiling():  # eager only
-            for extra in tensors_of(output[1:]):
+            for extra in tensors(output[1:]):
                 self.seen[id(extra)] = (extra, name)
 
     def refuse_in_output(self, module: nn.Module, args: tuple, output: Any) -> None:
         seen, self.seen, self.active = self.seen, {}, False
-        if torch.compiler.is_compiling():
+        if not seen or torch.compiler.is_compiling():  # nothing recorded (SDPA returns no weights): no walk
             return
-        returned = sorted({seen[id(t)][1] for t in tensors_of(output) if id(t) in seen and seen[id(t)][0] is t})
+        returned = sorted({seen[id(t)][1] for t in tensors(output) if id(t) in seen and seen[id(t)][0] is t})
         if returned:
             raise InputError(f"tensor_parallel: the model returns what its split attention computes beside its "
                              f"output ({', '.join(returned[:3])}{', ...' if len(returned) > 3 else ''}): the "
                              "attention weights of this rank's heads only (transformers' output_attentions=True), "
                              "not all of them as one process returns; call without it, or read them from a model "
                              "that is not split")
-
-
-def tensors_of(data: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in pytree.tree_leaves(data) if isinstance(leaf, torch.Tensor)]
 
 
 def refuse_head_outputs(model: nn.Module, attentions: list[str]) -> None:
