@@ -834,13 +834,17 @@ def sequence_first_refusal(strategy: list) -> str:
     return "no error"
 
 
-TP2 = ("parallel_mode", ([("tensor", 2)], None))
+# the whole model compiled: the shards' gather and the attention check inside the graph (the blocks scope's
+# recorders: test_tp_discovery.py, test_split_attention_weights_are_recorded_inside_compiled_code_...)
+COMPILED = {"model": ("native_dynamo", {"scope": "model", "backend": "aot_eager"})}
 
 
 def collected_outputs(load_strategy: Any) -> dict:
     """An eager-attention Llama's evaluation call asking for every layer's hidden state, then also for the
     attention weights, against one process's: the hidden states' largest difference (or their shapes where
-    they differ), and the error the second call raised."""
+    they differ), the error the second call raised, and how many graphs torch.compile built meanwhile (where
+    the strategy compiles)."""
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     torch.manual_seed(0)
     model, reference = tiny_llama(), tiny_llama()
     for one in (model, reference):
@@ -862,6 +866,7 @@ def collected_outputs(load_strategy: Any) -> dict:
             out["attentions"] = "no error"
         except Exception as error:
             out["attentions"] = f"{type(error).__name__}: {error}"
+    out["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
     return out
 
 
@@ -926,7 +931,9 @@ def launch_2(cases: dict) -> dict:
             "validation": validation, "accumulation": accumulation, "rank_own_batches": own_batches,
             "read_through": read_through, "shared_mask": shared_mask, "sequence_first": sequence_first,
             "collected": {"tensor": collected_outputs([TP2, "tensor_parallel"]),
-                          "tensor_sequence": collected_outputs([TP2, "tensor_parallel", "sequence_parallel"])},
+                          "tensor_sequence": collected_outputs([TP2, "tensor_parallel", "sequence_parallel"]),
+                          **{f"tensor_sequence_compiled_{scope}": collected_outputs(
+                              [TP2, "tensor_parallel", "sequence_parallel", COMPILED[scope]]) for scope in COMPILED}},
             "middle_layer": _or_error(train_on_a_middle_layer, [TP2, "tensor_parallel", "sequence_parallel"])}
 
 
@@ -1207,7 +1214,8 @@ def test_a_split_model_returns_every_layer_s_whole_hidden_state_and_refuses_its_
     shards handed on are recorded by identity during the forward and gathered where the model returns them:
     every hidden state as one process's (within 1e-6), under tensor parallelism alone too. The attention
     weights of a split attention are this rank's heads' only ([8, 2, 16, 16] for [8, 4, 16, 16]): a call
-    returning them (``output_attentions=True``) is an InputError saying so."""
+    returning them (``output_attentions=True``) is an InputError saying so. The same with the whole model
+    compiled (native_dynamo's "model" scope), where the recorders were skipped: the shards came back."""
     for rank, per_rank in enumerate(two_ranks):
         for name, got in per_rank["collected"].items():
             assert len(got["hidden"]) == 5 and all(isinstance(d, float) and d < 1e-6 for d in got["hidden"]), \

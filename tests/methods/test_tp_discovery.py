@@ -863,7 +863,7 @@ def test_what_split_layers_return_is_recorded_within_the_model_s_forward_only():
     refuse_head_outputs(model, ["attn"])
     recorder = next(hook.__self__ for hook in model._forward_hooks.values())
     model(torch.randn(2, 3, 4, requires_grad=True)).sum().backward()
-    assert recorder.seen == {} and not recorder.active
+    assert all(slot.outputs == () for slot in recorder.slots) and not recorder.active
     returning = _CheckpointedAttentionModel(return_weights=True)
     refuse_head_outputs(returning, ["attn"])
     with pytest.raises(InputError, match="attention weights of this rank's heads"):
@@ -872,6 +872,61 @@ def test_what_split_layers_return_is_recorded_within_the_model_s_forward_only():
     handed, region = _HandedShards(device_mesh=None), SequenceRegion(blocks=["attn"])
     handed.begin(model, ())
     handed.record(region, model, (), torch.ones(2))
-    assert handed.gather_in_output(model, (), torch.zeros(2)) is None and handed.shards == {}
+    assert handed.gather_in_output(model, (), torch.zeros(2)) is None and handed.shards == []
     handed.record(region, model, (), torch.ones(2))  # a recompute in backward, after the forward ended
-    assert handed.shards == {}
+    assert handed.shards == []
+
+
+class _AttentionBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.attn = nn.Linear(4, 4), _WeightsAttention()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, weights = self.attn(self.proj(x))
+        return x + out, weights
+
+
+class _AttentionStack(nn.Module):
+    """Four blocks whose attention returns its weights (HF eager attention); the model returns the last
+    block's with ``return_weights`` (transformers' ``output_attentions=True``)."""
+
+    def __init__(self, return_weights: bool = False):
+        super().__init__()
+        self.blocks, self.return_weights = nn.ModuleList(_AttentionBlock() for _ in range(4)), return_weights
+
+    def forward(self, x: torch.Tensor) -> object:
+        for block in self.blocks:
+            x, weights = block(x)
+        return (x, weights) if self.return_weights else x
+
+
+def _compiled_graphs(model: nn.Module, scope: str, attentions: list[str]) -> int:
+    """How many graphs native_dynamo's compile of ``model`` (dynamo only: the eager backend) builds for one
+    forward and backward, with the attention recorders on ``attentions``."""
+    from atorch.auto.opt_lib.native_dynamo import NativeDynamoConfig, compile_model
+    from atorch.auto.opt_lib.tp_outputs import refuse_head_outputs
+
+    torch._dynamo.reset()
+    refuse_head_outputs(model, attentions)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled = compile_model(model, NativeDynamoConfig(scope=scope, backend="eager"))
+    out = compiled(torch.randn(2, 3, 4, requires_grad=True))
+    (out[0] if isinstance(out, tuple) else out).sum().backward()
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+
+
+def test_split_attention_weights_are_recorded_inside_compiled_code_without_a_graph_per_layer():
+    """Under native_dynamo the attention recorders run inside the compiled code (they were skipped there:
+    a compiled model split by tensor_parallel returned this rank's heads' attention weights, and under
+    sequence parallelism this rank's tokens as every layer's hidden state, silently). Each attention writes
+    its own slot: the blocks' shared graph reads no list they grow, so the recorders add no graph (a list
+    of what was seen made dynamo guard on its length and compile a graph for each of the 4 layers)."""
+    from atorch.errors import InputError
+
+    attentions = [f"blocks.{i}.attn" for i in range(4)]
+    plain = _compiled_graphs(_AttentionStack(), "blocks", [])
+    assert _compiled_graphs(_AttentionStack(), "blocks", attentions) == plain, plain
+    for scope in ("blocks", "model"):
+        with pytest.raises(InputError, match="blocks.3.attn"):
+            _compiled_graphs(_AttentionStack(return_weights=True), scope, attentions)

@@ -266,31 +266,34 @@ class _HandedShards:
 
     def __init__(self, device_mesh) -> None:
         self.device_mesh = device_mesh
-        self.shards: dict[int, tuple[torch.Tensor, SequenceRegion]] = {}
+        self.shards: list[tuple[torch.Tensor, SequenceRegion]] = []
         self.active = False  # inside the model's forward (not a checkpoint's recompute in backward)
 
     def begin(self, module: nn.Module, args: tuple) -> None:
-        self.shards, self.active = {}, True
+        self.shards, self.active = [], True
 
     def record(self, region: SequenceRegion, module: nn.Module, args: tuple, output: Any) -> None:
         hidden = output if isinstance(output, torch.Tensor) else output[0] if isinstance(output, tuple) else None
-        if self.active and isinstance(hidden, torch.Tensor) and not torch.compiler.is_compiling():  # eager only
-            self.shards[id(hidden)] = (hidden, region)
+        if self.active and isinstance(hidden, torch.Tensor):
+            self.shards.append((hidden, region))
 
     def record_input(self, region: SequenceRegion, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.record(region, module, args, args[0] if args else kwargs.get("hidden_states"))
 
     def gather_in_output(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        shards, self.shards, self.active = self.shards, {}, False
-        if not shards or torch.compiler.is_compiling():
+        shards, self.shards, self.active = self.shards, [], False
+        if not shards:
             return None
 
+        def region_of(value: torch.Tensor) -> Optional[SequenceRegion]:
+            return next((region for shard, region in shards if shard is value), None)
+
         def handed(value: torch.Tensor) -> bool:
-            return shards.get(id(value), (None,))[0] is value
+            return region_of(value) is not None
 
         def whole(value: torch.Tensor) -> torch.Tensor:
-            return _gather(self.device_mesh, shards[id(value)][1], value, "an output").to_local() if handed(value) \
-                else value
+            region = region_of(value)
+            return value if region is None else _gather(self.device_mesh, region, value, "an output").to_local()
 
         if not any(handed(leaf) for leaf in tensors(output)):
             return None  # the output as it is (no shard in it)

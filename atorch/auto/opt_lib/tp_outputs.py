@@ -5,15 +5,15 @@ one), the weights of its own heads only. A model asked for them (transformers' `
 would return this rank's heads as if they were all, a tensor of another shape than one process's, with
 nothing said. The attention modules' further outputs are recorded by identity during each forward; one
 of them in the model's output is an ``InputError`` there. Further outputs of layers without heads (an
-MoE layer's router logits, computed by its whole router) are the whole ones and pass. Inside a graph
-torch.compile traces (native_dynamo's "model" scope) nothing is recorded: the check is eager only.
+MoE layer's router logits, computed by its whole router) are the whole ones and pass. The recorders also
+run inside the code native_dynamo compiles; there a side effect inside a checkpoint that the compiler
+captures (HF's gradient checkpointing over an attention returning weights) makes dynamo run that block
+eagerly: correct, slower.
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
-import torch
 from torch import nn
 
 from atorch.errors import InputError
@@ -21,23 +21,27 @@ from atorch.utils.batch import tensors
 
 
 class _HeadOutputs:
-    def __init__(self) -> None:
-        self.seen: dict[int, tuple[torch.Tensor, str]] = {}
+    """The further outputs of each split attention during one forward, in a slot per module: a compiled
+    block (native_dynamo) writes its own slot, so the graph it shares with the other blocks neither reads
+    a list the blocks grow (dynamo would guard on its length and recompile for each layer) nor a name."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.slots = [_Slot(self, name) for name in names]
         self.active = False  # inside the model's forward: a checkpoint's recompute in backward keeps nothing
 
     def begin(self, module: nn.Module, args: tuple) -> None:
-        self.seen, self.active = {}, True
-
-    def record(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
-        if self.active and isinstance(output, tuple) and not torch.compiler.is_compiling():  # eager only
-            for extra in tensors(output[1:]):
-                self.seen[id(extra)] = (extra, name)
+        self.active = True
+        for slot in self.slots:
+            slot.outputs = ()
 
     def refuse_in_output(self, module: nn.Module, args: tuple, output: Any) -> None:
-        seen, self.seen, self.active = self.seen, {}, False
-        if not seen or torch.compiler.is_compiling():  # nothing recorded (SDPA returns no weights): no walk
+        recorded = [(slot.name, slot.outputs) for slot in self.slots if slot.outputs]
+        self.begin(module, args)
+        self.active = False
+        if not recorded:  # nothing recorded (SDPA returns no weights): no walk
             return
-        returned = sorted({seen[id(t)][1] for t in tensors(output) if id(t) in seen and seen[id(t)][0] is t})
+        returned = sorted({name for value in tensors(output) for name, extras in recorded
+                           if any(extra is value for extra in extras)})
         if returned:
             raise InputError(f"tensor_parallel: the model returns what its split attention computes beside its "
                              f"output ({', '.join(returned[:3])}{', ...' if len(returned) > 3 else ''}): the "
@@ -46,13 +50,24 @@ class _HeadOutputs:
                              "that is not split")
 
 
+class _Slot:
+    def __init__(self, owner: _HeadOutputs, name: str) -> None:
+        self.owner, self.name, self.outputs = owner, name, ()
+
+    def record(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.owner.active and isinstance(output, tuple):
+            extras = tuple(tensors(output[1:]))
+            if extras:
+                self.outputs = self.outputs + extras
+
+
 def refuse_head_outputs(model: nn.Module, attentions: list[str]) -> None:
     """Record the further outputs of the ``attentions`` (modules holding split heads) and refuse a forward
     of ``model`` that returns one of them."""
     if not attentions:
         return
-    outputs = _HeadOutputs()
-    for name in attentions:
-        model.get_submodule(name).register_forward_hook(partial(outputs.record, name))
+    outputs = _HeadOutputs(attentions)
+    for slot in outputs.slots:
+        model.get_submodule(slot.name).register_forward_hook(slot.record)
     model.register_forward_pre_hook(outputs.begin)
     model.register_forward_hook(outputs.refuse_in_output, always_call=True)
