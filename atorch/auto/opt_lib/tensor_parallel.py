@@ -111,6 +111,15 @@ class ConvRowwise(RowwiseParallel):
         return out.clone() if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) else out
 
 
+class EmbeddingRowwise(RowwiseParallel):
+    """A vocabulary-split embedding whose summed output is handed on as a tensor of its own. RowwiseParallel
+    hands on the pending all-reduce (an AsyncCollectiveTensor): passed into a block native_dynamo compiled,
+    its gradient came back as a plain tensor where the all-reduce's backward needs a DTensor (HF Llama under
+    tensor_parallel and native_dynamo: "'Tensor' object has no attribute '_local_tensor'")."""
+
+    _prepare_output_fn = staticmethod(ConvRowwise._prepare_output_fn)
+
+
 def _distribute(style, module, device_mesh, weight, bias):
     def partition(name, mod, mesh_):
         for pname, placement in (("weight", weight), ("bias", bias)):
@@ -326,7 +335,7 @@ def _parallelize(model: nn.Module, config: TensorParallelConfig, tp: int, tp_mes
     styles = {name: (ConvColwise() if style == "colwise" else
                      ConvRowwise(output_layouts=Shard(-2) if sequence and name not in replicated_rows else Replicate()))
               for name, style in plan.styles.items()}  # Shard(-2): the token dimension, before the features
-    styles.update({name: RowwiseParallel(input_layouts=Replicate()) if role == "embedding"
+    styles.update({name: EmbeddingRowwise(input_layouts=Replicate()) if role == "embedding"
                    else ColwiseParallel(output_layouts=Replicate()) for name, role in plan.vocab.items()})
     styles.update({name: ColwiseParallel() for name in plan.head_bias})  # [.., heads] -> this rank's heads
     parallelize_module(model, tp_mesh, styles)
