@@ -106,9 +106,9 @@ class NativeDynamoOptimization(Optimization):
 
 def check_compiled_split_model(model: nn.Module, probe: Optional[Probe]) -> None:
     """A model split by tensor parallelism (DTensor parameters) and compiled: one forward and backward
-    on a sample row, here, so that a compiled graph that cannot run the split model (HF GPT-2's
-    ``Conv1D`` views under DTensor: "as_strided not supported with DTensor") is refused with its reason
-    when auto_accelerate applies the strategy, not met inside the training loop. The compiled graph is
+    on a sample row, here, so that a compiled graph that cannot run the split model (an operator DTensor
+    does not support under AOT autograd: "as_strided not supported with DTensor") is refused with its
+    reason when auto_accelerate applies the strategy, not met inside the training loop. The compiled graph is
     kept for training; the sample's gradients and the random numbers it drew are dropped, the buffers
     it moved restored."""
     if probe is None or probe.loss is None:

@@ -198,7 +198,7 @@ def _shape_args(rest: tuple) -> Optional[list[int]]:
 
 
 def _fits(shape: Sequence[int], numel: int) -> bool:
-    known = math.prod(s for s in shape if s != -1)
+    known = math.prod([s for s in shape if s != -1])  # a list: dynamo traces math.prod of a list, not of a generator
     if -1 in shape:
         return known > 0 and numel % known == 0
     return known == numel
@@ -253,7 +253,7 @@ def _inferred_dim_wanted(tensor: torch.Tensor, shape: list[int], start: int) -> 
 
 
 def _inferred(shape: list[int], numel: int) -> int:
-    return numel // max(1, math.prod(s for s in shape if s != -1))
+    return numel // max(1, math.prod([s for s in shape if s != -1]))
 
 
 def local_split_size(tensor: torch.Tensor, size: Any, dim: int, full_sizes: set[int], tp: int) -> Any:
