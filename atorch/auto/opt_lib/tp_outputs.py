@@ -30,14 +30,16 @@ class _HeadOutputs:
         self.active = False  # inside the model's forward: a checkpoint's recompute in backward keeps nothing
 
     def begin(self, module: nn.Module, args: tuple) -> None:
-        self.active = True
+        self._reset(active=True)
+
+    def _reset(self, active: bool) -> None:
+        self.active = active
         for slot in self.slots:
             slot.outputs = ()
 
     def refuse_in_output(self, module: nn.Module, args: tuple, output: Any) -> None:
         recorded = [(slot.name, slot.outputs) for slot in self.slots if slot.outputs]
-        self.begin(module, args)
-        self.active = False
+        self._reset(active=False)
         if not recorded:  # nothing recorded (SDPA returns no weights): no walk
             return
         returned = sorted({name for value in tensors(output) for name, extras in recorded
