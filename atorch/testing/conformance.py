@@ -96,7 +96,8 @@ COLUMNS: list[Column] = [
     # one process
     Column("amp_bf16", "amp_native bf16", 1, _fixed(BF16), LOW_TOL),
     Column("half_bf16", "half bf16", 1, _fixed(("half", "bf16")), LOW_TOL),
-    Column("checkpoint", "checkpoint", 1, lambda m: [("checkpoint", (m.block,))], DP_TOL),
+    # checkpoint, zero2 and fsdp named without modules: each finds the model's layers from its structure
+    Column("checkpoint", "checkpoint", 1, _fixed("checkpoint"), DP_TOL),
     Column("module_replace", "module_replace", 1, _fixed("module_replace"), DP_TOL),
     Column("native_dynamo", "native_dynamo", 1, _fixed("native_dynamo"), DP_TOL),
     Column("fp8", "fp8", 1, _fixed("fp8"), LOW_TOL),
@@ -104,7 +105,7 @@ COLUMNS: list[Column] = [
     Column("ddp", "DDP (data 2)", 2, _fixed(_mode(("data", 2))), DP_TOL, 2),
     Column("zero1", "zero1", 2, _fixed("zero1"), DP_TOL, 2),
     Column("zero2", "zero2", 2, _fixed("zero2"), DP_TOL, 2),
-    Column("fsdp", "fsdp", 2, lambda m: [("fsdp", {"atorch_wrap_cls": (m.block,)})], DP_TOL, 2),
+    Column("fsdp", "fsdp", 2, _fixed("fsdp"), DP_TOL, 2),
     # sharding composed with mixed precision: fully_shard casts what it shards (BatchNorm's running
     # statistics stay fp32, a scalar parameter stays a plain tensor beside the DTensor shards)
     Column("fsdp_amp_bf16", "fsdp + amp_native bf16", 2,
@@ -413,7 +414,9 @@ single-process fp32 methods 1e-5, model parallel fp32 1e-4, bf16 2e-2. The model
 `atorch/testing/hf_models.py` (HF families, plain
 models) and `atorch/testing/community_models.py` (transformers written as PyTorch's, torchtitan's,
 timm's, nanoGPT's and lucidrains' codebases write them, an MoE, an MLP of `up` / `down`); the columns
-in `atorch/testing/conformance.py`. The CNN's BatchNorm normalises each forward's batch, so its
+in `atorch/testing/conformance.py`. The checkpoint, zero2 and fsdp columns name no module: each method
+finds the family's layers from its module tree (`"auto"`, [methods.md](methods.md#checkpoint)); the fsdp +
+amp column names the family's layer class. The CNN's BatchNorm normalises each forward's batch, so its
 reference runs the per-process shards apart; its running statistics are not compared. Rows
 `<family>@meta` run the family built on the meta device, its initial weights streamed in with
 `atorch.load_pretrained` ([large-models.md](large-models.md)), against the same reference.

@@ -6,6 +6,8 @@ from collections import Counter
 import torch
 from torch import nn
 
+from atorch.errors import MethodConfigError
+
 # a module attribute {parameter attribute: order} for parameters a method keeps in an element order of
 # its own (tensor_parallel's fused q|k|v); checkpoints, loading and meta initialisation convert through it
 SAVED_ORDERS_ATTR = "atorch_saved_orders"
@@ -70,6 +72,97 @@ def block_stack(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return layers
 
 
+# the module target that names the model's layers, found from its structure (checkpoint, fsdp)
+AUTO_TARGETS = "auto"
+
+
+def layer_types(model: nn.Module) -> tuple[type, ...]:
+    """The classes of the model's layers (``block_stack``), in order of first appearance: one for a
+    stack of like layers, several for a stack that alternates kinds (Jamba); () without a repeated
+    block. Read from the module tree alone, whatever the classes are called."""
+    return tuple(dict.fromkeys(type(module) for _, module in block_stack(model)))
+
+
+def alike_layer_names(model: nn.Module) -> tuple[str, ...]:
+    """The qualified names of the model's largest run of two or more alike layers in one list or sequence
+    (consecutive children of one type, with the same parameter names and shapes, each with parameters
+    and sub-modules of its own): the layers of a model built from unnamed containers (``nn.Sequential(
+    embedding, *[nn.Sequential(norm, linear, ...) for _ in range(n)], head)``), which ``repeated_blocks``
+    does not count (a bare container is not a class of the user's). () where there is none."""
+    best: tuple[int, tuple[str, ...]] = (0, ())
+    for name, parent in model.named_modules():
+        if not isinstance(parent, (nn.ModuleList, nn.Sequential)):
+            continue
+        prefix = f"{name}." if name else ""
+        for run in _alike_runs(list(parent.named_children())):
+            size = sum(p.numel() for _, child in run for p in child.parameters())
+            if len(run) >= 2 and size > best[0]:
+                best = (size, tuple(prefix + child_name for child_name, _ in run))
+    return best[1]
+
+
+def _alike_runs(children: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Module]]]:
+    """Consecutive children of one signature (type, parameter names and shapes), layers only."""
+    runs: list[list[tuple[str, nn.Module]]] = []
+    last = None
+    for name, child in children:
+        signature = (type(child), tuple((n, tuple(p.shape)) for n, p in child.named_parameters()))
+        if not _has_parameters_and_children(child):
+            last = None
+            continue
+        if signature != last:
+            runs.append([])
+            last = signature
+        runs[-1].append((name, child))
+    return runs
+
+
+def _parameters_in(model: nn.Module, targets: tuple) -> int:
+    """Parameters held by the modules ``targets`` (classes or qualified names) name, outermost only."""
+    names = {t for t in targets if isinstance(t, str)}
+    types = tuple(t for t in targets if isinstance(t, type))
+    total, taken = 0, []
+    for name, module in model.named_modules():
+        if any(name.startswith(t + ".") for t in taken):
+            continue
+        if name in names or (types and isinstance(module, types)):
+            taken.append(name)
+            total += sum(p.numel() for p in module.parameters())
+    return total
+
+
+def _has_parameters_and_children(module: nn.Module) -> bool:
+    return any(True for _ in module.children()) and any(True for _ in module.parameters())
+
+
+def auto_layers(model: nn.Module) -> tuple:
+    """What ``"auto"`` names: the model's layer classes (``layer_types``), or, where its layers are unnamed
+    containers, their qualified names (``alike_layer_names``); () where it has no repeated layer."""
+    found: tuple = layer_types(model)
+    names = alike_layer_names(model)
+    # unnamed layers that hold a repeated class of their own (an attention module) are the larger unit
+    if names and _parameters_in(model, names) > _parameters_in(model, found):
+        return names
+    return found
+
+
+def resolve_auto_targets(model: nn.Module, targets: tuple, method: str) -> tuple:
+    """``targets`` with ``"auto"`` replaced by the model's layers (``auto_layers``): what a user who writes
+    ``("checkpoint", "auto")`` means, on a model whose layers have any name. A model without repeated
+    layers is a ``MethodConfigError`` that lists its module types, so the user can name them."""
+    if AUTO_TARGETS not in targets:
+        return targets
+    found = auto_layers(model)
+    if not found:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise MethodConfigError(method, f"{AUTO_TARGETS!r} found no repeated layers in {type(model).__name__} (no "
+                                        f"class with parameters and sub-modules occurs twice, no list holds two alike "
+                                        f"layers); name the modules instead, from the module types in the model: "
+                                        f"{present}")
+    rest = tuple(t for t in targets if t != AUTO_TARGETS)
+    return found + tuple(t for t in rest if t not in found)
+
+
 def _is_layer(module: nn.Module) -> bool:
     """A module with parameters and sub-modules of its own (not a leaf, not a bare container)."""
     return (not isinstance(module, _CONTAINERS) and any(True for _ in module.children())
@@ -99,6 +192,20 @@ def _has_sub_blocks(module: nn.Module) -> bool:
         elif any(True for _ in child.children()) and any(True for _ in child.parameters()):
             return True
     return False
+
+
+def without_forward(module: nn.Module) -> bool:
+    """Whether ``module`` has no forward of its own (a ModuleList, a ModuleDict, a plain holder of layers):
+    it is never called, so a patch or hook on its forward never runs."""
+    return type(module).forward is nn.Module.forward
+
+
+def parts_with_forward(module: nn.Module) -> list[nn.Module]:
+    """``module`` where it has a forward of its own, else its parts that have one and hold parameters, in
+    order (a ModuleList of layers: the layers)."""
+    if not without_forward(module):
+        return [module] if any(True for _ in module.parameters()) else []
+    return [part for child in module.children() for part in parts_with_forward(child)]
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

@@ -325,8 +325,6 @@ SINGLE: list[Case] = [
          ("'dtpye'", "did you mean 'dtype'", "valid keys")),
     Case("amp_config_int", strategy([("amp_native", 3)]), MethodConfigError, ("amp_native", "config must be a dict")),
     Case("half_fp8", strategy([("half", "fp8")]), MethodConfigError, ("half", "dtype='fp8' is not valid", "bf16")),
-    Case("checkpoint_without_modules", strategy(["checkpoint"]), MethodConfigError,
-         ("checkpoint", "needs the modules")),
     Case("checkpoint_int_target", strategy([("checkpoint", (42,))]), MethodConfigError,
          ("wrap_class[0]=42 is not valid", "str or nn.Module class")),
     Case("checkpoint_no_match", strategy([("checkpoint", ("NoSuchBlock",))]), MethodConfigError,

@@ -41,7 +41,6 @@ def test_unknown_method_names_the_nearest_valid_one():
     ([("amp_native", {"dtype": "bf16", "init_scale": 8.0})], "apply to fp16 only"),
     ([("amp_native", 3)], "config must be a dict"),
     ([("half", "fp8")], "dtype='fp8' is not valid"),
-    (["checkpoint"], "needs the modules to checkpoint"),
     ([("checkpoint", {"wrap_class": (GPTBlock,), "reentrant": True})],
      "unknown key 'reentrant' \\(did you mean 'no_reentrant'"),
     ([("checkpoint", (42,))], "wrap_class\\[0\\]=42 is not valid: expected str or nn.Module class"),

@@ -105,6 +105,10 @@ def test_configs_round_trip_through_json_and_pickle(name, tmp_path):
     ("checkpoint", "GPTBlock", CheckpointConfig(wrap_class=("GPTBlock",))),
     ("checkpoint", {"wrap_class": ["GPTBlock"], "no_reentrant": False},
      CheckpointConfig(("GPTBlock",), no_reentrant=False)),
+    # none named: the model's layers, found from its structure when the strategy is applied
+    ("checkpoint", None, CheckpointConfig(wrap_class=("auto",))),
+    ("checkpoint", "auto", CheckpointConfig(wrap_class=("auto",))),
+    ("checkpoint", {"no_reentrant": False}, CheckpointConfig(("auto",), no_reentrant=False)),
     ("parallel_mode", ([("data", 2)], None), ParallelModeConfig(dims=(("data", 1),))),  # fitted to one process
     ("parallel_mode", None, ParallelModeConfig(dims=(("data", 1),))),
     ("module_replace", None, ModuleReplaceConfig()),
@@ -182,7 +186,6 @@ def test_out_of_range_values(name, config, message):
 
 
 @pytest.mark.parametrize("name, config, message", [
-    ("checkpoint", {"no_reentrant": False}, "missing key 'wrap_class'"),
     ("checkpoint", (), "wrap_class is empty"),
     ("fsdp", {"atorch_wrap_cls": "GPTBlock", "atorch_size_based_min_num_params": 10}, "either"),
     ("amp_native", {"dtype": "bf16", "growth_interval": 10}, "grad-scaler keys ['growth_interval'] apply to fp16 only"),

@@ -17,9 +17,11 @@ from atorch.auto.accelerate import auto_accelerate
 from atorch.auto.opt_lib.activation_checkpoint import matching_modules
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.strategy import Strategy
-from atorch.errors import InputError, LoopError
+from atorch.errors import InputError, LoopError, MethodConfigError
 from atorch.models import GPTBlock, SyntheticTokenDataset, gpt_loss
+from atorch.testing.hf_models import ZOO
 from atorch.testing.training import SMALL_GPT, build_gpt, train_gpt
+from atorch.utils.modules import resolve_auto_targets
 
 
 def gpt_accelerate(strategy, **overrides):
@@ -229,6 +231,86 @@ def test_checkpoint_recomputes_the_chosen_blocks(config):
     one_step(result)
     assert len(calls) == 2  # forward once, recomputed once in backward
     assert list(model.state_dict()) == list(build_gpt(0, SMALL_GPT).state_dict())  # keys unchanged
+
+
+@pytest.mark.parametrize("item", ["checkpoint", ("checkpoint", "auto"), ("checkpoint", {"no_reentrant": False})])
+def test_checkpoint_naming_no_module_recomputes_the_model_s_layers(item):
+    """Named without modules (or "auto", as EPL's gradient_checkpoint.type), checkpoint recomputes the
+    layers it finds in the module tree: every block, and nothing outside them; the returned strategy
+    keeps "auto", so it finds them again on the model it is loaded for."""
+    model, result, final = gpt_accelerate([item])
+    calls: dict = {}
+    for name, module in [(f"blocks.{i}", block.attn) for i, block in enumerate(model.blocks)] + [("ln_f", model.ln_f)]:
+        module.register_forward_hook(lambda *args, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+    one_step(result)
+    assert calls == {**{f"blocks.{i}": 2 for i in range(len(model.blocks))}, "ln_f": 1}
+    assert final.get("checkpoint").wrap_class == ("auto",)
+
+
+@pytest.mark.parametrize("target, recomputed", [
+    ("blocks", {0, 1}),          # the ModuleList of layers: never called, so its layers are recomputed
+    ("ModuleList", {0, 1}),
+    ("attn", {0, 1}),            # a name's end, as nnScaler's recompute_modules: every blocks.*.attn
+    ("blocks.1.attn", {1}),
+])
+def test_checkpoint_of_a_list_of_layers_or_a_name_s_end_recomputes_what_it_names(target, recomputed):
+    """Naming the list that holds the layers checkpointed the list, which is never called: nothing was
+    recomputed, silently. Its layers are now; a bare name matches every module whose name ends with it."""
+    model, result, _ = gpt_accelerate([("checkpoint", (target,))])
+    calls: dict = {}
+    for i, block in enumerate(model.blocks):  # inside the attention: runs again when it is recomputed
+        block.attn.q_proj.register_forward_hook(lambda *args, i=i: calls.__setitem__(i, calls.get(i, 0) + 1))
+    one_step(result)
+    assert calls == {i: 2 if i in recomputed else 1 for i in range(len(model.blocks))}
+
+
+class _UnnamedLayers(nn.Module):
+    """Layers written as bare containers: no class of the user's repeats."""
+
+    def __init__(self, width: int = 8, depth: int = 3):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, width), *[nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width),
+                                                                      nn.GELU()) for _ in range(depth)])
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.head(self.net(x))
+
+
+def test_auto_finds_the_layers_of_every_family_and_of_unnamed_containers():
+    """The zoo's families (HF, PyTorch's TransformerEncoder, torchtitan, timm, nanoGPT, MoE, ...): "auto" is
+    the family's layer class, read from the module tree; a model of bare nn.Sequential layers: their names;
+    layers alternating two classes (Jamba): both; no repeated layer: a MethodConfigError listing the types."""
+    for name, zoo in ZOO.items():
+        found = resolve_auto_targets(zoo.build(), ("auto",), "checkpoint")
+        assert [t.__name__ for t in found] == [zoo.block], name
+    assert resolve_auto_targets(_UnnamedLayers(), ("auto",), "checkpoint") == ("net.1", "net.2", "net.3")
+    with pytest.raises(MethodConfigError, match="'auto' found no repeated layers in Linear.*'Linear'"):
+        resolve_auto_targets(nn.Linear(2, 2), ("auto",), "checkpoint")
+    assert resolve_auto_targets(nn.Linear(2, 2), ("Linear",), "checkpoint") == ("Linear",)
+
+
+def test_checkpoint_auto_on_unnamed_layers_trains_as_one_process_does():
+    """Each bare-Sequential layer recomputed (its forward runs twice), the loss and the gradients those
+    of the model without checkpoint."""
+    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
+    runs = []
+    for strategy in ([], ["checkpoint"]):
+        torch.manual_seed(0)
+        model = _UnnamedLayers()
+        status, result, _ = auto_accelerate(
+            model, torch.optim.SGD, data, lambda batch, out: nn.functional.mse_loss(out, batch[1]),
+            optim_args={"lr": 0.1}, dataloader_args={"batch_size": 8}, load_strategy=strategy,
+            prepare_input=lambda batch, device: batch, model_input_format=None)
+        calls = []
+        model.net[2][1].register_forward_hook(lambda *args: calls.append(1))  # inside a layer: runs again
+        batch = result.prepare_input(next(iter(result.dataloader)))
+        loss = result.loss_func(batch, result.model(batch[0]))
+        loss.backward()
+        runs.append((loss.item(), [p.grad.clone() for p in model.parameters()], len(calls)))
+    (plain_loss, plain_grads, plain_calls), (loss, grads, calls) = runs
+    assert (plain_calls, calls) == (1, 2)
+    assert loss == plain_loss and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
 
 
 def test_a_class_named_by_its_import_path_matches_by_its_defining_module():

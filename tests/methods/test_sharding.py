@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.profiler import ProfilerActivity, profile
 
 from atorch.auto import opt_lib
@@ -209,8 +210,28 @@ def without_deepspeed() -> str:
     return "no error"
 
 
+# units fully_shard makes when none is named: the model's layers, found from its structure ("auto" too);
+# () asks for the root alone
+UNIT_CASES = {
+    "fsdp_default": (["parallel_mode", "fsdp"], None, ["GPT"] + ["GPTBlock"] * SMALL_GPT.n_layer),
+    "fsdp_auto_torch_encoder": (["parallel_mode", ("fsdp", {"atorch_wrap_cls": "auto"})], "torch_encoder",
+                                ["TorchEncoderLM"] + ["TransformerEncoderLayer"] * 4),
+    "zero2_default_timm_vit": (["parallel_mode", "zero2"], "timm_vit", ["TimmViT"] + ["Block"] * 4),
+    "fsdp_root_alone": (["parallel_mode", ("fsdp", {"atorch_wrap_cls": ()})], None, ["GPT"]),
+}
+
+
+def fsdp_units(strategy: list, hf_model) -> list[str]:
+    """The classes fully_shard made units of (FSDP2 subclasses each one), in module order (the root first)."""
+    model = train_gpt(strategy, steps=1, hf_model=hf_model)["result"].model
+    return [next(c for c in type(m).__mro__ if not issubclass(c, FSDPModule)).__name__
+            for m in model.modules() if isinstance(m, FSDPModule)]
+
+
 def launch(cases: dict, comm_strategies: dict) -> dict:
     out = run_suite(cases)
+    if comm_strategies:  # world 2
+        out["units"] = {key: fsdp_units(strategy, model) for key, (strategy, model, _) in UNIT_CASES.items()}
     out["collectives"] = {key: micro_step_collectives(s) for key, s in comm_strategies.items()}
     out["without_deepspeed"] = without_deepspeed()
     return out
@@ -276,6 +297,8 @@ def test_sharding_methods_match_reference_and_shard_state(world):
     for per_rank in results:
         error = per_rank["without_deepspeed"]
         assert error.startswith("RequirementError") and "DeepSpeed" in error and "zero1" in error, error
+        for key, (_, _, expected) in UNIT_CASES.items():
+            assert world != 2 or per_rank["units"][key] == expected, (key, per_rank["units"][key])
         returned = per_rank["fsdp"]["strategy"].get("fsdp")  # plain data after pickling: normalize it again
         assert opt_lib.get_optimization("fsdp").normalize(returned) == FSDPConfig(atorch_wrap_cls=("GPTBlock",))
 

@@ -3,7 +3,11 @@ instead of storing them.
 
 Config: a tuple of module types and/or names (a class name such as "GPTBlock" or with its import path,
 "torch.nn.TransformerEncoderLayer", or a qualified submodule name / glob such as "blocks.*.mlp"), or
-``{"wrap_class": (...), "no_reentrant": bool}``.
+``{"wrap_class": (...), "no_reentrant": bool}``. ``"auto"`` (also the default: the method named without a
+config) is the model's layers, found from its module tree (``atorch.utils.modules.auto_layers``: the
+largest class with parameters that repeats, or a run of alike unnamed containers), as EPL's
+``gradient_checkpoint.type: "auto"`` finds its checkpoints by analysing the model: a user need not know
+what the layers are called.
 The forward of each matching module is patched on the instance, so state_dict keys do not change.
 """
 from __future__ import annotations
@@ -22,15 +26,17 @@ from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, ModuleTargets, option
 from atorch.utils.forward_patch import patch_forward
 from atorch.utils.kv_cache import train_without_kv_cache
+from atorch.utils.modules import AUTO_TARGETS, parts_with_forward, resolve_auto_targets
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class CheckpointConfig(MethodConfig):
-    wrap_class: ModuleTargets = option(doc="modules to recompute: nn.Module classes, class names (bare or by import "
-                                       "path, 'torch.nn.TransformerEncoderLayer') or qualified-name globs such as "
-                                       "'blocks.*.mlp'")
+    wrap_class: ModuleTargets = option((AUTO_TARGETS,), doc="modules to recompute: nn.Module classes, class names "
+                                       "(bare or by import path, 'torch.nn.TransformerEncoderLayer'), qualified-name "
+                                       "globs such as 'blocks.*.mlp' or their ends ('attn': every '*.attn'), or "
+                                       "'auto': the model's layers, found from its structure")
     no_reentrant: bool = option(True, doc="use PyTorch's non-reentrant checkpoint (keyword arguments, any outputs)")
 
 
@@ -42,26 +48,28 @@ class CheckpointOptimization(Optimization):
     writes = ("model",)
 
     def normalize(self, config: Any) -> CheckpointConfig:
-        """Also accepts the modules alone: ``(GPTBlock,)``, ``"GPTBlock"``, ``["blocks.*"]``."""
+        """Also accepts the modules alone: ``(GPTBlock,)``, ``"GPTBlock"``, ``["blocks.*"]``; none: ``"auto"``."""
         if config is None:
-            raise MethodConfigError(
-                self.name, "needs the modules to checkpoint, e.g. ('GPTBlock',) or {'wrap_class': (MyBlock,)}"
-            )
+            config = {}
         if not isinstance(config, (Mapping, CheckpointConfig)):
             config = {"wrap_class": config}
         config = super().normalize(config)
         if not config.wrap_class:
-            raise MethodConfigError(self.name, "wrap_class is empty: name at least one module type or name")
+            raise MethodConfigError(self.name, "wrap_class is empty: name at least one module type or name, or 'auto'")
         return config
 
     def transform(self, ctx, config: CheckpointConfig) -> None:
+        # "auto" is read from the whole model, before a pipeline cuts it into stages (a stage may hold one layer)
+        targets = resolve_auto_targets(ctx.model, config.wrap_class, self.name)
+
         def wrap(ctx) -> None:
-            modules = matching_modules(ctx.model, config.wrap_class)
+            modules = matching_modules(ctx.model, targets)
             if not modules:
                 present = sorted({type(m).__name__ for m in ctx.model.modules()})
                 raise MethodConfigError(
                     self.name, f"no submodule matches {config.wrap_class!r}; module types in the model: {present}"
                 )
+            modules = called_modules(modules)
             _disable_kv_cache(ctx.model)
             for module in modules:
                 enable_checkpoint(module, use_reentrant=not config.no_reentrant)
@@ -91,7 +99,8 @@ def _disable_kv_cache(model: torch.nn.Module) -> None:
 
 def matching_modules(model: torch.nn.Module, targets: tuple) -> list[torch.nn.Module]:
     """Submodules whose type, class name (``"GPT2Block"``, or with its import path as users write it:
-    ``"torch.nn.TransformerEncoderLayer"``) or qualified name (glob) is in ``targets``; outermost wins."""
+    ``"torch.nn.TransformerEncoderLayer"``), qualified name (glob) or the end of it (``"attn"``: every
+    ``*.attn``, as nnScaler's ``recompute_modules`` takes a suffix) is in ``targets``; outermost wins."""
     types = tuple(t for t in targets if isinstance(t, type))
     names = [t for t in targets if isinstance(t, str)]
     chosen: list[tuple[str, torch.nn.Module]] = []
@@ -101,10 +110,25 @@ def matching_modules(model: torch.nn.Module, targets: tuple) -> list[torch.nn.Mo
         if any(qualname == p or qualname.startswith(p + ".") for p, _ in chosen):
             continue  # already inside a checkpointed module
         if isinstance(module, types) or any(
-            names_class(name, type(module)) or fnmatch.fnmatchcase(qualname, name) for name in names
+            names_class(name, type(module)) or fnmatch.fnmatchcase(qualname, name) or qualname.endswith("." + name)
+            for name in names
         ):
             chosen.append((qualname, module))
     return [module for _, module in chosen]
+
+
+def called_modules(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The modules to patch: each matched one that has a forward of its own, else its parts that do. A
+    ModuleList of layers (nnScaler's ``recompute_modules='transformer.layer'``, a user naming
+    ``"blocks"``) is never called, so patching it recomputed nothing, silently: its layers are patched."""
+    chosen: list[torch.nn.Module] = []
+    for module in modules:
+        parts = parts_with_forward(module)
+        if parts != [module]:
+            logger.info("checkpoint: %s has no forward of its own (the model calls its parts): recomputing its %d "
+                        "part(s)", type(module).__name__, len(parts))
+        chosen.extend(parts)
+    return chosen
 
 
 def names_class(name: str, cls: type) -> bool:

@@ -33,6 +33,7 @@ is already in low precision and is sharded as it is.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -59,6 +60,7 @@ from atorch.distributed.agreement import max_over_ranks
 from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, ModuleTargets, option, validate_config
 from atorch.utils.meta_init import has_meta_tensors
+from atorch.utils.modules import auto_layers, resolve_auto_targets, without_forward
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +72,8 @@ NO_OP = "accepted for FSDP1 configs; a no-op under FSDP2"
 @dataclass(frozen=True)
 class FSDPConfig(MethodConfig):
     atorch_wrap_cls: Optional[ModuleTargets] = option(
-        None, doc="each matching submodule (class, class name or import path, or name glob) is sharded on its own")
+        None, doc="each matching submodule (class, class name or import path, or name glob) is sharded on its own; "
+        "'auto' (and None without a size rule): the model's layers, found from its structure; (): the root alone")
     atorch_size_based_min_num_params: Optional[int] = option(
         None, doc="instead of classes: shard every submodule whose not yet sharded parameters reach this count",
         minimum=1)
@@ -119,9 +122,23 @@ class FSDPOptimization(Optimization):
         reshard = config.reshard_after_forward
         if reshard is None:
             reshard = SHARDING_STRATEGIES[config.sharding_strategy]
+        config = with_units_resolved(ctx.model, config, self.name)
         ctx.set_data_parallel_wrapper(self.name, lambda ctx: shard_model(ctx, config, reshard_after_forward=reshard),
                                       shards_meta=True)
         use_foreach_optimizer(ctx)
+
+
+def with_units_resolved(model: torch.nn.Module, config: FSDPConfig, method: str) -> FSDPConfig:
+    """The config with its units named as the wrapper reads them, from the whole model (before a pipeline
+    cuts it): ``"auto"`` in ``atorch_wrap_cls`` is the model's layers (``auto_layers``); neither key given,
+    the layers too where the model has repeated ones (each gathered alone, as torchtitan and HF
+    accelerate's transformer wrap policy shard them: the whole model is never gathered at once), else the
+    root alone. ``atorch_wrap_cls=()`` asks for the root alone."""
+    if config.atorch_wrap_cls is None and config.atorch_size_based_min_num_params is None:
+        return dataclasses.replace(config, atorch_wrap_cls=auto_layers(model) or None)
+    if config.atorch_wrap_cls:
+        return dataclasses.replace(config, atorch_wrap_cls=resolve_auto_targets(model, config.atorch_wrap_cls, method))
+    return config
 
 
 def shard_model(ctx, config: FSDPConfig, reshard_after_forward: bool) -> None:
@@ -250,7 +267,7 @@ def _set_gradient_sync(model, reshard_after_forward: bool, enabled: bool) -> Non
 
 
 def _blocks_to_shard(model: torch.nn.Module, config: FSDPConfig) -> list[torch.nn.Module]:
-    if config.atorch_wrap_cls is not None:
+    if config.atorch_wrap_cls:  # () asks for the root alone
         blocks = matching_modules(model, config.atorch_wrap_cls)
         if not blocks:
             present = sorted({type(m).__name__ for m in model.modules()})
@@ -306,19 +323,15 @@ def _called_units(blocks: list[torch.nn.Module], called: Optional[set[int]]) -> 
 def _outer_sequentials(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The Sequentials a block's parts could be taken from: itself, and on down through Sequentials and
     modules without a forward (a Sequential inside a block that is called needs no probe)."""
-    if not (isinstance(module, torch.nn.Sequential) or _without_forward(module)):
+    if not (isinstance(module, torch.nn.Sequential) or without_forward(module)):
         return []
     own = [module] if isinstance(module, torch.nn.Sequential) else []
     return own + [m for child in module.children() for m in _outer_sequentials(child)]
 
 
-def _without_forward(module: torch.nn.Module) -> bool:
-    return type(module).forward is torch.nn.Module.forward
-
-
 def _called_parts(module: torch.nn.Module, called: Optional[set[int]]) -> list[torch.nn.Module]:
     """``module`` when it is called (or when that is unknown: no probe), else its called parts."""
-    iterated = _without_forward(module) or (
+    iterated = without_forward(module) or (
         isinstance(module, torch.nn.Sequential) and called is not None and id(module) not in called)
     if not iterated:
         return [module] if any(True for _ in module.parameters()) else []

@@ -24,7 +24,13 @@ from torch.distributed.tensor import DTensor
 from atorch.auto.gradients import scale_grads_to_norm, total_grad_norm
 from atorch.auto.opt_lib.base import SHARDED_STAGES, SHARDED_STAGES_WHY, Optimization
 from atorch.auto.opt_lib.deepspeed_zero import deepspeed_unavailable_reason, use_deepspeed_zero
-from atorch.auto.opt_lib.fsdp import FSDPConfig, normalize_fsdp_config, shard_model, use_foreach_optimizer
+from atorch.auto.opt_lib.fsdp import (
+    FSDPConfig,
+    normalize_fsdp_config,
+    shard_model,
+    use_foreach_optimizer,
+    with_units_resolved,
+)
 from atorch.auto.optimizer_kernels import param_tensors, without_names
 from atorch.checkpoint.adapters import register_optimizer_adapter
 from atorch.distributed import mesh
@@ -181,6 +187,7 @@ class Zero2Optimization(Optimization):
         elif config.not_use_fsdp:
             _use_sharded_gradients(ctx, self.name)
         else:
+            config = with_units_resolved(ctx.model, config, self.name)
             ctx.set_data_parallel_wrapper(self.name, lambda ctx: shard_model(ctx, config, reshard_after_forward=False),
                                           shards_meta=True)
             use_foreach_optimizer(ctx)

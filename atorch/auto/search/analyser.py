@@ -19,7 +19,7 @@ from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
 from atorch.utils.batch import batch_size_of, to_meta
-from atorch.utils.modules import block_stack, repeated_blocks
+from atorch.utils.modules import layer_types, repeated_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class ModelProfile:
 def layer_classes(model: nn.Module) -> tuple[str, ...]:
     """The classes of the model's layer stack (``block_stack``) where it holds more than one, in order of
     first appearance; () where the largest repeated class is the stack."""
-    classes = tuple(dict.fromkeys(type(module).__name__ for _, module in block_stack(model)))
+    classes = tuple(t.__name__ for t in layer_types(model))
     return classes if len(classes) > 1 else ()
 
 
