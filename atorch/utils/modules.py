@@ -208,6 +208,15 @@ def parts_with_forward(module: nn.Module) -> list[nn.Module]:
     return [part for child in module.children() for part in parts_with_forward(child)]
 
 
+def stacked_layers(module: nn.Module) -> list[nn.Module]:
+    """The layers of an ``nn.Sequential`` that is a stack of two or more alike layers (timm's ``blocks``),
+    [] for any other module (an MLP written as a Sequential of leaves is one unit)."""
+    if not isinstance(module, nn.Sequential) or len(module) < 2:
+        return []
+    runs = _alike_runs(list(module.named_children()))
+    return [child for _, child in runs[0]] if len(runs) == 1 and len(runs[0]) == len(module) else []
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The user's module inside DDP, a DeepSpeed engine or torch.compile's wrapper."""
     while True:

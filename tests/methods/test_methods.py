@@ -19,8 +19,9 @@ from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.strategy import Strategy
 from atorch.errors import InputError, LoopError, MethodConfigError
 from atorch.models import GPTBlock, SyntheticTokenDataset, gpt_loss
-from atorch.testing.hf_models import ZOO
+from atorch.testing.hf_models import ZOO, zoo_model
 from atorch.testing.training import SMALL_GPT, build_gpt, train_gpt
+from atorch.utils.forward_patch import PatchedForward
 from atorch.utils.modules import resolve_auto_targets
 
 
@@ -262,6 +263,28 @@ def test_checkpoint_of_a_list_of_layers_or_a_name_s_end_recomputes_what_it_names
         block.attn.q_proj.register_forward_hook(lambda *args, i=i: calls.__setitem__(i, calls.get(i, 0) + 1))
     one_step(result)
     assert calls == {i: 2 if i in recomputed else 1 for i in range(len(model.blocks))}
+
+
+@pytest.mark.parametrize("zoo_name", ["timm_vit", "timm_vit_checkpoint_seq"])
+def test_checkpoint_of_a_sequential_of_layers_recomputes_each_layer(zoo_name):
+    """timm's ``blocks`` is an nn.Sequential of Blocks. Checkpointed whole, its backward recomputed every
+    block at once (every activation alive together: no memory saved); where the model iterates it (timm's
+    checkpoint_seq), never. Each Block is patched instead, and the step is one process's."""
+    zoo = zoo_model(zoo_name)
+    runs = []
+    for strategy in ([], [("checkpoint", ("blocks",))]):
+        torch.manual_seed(0)
+        model = zoo.build()
+        status, result, _ = auto_accelerate(model, torch.optim.SGD, zoo.make_dataset(8, 0), zoo.loss_func,
+                                            optim_args={"lr": 0.1}, dataloader_args={"batch_size": 4},
+                                            load_strategy=strategy, model_input_format=zoo.input_format)
+        batch = result.prepare_input(next(iter(result.dataloader)))
+        result.loss_func(batch, result.model(batch)).backward()
+        patched = [isinstance(m.__dict__.get("forward"), PatchedForward) for m in [model.blocks, *model.blocks]]
+        runs.append(([p.grad.clone() for p in model.parameters()], patched))
+    (plain, _), (grads, patched) = runs
+    assert patched == [False] + [True] * len(model.blocks)
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads))
 
 
 class _UnnamedLayers(nn.Module):

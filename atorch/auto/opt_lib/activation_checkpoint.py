@@ -26,7 +26,7 @@ from atorch.errors import MethodConfigError
 from atorch.utils.config import MethodConfig, ModuleTargets, option
 from atorch.utils.forward_patch import patch_forward
 from atorch.utils.kv_cache import train_without_kv_cache
-from atorch.utils.modules import AUTO_TARGETS, parts_with_forward, resolve_auto_targets
+from atorch.utils.modules import AUTO_TARGETS, parts_with_forward, resolve_auto_targets, stacked_layers
 
 logger = logging.getLogger(__name__)
 
@@ -118,15 +118,17 @@ def matching_modules(model: torch.nn.Module, targets: tuple) -> list[torch.nn.Mo
 
 
 def called_modules(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The modules to patch: each matched one that has a forward of its own, else its parts that do. A
-    ModuleList of layers (nnScaler's ``recompute_modules='transformer.layer'``, a user naming
-    ``"blocks"``) is never called, so patching it recomputed nothing, silently: its layers are patched."""
+    """The modules to patch: each matched one that has a forward of its own, else its parts that do; a
+    stack of layers, its layers. A ModuleList of layers (nnScaler's ``recompute_modules='transformer.layer'``,
+    a user naming ``"blocks"``) is never called, so patching it recomputed nothing, silently; a Sequential
+    of layers is recomputed whole in backward, every layer's activations alive at once (no memory saved),
+    or, where the model iterates it (timm's ``checkpoint_seq``), never: its layers are patched."""
     chosen: list[torch.nn.Module] = []
     for module in modules:
-        parts = parts_with_forward(module)
+        parts = stacked_layers(module) or parts_with_forward(module)
         if parts != [module]:
-            logger.info("checkpoint: %s has no forward of its own (the model calls its parts): recomputing its %d "
-                        "part(s)", type(module).__name__, len(parts))
+            logger.info("checkpoint: %s is a list or stack of layers: recomputing its %d part(s) one by one",
+                        type(module).__name__, len(parts))
         chosen.extend(parts)
     return chosen
 
