@@ -109,6 +109,7 @@ def test_configs_round_trip_through_json_and_pickle(name, tmp_path):
     ("checkpoint", None, CheckpointConfig(wrap_class=("auto",))),
     ("checkpoint", "auto", CheckpointConfig(wrap_class=("auto",))),
     ("checkpoint", {"no_reentrant": False}, CheckpointConfig(("auto",), no_reentrant=False)),
+    ("checkpoint", {"ratio": 0.5}, CheckpointConfig(("auto",), ratio=0.5)),
     ("parallel_mode", ([("data", 2)], None), ParallelModeConfig(dims=(("data", 1),))),  # fitted to one process
     ("parallel_mode", None, ParallelModeConfig(dims=(("data", 1),))),
     ("module_replace", None, ModuleReplaceConfig()),
@@ -180,6 +181,7 @@ def test_wrong_types_name_the_key_the_value_and_what_is_valid(name, config, mess
     ("ds_3d_parallel", {"num_micro_batch": 0}, "num_micro_batch=0 is out of range: expected >= 1"),
     ("amp_native", {"backoff_factor": 1.5}, "backoff_factor=1.5 is out of range: expected >= 0.0 and <= 1.0"),
     ("fp8", {"amax_history_len": 0}, "amax_history_len=0 is out of range: expected >= 1"),
+    ("checkpoint", {"ratio": 1.5}, "ratio=1.5 is out of range: expected >= 0.0 and <= 1.0"),
 ])
 def test_out_of_range_values(name, config, message):
     assert_config_error(name, config, message)
@@ -187,6 +189,7 @@ def test_out_of_range_values(name, config, message):
 
 @pytest.mark.parametrize("name, config, message", [
     ("checkpoint", (), "wrap_class is empty"),
+    ("checkpoint", {"ratio": 0}, "ratio=0 recomputes nothing"),
     ("fsdp", {"atorch_wrap_cls": "GPTBlock", "atorch_size_based_min_num_params": 10}, "either"),
     ("amp_native", {"dtype": "bf16", "growth_interval": 10}, "grad-scaler keys ['growth_interval'] apply to fp16 only"),
     ("pipeline_parallel", {"schedule": "GPipe", "stages_per_rank": 2}, "goes with schedule 'Interleaved1F1B'"),

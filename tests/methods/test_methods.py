@@ -287,6 +287,33 @@ def test_checkpoint_of_a_sequential_of_layers_recomputes_each_layer(zoo_name):
     assert all(torch.equal(a, b) for a, b in zip(plain, grads))
 
 
+def test_checkpoint_ratio_recomputes_that_share_of_the_layers_and_trains_as_one_process_does():
+    """ratio 0.5 of GPT's 2 blocks: the second recomputed, the first keeps its activations (the bytes the
+    forward saves for backward between none and full checkpointing's); the gradients those of the model
+    without checkpoint. A share that picks no layer is refused where it is applied."""
+    grads, saved = [], []
+    for strategy in ([], [("checkpoint", {"ratio": 0.5})], ["checkpoint"]):
+        model, result, _ = gpt_accelerate(strategy)
+        calls: dict = {}
+        for i, block in enumerate(model.blocks):
+            block.attn.register_forward_hook(lambda *args, i=i: calls.__setitem__(i, calls.get(i, 0) + 1))
+        batch = result.prepare_input(next(iter(result.dataloader)))
+        packed = []  # what the forward keeps outside the checkpointed modules (theirs: their inputs only)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            loss = result.loss_func(batch, result.model(**batch))
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        saved.append(sum(packed))
+        if strategy and strategy[0] != "checkpoint":
+            assert calls == {0: 1, 1: 2}
+    assert saved[0] > saved[1] > saved[2], saved
+    assert abs(saved[1] - (saved[0] + saved[2]) / 2) < 0.05 * saved[0], saved  # one block of two: half between
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
+    with pytest.raises(MethodConfigError, match="ratio=0.4 of the 2 matched modules recomputes none; give at least"):
+        gpt_accelerate([("checkpoint", {"ratio": 0.4})])
+
+
 class _UnnamedLayers(nn.Module):
     """Layers written as bare containers: no class of the user's repeats."""
 

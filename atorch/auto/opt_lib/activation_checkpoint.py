@@ -15,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -38,6 +39,9 @@ class CheckpointConfig(MethodConfig):
                                        "globs such as 'blocks.*.mlp' or their ends ('attn': every '*.attn'), or "
                                        "'auto': the model's layers, found from its structure")
     no_reentrant: bool = option(True, doc="use PyTorch's non-reentrant checkpoint (keyword arguments, any outputs)")
+    ratio: float = option(1.0, doc="share of the matched modules recomputed, spread evenly over them in model order "
+                          "(0.5: every second one; ColossalAI's gradient_checkpointing_ratio); the rest keep their "
+                          "activations", minimum=0.0, maximum=1.0)
 
 
 class CheckpointOptimization(Optimization):
@@ -56,11 +60,18 @@ class CheckpointOptimization(Optimization):
         config = super().normalize(config)
         if not config.wrap_class:
             raise MethodConfigError(self.name, "wrap_class is empty: name at least one module type or name, or 'auto'")
+        if config.ratio == 0:
+            raise MethodConfigError(self.name, "ratio=0 recomputes nothing: give a share above 0 (at most 1), or leave "
+                                               "checkpoint out of the strategy")
         return config
 
     def transform(self, ctx, config: CheckpointConfig) -> None:
         # "auto" is read from the whole model, before a pipeline cuts it into stages (a stage may hold one layer)
         targets = resolve_auto_targets(ctx.model, config.wrap_class, self.name)
+        matched = called_modules(matching_modules(ctx.model, targets), say=False)
+        if matched and not evenly_chosen(matched, config.ratio):
+            raise MethodConfigError(self.name, f"ratio={config.ratio} of the {len(matched)} matched modules recomputes "
+                                               f"none; give at least {1 / len(matched):.3g}")
 
         def wrap(ctx) -> None:
             modules = matching_modules(ctx.model, targets)
@@ -69,7 +80,7 @@ class CheckpointOptimization(Optimization):
                 raise MethodConfigError(
                     self.name, f"no submodule matches {config.wrap_class!r}; module types in the model: {present}"
                 )
-            modules = called_modules(modules)
+            modules = evenly_chosen(called_modules(modules), config.ratio)
             _disable_kv_cache(ctx.model)
             for module in modules:
                 enable_checkpoint(module, use_reentrant=not config.no_reentrant)
@@ -117,7 +128,7 @@ def matching_modules(model: torch.nn.Module, targets: tuple) -> list[torch.nn.Mo
     return [module for _, module in chosen]
 
 
-def called_modules(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
+def called_modules(modules: list[torch.nn.Module], say: bool = True) -> list[torch.nn.Module]:
     """The modules to patch: each matched one that has a forward of its own, else its parts that do; a
     stack of layers, its layers. A ModuleList of layers (nnScaler's ``recompute_modules='transformer.layer'``,
     a user naming ``"blocks"``) is never called, so patching it recomputed nothing, silently; a Sequential
@@ -126,10 +137,21 @@ def called_modules(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
     chosen: list[torch.nn.Module] = []
     for module in modules:
         parts = stacked_layers(module) or parts_with_forward(module)
-        if parts != [module]:
+        if say and parts != [module]:
             logger.info("checkpoint: %s is a list or stack of layers: recomputing its %d part(s) one by one",
                         type(module).__name__, len(parts))
         chosen.extend(parts)
+    return chosen
+
+
+def evenly_chosen(modules: list[torch.nn.Module], ratio: float) -> list[torch.nn.Module]:
+    """``ratio`` of ``modules``, spread evenly in their order: the i-th is chosen where the running count
+    ``ratio * (i + 1)`` reaches a new whole number (0.5 of 4: the second and the fourth). Spread rather than
+    the first ones, so each pipeline stage, which holds consecutive layers, recomputes its share too."""
+    if ratio >= 1:
+        return modules
+    chosen = [m for i, m in enumerate(modules) if math.floor(ratio * (i + 1) + 1e-9) > math.floor(ratio * i + 1e-9)]
+    logger.info("checkpoint: ratio %s recomputes %d of the %d matched modules", ratio, len(chosen), len(modules))
     return chosen
 
 
