@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 
 from atorch.auto import opt_lib
 from atorch.auto.accelerate import auto_accelerate
-from atorch.auto.opt_lib.activation_checkpoint import matching_modules
+from atorch.auto.opt_lib.activation_checkpoint import evenly_chosen, matching_modules
 from atorch.auto.opt_lib.base import Optimization
 from atorch.auto.strategy import Strategy
 from atorch.errors import InputError, LoopError, MethodConfigError
@@ -292,7 +292,7 @@ def test_checkpoint_ratio_recomputes_that_share_of_the_layers_and_trains_as_one_
     forward saves for backward between none and full checkpointing's); the gradients those of the model
     without checkpoint. A share that picks no layer is refused where it is applied."""
     grads, saved = [], []
-    for strategy in ([], [("checkpoint", {"ratio": 0.5})], ["checkpoint"]):
+    for strategy in ([], [("checkpoint", {"ratio": 0.5})], ["checkpoint"], [("checkpoint", {"ratio": 0.4})]):
         model, result, _ = gpt_accelerate(strategy)
         calls: dict = {}
         for i, block in enumerate(model.blocks):
@@ -306,12 +306,15 @@ def test_checkpoint_ratio_recomputes_that_share_of_the_layers_and_trains_as_one_
         grads.append([p.grad.clone() for p in model.parameters()])
         saved.append(sum(packed))
         if strategy and strategy[0] != "checkpoint":
-            assert calls == {0: 1, 1: 2}
+            assert calls == {0: 1, 1: 2}, strategy
     assert saved[0] > saved[1] > saved[2], saved
     assert abs(saved[1] - (saved[0] + saved[2]) / 2) < 0.05 * saved[0], saved  # one block of two: half between
+    assert saved[3] == saved[1]
+    # spread evenly, rounded up: a pipeline stage of 3 layers at 0.25 recomputes one (rounded down: none)
+    layers = list(range(12))
+    assert [evenly_chosen(layers[:n], r) for n, r in ((3, 0.25), (12, 0.25), (4, 0.5), (2, 0.4))] == [
+        [2], [3, 7, 11], [1, 3], [1]]
     assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
-    with pytest.raises(MethodConfigError, match="ratio=0.4 of the 2 matched modules recomputes none; give at least"):
-        gpt_accelerate([("checkpoint", {"ratio": 0.4})])
 
 
 class _UnnamedLayers(nn.Module):

@@ -68,10 +68,6 @@ class CheckpointOptimization(Optimization):
     def transform(self, ctx, config: CheckpointConfig) -> None:
         # "auto" is read from the whole model, before a pipeline cuts it into stages (a stage may hold one layer)
         targets = resolve_auto_targets(ctx.model, config.wrap_class, self.name)
-        matched = called_modules(matching_modules(ctx.model, targets), say=False)
-        if matched and not evenly_chosen(matched, config.ratio):
-            raise MethodConfigError(self.name, f"ratio={config.ratio} of the {len(matched)} matched modules recomputes "
-                                               f"none; give at least {1 / len(matched):.3g}")
 
         def wrap(ctx) -> None:
             modules = matching_modules(ctx.model, targets)
@@ -128,7 +124,7 @@ def matching_modules(model: torch.nn.Module, targets: tuple) -> list[torch.nn.Mo
     return [module for _, module in chosen]
 
 
-def called_modules(modules: list[torch.nn.Module], say: bool = True) -> list[torch.nn.Module]:
+def called_modules(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """The modules to patch: each matched one that has a forward of its own, else its parts that do; a
     stack of layers, its layers. A ModuleList of layers (nnScaler's ``recompute_modules='transformer.layer'``,
     a user naming ``"blocks"``) is never called, so patching it recomputed nothing, silently; a Sequential
@@ -137,7 +133,7 @@ def called_modules(modules: list[torch.nn.Module], say: bool = True) -> list[tor
     chosen: list[torch.nn.Module] = []
     for module in modules:
         parts = stacked_layers(module) or parts_with_forward(module)
-        if say and parts != [module]:
+        if parts != [module]:
             logger.info("checkpoint: %s is a list or stack of layers: recomputing its %d part(s) one by one",
                         type(module).__name__, len(parts))
         chosen.extend(parts)
@@ -145,12 +141,15 @@ def called_modules(modules: list[torch.nn.Module], say: bool = True) -> list[tor
 
 
 def evenly_chosen(modules: list[torch.nn.Module], ratio: float) -> list[torch.nn.Module]:
-    """``ratio`` of ``modules``, spread evenly in their order: the i-th is chosen where the running count
-    ``ratio * (i + 1)`` reaches a new whole number (0.5 of 4: the second and the fourth). Spread rather than
-    the first ones, so each pipeline stage, which holds consecutive layers, recomputes its share too."""
-    if ratio >= 1:
+    """``ratio`` of ``modules``, rounded up (never none: a share of one layer is that layer), spread evenly
+    in their order: the last of each of ``count`` equal runs (0.5 of 4: the second and the fourth). Under a
+    pipeline each stage chooses from its own layers, so every stage recomputes at least its share; rounded
+    down, a stage of 3 layers at 0.25 recomputed none, and held every activation the share was chosen
+    to save."""
+    if ratio >= 1 or not modules:
         return modules
-    chosen = [m for i, m in enumerate(modules) if math.floor(ratio * (i + 1) + 1e-9) > math.floor(ratio * i + 1e-9)]
+    count = math.ceil(ratio * len(modules) - 1e-9)
+    chosen = [modules[round((j + 1) * len(modules) / count) - 1] for j in range(count)]
     logger.info("checkpoint: ratio %s recomputes %d of the %d matched modules", ratio, len(chosen), len(modules))
     return chosen
 
