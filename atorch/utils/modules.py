@@ -201,10 +201,11 @@ def without_forward(module: nn.Module) -> bool:
 
 
 def parts_with_forward(module: nn.Module) -> list[nn.Module]:
-    """``module`` where it has a forward of its own, else its parts that have one and hold parameters, in
-    order (a ModuleList of layers: the layers)."""
+    """``module`` where it has a forward of its own (with parameters or not: a parameter-free attention core
+    is what selective recomputation names), else its parts that have one, in order (a ModuleList of
+    layers: the layers)."""
     if not without_forward(module):
-        return [module] if any(True for _ in module.parameters()) else []
+        return [module]
     return [part for child in module.children() for part in parts_with_forward(child)]
 
 

@@ -317,6 +317,46 @@ def test_checkpoint_ratio_recomputes_that_share_of_the_layers_and_trains_as_one_
     assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
 
 
+class _AttentionCore(nn.Module):
+    """A parameter-free attention core, what selective recomputation (Megatron's core_attention) names."""
+
+    calls = 0
+
+    def forward(self, h):
+        type(self).calls += 1
+        return torch.softmax(h @ h.transpose(-1, -2), dim=-1) @ h
+
+
+class _CoreBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.core = nn.Linear(4, 4), _AttentionCore()
+
+    def forward(self, h):
+        return h + self.core(self.proj(h))
+
+
+def test_a_parameter_free_module_named_is_recomputed():
+    """Each block's parameter-free core recomputed in backward (its forward runs twice), the gradients
+    those of no checkpoint."""
+    data = TensorDataset(torch.randn(8, 3, 4), torch.randn(8, 3, 4))
+    grads = []
+    for strategy in ([], [("checkpoint", ("_AttentionCore",))]):
+        torch.manual_seed(0)
+        model = nn.Sequential(_CoreBlock(), _CoreBlock())
+        status, result, _ = auto_accelerate(
+            model, torch.optim.SGD, data, lambda batch, out: nn.functional.mse_loss(out, batch[1]),
+            optim_args={"lr": 0.1}, dataloader_args={"batch_size": 8}, load_strategy=strategy,
+            prepare_input=lambda batch, device: batch, model_input_format=None)
+        batch = result.prepare_input(next(iter(result.dataloader)))
+        _AttentionCore.calls = 0
+        result.loss_func(batch, result.model(batch[0])).backward()
+        grads.append(([p.grad.clone() for p in model.parameters()], _AttentionCore.calls))
+    (plain, plain_calls), (checkpointed, calls) = grads
+    assert (plain_calls, calls) == (2, 4)
+    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+
+
 class _UnnamedLayers(nn.Module):
     """Layers written as bare containers: no class of the user's repeats."""
 
