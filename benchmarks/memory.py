@@ -38,6 +38,11 @@ METHODS = {
     "zero2 (not_use_fsdp)": [("zero2", {"not_use_fsdp": True})],
     "fsdp": [("fsdp", {"atorch_wrap_cls": ("GPTBlock",)})],
     "fsdp + checkpoint": [("fsdp", {"atorch_wrap_cls": ("GPTBlock",)}), ("checkpoint", ("GPTBlock",))],
+    # named without units: each layer found from the module tree (the root alone before, as FSDP1 without a
+    # wrap policy: the whole model gathered at once); beside it, that root-alone sharding asked for with ()
+    "fsdp (no units named)": ["fsdp"],
+    "fsdp (root alone)": [("fsdp", {"atorch_wrap_cls": ()})],
+    "fsdp + ckpt ratio 0.5": ["fsdp", ("checkpoint", {"ratio": 0.5})],
     "zero1 (deepspeed)": [("zero1", {"use_ds_zero": True})],
     "zero2 (deepspeed)": [("zero2", {"use_ds_zero": True})],
 }

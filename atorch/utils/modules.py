@@ -88,15 +88,18 @@ def alike_layer_names(model: nn.Module) -> tuple[str, ...]:
     (consecutive children of one type, with the same parameter names and shapes, each with parameters
     and sub-modules of its own): the layers of a model built from unnamed containers (``nn.Sequential(
     embedding, *[nn.Sequential(norm, linear, ...) for _ in range(n)], head)``), which ``repeated_blocks``
-    does not count (a bare container is not a class of the user's). () where there is none."""
+    does not count (a bare container is not a class of the user's). A ModuleList is a list of layers even
+    when it holds one (a one-layer model: nothing repeats, the list still says what its layer is). ()
+    where there is none."""
     best: tuple[int, tuple[str, ...]] = (0, ())
     for name, parent in model.named_modules():
         if not isinstance(parent, (nn.ModuleList, nn.Sequential)):
             continue
         prefix = f"{name}." if name else ""
+        shortest = 1 if isinstance(parent, nn.ModuleList) else 2
         for run in _alike_runs(list(parent.named_children())):
             size = sum(p.numel() for _, child in run for p in child.parameters())
-            if len(run) >= 2 and size > best[0]:
+            if len(run) >= shortest and size > best[0]:
                 best = (size, tuple(prefix + child_name for child_name, _ in run))
     return best[1]
 

@@ -2,6 +2,7 @@
 checkpoint recomputation, user-registered methods, dry-run reports, results and saved strategies."""
 import contextlib
 import copy
+import dataclasses
 import logging
 import pickle
 import socket
@@ -373,11 +374,13 @@ class _UnnamedLayers(nn.Module):
 def test_auto_finds_the_layers_of_every_family_and_of_unnamed_containers():
     """The zoo's families (HF, PyTorch's TransformerEncoder, torchtitan, timm, nanoGPT, MoE, ...): "auto" is
     the family's layer class, read from the module tree; a model of bare nn.Sequential layers: their names;
-    layers alternating two classes (Jamba): both; no repeated layer: a MethodConfigError listing the types."""
+    a one-layer model: the layer its ModuleList holds; no layer: a MethodConfigError listing the types."""
     for name, zoo in ZOO.items():
         found = resolve_auto_targets(zoo.build(), ("auto",), "checkpoint")
         assert [t.__name__ for t in found] == [zoo.block], name
     assert resolve_auto_targets(_UnnamedLayers(), ("auto",), "checkpoint") == ("net.1", "net.2", "net.3")
+    one_layer = build_gpt(0, dataclasses.replace(SMALL_GPT, n_layer=1))  # nothing repeats: the list names its layer
+    assert resolve_auto_targets(one_layer, ("auto",), "checkpoint") == ("blocks.0",)
     with pytest.raises(MethodConfigError, match="'auto' found no repeated layers in Linear.*'Linear'"):
         resolve_auto_targets(nn.Linear(2, 2), ("auto",), "checkpoint")
     assert resolve_auto_targets(nn.Linear(2, 2), ("Linear",), "checkpoint") == ("Linear",)
