@@ -337,22 +337,31 @@ class _CoreBlock(nn.Module):
         return h + self.core(self.proj(h))
 
 
+def _one_backward(build, data: TensorDataset, strategy: list, before=lambda model: None) -> tuple:
+    """One forward and backward of ``build()`` (seed 0) under ``strategy`` on all of ``data`` (an MSE loss
+    on its second column): the loss and the gradients; ``before(model)`` runs just before the forward."""
+    torch.manual_seed(0)
+    model = build()
+    status, result, _ = auto_accelerate(
+        model, torch.optim.SGD, data, lambda batch, out: nn.functional.mse_loss(out, batch[1]),
+        optim_args={"lr": 0.1}, dataloader_args={"batch_size": len(data)}, load_strategy=strategy,
+        prepare_input=lambda batch, device: batch, model_input_format=None)
+    batch = result.prepare_input(next(iter(result.dataloader)))
+    before(model)
+    loss = result.loss_func(batch, result.model(batch[0]))
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in model.parameters()]
+
+
 def test_a_parameter_free_module_named_is_recomputed():
     """Each block's parameter-free core recomputed in backward (its forward runs twice), the gradients
     those of no checkpoint."""
     data = TensorDataset(torch.randn(8, 3, 4), torch.randn(8, 3, 4))
     grads = []
     for strategy in ([], [("checkpoint", ("_AttentionCore",))]):
-        torch.manual_seed(0)
-        model = nn.Sequential(_CoreBlock(), _CoreBlock())
-        status, result, _ = auto_accelerate(
-            model, torch.optim.SGD, data, lambda batch, out: nn.functional.mse_loss(out, batch[1]),
-            optim_args={"lr": 0.1}, dataloader_args={"batch_size": 8}, load_strategy=strategy,
-            prepare_input=lambda batch, device: batch, model_input_format=None)
-        batch = result.prepare_input(next(iter(result.dataloader)))
-        _AttentionCore.calls = 0
-        result.loss_func(batch, result.model(batch[0])).backward()
-        grads.append(([p.grad.clone() for p in model.parameters()], _AttentionCore.calls))
+        _, gradients = _one_backward(lambda: nn.Sequential(_CoreBlock(), _CoreBlock()), data, strategy,
+                                     before=lambda model: setattr(_AttentionCore, "calls", 0))
+        grads.append((gradients, _AttentionCore.calls))
     (plain, plain_calls), (checkpointed, calls) = grads
     assert (plain_calls, calls) == (2, 4)
     assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
@@ -392,18 +401,13 @@ def test_checkpoint_auto_on_unnamed_layers_trains_as_one_process_does():
     data = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
     runs = []
     for strategy in ([], ["checkpoint"]):
-        torch.manual_seed(0)
-        model = _UnnamedLayers()
-        status, result, _ = auto_accelerate(
-            model, torch.optim.SGD, data, lambda batch, out: nn.functional.mse_loss(out, batch[1]),
-            optim_args={"lr": 0.1}, dataloader_args={"batch_size": 8}, load_strategy=strategy,
-            prepare_input=lambda batch, device: batch, model_input_format=None)
-        calls = []
-        model.net[2][1].register_forward_hook(lambda *args: calls.append(1))  # inside a layer: runs again
-        batch = result.prepare_input(next(iter(result.dataloader)))
-        loss = result.loss_func(batch, result.model(batch[0]))
-        loss.backward()
-        runs.append((loss.item(), [p.grad.clone() for p in model.parameters()], len(calls)))
+        calls: list = []
+
+        def count_inside_a_layer(model, calls=calls):  # a layer's inside runs again when it is recomputed
+            model.net[2][1].register_forward_hook(lambda *args: calls.append(1))
+
+        loss, grads = _one_backward(_UnnamedLayers, data, strategy, before=count_inside_a_layer)
+        runs.append((loss, grads, len(calls)))
     (plain_loss, plain_grads, plain_calls), (loss, grads, calls) = runs
     assert (plain_calls, calls) == (1, 2)
     assert loss == plain_loss and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
