@@ -3,7 +3,7 @@
 A ~58M-parameter Llama (233 MB of fp32 parameters; 32 layers of width 384, a 2048-token vocabulary,
 so the decoder layers hold nearly all of it and no single module is a large part) is saved with
 ``save_pretrained`` by the test process and freed. One launch of 4 processes: each builds it on the
-meta device, runs ``auto_accelerate`` with fsdp (each LlamaDecoderLayer wrapped), ``load_pretrained``
+meta device, runs ``auto_accelerate`` with fsdp (no units named: each LlamaDecoderLayer, found), ``load_pretrained``
 and one SGD step; then the same with tensor_parallel over 4 processes (each holding a quarter of every
 split weight, the plan checked on sample values one module at a time before the model is materialised),
 and with ds_3d_parallel over a 4-stage pipeline (DeepSpeed's engine over the stage cut before the model
@@ -48,7 +48,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is a tes
 pytestmark = pytest.mark.solo
 
 WORLD, BATCH, SEQ, VOCAB, TOL = 4, 4, 32, 2048, 1e-5
-FSDP = ["parallel_mode", ("fsdp", {"atorch_wrap_cls": ("LlamaDecoderLayer",)})]
+FSDP = ["parallel_mode", "fsdp"]  # named without units: each LlamaDecoderLayer, found from the module tree
 DS_3D = [("parallel_mode", ([("pipeline", WORLD)], None)), ("ds_3d_parallel", {"num_micro_batch": 2})]
 # tensor 4: each process holds a quarter of every split weight (the 8 heads, the MLP, the vocabulary)
 TP = [("parallel_mode", ([("tensor", WORLD)], None)), "tensor_parallel"]
